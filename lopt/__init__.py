@@ -1,0 +1,8 @@
+"""lopt: learned optimizers (small_fc_lopt, VeLO) as exact, fast, drop-in ``torch.optim`` optimizers."""
+
+__version__ = "0.1.0"
+
+from lopt.optimizers import SmallFCLOpt  # noqa: E402
+from lopt.weights import MetaWeights, WeightsError, load_weights, random_weights  # noqa: E402
+
+__all__ = ["SmallFCLOpt", "MetaWeights", "WeightsError", "load_weights", "random_weights", "__version__"]

@@ -1,0 +1,133 @@
+"""``lopt.SmallFCLOpt``: small_fc_lopt as a drop-in ``torch.optim`` optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from lopt.optimizers.base import LearnedOptimizer
+from lopt.reference import small_fc_lopt as reference
+from lopt.reference.accumulators import init_state
+
+
+class SmallFCLOpt(LearnedOptimizer):
+    r"""small_fc_lopt (AdafacMLPLOpt): a 39-32-32-2 MLP proposes every parameter element's update.
+
+    For each parameter tensor, every step:
+
+    .. math::
+        m_k &\leftarrow \beta_{m,k} m_k + (1-\beta_{m,k}) g, \quad
+        v \leftarrow \beta_v v + (1-\beta_v) g^2, \quad
+        R_k, C_k \text{ (or } V_k) \leftarrow \text{Adafactor EMAs of } g^2 + 10^{-30} \\
+        x &= \big[\text{normalise}(f_{0..27}(g, p, m, v, R, C)),\ \tanh((t-1)/T_i - 1)_{i<11}\big] \\
+        (d, s) &= \text{MLP}(x), \qquad u = d \cdot e^{\text{exp\_mult}\cdot s} \cdot \text{step\_mult} \\
+        p &\leftarrow p - \text{lr}\cdot u, \qquad
+        p \leftarrow p - \text{weight\_decay}\cdot\text{lr}\cdot p \ \ (\text{if weight\_decay} > 0)
+
+    The semantics are PyLO's ``AdafacLO_naive`` (``shared/spec/small_fc_lopt.md``) with two
+    decisions of lopt: ties between equal axis sizes when choosing the factored axes are broken by a
+    stable sort (lowest axis first) on every platform, and a 0-d parameter has each feature
+    normalised by itself (the JAX definition) rather than by one value shared by all 28 features.
+
+    Args:
+        params: parameters or parameter groups (groups may set ``lr``, ``weight_decay``, ...).
+        lr: multiplies the meta-learned step (1.0 = the step the weights were meta-trained with).
+        weight_decay: decoupled weight decay, applied after the update as ``p -= weight_decay*lr*p``.
+        weights: meta-weights — a registered name (default ``"small_fc_lopt"``: hub repo
+            ``btherien/mulo``), a hub repo id ``owner/name[@revision]``, a local directory in PyLO's
+            hub layout, a ``.safetensors`` file, or a :class:`lopt.weights.MetaWeights`.
+        backend: ``"auto"`` (fused on CUDA when available, else naive), ``"naive"`` or ``"fused"``.
+        exp_mult, step_mult: output scalings (PyLO defaults 0.001 and 0.01).
+        momentum_decays, rms_decays, adafactor_decays: meta-learned decay offsets (PyLO's defaults).
+        max_grad_norm: if set, each tensor's gradient is clipped to this 2-norm first (PyLO option;
+            the gradient tensor itself is not modified).
+
+    State per parameter (float32, PyLO's names and layout, decay axis last): ``mom`` ``S+(3,)``,
+    ``rms`` ``S+(1,)``, ``fac_vec_row``/``fac_vec_col`` (rank >= 2) or ``fac_vec_v`` (rank <= 1).
+    Each group counts its steps in ``group["step"]``.
+    """
+
+    architecture = "small_fc_lopt"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1.0,
+        weight_decay: float = 0.0,
+        weights="small_fc_lopt",
+        backend: str = "auto",
+        *,
+        exp_mult: float = 0.001,
+        step_mult: float = 0.01,
+        momentum_decays=reference.MOMENTUM_DECAY_OFFSETS,
+        rms_decays=reference.RMS_DECAY_OFFSETS,
+        adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
+        max_grad_norm: float | None = None,
+    ):
+        if not (isinstance(lr, (int, float)) and lr >= 0):
+            raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        for name, offsets, n in (("momentum_decays", momentum_decays, 3), ("rms_decays", rms_decays, 1),
+                                 ("adafactor_decays", adafactor_decays, 3)):
+            if len(offsets) != n:
+                raise ValueError(f"{name} needs {n} meta-learned offsets, got {len(offsets)}")
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
+            momentum_decays=tuple(float(x) for x in momentum_decays), rms_decays=tuple(float(x) for x in rms_decays),
+            adafactor_decays=tuple(float(x) for x in adafactor_decays), max_grad_norm=max_grad_norm,
+        )
+        self._decays_cache: dict = {}
+        super().__init__(params, defaults, weights=weights, backend=backend)
+
+    def decays(self, group, device=None) -> reference.Decays:
+        """The group's effective float32 decays (computed on the CPU, cached, moved to ``device``)."""
+        key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"], str(device))
+        if key not in self._decays_cache:
+            decays = reference.Decays.from_offsets(*key[:3])
+            self._decays_cache[key] = decays.to(device) if device is not None else decays
+        return self._decays_cache[key]
+
+    def _make_fused_engine(self):
+        from lopt.fused.small_fc_lopt import SmallFCLOptFused
+
+        return SmallFCLOptFused(self)
+
+    def ensure_state(self, p) -> dict:
+        state = self.state[p]
+        if not state:
+            for name, buf in init_state(p.shape, reference.factored_dims(tuple(p.shape))).items():
+                state[name] = buf.to(p.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimisation step. ``closure`` (optional) re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_gradients()
+        for group in self.param_groups:
+            if self.backend == "fused":
+                self._fused_engine.step_group(group)
+            else:
+                self._step_group_naive(group)
+        return loss
+
+    def _step_group_naive(self, group) -> None:
+        group["step"] = self._host_step(group) + 1
+        max_grad_norm = group["max_grad_norm"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if max_grad_norm is not None:
+                norm = torch.linalg.vector_norm(grad.to(torch.float32))
+                grad = grad.to(torch.float32) * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+            reference.small_fc_lopt_step(
+                p, grad, self.ensure_state(p), group["step"], self.weights_on(p.device)["mlp"],
+                self.decays(group, p.device), lr=group["lr"], weight_decay=group["weight_decay"],
+                exp_mult=group["exp_mult"], step_mult=group["step_mult"],
+            )

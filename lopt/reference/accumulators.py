@@ -1,0 +1,130 @@
+"""Per-element accumulators shared by small_fc_lopt and VeLO (plain PyTorch, float32).
+
+State layout (PyLO's, so state dicts interchange with PyLO and between lopt's backends): for a
+parameter of shape ``S`` the decay axis is **last**:
+
+* ``mom``          ``S + (3,)``  momentum EMAs of g, one per momentum decay
+* ``rms``          ``S + (1,)``  EMA of g² (no epsilon)
+* ``fac_vec_row``  factored: ``S`` without axis d0, ``+ (3,)``; else ``(0,)``   EMA of mean_{d0}(g² + 1e-30)
+* ``fac_vec_col``  factored: ``S`` without axis d1, ``+ (3,)``; else ``(0,)``   EMA of mean_{d1}(g² + 1e-30)
+* ``fac_vec_v``    non-factored: ``S + (3,)``; else ``(0,)``                    EMA of g² + 1e-30
+
+A tensor is *factored* iff its rank is at least 2; ``(d1, d0)`` are its two largest axes.
+A 0-d parameter is handled as shape ``(1,)`` (the JAX definition); its state keeps the shapes above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADAFACTOR_EPSILON = 1e-30  # added to g² before the Adafactor means
+SAFE_RSQRT_FLOOR = 1e-9
+MOMENTUM_DECAYS = (0.9, 0.99, 0.999)
+RMS_DECAYS = (0.999,)
+ADAFACTOR_DECAYS = (0.9, 0.99, 0.999)
+
+
+def decay_to_param(decay: torch.Tensor) -> torch.Tensor:
+    return torch.log(1 - decay) / 10.0
+
+
+def param_to_decay(param: torch.Tensor) -> torch.Tensor:
+    return 1 - torch.exp(param * 10.0)
+
+
+def effective_decays(initial_decays, offsets) -> torch.Tensor:
+    """clip(param_to_decay(decay_to_param(initial) + offset), 0, 1), evaluated in float32 on the CPU.
+
+    The float32 chain (not float64 rounded once) is what the meta-weights were used with.
+    """
+    initial = torch.tensor(initial_decays, dtype=torch.float32)
+    offsets = torch.tensor(offsets, dtype=torch.float32)
+    return torch.clip(param_to_decay(decay_to_param(initial) + offsets), 0.0, 1.0)
+
+
+def stable_factored_dims(shape) -> tuple[int, int] | None:
+    """(d1, d0): the second-largest and largest axes, ties broken by a stable sort (lowest axis first).
+
+    ``None`` for rank < 2. Sizes of 1 still count, so every rank >= 2 tensor is factored.
+    """
+    if len(shape) < 2:
+        return None
+    order = sorted(range(len(shape)), key=lambda axis: (shape[axis], axis))
+    return order[-2], order[-1]
+
+
+def init_state(shape, factored_dims) -> dict:
+    """Zero accumulators for a parameter of ``shape`` (float32, on the CPU; move them with ``.to``)."""
+    shape = tuple(shape)
+    empty = torch.zeros(0, dtype=torch.float32)
+    state = {
+        "mom": torch.zeros(shape + (3,), dtype=torch.float32),
+        "rms": torch.zeros(shape + (1,), dtype=torch.float32),
+        "fac_vec_row": empty,
+        "fac_vec_col": empty.clone(),
+        "fac_vec_v": empty.clone(),
+    }
+    if factored_dims is None:
+        state["fac_vec_v"] = torch.zeros(shape + (3,), dtype=torch.float32)
+    else:
+        d1, d0 = factored_dims
+        state["fac_vec_row"] = torch.zeros(tuple(s for i, s in enumerate(shape) if i != d0) + (3,), dtype=torch.float32)
+        state["fac_vec_col"] = torch.zeros(tuple(s for i, s in enumerate(shape) if i != d1) + (3,), dtype=torch.float32)
+    return state
+
+
+def safe_rsqrt(x: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(torch.clamp_min(x, SAFE_RSQRT_FLOOR))
+
+
+def update_momentum(mom: torch.Tensor, grad: torch.Tensor, decays: torch.Tensor) -> None:
+    """mom_k <- β_k·mom_k + (1 − β_k)·g   (in place; grad has a trailing axis of size 1)."""
+    mom.mul_(decays).add_((1 - decays) * grad)
+
+
+def update_rms(rms: torch.Tensor, grad: torch.Tensor, decays: torch.Tensor) -> None:
+    """rms <- β·rms + (1 − β)·g²   (in place, no epsilon)."""
+    rms.mul_(decays).add_((1 - decays) * (grad * grad))
+
+
+def update_adafactor(state: dict, grad: torch.Tensor, decays: torch.Tensor, factored_dims) -> None:
+    """Adafactor accumulators of G = g² + 1e-30 (in place).
+
+    Factored: ``fac_vec_row`` tracks the mean of G over axis d0, ``fac_vec_col`` over axis d1.
+    Non-factored: ``fac_vec_v`` tracks G itself. ``grad`` has a trailing axis of size 1.
+    """
+    grad_squared = grad * grad + ADAFACTOR_EPSILON
+    mixing = 1 - decays
+    if factored_dims is None:
+        state["fac_vec_v"].copy_(decays * state["fac_vec_v"] + mixing * grad_squared)
+    else:
+        d1, d0 = factored_dims
+        state["fac_vec_row"].copy_(decays * state["fac_vec_row"] + mixing * grad_squared.mean(dim=d0))
+        state["fac_vec_col"].copy_(decays * state["fac_vec_col"] + mixing * grad_squared.mean(dim=d1))
+
+
+def adafactor_factors(state: dict, factored_dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_factor, col_factor) of a factored tensor, broadcastable against ``S + (3,)``.
+
+    row_factor = safe_rsqrt(R / (mean of R over the d1 axis + 1e-9)), col_factor = safe_rsqrt(C).
+    """
+    d1, d0 = factored_dims
+    row, col = state["fac_vec_row"], state["fac_vec_col"]
+    d1_inside_row = d1 - 1 if d1 > d0 else d1  # R lacks axis d0
+    row_col_mean = row.mean(dim=d1_inside_row, keepdim=True)
+    row_factor = safe_rsqrt(row / (row_col_mean + 1e-9)).unsqueeze(d0)
+    col_factor = safe_rsqrt(col).unsqueeze(d1)
+    return row_factor, col_factor
+
+
+def factored_gradient(grad: torch.Tensor, state: dict, factored_dims) -> torch.Tensor:
+    """fac_g_k: the gradient preconditioned by the updated Adafactor accumulators (``S + (3,)``)."""
+    if factored_dims is None:
+        return grad * safe_rsqrt(state["fac_vec_v"] + 1e-9)
+    row_factor, col_factor = adafactor_factors(state, factored_dims)
+    return grad * row_factor * col_factor
+
+
+def second_moment_normalizer(features: torch.Tensor, axes, eps: float = 1e-5) -> torch.Tensor:
+    """x_j * rsqrt(eps + mean over ``axes`` of x_j²), separately for every feature column j."""
+    return features * torch.rsqrt(eps + torch.mean(features * features, dim=axes, keepdim=True))

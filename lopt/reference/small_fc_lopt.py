@@ -1,0 +1,170 @@
+"""small_fc_lopt (AdafacMLPLOpt), the reference math in plain PyTorch.
+
+One step for one parameter tensor ``p`` with gradient ``g`` and step count ``t`` (1 on the first
+step), all in float32 (the spec is ``shared/spec/small_fc_lopt.md``; section numbers below refer
+to it):
+
+1. accumulators (§3.2): momentum ``m_k``, ``v`` (EMA of g²), Adafactor ``R_k, C_k`` or ``V_k``
+2. 28 per-element features from the updated accumulators and the pre-update ``p`` (§3.4, §3.5)
+3. per-feature second-moment normalisation over the tensor's elements (§3.6)
+4. 11 time features ``tanh((t - 1) / T_i - 1)`` appended (§3.7)
+5. MLP 39 → 32 → 32 → 2 (ReLU) gives ``direction, magnitude`` (§3.8)
+6. ``u = direction · exp(exp_mult · magnitude) · step_mult``;
+   ``p ← p − lr · u``; then, if ``weight_decay > 0``, ``p ← p − weight_decay · lr · p`` (§3.9)
+
+The fused backend (``lopt/fused/small_fc_lopt.py`` + ``cuda_src/small_fc_lopt.cu``) mirrors these
+functions and names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lopt.reference.accumulators import (
+    ADAFACTOR_DECAYS,
+    MOMENTUM_DECAYS,
+    RMS_DECAYS,
+    adafactor_factors,
+    effective_decays,
+    factored_gradient,
+    second_moment_normalizer,
+    stable_factored_dims,
+    update_adafactor,
+    update_momentum,
+    update_rms,
+)
+
+NUM_ELEMENT_FEATURES = 28
+TIMESCALES = (1, 3, 10, 30, 100, 300, 1000, 3000, 10000, 30000, 100000)
+NUM_TIME_FEATURES = len(TIMESCALES)
+
+# Meta-learned decay offsets of the published weights (PyLO's constructor defaults).
+MOMENTUM_DECAY_OFFSETS = (0.15216392, 0.14245212, 0.06812963)
+RMS_DECAY_OFFSETS = (0.01079706,)
+ADAFACTOR_DECAY_OFFSETS = (0.18621896, -0.10864615, -0.06185547)
+
+# Names of the 28 per-element features, in input order (for documentation and debugging).
+FEATURE_NAMES = (
+    ["grad", "param"]
+    + [f"momentum_{k}" for k in range(3)]
+    + ["rms"]
+    + [f"momentum_times_rsqrt_rms_{k}" for k in range(3)]
+    + ["rsqrt_rms"]
+    + [f"factored_grad_{k}" for k in range(3)]
+    + [f"row_accumulator_{k}" for k in range(3)]
+    + [f"col_accumulator_{k}" for k in range(3)]
+    + [f"rsqrt_row_accumulator_{k}" for k in range(3)]
+    + [f"rsqrt_col_accumulator_{k}" for k in range(3)]
+    + [f"factored_momentum_{k}" for k in range(3)]
+)
+
+
+@dataclass(frozen=True)
+class Decays:
+    """Effective float32 decays (each a 1-d CPU tensor)."""
+
+    momentum: torch.Tensor
+    rms: torch.Tensor
+    adafactor: torch.Tensor
+
+    @classmethod
+    def from_offsets(cls, momentum_offsets=MOMENTUM_DECAY_OFFSETS, rms_offsets=RMS_DECAY_OFFSETS,
+                     adafactor_offsets=ADAFACTOR_DECAY_OFFSETS) -> "Decays":
+        return cls(
+            momentum=effective_decays(MOMENTUM_DECAYS, momentum_offsets),
+            rms=effective_decays(RMS_DECAYS, rms_offsets),
+            adafactor=effective_decays(ADAFACTOR_DECAYS, adafactor_offsets),
+        )
+
+    def to(self, device) -> "Decays":
+        return Decays(self.momentum.to(device), self.rms.to(device), self.adafactor.to(device))
+
+
+def factored_dims(shape) -> tuple[int, int] | None:
+    """small_fc_lopt's (d1, d0): the plain stable rule (lowest axis first among equal sizes)."""
+    return stable_factored_dims(shape)
+
+
+def time_features(step: int) -> torch.Tensor:
+    """tanh(τ / T_i − 1) for the 11 timescales, τ = step − 1 (steps taken before this one)."""
+    tau = torch.tensor(step - 1, dtype=torch.float32)
+    return torch.tanh(tau / torch.tensor(TIMESCALES, dtype=torch.float32) - 1.0)
+
+
+def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, dims) -> None:
+    """§3.2: momentum, rms and Adafactor accumulators, in place. ``grad`` is ``S + (1,)``."""
+    update_momentum(state["mom"], grad, decays.momentum)
+    update_rms(state["rms"], grad, decays.rms)
+    update_adafactor(state, grad, decays.adafactor, dims)
+
+
+def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims) -> torch.Tensor:
+    """§3.5: the 28 features, ``S + (28,)``, from the updated accumulators and the pre-update param.
+
+    ``grad`` and ``param`` carry a trailing axis of size 1.
+    """
+    mom, rms = state["mom"], state["rms"]
+    rsqrt_rms = torch.rsqrt(rms + 1e-6)
+    features = [grad, param, mom, rms, mom * rsqrt_rms, rsqrt_rms, factored_gradient(grad, state, dims)]
+    if dims is not None:
+        d1, d0 = dims
+        row = state["fac_vec_row"].unsqueeze(d0).expand_as(mom)
+        col = state["fac_vec_col"].unsqueeze(d1).expand_as(mom)
+        row_factor, col_factor = adafactor_factors(state, dims)
+        features += [row, col, torch.rsqrt(row + 1e-8), torch.rsqrt(col + 1e-8), mom * row_factor * col_factor]
+    else:
+        full = state["fac_vec_v"]
+        features += [full, full, torch.rsqrt(full + 1e-8), torch.rsqrt(full + 1e-8), mom * torch.pow(full + 1e-6, -0.5)]
+    return torch.cat(features, dim=-1)
+
+
+def normalise_features(features: torch.Tensor) -> torch.Tensor:
+    """§3.6: every feature column divided by the root mean square over the tensor's elements."""
+    return second_moment_normalizer(features, axes=list(range(features.dim() - 1)))
+
+
+def mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.8: 39 → 32 → 32 → 2 with ReLU; returns (direction, magnitude), each shaped like the param."""
+    hidden = F.relu(F.linear(inputs, network["network.input.weight"], network["network.input.bias"]))
+    hidden = F.relu(F.linear(hidden, network["network.linear_0.weight"], network["network.linear_0.bias"]))
+    output = F.linear(hidden, network["network.output.weight"], network["network.output.bias"])
+    return output[..., 0], output[..., 1]
+
+
+def update_from_mlp(direction: torch.Tensor, magnitude: torch.Tensor, exp_mult: float, step_mult: float) -> torch.Tensor:
+    """§3.9: u = direction · exp(exp_mult · magnitude) · step_mult."""
+    return direction * torch.exp(magnitude * exp_mult) * step_mult
+
+
+def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> torch.Tensor:
+    """§3.9: p ← p − lr·u, then p ← p − (weight_decay·lr)·p on the updated p (decoupled weight decay)."""
+    new_param = param.add(update, alpha=-lr)
+    if weight_decay > 0:
+        new_param.add_(new_param, alpha=-weight_decay * lr)
+    return new_param
+
+
+def small_fc_lopt_step(param: torch.Tensor, grad: torch.Tensor, state: dict, step: int, network: dict,
+                       decays: Decays, *, lr: float, weight_decay: float, exp_mult: float, step_mult: float) -> None:
+    """One small_fc_lopt step for one tensor: updates ``state`` and ``param`` in place.
+
+    ``param`` may be float32, bfloat16 or float16; the math is float32 and the result is written
+    back in the parameter's dtype. ``step`` is the group's step count including this step.
+    """
+    shape = tuple(param.shape)
+    dims = factored_dims(shape)
+    work_shape = shape if shape else (1,)  # a 0-d parameter is the 1-element vector of the JAX definition
+    batch_grad = grad.detach().to(torch.float32).reshape(work_shape + (1,))
+    batch_param = param.detach().to(torch.float32).reshape(work_shape + (1,))
+    work_state = {name: (buf.view(work_shape + buf.shape[-1:]) if buf.numel() and not shape else buf) for name, buf in state.items()}
+
+    update_accumulators(work_state, batch_grad, decays, dims)
+    features = normalise_features(per_element_features(batch_grad, batch_param, work_state, dims))
+    time = time_features(step).to(features.device).expand(work_shape + (NUM_TIME_FEATURES,))
+    direction, magnitude = mlp(torch.cat([features, time], dim=-1), network)
+    update = update_from_mlp(direction, magnitude, exp_mult, step_mult)
+    new_param = apply_update(batch_param.squeeze(-1), update, lr, weight_decay)
+    param.copy_(new_param.reshape(shape))

@@ -1,0 +1,484 @@
+"""Meta-weights of learned optimizers: the registry, the Hugging Face hub, safetensors files.
+
+A learned optimizer's meta-network is frozen data. This module finds it, checks it and hands it
+to an optimizer as float32 tensors:
+
+* The **registry** (``weights/registry.json``, shipped as ``lopt._registry``) names each
+  *architecture* (its components, their ``config.json`` and the exact tensor names and shapes) and
+  each *published weight set* (hub repository, revision, file sizes and sha256 where known).
+* ``load_weights(source, architecture)`` accepts a registered name, a hub repo id
+  (``owner/name`` or ``owner/name@revision``), a local directory in PyLO's hub layout
+  (``config.json`` + ``model.safetensors``, as ``PyTorchModelHubMixin.save_pretrained`` writes
+  it), a local ``.safetensors`` file, an already loaded :class:`MetaWeights`, or (for
+  architectures with several components, such as VeLO) a tuple/dict of such sources, one per
+  component.
+* Downloads go through ``huggingface_hub`` (its cache, ``HF_HOME``, ``HF_HUB_OFFLINE``); tensors
+  load through ``safetensors``. Every failure raises :class:`WeightsError` naming the problem
+  and the fix, and nothing is half-loaded: a :class:`MetaWeights` exists only once every check
+  passed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import torch
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+WeightsSource = Union[str, os.PathLike, "MetaWeights", tuple, list, Mapping]
+
+
+class WeightsError(ValueError):
+    """Meta-weights could not be found, downloaded or validated (the message says why and what to do)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One network of an architecture: its ``config.json`` and its exact tensors."""
+
+    name: str
+    config: dict
+    tensors: dict  # tensor name -> shape tuple
+    ignored_tensors: tuple = ()  # names a published file may carry that are not meta-weights
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    name: str
+    description: str
+    components: dict  # component name -> ComponentSpec
+
+
+@dataclass(frozen=True)
+class PublishedComponent:
+    repo_id: str
+    revision: str
+    files: dict  # file name -> {"size": int, "sha256": str} or None when unknown
+
+
+@dataclass(frozen=True)
+class RegisteredWeights:
+    name: str
+    architecture: str
+    description: str
+    components: dict  # component name -> PublishedComponent
+
+
+def _read_registry_file() -> dict:
+    try:
+        text = resources.files("lopt._registry").joinpath("registry.json").read_text()
+    except (ModuleNotFoundError, FileNotFoundError):  # running from a source tree that is not installed
+        text = (Path(__file__).resolve().parent.parent / "weights" / "registry.json").read_text()
+    return json.loads(text)
+
+
+def _parse_registry(data: dict) -> tuple[dict, dict]:
+    architectures = {}
+    for arch_name, arch in data["architectures"].items():
+        components = {
+            comp_name: ComponentSpec(
+                name=comp_name,
+                config=dict(comp["config"]),
+                tensors={t: tuple(s) for t, s in comp["tensors"].items()},
+                ignored_tensors=tuple(comp.get("ignored_tensors", ())),
+            )
+            for comp_name, comp in arch["components"].items()
+        }
+        architectures[arch_name] = ArchitectureSpec(arch_name, arch.get("description", ""), components)
+    published = {}
+    for name, entry in data["weights"].items():
+        components = {
+            comp_name: PublishedComponent(comp["repo_id"], comp.get("revision", "main"), dict(comp["files"]))
+            for comp_name, comp in entry["components"].items()
+        }
+        published[name] = RegisteredWeights(name, entry["architecture"], entry.get("description", ""), components)
+    return architectures, published
+
+
+_ARCHITECTURES, _REGISTERED = _parse_registry(_read_registry_file())
+
+
+def architectures() -> dict[str, ArchitectureSpec]:
+    """The known learned-optimizer architectures, by name."""
+    return dict(_ARCHITECTURES)
+
+
+def architecture(name: str) -> ArchitectureSpec:
+    try:
+        return _ARCHITECTURES[name]
+    except KeyError:
+        raise WeightsError(f"unknown learned-optimizer architecture {name!r}; known: {sorted(_ARCHITECTURES)}") from None
+
+
+def registered_weights() -> dict[str, RegisteredWeights]:
+    """The registered (published) weight sets, by name."""
+    return dict(_REGISTERED)
+
+
+def register_weights(entry: RegisteredWeights, *, overwrite: bool = False) -> None:
+    """Add a weight set to the registry of this process (e.g. your own meta-trained weights on the hub)."""
+    architecture(entry.architecture)
+    if entry.name in _REGISTERED and not overwrite:
+        raise WeightsError(f"weights {entry.name!r} are already registered; pass overwrite=True to replace them")
+    missing = set(architecture(entry.architecture).components) - set(entry.components)
+    if missing:
+        raise WeightsError(f"registered weights {entry.name!r} lack components {sorted(missing)}")
+    _REGISTERED[entry.name] = entry
+
+
+def unregister_weights(name: str) -> None:
+    _REGISTERED.pop(name, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Loaded weights
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MetaWeights:
+    """Validated float32 meta-weights of one architecture.
+
+    ``tensors[component][tensor_name]`` is a float32 tensor of the registered shape;
+    ``configs[component]`` is the component's ``config.json`` content; ``source`` says where the
+    weights came from (shown by the CLI and in error messages); ``pretrained`` is False for
+    randomly initialised weights (timing only).
+    """
+
+    architecture: str
+    tensors: dict
+    configs: dict
+    source: str
+    pretrained: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def component(self, name: str) -> dict:
+        return self.tensors[name]
+
+    def to(self, device) -> "MetaWeights":
+        moved = {c: {k: v.to(device) for k, v in ts.items()} for c, ts in self.tensors.items()}
+        return MetaWeights(self.architecture, moved, copy.deepcopy(self.configs), self.source, self.pretrained)
+
+    def save(self, destination) -> list[Path]:
+        """Write PyLO's hub layout (``config.json`` + ``model.safetensors``).
+
+        ``destination`` is a directory for a one-component architecture, or a mapping
+        ``{component: directory}`` / a sequence of directories in component order otherwise.
+        Returns the directories written. ``load_weights`` of them gives back identical tensors.
+        """
+        from safetensors.torch import save_file
+
+        targets = _per_component(destination, self.architecture, what="destination")
+        written = []
+        for comp_name, directory in targets.items():
+            directory = Path(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / CONFIG_FILE).write_text(json.dumps(self.configs[comp_name], indent=2) + "\n")
+            tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.tensors[comp_name].items()}
+            save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+            written.append(directory)
+        return written
+
+
+def random_weights(architecture_name: str, seed: int = 0) -> MetaWeights:
+    """Randomly initialised weights of the registered shapes (for timing and tests, not training).
+
+    Matrices (and stacks of matrices) draw U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = the
+    last dimension, as ``torch.nn.Linear`` does; vectors draw U(-1/sqrt(n), 1/sqrt(n)).
+    """
+    spec = architecture(architecture_name)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for comp_name, comp in spec.components.items():
+        tensors[comp_name] = {}
+        for tensor_name, shape in comp.tensors.items():
+            fan_in = shape[-1] if len(shape) else 1
+            bound = 1.0 / math.sqrt(max(fan_in, 1))
+            tensors[comp_name][tensor_name] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+    configs = {c: dict(comp.config) for c, comp in spec.components.items()}
+    return MetaWeights(architecture_name, tensors, configs, source=f"random (seed {seed})", pretrained=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_weights(source: WeightsSource, architecture_name: str, *, verify_checksum: bool = True) -> MetaWeights:
+    """Find, load and validate the meta-weights of ``architecture_name`` from ``source``.
+
+    See the module docstring for the accepted sources. Raises :class:`WeightsError` on any
+    problem; never returns partially loaded weights.
+    """
+    spec = architecture(architecture_name)
+    if isinstance(source, MetaWeights):
+        if source.architecture != architecture_name:
+            raise WeightsError(
+                f"these meta-weights are for {source.architecture!r}, not {architecture_name!r}; "
+                f"load weights of the {architecture_name} architecture"
+            )
+        tensors = {c: _validate_tensors(spec.components[c], source.tensors.get(c, {}), source.source) for c in spec.components}
+        return MetaWeights(architecture_name, tensors, copy.deepcopy(source.configs), source.source, source.pretrained)
+
+    if isinstance(source, str) and source in _REGISTERED:
+        return _load_registered(_REGISTERED[source], spec, verify_checksum)
+
+    if isinstance(source, (str, os.PathLike)) and len(spec.components) == 1:
+        (comp_name,) = spec.components
+        return _assemble(spec, {comp_name: _load_component(spec.components[comp_name], source)}, str(source))
+
+    if isinstance(source, (str, os.PathLike)):
+        raise WeightsError(
+            f"{architecture_name} has {len(spec.components)} networks ({', '.join(spec.components)}): pass a registered "
+            f"name (one of {sorted(n for n, r in _REGISTERED.items() if r.architecture == architecture_name)}), "
+            f"or one source per network as a tuple or dict, not the single source {str(source)!r}"
+        )
+    per_component = _per_component(source, architecture_name, what="weights")
+    loaded = {c: _load_component(spec.components[c], src) for c, src in per_component.items()}
+    return _assemble(spec, loaded, ", ".join(f"{c}={s}" for c, s in per_component.items()))
+
+
+def _per_component(value, architecture_name: str, *, what: str) -> dict:
+    spec = architecture(architecture_name)
+    names = list(spec.components)
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(names)
+        missing = set(names) - set(value)
+        if unknown or missing:
+            raise WeightsError(
+                f"{what} for {architecture_name} must name exactly the networks {names}; "
+                f"missing {sorted(missing)}, unknown {sorted(unknown)}"
+            )
+        return {c: value[c] for c in names}
+    if isinstance(value, (tuple, list)):
+        if len(value) != len(names):
+            raise WeightsError(f"{what} for {architecture_name} needs {len(names)} entries, one per network {names}; got {len(value)}")
+        return dict(zip(names, value))
+    if len(names) == 1:
+        return {names[0]: value}
+    raise WeightsError(f"{what} for {architecture_name} needs one entry per network {names}, as a tuple or dict")
+
+
+def _assemble(spec: ArchitectureSpec, loaded: dict, source: str) -> MetaWeights:
+    tensors = {c: t for c, (t, _) in loaded.items()}
+    configs = {c: cfg for c, (_, cfg) in loaded.items()}
+    return MetaWeights(spec.name, tensors, configs, source)
+
+
+def _load_registered(entry: RegisteredWeights, spec: ArchitectureSpec, verify_checksum: bool) -> MetaWeights:
+    if entry.architecture != spec.name:
+        raise WeightsError(
+            f"registered weights {entry.name!r} are for {entry.architecture!r}, not {spec.name!r}; "
+            f"pass weights of the {spec.name} architecture"
+        )
+    loaded = {}
+    for comp_name, published in entry.components.items():
+        directory = _download_component(entry.name, published, verify_checksum)
+        loaded[comp_name] = _load_component(spec.components[comp_name], directory)
+    source = ", ".join(f"{p.repo_id}@{p.revision}" for p in entry.components.values())
+    return _assemble(spec, loaded, f"{entry.name} ({source})")
+
+
+def _split_revision(repo: str) -> tuple[str, str | None]:
+    if "@" in repo:
+        repo_id, revision = repo.split("@", 1)
+        return repo_id, revision or None
+    return repo, None
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    repo_id, _ = _split_revision(text)
+    parts = repo_id.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~")) and not text.endswith(".safetensors")
+
+
+def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
+    """Load one component from a local directory, a local .safetensors file or a hub repo id."""
+    path = Path(os.path.expanduser(str(source)))
+    if path.is_dir():
+        weights_path = path / WEIGHTS_FILE
+        if not weights_path.is_file():
+            bin_hint = " (it has pytorch_model.bin: convert it to safetensors)" if (path / "pytorch_model.bin").exists() else ""
+            raise WeightsError(f"{path} has no {WEIGHTS_FILE}{bin_hint}; expected PyLO's hub layout: {CONFIG_FILE} + {WEIGHTS_FILE}")
+        config = _read_config(path / CONFIG_FILE, comp) if (path / CONFIG_FILE).exists() else dict(comp.config)
+        return _validate_tensors(comp, _read_safetensors(weights_path), str(weights_path)), config
+    if path.suffix == ".safetensors" or path.is_file():
+        if not path.is_file():
+            raise WeightsError(f"weights file {path} does not exist")
+        return _validate_tensors(comp, _read_safetensors(path), str(path)), dict(comp.config)
+    if isinstance(source, str) and _looks_like_repo_id(source):
+        repo_id, revision = _split_revision(source)
+        published = PublishedComponent(repo_id, revision or "main", {CONFIG_FILE: None, WEIGHTS_FILE: None})
+        return _load_component(comp, _download_component(source, published, verify_checksum=False))
+    raise WeightsError(
+        f"cannot find meta-weights {str(source)!r}: it is not a registered name ({sorted(_REGISTERED)}), "
+        f"not an existing directory or .safetensors file, and not a hub repo id of the form owner/name[@revision]"
+    )
+
+
+def _read_config(path: Path, comp: ComponentSpec) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{path} is not valid JSON ({err}); replace it with the config.json of the published weights") from None
+    if not isinstance(config, dict):
+        raise WeightsError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    wrong = {k: (config[k], v) for k, v in comp.config.items() if k in config and config[k] != v}
+    if wrong:
+        details = ", ".join(f"{k}={got!r} (lopt needs {want!r})" for k, (got, want) in wrong.items())
+        raise WeightsError(f"{path} describes a different network: {details}; these weights do not fit this architecture")
+    return config
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise WeightsError(
+            f"{path} is not a readable safetensors file ({err}); it is probably truncated or corrupt: "
+            f"delete it and download or save it again"
+        ) from None
+
+
+def _validate_tensors(comp: ComponentSpec, tensors: Mapping, where: str) -> dict:
+    missing = [n for n in comp.tensors if n not in tensors]
+    unexpected = [n for n in tensors if n not in comp.tensors and n not in comp.ignored_tensors]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected}")
+        raise WeightsError(
+            f"{where} does not hold the {comp.name} network lopt expects: {'; '.join(parts)} "
+            f"(expected exactly {list(comp.tensors)}); are these weights for another optimizer?"
+        )
+    validated = {}
+    for name, shape in comp.tensors.items():
+        tensor = tensors[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightsError(f"{where}: {name} is a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != tuple(shape):
+            raise WeightsError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+        if not tensor.is_floating_point():
+            raise WeightsError(f"{where}: tensor {name} has dtype {tensor.dtype}, expected a floating-point dtype")
+        tensor = tensor.detach().to(torch.float32).clone()
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsError(f"{where}: tensor {name} has {bad} non-finite values (NaN or inf); the file is corrupt")
+        validated[name] = tensor
+    return validated
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_component(label: str, published: PublishedComponent, verify_checksum: bool) -> Path:
+    """Fetch a component's files through the huggingface_hub cache; return the snapshot directory."""
+    import huggingface_hub
+    from huggingface_hub import errors as hub_errors
+
+    directory = None
+    for filename, expected in published.files.items():
+        try:
+            local = huggingface_hub.hf_hub_download(published.repo_id, filename, revision=published.revision)
+        except hub_errors.RepositoryNotFoundError:
+            raise WeightsError(f"hub repository {published.repo_id!r} does not exist (or is private); check the repo id") from None
+        except hub_errors.RevisionNotFoundError:
+            raise WeightsError(f"hub repository {published.repo_id!r} has no revision {published.revision!r}") from None
+        except hub_errors.EntryNotFoundError:
+            raise WeightsError(f"hub repository {published.repo_id}@{published.revision} has no file {filename!r}") from None
+        except Exception as err:  # offline and not cached, DNS failure, timeout, proxy, ...
+            offline = huggingface_hub.constants.HF_HUB_OFFLINE
+            raise WeightsError(
+                f"cannot get {filename} of {label!r} from the Hugging Face hub repo {published.repo_id}@{published.revision}: "
+                f"{'HF_HUB_OFFLINE is set' if offline else 'the hub is unreachable'} and the file is not in the cache "
+                f"({huggingface_hub.constants.HF_HUB_CACHE}). Fix: pass weights=<a local directory with config.json + "
+                f"model.safetensors, or a .safetensors file>, or run `lopt weights download {label}` on a machine with "
+                f"internet and copy its HF cache here (HF_HOME). [{type(err).__name__}: {err}]"
+            ) from None
+        local = Path(local)
+        if verify_checksum and expected:
+            if "size" in expected and local.stat().st_size != expected["size"]:
+                raise WeightsError(
+                    f"{local} has {local.stat().st_size} bytes, but {published.repo_id}/{filename} has {expected['size']}: "
+                    f"the cached file is truncated or not the published one; delete it and download again "
+                    f"(`lopt weights download {label} --force`)"
+                )
+            if expected.get("sha256") and _sha256(local) != expected["sha256"]:
+                raise WeightsError(
+                    f"checksum mismatch for {local}: sha256 {_sha256(local)}, expected {expected['sha256']} for "
+                    f"{published.repo_id}/{filename}; the file is corrupt or not the published one: delete it and "
+                    f"download again (`lopt weights download {label} --force`)"
+                )
+        directory = local.parent
+    return directory
+
+
+def download(name: str, *, force: bool = False) -> list[Path]:
+    """Download a registered weight set into the Hugging Face cache (or check it is there); return its directories."""
+    if name not in _REGISTERED:
+        raise WeightsError(f"no registered weights named {name!r}; known: {sorted(_REGISTERED)}")
+    import huggingface_hub
+
+    entry = _REGISTERED[name]
+    directories = []
+    for published in entry.components.values():
+        if force:
+            for filename in published.files:
+                huggingface_hub.hf_hub_download(published.repo_id, filename, revision=published.revision, force_download=True)
+        directories.append(_download_component(name, published, verify_checksum=True))
+    load_weights(name, entry.architecture)  # validates names and shapes too
+    return directories
+
+
+def cached_status(name: str) -> str:
+    """'cached', 'partly cached' or 'not cached' for a registered weight set (no network access)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    entry = _REGISTERED[name]
+    found = total = 0
+    for published in entry.components.values():
+        for filename in published.files:
+            total += 1
+            hit = try_to_load_from_cache(published.repo_id, filename, revision=published.revision)
+            found += isinstance(hit, str)
+    return "cached" if found == total else ("partly cached" if found else "not cached")
+
+
+def verify(path, architecture_name: str | None = None) -> tuple[str, MetaWeights]:
+    """Check that ``path`` (a directory, file or registered name) holds valid weights; return (architecture, weights).
+
+    Without ``architecture_name`` every known architecture is tried.
+    """
+    candidates = [architecture_name] if architecture_name else list(_ARCHITECTURES)
+    errors = []
+    for arch in candidates:
+        try:
+            return arch, load_weights(path, arch)
+        except WeightsError as err:
+            errors.append(f"as {arch}: {err}")
+    raise WeightsError("; ".join(errors))
