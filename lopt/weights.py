@@ -409,16 +409,22 @@ def _download_component(label: str, published: PublishedComponent, verify_checks
             raise WeightsError(f"hub repository {published.repo_id!r} does not exist (or is private); check the repo id") from None
         except hub_errors.RevisionNotFoundError:
             raise WeightsError(f"hub repository {published.repo_id!r} has no revision {published.revision!r}") from None
-        except hub_errors.EntryNotFoundError:
-            raise WeightsError(f"hub repository {published.repo_id}@{published.revision} has no file {filename!r}") from None
+        except hub_errors.EntryNotFoundError as err:
+            if not isinstance(err, hub_errors.LocalEntryNotFoundError):  # the hub answered: the file is not there
+                raise WeightsError(f"hub repository {published.repo_id}@{published.revision} has no file {filename!r}") from None
+            cause = err
         except Exception as err:  # offline and not cached, DNS failure, timeout, proxy, ...
-            offline = huggingface_hub.constants.HF_HUB_OFFLINE
+            cause = err
+        else:
+            cause = None
+        if cause is not None:
+            offline = huggingface_hub.constants.is_offline_mode()
             raise WeightsError(
                 f"cannot get {filename} of {label!r} from the Hugging Face hub repo {published.repo_id}@{published.revision}: "
                 f"{'HF_HUB_OFFLINE is set' if offline else 'the hub is unreachable'} and the file is not in the cache "
                 f"({huggingface_hub.constants.HF_HUB_CACHE}). Fix: pass weights=<a local directory with config.json + "
                 f"model.safetensors, or a .safetensors file>, or run `lopt weights download {label}` on a machine with "
-                f"internet and copy its HF cache here (HF_HOME). [{type(err).__name__}: {err}]"
+                f"internet and copy its HF cache here (HF_HOME). [{type(cause).__name__}: {cause}]"
             ) from None
         local = Path(local)
         if verify_checksum and expected:
