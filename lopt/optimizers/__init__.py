@@ -2,4 +2,7 @@
 
 from lopt.optimizers.small_fc_lopt import SmallFCLOpt
 
-__all__ = ["SmallFCLOpt"]
+# Optimizers by the name the CLI and the benchmarks use.
+OPTIMIZERS = {"small_fc_lopt": SmallFCLOpt}
+
+__all__ = ["SmallFCLOpt", "OPTIMIZERS"]

@@ -47,6 +47,7 @@ class SmallFCLOpt(LearnedOptimizer):
     """
 
     architecture = "small_fc_lopt"
+    requires_loss = False  # step() takes an optional closure, not the loss
 
     def __init__(
         self,
