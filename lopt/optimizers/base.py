@@ -121,7 +121,17 @@ class LearnedOptimizer(Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
+        saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
+        # torch casts floating-point state to each parameter's dtype (bfloat16 momentum for a
+        # bfloat16 parameter); lopt's state is float32 for every parameter dtype, so restore the
+        # saved float32 values (an independent copy on the parameter's device).
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in saved_state.items():
+            param = params[index]
+            for key, value in values.items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
         if self._fused_engine is not None:
             self._fused_engine.invalidate()
 
