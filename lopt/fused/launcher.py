@@ -1,12 +1,167 @@
-"""Kernel launch plumbing shared by every fused optimizer (placeholder until the kernels land)."""
+"""Kernel launch plumbing shared by every fused optimizer, written once.
+
+* :func:`fused_unavailable_reason` — can the fused backend run here, and if not, why.
+* :func:`kernel_source` — a ``cuda_src/`` file with its ``#include "…"`` lines inlined, so CuPy's
+  on-disk cache (keyed by the source text and options) sees every header change.
+* :func:`get_module` — compile once per process per (source, device architecture, options) with
+  NVRTC through ``cupy.RawModule``; CuPy caches the binary on disk across processes.
+* :func:`launch` — launch on PyTorch's current stream of the tensors' device (so it composes with
+  user streams and CUDA graph capture) and check for launch errors; with ``LOPT_CUDA_SYNC_CHECK=1``
+  every launch is also synchronised and checked (for debugging).
+* :class:`MetadataTable` — a table of int64 fields per row (apex ``multi_tensor_apply`` style: one
+  launch covers many tensors) kept in device memory and re-uploaded only when its content changes,
+  through a reused pinned staging buffer, so steady-state steps allocate nothing.
+"""
 
 from __future__ import annotations
 
-FUSED_ARCHITECTURES: tuple = ()
+import os
+import re
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FUSED_ARCHITECTURES: tuple = ("small_fc_lopt",)
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Options for exactness: IEEE division and square root, denormals kept, no fast-math intrinsics.
+NVRTC_OPTIONS = ("--std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def cuda_source_dir() -> Path:
+    try:
+        path = Path(str(resources.files("lopt._cuda_src")))
+        if path.is_dir():
+            return path
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parents[2] / "cuda_src"
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``cuda_src/filename`` with local includes inlined (each header once)."""
+    directory = cuda_source_dir()
+    seen: set = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (directory / name).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(filename)
+
+
+def cupy_or_none():
+    try:
+        import cupy
+
+        return cupy
+    except Exception:  # ImportError, or a CuPy that fails to find its CUDA libraries
+        return None
 
 
 def fused_unavailable_reason(architecture: str, devices) -> str | None:
-    """None if the fused backend can run ``architecture`` on ``devices``, else why not."""
+    """None if the fused backend can run ``architecture`` for parameters on ``devices``, else why not."""
     if architecture not in FUSED_ARCHITECTURES:
         return f"lopt has no fused kernels for {architecture} yet"
+    devices = set(devices)
+    if not devices:
+        return "the optimizer has no parameters"
+    if any(d.type != "cuda" for d in devices):
+        return "the parameters are not all on a CUDA device"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available to PyTorch"
+    if cupy_or_none() is None:
+        return "CuPy is not installed (pip install 'lopt[cuda12]' or 'lopt[cuda13]', matching your CUDA major version)"
     return None
+
+
+@lru_cache(maxsize=None)
+def _compiled(filename: str, device_index: int, name_expressions: tuple, defines: tuple):
+    cupy = cupy_or_none()
+    major, minor = torch.cuda.get_device_capability(device_index)
+    options = NVRTC_OPTIONS + (f"--gpu-architecture=sm_{major}{minor}",) + tuple(f"-D{d}" for d in defines)
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=kernel_source(filename), options=options, name_expressions=name_expressions or None)
+        module.compile()
+    return module
+
+
+def get_module(filename: str, device: torch.device, name_expressions=(), defines=()):
+    """The compiled ``cuda_src/filename`` for ``device`` (compiled on first use, then cached)."""
+    try:
+        return _compiled(filename, device.index if device.index is not None else torch.cuda.current_device(),
+                         tuple(name_expressions), tuple(defines))
+    except Exception as err:
+        raise RuntimeError(f"compiling cuda_src/{filename} for {device} failed: {err}") from err
+
+
+_SYNC_CHECK = os.environ.get("LOPT_CUDA_SYNC_CHECK", "") not in ("", "0")
+
+
+@lru_cache(maxsize=64)
+def _external_stream(handle: int, device_index: int):
+    return cupy_or_none().cuda.ExternalStream(handle, device_index)
+
+
+def launch(kernel, grid: int, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
+    """Launch ``kernel`` on PyTorch's current stream of ``device``."""
+    if grid <= 0:
+        return
+    stream = torch.cuda.current_stream(device)
+    cupy_stream = _external_stream(stream.cuda_stream, device.index)
+    with cupy_stream:
+        kernel((int(grid),), (int(block),), args, shared_mem=shared_mem)
+    if _SYNC_CHECK:
+        stream.synchronize()
+        cupy_or_none().cuda.runtime.getLastError()
+
+
+def pointer(tensor) -> np.uint64:
+    return np.uint64(tensor.data_ptr() if tensor is not None else 0)
+
+
+class MetadataTable:
+    """Rows of int64 fields in device memory, re-uploaded only when they change.
+
+    ``update(rows)`` takes a 2-d int64 numpy array. A change of shape reallocates; a change of
+    content reuses the device buffer and a pinned staging buffer (the previous upload is waited
+    for before the staging buffer is overwritten), so steady-state steps allocate nothing and
+    the upload is a plain asynchronous copy (also inside CUDA graph capture).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = None
+        self.staging = None
+        self.table = None
+        self.uploaded = None
+
+    def update(self, rows: np.ndarray) -> torch.Tensor:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self.table is not None and self.host.shape == rows.shape and np.array_equal(self.host, rows):
+            return self.table
+        if self.table is None or self.host.shape != rows.shape:
+            self.table = torch.empty(rows.shape, dtype=torch.int64, device=self.device)
+            self.staging = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
+            self.uploaded = None
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the staging buffer may still be in flight
+        self.staging.numpy()[...] = rows
+        self.table.copy_(self.staging, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            self.uploaded = None  # captured as a graph node; replays re-read the staging buffer
+        else:
+            self.uploaded = torch.cuda.Event()
+            self.uploaded.record(torch.cuda.current_stream(self.device))
+        self.host = rows.copy()
+        return self.table

@@ -35,7 +35,16 @@ class LearnedOptimizer(Optimizer):
         self._weights_by_device: dict = {}
         self.backend_requested = backend
         self.backend, self.backend_reason = self._choose_backend(backend)
-        self._fused_engine = self._make_fused_engine() if self.backend == "fused" else None
+        self._fused_engine = None
+        if self.backend == "fused":
+            try:
+                self._fused_engine = self._make_fused_engine()
+            except Exception as err:  # compilation failure, unsupported option, ...
+                if backend == "fused":
+                    raise RuntimeError(f"{type(self).__name__}(backend='fused') cannot run: {err}") from err
+                warnings.warn(f"{type(self).__name__}: using the naive backend because the fused backend failed to "
+                              f"start: {err}", RuntimeWarning, stacklevel=2)
+                self.backend, self.backend_reason = "naive", str(err)
 
     # ------------------------------------------------------------------ checks
 
