@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call: CUDA tests, sanitizers, benchmark. Run from the repository root on the GPU machine:
+#   bash benchmarks/device_small_fc_lopt.sh            (writes logs and bench.json under $OUT)
+set -u
+export PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+python3 -m pytest -m cuda -q -rA tests/ ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+if [ "${SANITIZE:-1}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize_small_fc_lopt.py > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $?"; tail -3 "$OUT/sanitizer_$tool.log"
+  done
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  python3 benchmarks/bench_small_fc_lopt.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
