@@ -72,8 +72,10 @@ def test_whole_update_through_the_optimizer_for_every_rank():
     sliced_base = torch.randn(4, 12, generator=gen) * 0.05
     sliced_base_before = sliced_base.clone()
     sliced = sliced_base[:, ::3].requires_grad_()
-    params += [transposed, sliced]
+    channels_last = (torch.randn(8, 4, 3, 3, generator=gen) * 0.05).to(memory_format=torch.channels_last).requires_grad_()
+    params += [transposed, sliced, channels_last]
     assert transposed.is_leaf and not transposed.is_contiguous() and not sliced.is_contiguous()
+    assert not channels_last.is_contiguous()
     opt = make(params, lr=0.5, weight_decay=0.02)
     for t in range(1, 6):
         grads = [rand_grad(p.shape, gen) for p in params]
@@ -194,6 +196,20 @@ def test_unsupported_parameter_dtypes_are_rejected(dtype):
     pattern = rf"SmallFCLOpt: parameter #1 has dtype {dtype}; supported are float32, bfloat16 and float16.*model\.float\(\)"
     with pytest.raises(TypeError, match=pattern):
         make([good, bad])
+
+
+def test_unsupported_dtype_added_later_is_rejected_at_step():
+    gen = torch.Generator().manual_seed(10)
+    good = leaf((3,), gen)
+    opt = make([good])
+    late = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
+    opt.add_param_group({"params": [late]})
+    good.grad, late.grad = rand_grad((3,), gen), torch.randn(2, 2, dtype=torch.float64)
+    before = [good.detach().clone(), late.detach().clone()]
+    with pytest.raises(TypeError, match=r"SmallFCLOpt: gradient of parameter #1 has unsupported dtype torch\.float64"):
+        opt.step()
+    assert torch.equal(good, before[0]) and torch.equal(late, before[1]) and not opt.state
+    assert "step" not in opt.param_groups[0]
 
 
 def test_invalid_constructor_arguments_are_rejected():
