@@ -23,6 +23,15 @@ UPDATE_RTOL = 1e-5
 STATE_KEYS = {"mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make(params, **kwargs) -> SmallFCLOpt:
     kwargs.setdefault("weights", WEIGHTS)
     kwargs.setdefault("backend", "naive")

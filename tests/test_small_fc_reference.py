@@ -50,6 +50,15 @@ SHAPES = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rank_label(shape) -> str:
     return f"{len(shape)}-d"
 
