@@ -23,8 +23,8 @@ def make_params(shapes, dtype, seed=0, device="cuda"):
 
 def set_grads(params, seed, scale=1e-2):
     g = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = (torch.randn(p.shape, generator=g) * scale * (1 + torch.rand(()).item())).to(p.device, p.dtype)
+    for p in params:  # a different gradient scale per tensor, drawn from the same seeded generator
+        p.grad = (torch.randn(p.shape, generator=g) * scale * (1 + torch.rand((), generator=g).item())).to(p.device, p.dtype)
 
 
 def relative_error(a, b):
