@@ -99,19 +99,37 @@ LOPT_DEVICE int find_row(const Row* rows, int num_rows, i64 index) {
 // Indices of an element's Adafactor row (R) and column (C) accumulator entries.
 struct FactorIndex { i64 row, col; };
 
+// Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever
+// the tensor's element count allows.
+template <typename I>
+LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& without_a, i64& without_b) {
+  const I e = static_cast<I>(element);
+  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
+    const I a = e / static_cast<I>(t.b);
+    without_a = static_cast<i64>(e - a * static_cast<I>(t.b));
+    without_b = static_cast<i64>(a);
+    return;
+  }
+  const I inner = static_cast<I>(t.inner), len_b = static_cast<I>(t.b), mid = static_cast<I>(t.mid),
+          len_a = static_cast<I>(t.a);
+  I rest = e / inner;
+  const I i = e - rest * inner;
+  I next = rest / len_b;
+  const I b = rest - next * len_b;
+  rest = next / mid;
+  const I m = next - rest * mid;
+  const I o = rest / len_a;
+  const I a = rest - o * len_a;
+  without_a = static_cast<i64>(((o * mid + m) * len_b + b) * inner + i);
+  without_b = static_cast<i64>(((o * len_a + a) * mid + m) * inner + i);
+}
+
 LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, i64 e) {
   i64 without_a, without_b;
-  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
-    i64 a = e / t.b, b = e - a * t.b;
-    without_a = b;
-    without_b = a;
+  if (t.numel <= 0xffffffffLL) {
+    split_factored_index<unsigned int>(t, e, without_a, without_b);
   } else {
-    i64 i = e % t.inner; i64 rest = e / t.inner;
-    i64 b = rest % t.b; rest /= t.b;
-    i64 m = rest % t.mid; rest /= t.mid;
-    i64 a = rest % t.a; i64 o = rest / t.a;
-    without_a = ((o * t.mid + m) * t.b + b) * t.inner + i;
-    without_b = ((o * t.a + a) * t.mid + m) * t.inner + i;
+    split_factored_index<unsigned long long>(t, e, without_a, without_b);
   }
   FactorIndex f;
   // R drops axis d0, C drops axis d1.

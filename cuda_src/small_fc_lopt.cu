@@ -25,15 +25,29 @@
 #define SFC_B3 (SFC_W3 + 2 * SFC_HIDDEN)                 // (2,)
 #define SFC_CONSTANTS (SFC_B3 + 2)
 
-// Folded first layer per tensor: W1' transposed (feature-major, 28 x 32) then b1' (32).
-#define SFC_FOLDED (SFC_NUM_FEATURES * SFC_HIDDEN + SFC_HIDDEN)
+// The MLP runs on tensor cores (mma.sync m16n8k8, TF32 inputs split in hi + lo parts, three
+// products: float32 accuracy). Weights are kept as B operands in "fragment order": for k-step j
+// (8 inputs), n-tile c (8 outputs) and lane (g = lane / 4, t = lane % 4), one float4
+// {b0_hi, b1_hi, b0_lo, b1_lo} with b0 = B[8j + t][8c + g], b1 = B[8j + t + 4][8c + g].
+#define SFC_K 32                                          // 28 features padded to 4 k-steps
+#define SFC_FRAGS_32x32 (4 * 4 * 32 * 4)                   // a 32 x 32 B operand
+#define SFC_FRAGS_32x8 (4 * 1 * 32 * 4)                    // a 32 x 8 B operand (2 outputs + zeros)
+// Per tensor: the folded first layer (W1' = W1 scaled per feature) and b1' (time features folded in).
+#define SFC_FOLDED (SFC_FRAGS_32x32 + SFC_HIDDEN)
+// Per group, shared by all tensors: layers 2 and 3 and their biases.
+#define SFC_SHARED_L2 0
+#define SFC_SHARED_L3 SFC_FRAGS_32x32
+#define SFC_SHARED_B2 (SFC_SHARED_L3 + SFC_FRAGS_32x8)
+#define SFC_SHARED_B3 (SFC_SHARED_B2 + SFC_HIDDEN)
+#define SFC_SHARED_FRAGS (SFC_SHARED_B3 + 2)
 
 #define LOPT_STATS_THREADS 256
 #define LOPT_STATS_PER_THREAD 32
 #define LOPT_STATS_CHUNK (LOPT_STATS_THREADS * LOPT_STATS_PER_THREAD)
-#ifndef SFC_APPLY_THREADS
-#define SFC_APPLY_THREADS 128
-#endif
+#define SFC_APPLY_WARPS 4
+#define SFC_APPLY_THREADS (32 * SFC_APPLY_WARPS)
+#define SFC_APPLY_CHUNK SFC_APPLY_THREADS  // one element per thread per chunk
+#define SFC_FEATURE_STRIDE 36              // row stride of the feature tiles: conflict-free float4 access
 
 __constant__ float SFC_TIMESCALES[SFC_NUM_TIME_FEATURES] = {1.f, 3.f, 10.f, 30.f, 100.f, 300.f, 1000.f,
                                                           3000.f, 10000.f, 30000.f, 100000.f};
@@ -149,14 +163,17 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   float squares[SFC_NUM_FEATURES];
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
+  // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
+#pragma unroll 4
   for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
-    if (e >= t.numel) break;
-    float x[SFC_NUM_FEATURES], param;
-    ElementState s;
-    element_features(t, e, decays, row_table, col_table, x, s, param);
+    if (e < t.numel) {
+      float x[SFC_NUM_FEATURES], param;
+      ElementState s;
+      element_features(t, e, decays, row_table, col_table, x, s, param);
 #pragma unroll
-    for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = fmaf(x[j], x[j], squares[j]);
+      for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = fmaf(x[j], x[j], squares[j]);
+    }
   }
   __shared__ double warp_sums[LOPT_STATS_THREADS / 32][SFC_NUM_FEATURES];
 #pragma unroll
@@ -172,20 +189,87 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   }
 }
 
+
+// ------------------------------------------------------------------------------------------
+// Tensor-core helpers
+// ------------------------------------------------------------------------------------------
+LOPT_DEVICE unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// x = hi + lo with both parts representable in TF32 (together about 22 significant bits).
+LOPT_DEVICE void split_tf32(float x, unsigned& hi, unsigned& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(__fsub_rn(x, __uint_as_float(hi)));
+}
+
+LOPT_DEVICE void mma_tf32(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += A B in float32 accuracy: A_lo B_hi + A_hi B_lo + A_hi B_hi (small terms first).
+LOPT_DEVICE void mma_3xtf32(float d[4], const unsigned a_hi[4], const unsigned a_lo[4], float4 b) {
+  const unsigned b0_hi = __float_as_uint(b.x), b1_hi = __float_as_uint(b.y);
+  const unsigned b0_lo = __float_as_uint(b.z), b1_lo = __float_as_uint(b.w);
+  mma_tf32(d, a_lo, b0_hi, b1_hi);
+  mma_tf32(d, a_hi, b0_lo, b1_lo);
+  mma_tf32(d, a_hi, b0_hi, b1_hi);
+}
+
+// Hidden-unit order of a layer's k-steps. A thread's accumulator fragment of n-tile j holds
+// columns 8j + 2t and 8j + 2t + 1; reading k-step j's A fragment straight from it gives
+// k = 8j + t -> unit 8j + 2t and k = 8j + t + 4 -> unit 8j + 2t + 1. Layers 2 and 3 sum their
+// inputs in this order (weights permuted to match), so no data moves between threads.
+LOPT_DEVICE int hidden_unit_of_k(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
+
+// Writes B (rows k < 32, columns n < 8 * n_tiles, given by weight(k, n)) in fragment order.
+template <typename Weight>
+LOPT_DEVICE void write_b_fragments(float* out, int n_tiles, Weight weight, int thread, int num_threads) {
+  for (int slot = thread; slot < 4 * n_tiles * 32; slot += num_threads) {
+    const int lane = slot % 32, tile = slot / 32, j = tile / n_tiles, c = tile % n_tiles;
+    const int g = lane / 4, t = lane % 4;
+    unsigned b0_hi, b0_lo, b1_hi, b1_lo;
+    split_tf32(weight(8 * j + t, 8 * c + g), b0_hi, b0_lo);
+    split_tf32(weight(8 * j + t + 4, 8 * c + g), b1_hi, b1_lo);
+    reinterpret_cast<float4*>(out)[slot] =
+        make_float4(__uint_as_float(b0_hi), __uint_as_float(b1_hi), __uint_as_float(b0_lo), __uint_as_float(b1_lo));
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
 // time features (constant over the tensor) into its bias: h1 = relu(W1' x_raw + b1').
+// One extra block lays out layers 2 and 3 for the tensor cores.
 // ------------------------------------------------------------------------------------------
 #define SFC_FOLD_THREADS 256
 #define SFC_FOLD_LANES 8  // partial sums per feature
 extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
-small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const double* __restrict__ stats_partials,
-                   const float* __restrict__ constants, const i64* __restrict__ step_counter, float* __restrict__ folded) {
+small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const double* __restrict__ stats_partials,
+                   const float* __restrict__ constants, const i64* __restrict__ step_counter, float* __restrict__ folded,
+                   float* __restrict__ shared_frags) {
+  const int tid = threadIdx.x;
+  const float* w1 = constants + SFC_W1;
+  if (blockIdx.x == num_tensors) {
+    const float* w2 = constants + SFC_W2;
+    const float* w3 = constants + SFC_W3;
+    write_b_fragments(shared_frags + SFC_SHARED_L2, 4,
+                      [&](int k, int n) { return w2[n * SFC_HIDDEN + hidden_unit_of_k(k)]; }, tid, SFC_FOLD_THREADS);
+    write_b_fragments(shared_frags + SFC_SHARED_L3, 1,
+                      [&](int k, int n) { return n < 2 ? w3[n * SFC_HIDDEN + hidden_unit_of_k(k)] : 0.f; }, tid,
+                      SFC_FOLD_THREADS);
+    if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = constants[SFC_B2 + tid];
+    if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = constants[SFC_B3 + tid];
+    return;
+  }
   const TensorMeta t = tensors[blockIdx.x];
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
   __shared__ float scale[SFC_NUM_FEATURES];
   __shared__ float time[SFC_NUM_TIME_FEATURES];
-  const int tid = threadIdx.x;
   if (tid < SFC_NUM_FEATURES * SFC_FOLD_LANES) {
     const int feature = tid / SFC_FOLD_LANES, lane = tid % SFC_FOLD_LANES;
     double s = 0.0;
@@ -207,39 +291,109 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const double* __restr
   }
   __syncthreads();
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
-  const float* w1 = constants + SFC_W1;
-  for (int k = tid; k < SFC_NUM_FEATURES * SFC_HIDDEN; k += SFC_FOLD_THREADS) {
-    const int feature = k / SFC_HIDDEN, hidden = k % SFC_HIDDEN;
-    out[k] = __fmul_rn(w1[hidden * SFC_INPUTS + feature], scale[feature]);
-  }
+  write_b_fragments(out, 4, [&](int k, int n) {
+    return k < SFC_NUM_FEATURES ? __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]) : 0.f;
+  }, tid, SFC_FOLD_THREADS);
   if (tid < SFC_HIDDEN) {
     float bias = constants[SFC_B1 + tid];
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) bias = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], bias);
-    out[SFC_NUM_FEATURES * SFC_HIDDEN + tid] = bias;
+    out[SFC_FRAGS_32x32 + tid] = bias;
   }
 }
 
 // ------------------------------------------------------------------------------------------
-// Apply: each thread runs the MLP for E elements at once, so every weight read from shared
-// memory (a broadcast float4) feeds 4*E fused multiply-adds. Blocks take contiguous ranges of
-// chunks and reload the folded first layer only when they cross into another tensor.
+// Apply: each warp takes 32 elements at a time. Every lane computes its element's 28 features
+// (as the statistics pass did) into a shared-memory tile; the MLP then runs on tensor cores as
+// two 16-element m-tiles; the two outputs go back to the element's lane, which applies the update.
+// Blocks take contiguous ranges of chunks and reload the first layer only when the tensor changes.
 // ------------------------------------------------------------------------------------------
-template <int E>
-__global__ void __launch_bounds__(SFC_APPLY_THREADS)
+
+// Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
+// thread's A fragments for all four k-steps are two float4 loads per row.
+LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
+
+// One m-tile (16 rows) of the MLP: returns, in lanes with t == 0, (direction, magnitude) of rows
+// g (out[0], out[1]) and g + 8 (out[2], out[3]).
+LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, const float* l1, const float* b1,
+                            const float* l2, const float* b2, const float* l3, const float* b3, int lane, float out[4]) {
+  const int t = lane % 4;
+  unsigned a_hi[4][4], a_lo[4][4];
+  {
+    const float4 g_lo = *reinterpret_cast<const float4*>(tile_row_g + 8 * t);
+    const float4 g_hi = *reinterpret_cast<const float4*>(tile_row_g + 8 * t + 4);
+    const float4 g8_lo = *reinterpret_cast<const float4*>(tile_row_g8 + 8 * t);
+    const float4 g8_hi = *reinterpret_cast<const float4*>(tile_row_g8 + 8 * t + 4);
+    const float row_g[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
+    const float row_g8[8] = {g8_lo.x, g8_lo.y, g8_lo.z, g8_lo.w, g8_hi.x, g8_hi.y, g8_hi.z, g8_hi.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      split_tf32(row_g[2 * j], a_hi[j][0], a_lo[j][0]);       // (g,     k = 8j + t)
+      split_tf32(row_g8[2 * j], a_hi[j][1], a_lo[j][1]);      // (g + 8, k = 8j + t)
+      split_tf32(row_g[2 * j + 1], a_hi[j][2], a_lo[j][2]);   // (g,     k = 8j + t + 4)
+      split_tf32(row_g8[2 * j + 1], a_hi[j][3], a_lo[j][3]);  // (g + 8, k = 8j + t + 4)
+    }
+  }
+  // Layer 1: h1 = relu(W1' x + b1').
+  float acc[4][4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float bias0 = b1[8 * c + 2 * t], bias1 = b1[8 * c + 2 * t + 1];
+    acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      mma_3xtf32(acc[c], a_hi[j], a_lo[j], reinterpret_cast<const float4*>(l1)[(j * 4 + c) * 32 + lane]);
+  }
+  // Layer 2: its A fragments are layer 1's accumulators (hidden_unit_of_k order).
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    split_tf32(fmaxf(acc[j][0], 0.f), a_hi[j][0], a_lo[j][0]);
+    split_tf32(fmaxf(acc[j][2], 0.f), a_hi[j][1], a_lo[j][1]);
+    split_tf32(fmaxf(acc[j][1], 0.f), a_hi[j][2], a_lo[j][2]);
+    split_tf32(fmaxf(acc[j][3], 0.f), a_hi[j][3], a_lo[j][3]);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float bias0 = b2[8 * c + 2 * t], bias1 = b2[8 * c + 2 * t + 1];
+    acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      mma_3xtf32(acc[c], a_hi[j], a_lo[j], reinterpret_cast<const float4*>(l2)[(j * 4 + c) * 32 + lane]);
+  }
+  // Layer 3: two outputs (columns 0 and 1 of one n-tile).
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    split_tf32(fmaxf(acc[j][0], 0.f), a_hi[j][0], a_lo[j][0]);
+    split_tf32(fmaxf(acc[j][2], 0.f), a_hi[j][1], a_lo[j][1]);
+    split_tf32(fmaxf(acc[j][1], 0.f), a_hi[j][2], a_lo[j][2]);
+    split_tf32(fmaxf(acc[j][3], 0.f), a_hi[j][3], a_lo[j][3]);
+  }
+  const bool output_lane = t == 0;
+  out[0] = output_lane ? b3[0] : 0.f; out[1] = output_lane ? b3[1] : 0.f;
+  out[2] = out[0]; out[3] = out[1];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mma_3xtf32(out, a_hi[j], a_lo[j], reinterpret_cast<const float4*>(l3)[j * 32 + lane]);
+}
+
+extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64 total_chunks,
                     const float* __restrict__ constants, const float* __restrict__ folded,
-                    const float* __restrict__ row_table, const float* __restrict__ col_table,
-                    float neg_lr, float neg_weight_decay_lr, float exp_mult, float step_mult) {
-  __shared__ __align__(16) float w1t[SFC_NUM_FEATURES * SFC_HIDDEN];
-  __shared__ __align__(16) float b1[SFC_HIDDEN];
-  __shared__ __align__(16) float w2[SFC_HIDDEN * SFC_HIDDEN];
-  __shared__ float b2[SFC_HIDDEN], w3[2 * SFC_HIDDEN], b3[2];
+                    const float* __restrict__ shared_frags, const float* __restrict__ row_table,
+                    const float* __restrict__ col_table, float neg_lr, float neg_weight_decay_lr, float exp_mult,
+                    float step_mult) {
+  __shared__ __align__(16) float l1[SFC_FRAGS_32x32];
+  __shared__ __align__(16) float l2[SFC_FRAGS_32x32];
+  __shared__ __align__(16) float l3[SFC_FRAGS_32x8];
+  __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], b3[2];
+  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
+  __shared__ float2 mlp_out[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
-  for (int k = threadIdx.x; k < SFC_HIDDEN * SFC_HIDDEN; k += SFC_APPLY_THREADS) w2[k] = constants[SFC_W2 + k];
-  for (int k = threadIdx.x; k < 2 * SFC_HIDDEN; k += SFC_APPLY_THREADS) w3[k] = constants[SFC_W3 + k];
-  if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = constants[SFC_B2 + threadIdx.x];
-  if (threadIdx.x < 2) b3[threadIdx.x] = constants[SFC_B3 + threadIdx.x];
+  for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
+  for (int k = threadIdx.x; k < SFC_FRAGS_32x8; k += SFC_APPLY_THREADS) l3[k] = shared_frags[SFC_SHARED_L3 + k];
+  if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
+  if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const Decays decays = read_decays(constants);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
+  float* tile = &feature_tiles[warp][0][0];
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
@@ -247,105 +401,52 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const int tensor = find_row<LOPT_FIELD_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
     if (tensor != current) {
-      __syncthreads();  // everyone is done with the previous tensor's weights
+      __syncthreads();  // everyone is done with the previous tensor's first layer
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
-      for (int k = threadIdx.x; k < SFC_NUM_FEATURES * SFC_HIDDEN; k += SFC_APPLY_THREADS) w1t[k] = f[k];
-      if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_NUM_FEATURES * SFC_HIDDEN + threadIdx.x];
+      for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
+      if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FRAGS_32x32 + threadIdx.x];
       if (threadIdx.x == 0) meta = tensors[tensor];
       __syncthreads();
       current = tensor;
     }
-    const i64 base = (chunk - meta.first_apply_chunk) * (SFC_APPLY_THREADS * E) + threadIdx.x;
-
-    float x[E][SFC_NUM_FEATURES];
-    float param[E];
-    ElementState state[E];
+    const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+    const bool valid = index < meta.numel;
+    float x[SFC_NUM_FEATURES], param = 0.f;
+    ElementState state;
+    if (valid) {
+      element_features(meta, index, decays, row_table, col_table, x, state, param);
+    } else {
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const i64 index = base + e * SFC_APPLY_THREADS;
-      if (index < meta.numel) {
-        element_features(meta, index, decays, row_table, col_table, x[e], state[e], param[e]);
-      } else {
+      for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
+    }
+    __syncwarp();  // the previous chunk's reads of this warp's tile are done
+    float row[SFC_K];
 #pragma unroll
-        for (int j = 0; j < SFC_NUM_FEATURES; ++j) x[e][j] = 0.f;
-        param[e] = 0.f;
+    for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = k < SFC_NUM_FEATURES ? x[k] : 0.f;
+#pragma unroll
+    for (int q = 0; q < SFC_K / 4; ++q)
+      reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
+          make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      float out[4];
+      mlp_m_tile(tile + (16 * m + g) * SFC_FEATURE_STRIDE, tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE, l1, b1, l2, b2,
+                 l3, b3, lane, out);
+      if (lane % 4 == 0) {
+        mlp_out[warp][16 * m + g] = make_float2(out[0], out[1]);
+        mlp_out[warp][16 * m + g + 8] = make_float2(out[2], out[3]);
       }
     }
-
-    // mlp, layer 1: h1 = relu(W1' x + b1'), as outer products over the features.
-    float h1[SFC_HIDDEN][E];
-#pragma unroll
-    for (int i = 0; i < SFC_HIDDEN; ++i)
-#pragma unroll
-      for (int e = 0; e < E; ++e) h1[i][e] = b1[i];
-#pragma unroll
-    for (int j = 0; j < SFC_NUM_FEATURES; ++j) {
-#pragma unroll
-      for (int i4 = 0; i4 < SFC_HIDDEN / 4; ++i4) {
-        const float4 w = *reinterpret_cast<const float4*>(&w1t[j * SFC_HIDDEN + i4 * 4]);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          h1[i4 * 4 + 0][e] = fmaf(w.x, x[e][j], h1[i4 * 4 + 0][e]);
-          h1[i4 * 4 + 1][e] = fmaf(w.y, x[e][j], h1[i4 * 4 + 1][e]);
-          h1[i4 * 4 + 2][e] = fmaf(w.z, x[e][j], h1[i4 * 4 + 2][e]);
-          h1[i4 * 4 + 3][e] = fmaf(w.w, x[e][j], h1[i4 * 4 + 3][e]);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < SFC_HIDDEN; ++i)
-#pragma unroll
-      for (int e = 0; e < E; ++e) h1[i][e] = fmaxf(h1[i][e], 0.f);
-
-    // layers 2 and 3 together: each hidden unit of layer 2 goes straight into the two outputs.
-    float direction[E], magnitude[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) { direction[e] = 0.f; magnitude[e] = 0.f; }
-#pragma unroll 4
-    for (int n = 0; n < SFC_HIDDEN; ++n) {
-      float acc[E];
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] = b2[n];
-#pragma unroll
-      for (int i4 = 0; i4 < SFC_HIDDEN / 4; ++i4) {
-        const float4 w = *reinterpret_cast<const float4*>(&w2[n * SFC_HIDDEN + i4 * 4]);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          acc[e] = fmaf(w.x, h1[i4 * 4 + 0][e], acc[e]);
-          acc[e] = fmaf(w.y, h1[i4 * 4 + 1][e], acc[e]);
-          acc[e] = fmaf(w.z, h1[i4 * 4 + 2][e], acc[e]);
-          acc[e] = fmaf(w.w, h1[i4 * 4 + 3][e], acc[e]);
-        }
-      }
-      const float w_direction = w3[n], w_magnitude = w3[SFC_HIDDEN + n];
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float h2 = fmaxf(acc[e], 0.f);
-        direction[e] = fmaf(w_direction, h2, direction[e]);
-        magnitude[e] = fmaf(w_magnitude, h2, magnitude[e]);
-      }
-    }
-
-    // update_from_mlp and apply_update.
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const i64 index = base + e * SFC_APPLY_THREADS;
-      if (index >= meta.numel) continue;
-      const float d = __fadd_rn(direction[e], b3[0]);
-      const float m = __fadd_rn(magnitude[e], b3[1]);
-      const float update = __fmul_rn(__fmul_rn(d, expf(__fmul_rn(m, exp_mult))), step_mult);
-      float new_param = __fadd_rn(param[e], __fmul_rn(neg_lr, update));
+    __syncwarp();
+    if (valid) {
+      // update_from_mlp and apply_update.
+      const float2 o = mlp_out[warp][lane];
+      const float update = __fmul_rn(__fmul_rn(o.x, expf(__fmul_rn(o.y, exp_mult))), step_mult);
+      float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
       if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
       store_from_float(reinterpret_cast<void*>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
-      store_element_state(meta, index, state[e]);
+      store_element_state(meta, index, state);
     }
   }
 }
-
-// The elements-per-thread variants the launcher may pick (lopt.fused.small_fc_lopt.APPLY_VARIANTS).
-template __global__ void small_fc_lopt_apply<1>(const TensorMeta*, int, i64, const float*, const float*, const float*,
-                                                const float*, float, float, float, float);
-template __global__ void small_fc_lopt_apply<2>(const TensorMeta*, int, i64, const float*, const float*, const float*,
-                                                const float*, float, float, float, float);
-template __global__ void small_fc_lopt_apply<4>(const TensorMeta*, int, i64, const float*, const float*, const float*,
-                                                const float*, float, float, float, float);

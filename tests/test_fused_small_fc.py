@@ -156,7 +156,8 @@ def test_poisoned_workspaces_are_overwritten(weights):
         set_grads(params, step)
         set_grads(clean, step)
         for plan in opt._fused_engine.plans.values():
-            for buf in (plan.axis_partials, plan.row_table, plan.col_table, plan.stats_partials, plan.folded):
+            for buf in (plan.axis_partials, plan.row_table, plan.col_table, plan.stats_partials, plan.folded,
+                        plan.shared_frags):
                 buf.fill_(float("nan"))
         opt.step()
         ref.step()

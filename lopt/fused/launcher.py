@@ -26,6 +26,8 @@ import torch
 
 FUSED_ARCHITECTURES: tuple = ("small_fc_lopt",)
 
+MIN_COMPUTE_CAPABILITY = (8, 0)  # the MLPs run on TF32 tensor cores (mma.sync m16n8k8)
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Options for exactness: IEEE division and square root, denormals kept, no fast-math intrinsics.
@@ -80,6 +82,9 @@ def fused_unavailable_reason(architecture: str, devices) -> str | None:
         return "the parameters are not all on a CUDA device"
     if not torch.cuda.is_available():
         return "no CUDA device is available to PyTorch"
+    too_old = sorted(str(d) for d in devices if torch.cuda.get_device_capability(d) < MIN_COMPUTE_CAPABILITY)
+    if too_old:
+        return f"the fused kernels need compute capability >= 8.0 (TF32 tensor cores), which {', '.join(too_old)} lacks"
     if cupy_or_none() is None:
         return "CuPy is not installed (pip install 'lopt[cuda12]' or 'lopt[cuda13]', matching your CUDA major version)"
     return None

@@ -8,7 +8,8 @@ number of tensors:
 3. ``adafactor_factor_tables``  row/col factors of the updated R, C (adafactor_factors)
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features)
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer
-6. ``small_fc_lopt_apply<E>``   accumulators, features, mlp, update_from_mlp, apply_update
+6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
+   split-TF32 products), update_from_mlp, apply_update
 
 No host synchronisation and no allocation happen in a steady-state step; a step can be captured
 in a CUDA graph (lr and weight decay are then those at capture time).
@@ -16,7 +17,6 @@ in a CUDA graph (lr and weight decay are then those at capture time).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
@@ -29,13 +29,15 @@ from lopt.reference import small_fc_lopt as reference
 SOURCE = "small_fc_lopt.cu"
 STATS_THREADS = 256
 STATS_CHUNK = 256 * 32
-APPLY_THREADS = 128
-APPLY_VARIANTS = (1, 2, 4)  # elements per thread in small_fc_lopt_apply<E>
-DEFAULT_ELEMENTS_PER_THREAD = int(os.environ.get("LOPT_SFC_ELEMENTS_PER_THREAD", "2"))
+APPLY_THREADS = 128  # one element per thread per chunk
 FOLD_THREADS = 256
 TABLE_THREADS = 256
 FINALIZE_THREADS = 256
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
+FRAGS_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix in tensor-core fragment order (hi and lo parts)
+FRAGS_32x8 = 4 * 32 * 4
+FOLDED_FLOATS = FRAGS_32x32 + 32  # per tensor: folded first layer + bias
+SHARED_FRAGS_FLOATS = FRAGS_32x32 + FRAGS_32x8 + 32 + 2  # per group: layers 2 and 3 + biases
 
 
 def pack_decays(decays: reference.Decays) -> torch.Tensor:
@@ -65,11 +67,11 @@ def make_contiguous(p: torch.Tensor) -> None:
 class _GroupPlan:
     """Shape-dependent layout, workspaces and device tables of one parameter group."""
 
-    def __init__(self, params, device, elements_per_thread):
+    def __init__(self, params, device, key):
         shapes = [tuple(p.shape) for p in params]
         dims = [reference.factored_dims(s) for s in shapes]
-        self.layout = GroupLayout(shapes, dims, stats_chunk=STATS_CHUNK, apply_chunk=APPLY_THREADS * elements_per_thread)
-        self.params = params
+        self.layout = GroupLayout(shapes, dims, stats_chunk=STATS_CHUNK, apply_chunk=APPLY_THREADS)
+        self.key = key
         layout = self.layout
 
         def workspace(n, dtype):
@@ -79,7 +81,8 @@ class _GroupPlan:
         self.row_table = workspace(layout.total_row_entries * 12, torch.float32)
         self.col_table = workspace(layout.total_col_entries * 12, torch.float32)
         self.stats_partials = workspace(layout.total_stats_chunks * NUM_FEATURES, torch.float64)
-        self.folded = workspace(layout.num_tensors * (NUM_FEATURES * 32 + 32), torch.float32)
+        self.folded = workspace(layout.num_tensors * FOLDED_FLOATS, torch.float32)
+        self.shared_frags = workspace(SHARED_FRAGS_FLOATS, torch.float32)
         self.tensor_table = launcher.MetadataTable(device)
         self.axis_table = launcher.MetadataTable(device)
 
@@ -87,11 +90,8 @@ class _GroupPlan:
 class SmallFCLOptFused:
     """The fused engine behind ``SmallFCLOpt(backend="fused")``."""
 
-    def __init__(self, optimizer, elements_per_thread: int = DEFAULT_ELEMENTS_PER_THREAD):
-        if elements_per_thread not in APPLY_VARIANTS:
-            raise ValueError(f"elements_per_thread must be one of {APPLY_VARIANTS}")
+    def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.elements_per_thread = elements_per_thread
         devices = {p.device for group in optimizer.param_groups for p in group["params"]}
         if len(devices) != 1:
             raise RuntimeError(f"the fused backend needs all parameters on one CUDA device, got {sorted(map(str, devices))}")
@@ -100,28 +100,21 @@ class SmallFCLOptFused:
             if group["max_grad_norm"] is not None:
                 raise RuntimeError("max_grad_norm is not supported by the fused backend; clip gradients before step() "
                                    "(torch.nn.utils.clip_grad_norm_) or use backend='naive'")
-        self.module = launcher.get_module(SOURCE, self.device, name_expressions=[self._apply_name(e) for e in APPLY_VARIANTS])
+        self.module = launcher.get_module(SOURCE, self.device)
         self.kernels = {name: self.module.get_function(name) for name in (
             "adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
-            "small_fc_lopt_feature_stats", "small_fc_lopt_fold")}
-        self.kernels["apply"] = self.module.get_function(self._apply_name(elements_per_thread))
+            "small_fc_lopt_feature_stats", "small_fc_lopt_fold", "small_fc_lopt_apply")}
         self.apply_grid = self._apply_grid()
         self.constants = {}
         self.plans = {}
 
-    @staticmethod
-    def _apply_name(elements_per_thread: int) -> str:
-        return f"small_fc_lopt_apply<{elements_per_thread}>"
-
     def _apply_grid(self) -> int:
         """Persistent grid for the apply pass: as many blocks as fit on the device at once."""
         properties = torch.cuda.get_device_properties(self.device)
-        kernel = self.kernels["apply"]
-        try:
-            registers = kernel.num_regs
-            per_sm = max(1, min(65536 // max(registers * APPLY_THREADS, 1), 2048 // APPLY_THREADS))
-        except Exception:
-            per_sm = 2
+        kernel = self.kernels["small_fc_lopt_apply"]
+        by_registers = 65536 // max(kernel.num_regs * APPLY_THREADS, 1)
+        by_shared_memory = properties.shared_memory_per_multiprocessor // max(kernel.shared_size_bytes + 1024, 1)
+        per_sm = max(1, min(by_registers, by_shared_memory, 2048 // APPLY_THREADS))
         return properties.multi_processor_count * per_sm
 
     def invalidate(self) -> None:
@@ -157,8 +150,7 @@ class SmallFCLOptFused:
         key = tuple((id(p), tuple(p.shape)) for p in params)
         plan = self.plans.get(id(group))
         if plan is None or plan.key != key:
-            plan = _GroupPlan(params, self.device, self.elements_per_thread)
-            plan.key = key
+            plan = _GroupPlan(params, self.device, key)
             self.plans[id(group)] = plan
         if not params:
             step_counter.add_(1)
@@ -197,11 +189,12 @@ class SmallFCLOptFused:
         launcher.launch(k["small_fc_lopt_feature_stats"], layout.total_stats_chunks, STATS_THREADS,
                         (ptr(tensor_table), n, ptr(constants), ptr(plan.row_table), ptr(plan.col_table),
                          ptr(plan.stats_partials)), dev)
-        launcher.launch(k["small_fc_lopt_fold"], layout.num_tensors, FOLD_THREADS,
-                        (ptr(tensor_table), ptr(plan.stats_partials), ptr(constants), ptr(step_counter), ptr(plan.folded)), dev)
+        launcher.launch(k["small_fc_lopt_fold"], layout.num_tensors + 1, FOLD_THREADS,
+                        (ptr(tensor_table), n, ptr(plan.stats_partials), ptr(constants), ptr(step_counter),
+                         ptr(plan.folded), ptr(plan.shared_frags)), dev)
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
-        launcher.launch(k["apply"], min(self.apply_grid, layout.total_apply_chunks), APPLY_THREADS,
+        launcher.launch(k["small_fc_lopt_apply"], min(self.apply_grid, layout.total_apply_chunks), APPLY_THREADS,
                         (ptr(tensor_table), n, np.int64(layout.total_apply_chunks), ptr(constants), ptr(plan.folded),
-                         ptr(plan.row_table), ptr(plan.col_table), np.float32(-lr),
+                         ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), np.float32(-lr),
                          np.float32(-weight_decay * lr if weight_decay > 0 else 0.0),
                          np.float32(group["exp_mult"]), np.float32(group["step_mult"])), dev)
