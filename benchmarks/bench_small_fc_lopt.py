@@ -19,6 +19,7 @@ import sys
 import torch
 
 from lopt import bench
+from lopt.fused.small_fc_lopt import SmallFCLOptFused
 from lopt.param_sets import build_parameters, param_set_numel
 from lopt.weights import random_weights
 
@@ -63,6 +64,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--param-sets", default="gpt2-medium,vit-b16")
     parser.add_argument("--naive-steps", type=int, default=5)
+    parser.add_argument("--variants", default="",
+                        help="extra fused variants: ';'-separated lists of ','-separated NAME=VALUE kernel macros")
     args = parser.parse_args()
 
     device = torch.device("cuda", 0)
@@ -74,24 +77,29 @@ def main() -> int:
     for param_set in args.param_sets.split(","):
         numel = param_set_numel(param_set)
         rows = [bench.bench_one("adamw", "fused", param_set, None, device=device, steps=args.steps, warmup=args.warmup)]
-        params = build_parameters(param_set, device)
-        for p, g in zip(params, bench.make_gradients(params)):
-            p.grad = g
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-        optimizer = bench.make_optimizer("small_fc_lopt", params, "fused", weights)
-        times = bench.time_steps(optimizer, args.steps, args.warmup, device)
-        median = statistics.median(times)
-        result = bench.BenchResult("small_fc_lopt", "fused", param_set, median, times,
-                                   bench.count_launches(optimizer, device),
-                                   (torch.cuda.max_memory_allocated() - baseline) / 2**20)
-        result.gmacs_per_s = bench.MLP_MACS_PER_ELEMENT["small_fc_lopt"] * numel / (median * 1e-3) / 1e9
-        result.note = json.dumps({"kernel_ms": kernel_split(optimizer),
-                                  "fraction_of_fp32_peak": round(2 * result.gmacs_per_s / 1e3 / peak, 3)})
-        rows.append(result)
-        del optimizer, params
-        torch.cuda.empty_cache()
+        for variant in [""] + [v for v in args.variants.split(";") if v]:
+            defines = tuple(d for d in variant.split(",") if d)
+            params = build_parameters(param_set, device)
+            for p, g in zip(params, bench.make_gradients(params)):
+                p.grad = g
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+            optimizer = bench.make_optimizer("small_fc_lopt", params, "fused", weights)
+            if defines:
+                optimizer._fused_engine = SmallFCLOptFused(optimizer, defines=defines)
+            times = bench.time_steps(optimizer, args.steps, args.warmup, device)
+            median = statistics.median(times)
+            backend = f"fused[{variant}]" if variant else "fused"
+            result = bench.BenchResult("small_fc_lopt", backend, param_set, median, times,
+                                       bench.count_launches(optimizer, device),
+                                       (torch.cuda.max_memory_allocated() - baseline) / 2**20)
+            result.gmacs_per_s = bench.MLP_MACS_PER_ELEMENT["small_fc_lopt"] * numel / (median * 1e-3) / 1e9
+            result.note = json.dumps({"kernel_ms": kernel_split(optimizer),
+                                      "fraction_of_fp32_peak": round(2 * result.gmacs_per_s / 1e3 / peak, 3)})
+            rows.append(result)
+            del optimizer, params
+            torch.cuda.empty_cache()
         error = bench.update_relative_error("small_fc_lopt", weights, param_set, device, torch.float32)
         for r in rows:
             if r.backend == "fused" and r.optimizer == "small_fc_lopt":

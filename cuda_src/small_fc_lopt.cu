@@ -32,8 +32,23 @@
 #define SFC_K 32                                          // 28 features padded to 4 k-steps
 #define SFC_FRAGS_32x32 (4 * 4 * 32 * 4)                   // a 32 x 32 B operand
 #define SFC_FRAGS_32x8 (4 * 1 * 32 * 4)                    // a 32 x 8 B operand (2 outputs + zeros)
-// Per tensor: the folded first layer (W1' = W1 scaled per feature) and b1' (time features folded in).
-#define SFC_FOLDED (SFC_FRAGS_32x32 + SFC_HIDDEN)
+// Per tensor: the folded first layer (W1' = W1 scaled per feature) in fragment order, b1' (time
+// features folded in), and W1' once more in plain float32 (feature-major) for the small-tensor path.
+#define SFC_FOLDED_B1 SFC_FRAGS_32x32
+#define SFC_FOLDED_PLAIN (SFC_FOLDED_B1 + SFC_HIDDEN)
+#define SFC_FOLDED (SFC_FOLDED_PLAIN + SFC_NUM_FEATURES * SFC_HIDDEN)
+// Tensors smaller than this run the MLP in plain float32 on the CUDA cores: for a handful of
+// elements the (negligible) cost does not matter and the update matches the reference as closely
+// as float32 arithmetic in another summation order can.
+#ifndef SFC_SIMT_MAX_NUMEL
+#define SFC_SIMT_MAX_NUMEL 65536
+#endif
+#ifndef SFC_SPLIT_CORRECTIONS
+#define SFC_SPLIT_CORRECTIONS 1
+#endif
+#ifndef LOPT_STATS_MIN_BLOCKS
+#define LOPT_STATS_MIN_BLOCKS 1
+#endif
 // Per group, shared by all tensors: layers 2 and 3 and their biases.
 #define SFC_SHARED_L2 0
 #define SFC_SHARED_L3 SFC_FRAGS_32x32
@@ -153,7 +168,7 @@ LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& deca
 // Statistics pass: per chunk of LOPT_STATS_CHUNK elements, the 28 sums of squared features
 // (float per thread, double across threads, fixed order).
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS)
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const float* __restrict__ constants,
                             const float* __restrict__ row_table, const float* __restrict__ col_table,
                             double* __restrict__ stats_partials) {
@@ -212,13 +227,41 @@ LOPT_DEVICE void mma_tf32(float d[4], const unsigned a[4], unsigned b0, unsigned
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// d += A B in float32 accuracy: A_lo B_hi + A_hi B_lo + A_hi B_hi (small terms first).
-LOPT_DEVICE void mma_3xtf32(float d[4], const unsigned a_hi[4], const unsigned a_lo[4], float4 b) {
-  const unsigned b0_hi = __float_as_uint(b.x), b1_hi = __float_as_uint(b.y);
-  const unsigned b0_lo = __float_as_uint(b.z), b1_lo = __float_as_uint(b.w);
-  mma_tf32(d, a_lo, b0_hi, b1_hi);
-  mma_tf32(d, a_hi, b0_lo, b1_lo);
-  mma_tf32(d, a_hi, b0_hi, b1_hi);
+// acc[c] += A B_c over 4 k-steps for NTiles n-tiles of fragment-ordered B, in float32 accuracy:
+// A_hi B_hi + (A_lo B_hi + A_hi B_lo). With SFC_SPLIT_CORRECTIONS the small correction terms go
+// to their own accumulators (twice the independent chains, and they are not swamped by the
+// large terms), added at the end.
+template <int NTiles>
+LOPT_DEVICE void mma_3xtf32_layer(float acc[][4], const unsigned a_hi[4][4], const unsigned a_lo[4][4],
+                                  const float* frags, int lane) {
+#if SFC_SPLIT_CORRECTIONS
+  float correction[NTiles][4];
+#pragma unroll
+  for (int c = 0; c < NTiles; ++c) correction[c][0] = correction[c][1] = correction[c][2] = correction[c][3] = 0.f;
+#endif
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int c = 0; c < NTiles; ++c) {
+      const float4 b = reinterpret_cast<const float4*>(frags)[(j * NTiles + c) * 32 + lane];
+      const unsigned b0_hi = __float_as_uint(b.x), b1_hi = __float_as_uint(b.y);
+      const unsigned b0_lo = __float_as_uint(b.z), b1_lo = __float_as_uint(b.w);
+#if SFC_SPLIT_CORRECTIONS
+      mma_tf32(correction[c], a_lo[j], b0_hi, b1_hi);
+      mma_tf32(correction[c], a_hi[j], b0_lo, b1_lo);
+#else
+      mma_tf32(acc[c], a_lo[j], b0_hi, b1_hi);
+      mma_tf32(acc[c], a_hi[j], b0_lo, b1_lo);
+#endif
+      mma_tf32(acc[c], a_hi[j], b0_hi, b1_hi);
+    }
+  }
+#if SFC_SPLIT_CORRECTIONS
+#pragma unroll
+  for (int c = 0; c < NTiles; ++c)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[c][i] = __fadd_rn(acc[c][i], correction[c][i]);
+#endif
 }
 
 // Hidden-unit order of a layer's k-steps. A thread's accumulator fragment of n-tile j holds
@@ -297,7 +340,11 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   if (tid < SFC_HIDDEN) {
     float bias = constants[SFC_B1 + tid];
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) bias = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], bias);
-    out[SFC_FRAGS_32x32 + tid] = bias;
+    out[SFC_FOLDED_B1 + tid] = bias;
+  }
+  for (int k = tid; k < SFC_NUM_FEATURES * SFC_HIDDEN; k += SFC_FOLD_THREADS) {
+    const int feature = k / SFC_HIDDEN, hidden = k % SFC_HIDDEN;
+    out[SFC_FOLDED_PLAIN + k] = __fmul_rn(w1[hidden * SFC_INPUTS + feature], scale[feature]);
   }
 }
 
@@ -339,10 +386,8 @@ LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, c
   for (int c = 0; c < 4; ++c) {
     const float bias0 = b1[8 * c + 2 * t], bias1 = b1[8 * c + 2 * t + 1];
     acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      mma_3xtf32(acc[c], a_hi[j], a_lo[j], reinterpret_cast<const float4*>(l1)[(j * 4 + c) * 32 + lane]);
   }
+  mma_3xtf32_layer<4>(acc, a_hi, a_lo, l1, lane);
   // Layer 2: its A fragments are layer 1's accumulators (hidden_unit_of_k order).
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -355,10 +400,8 @@ LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, c
   for (int c = 0; c < 4; ++c) {
     const float bias0 = b2[8 * c + 2 * t], bias1 = b2[8 * c + 2 * t + 1];
     acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      mma_3xtf32(acc[c], a_hi[j], a_lo[j], reinterpret_cast<const float4*>(l2)[(j * 4 + c) * 32 + lane]);
   }
+  mma_3xtf32_layer<4>(acc, a_hi, a_lo, l2, lane);
   // Layer 3: two outputs (columns 0 and 1 of one n-tile).
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -368,13 +411,53 @@ LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, c
     split_tf32(fmaxf(acc[j][3], 0.f), a_hi[j][3], a_lo[j][3]);
   }
   const bool output_lane = t == 0;
-  out[0] = output_lane ? b3[0] : 0.f; out[1] = output_lane ? b3[1] : 0.f;
-  out[2] = out[0]; out[3] = out[1];
+  float output[1][4];
+  output[0][0] = output_lane ? b3[0] : 0.f; output[0][1] = output_lane ? b3[1] : 0.f;
+  output[0][2] = output[0][0]; output[0][3] = output[0][1];
+  mma_3xtf32_layer<1>(output, a_hi, a_lo, l3, lane);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) mma_3xtf32(out, a_hi[j], a_lo[j], reinterpret_cast<const float4*>(l3)[j * 32 + lane]);
+  for (int i = 0; i < 4; ++i) out[i] = output[0][i];
 }
 
-extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS)
+// The small-tensor path: the same MLP for one element in plain float32 FMAs (weights broadcast
+// from global memory: the same address in every lane, served by the cache).
+LOPT_DEVICE float2 mlp_float32(const float x[SFC_NUM_FEATURES], const float* w1t, const float* b1, const float* constants) {
+  float h1[SFC_HIDDEN];
+#pragma unroll
+  for (int i = 0; i < SFC_HIDDEN; ++i) h1[i] = b1[i];
+#pragma unroll
+  for (int k = 0; k < SFC_NUM_FEATURES; ++k)
+#pragma unroll
+    for (int i = 0; i < SFC_HIDDEN; ++i) h1[i] = fmaf(w1t[k * SFC_HIDDEN + i], x[k], h1[i]);
+  const float* w2 = constants + SFC_W2;
+  const float* w3 = constants + SFC_W3;
+  float direction = constants[SFC_B3], magnitude = constants[SFC_B3 + 1];
+  for (int n = 0; n < SFC_HIDDEN; ++n) {
+    float acc = constants[SFC_B2 + n];
+#pragma unroll
+    for (int i = 0; i < SFC_HIDDEN; ++i) acc = fmaf(w2[n * SFC_HIDDEN + i], fmaxf(h1[i], 0.f), acc);
+    acc = fmaxf(acc, 0.f);
+    direction = fmaf(w3[n], acc, direction);
+    magnitude = fmaf(w3[SFC_HIDDEN + n], acc, magnitude);
+  }
+  return make_float2(direction, magnitude);
+}
+
+// update_from_mlp and apply_update for one element, then its new state.
+LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, const ElementState& state, float2 mlp_output,
+                              float neg_lr, float neg_weight_decay_lr, float exp_mult, float step_mult) {
+  const float direction = mlp_output.x, magnitude = mlp_output.y;
+  const float update = __fmul_rn(__fmul_rn(direction, expf(__fmul_rn(magnitude, exp_mult))), step_mult);
+  float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
+  if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
+  store_from_float(reinterpret_cast<void*>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
+  store_element_state(meta, index, state);
+}
+
+#ifndef SFC_APPLY_MIN_BLOCKS
+#define SFC_APPLY_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64 total_chunks,
                     const float* __restrict__ constants, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
@@ -404,7 +487,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       __syncthreads();  // everyone is done with the previous tensor's first layer
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
-      if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FRAGS_32x32 + threadIdx.x];
+      if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) meta = tensors[tensor];
       __syncthreads();
       current = tensor;
@@ -418,6 +501,14 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
+    }
+    if (meta.numel < SFC_SIMT_MAX_NUMEL) {  // uniform across the block: one tensor per chunk
+      if (valid) {
+        const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
+        const float2 o = mlp_float32(x, f + SFC_FOLDED_PLAIN, f + SFC_FOLDED_B1, constants);
+        apply_update(meta, index, param, state, o, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
+      }
+      continue;
     }
     __syncwarp();  // the previous chunk's reads of this warp's tile are done
     float row[SFC_K];
@@ -439,14 +530,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       }
     }
     __syncwarp();
-    if (valid) {
-      // update_from_mlp and apply_update.
-      const float2 o = mlp_out[warp][lane];
-      const float update = __fmul_rn(__fmul_rn(o.x, expf(__fmul_rn(o.y, exp_mult))), step_mult);
-      float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
-      if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
-      store_from_float(reinterpret_cast<void*>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
-      store_element_state(meta, index, state);
-    }
+    if (valid) apply_update(meta, index, param, state, mlp_out[warp][lane], neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
   }
 }

@@ -36,7 +36,7 @@ FINALIZE_THREADS = 256
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 FRAGS_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix in tensor-core fragment order (hi and lo parts)
 FRAGS_32x8 = 4 * 32 * 4
-FOLDED_FLOATS = FRAGS_32x32 + 32  # per tensor: folded first layer + bias
+FOLDED_FLOATS = FRAGS_32x32 + 32 + NUM_FEATURES * 32  # per tensor: folded first layer (fragments), bias, plain
 SHARED_FRAGS_FLOATS = FRAGS_32x32 + FRAGS_32x8 + 32 + 2  # per group: layers 2 and 3 + biases
 
 
@@ -90,7 +90,8 @@ class _GroupPlan:
 class SmallFCLOptFused:
     """The fused engine behind ``SmallFCLOpt(backend="fused")``."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, defines: tuple = ()):
+        """``defines`` (``"NAME=VALUE"`` strings) override the kernels' tuning macros, for benchmarks."""
         self.optimizer = optimizer
         devices = {p.device for group in optimizer.param_groups for p in group["params"]}
         if len(devices) != 1:
@@ -100,7 +101,7 @@ class SmallFCLOptFused:
             if group["max_grad_norm"] is not None:
                 raise RuntimeError("max_grad_norm is not supported by the fused backend; clip gradients before step() "
                                    "(torch.nn.utils.clip_grad_norm_) or use backend='naive'")
-        self.module = launcher.get_module(SOURCE, self.device)
+        self.module = launcher.get_module(SOURCE, self.device, defines=tuple(defines))
         self.kernels = {name: self.module.get_function(name) for name in (
             "adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
             "small_fc_lopt_feature_stats", "small_fc_lopt_fold", "small_fc_lopt_apply")}
