@@ -21,6 +21,15 @@ EPS32 = 2.0 ** -23
 R_STATE_KEYS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v", "lstm_hidden", "lstm_cell")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def meta():
     return lopt.random_weights("velo", seed=5)
@@ -648,6 +657,13 @@ def test_cuda_matches_cpu_and_never_synchronises(meta):
             torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(cpu_params, gpu_params):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt_gpu.step(0.5)  # a Python float reaches the device without a copy
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="non-finite loss"):
+        opt_gpu.step(float("nan"))  # host values are checked on the host
     before = [p.detach().clone() for p in gpu_params]
     opt_gpu.step(torch.tensor(float("nan"), device="cuda"))
     assert all(torch.equal(p, b) for p, b in zip(gpu_params, before))
