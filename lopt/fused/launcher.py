@@ -1,10 +1,10 @@
 """Kernel launch plumbing shared by every fused optimizer, written once.
 
 * :func:`fused_unavailable_reason` — can the fused backend run here, and if not, why.
-* :func:`kernel_source` — a ``cuda_src/`` file with its ``#include "…"`` lines inlined, so CuPy's
+* :func:`kernel_source` — a ``cuda_src/`` file with its ``#include "…"`` lines inlined, so the
   on-disk cache (keyed by the source text and options) sees every header change.
 * :func:`get_module` — compile once per process per (source, device architecture, options) with
-  NVRTC through ``cupy.RawModule``; CuPy caches the binary on disk across processes.
+  NVRTC, and keep the binary on disk across processes (:func:`kernel_cache_dir`).
 * :func:`launch` — launch on PyTorch's current stream of the tensors' device (so it composes with
   user streams and CUDA graph capture) and check for launch errors; with ``LOPT_CUDA_SYNC_CHECK=1``
   every launch is also synchronised and checked (for debugging).
@@ -90,24 +90,59 @@ def fused_unavailable_reason(architecture: str, devices) -> str | None:
     return None
 
 
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels are kept across processes (``LOPT_KERNEL_CACHE`` overrides)."""
+    return Path(os.environ.get("LOPT_KERNEL_CACHE", Path.home() / ".cache" / "lopt" / "kernels"))
+
+
 @lru_cache(maxsize=None)
-def _compiled(filename: str, device_index: int, name_expressions: tuple, defines: tuple):
+def _compiled(filename: str, device_index: int, defines: tuple):
+    """Compile with NVRTC (through CuPy's wrapper, not its module cache: that one appends ``-ftz=true``,
+    which would flush denormals where the reference keeps them) and cache the cubin on disk."""
+    import hashlib
+
     cupy = cupy_or_none()
-    major, minor = torch.cuda.get_device_capability(device_index)
-    options = NVRTC_OPTIONS + (f"--gpu-architecture=sm_{major}{minor}",) + tuple(f"-D{d}" for d in defines)
+    from cupy.cuda import compiler
+
+    source = kernel_source(filename)
+    options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(filename), options=options, name_expressions=name_expressions or None)
-        module.compile()
+        arch = compiler._get_arch()
+        key = hashlib.sha256("\0".join([source, *options, arch, str(compiler._get_nvrtc_version()),
+                                        cupy.__version__]).encode()).hexdigest()
+        path = kernel_cache_dir() / f"{Path(filename).stem}-sm{arch}-{key[:24]}.cubin"
+        if path.is_file():
+            cubin = path.read_bytes()
+        else:
+            cubin, _ = compiler.compile_using_nvrtc(source, options, arch)
+            try:  # write-then-rename, so concurrent processes never read a partial file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_bytes(cubin)
+                partial.replace(path)
+            except OSError:
+                pass  # an unwritable cache only costs a recompile next time
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
     return module
 
 
-def get_module(filename: str, device: torch.device, name_expressions=(), defines=()):
+def get_module(filename: str, device: torch.device, defines=()):
     """The compiled ``cuda_src/filename`` for ``device`` (compiled on first use, then cached)."""
     try:
         return _compiled(filename, device.index if device.index is not None else torch.cuda.current_device(),
-                         tuple(name_expressions), tuple(defines))
+                         tuple(defines))
     except Exception as err:
         raise RuntimeError(f"compiling cuda_src/{filename} for {device} failed: {err}") from err
+
+
+def kernel_attribute(kernel, name: str) -> int:
+    """A compiled kernel's attribute: ``"num_regs"`` or ``"shared_size_bytes"`` (static shared memory)."""
+    from cupy_backends.cuda.api import driver
+
+    attribute = {"num_regs": driver.CU_FUNC_ATTRIBUTE_NUM_REGS,
+                 "shared_size_bytes": driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES}[name]
+    return driver.funcGetAttribute(attribute, kernel.ptr)
 
 
 _SYNC_CHECK = os.environ.get("LOPT_CUDA_SYNC_CHECK", "") not in ("", "0")
@@ -115,7 +150,11 @@ _SYNC_CHECK = os.environ.get("LOPT_CUDA_SYNC_CHECK", "") not in ("", "0")
 
 @lru_cache(maxsize=64)
 def _external_stream(handle: int, device_index: int):
-    return cupy_or_none().cuda.ExternalStream(handle, device_index)
+    import warnings
+
+    with warnings.catch_warnings():  # newer CuPy prefers Stream.from_external; this form works across versions
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy_or_none().cuda.ExternalStream(handle, device_index)  # wraps, never owns, torch's stream
 
 
 def launch(kernel, grid: int, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
@@ -124,8 +163,7 @@ def launch(kernel, grid: int, block: int, args: tuple, device: torch.device, sha
         return
     stream = torch.cuda.current_stream(device)
     cupy_stream = _external_stream(stream.cuda_stream, device.index)
-    with cupy_stream:
-        kernel((int(grid),), (int(block),), args, shared_mem=shared_mem)
+    kernel((int(grid), 1, 1), (int(block), 1, 1), args, shared_mem=shared_mem, stream=cupy_stream)
     if _SYNC_CHECK:
         stream.synchronize()
         cupy_or_none().cuda.runtime.getLastError()

@@ -113,8 +113,10 @@ class SmallFCLOptFused:
         """Persistent grid for the apply pass: as many blocks as fit on the device at once."""
         properties = torch.cuda.get_device_properties(self.device)
         kernel = self.kernels["small_fc_lopt_apply"]
-        by_registers = 65536 // max(kernel.num_regs * APPLY_THREADS, 1)
-        by_shared_memory = properties.shared_memory_per_multiprocessor // max(kernel.shared_size_bytes + 1024, 1)
+        registers = launcher.kernel_attribute(kernel, "num_regs")
+        shared = launcher.kernel_attribute(kernel, "shared_size_bytes") + 1024  # + the per-block reservation
+        by_registers = 65536 // max(registers * APPLY_THREADS, 1)
+        by_shared_memory = properties.shared_memory_per_multiprocessor // shared
         per_sm = max(1, min(by_registers, by_shared_memory, 2048 // APPLY_THREADS))
         return properties.multi_processor_count * per_sm
 
