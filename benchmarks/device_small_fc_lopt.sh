@@ -16,3 +16,11 @@ fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/bench_small_fc_lopt.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  for kernel in small_fc_lopt_apply small_fc_lopt_feature_stats; do
+    ncu --clock-control none -k $kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python3 benchmarks/profile_small_fc_lopt.py vit-b16 \
+        > "$OUT/ncu_$kernel.txt" 2>&1
+    echo "ncu $kernel: exit $?"; grep -E "Duration|Throughput|Pipe|Issue|Stall|Occupancy|Registers|Eligible|No Eligible" "$OUT/ncu_$kernel.txt" | head -40
+  done
+fi

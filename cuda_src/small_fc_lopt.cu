@@ -31,7 +31,6 @@
 // {b0_hi, b1_hi, b0_lo, b1_lo} with b0 = B[8j + t][8c + g], b1 = B[8j + t + 4][8c + g].
 #define SFC_K 32                                          // 28 features padded to 4 k-steps
 #define SFC_FRAGS_32x32 (4 * 4 * 32 * 4)                   // a 32 x 32 B operand
-#define SFC_FRAGS_32x8 (4 * 1 * 32 * 4)                    // a 32 x 8 B operand (2 outputs + zeros)
 // Per tensor: the folded first layer (W1' = W1 scaled per feature) in fragment order, b1' (time
 // features folded in), and W1' once more in plain float32 (feature-major) for the small-tensor path.
 #define SFC_FOLDED_B1 SFC_FRAGS_32x32
@@ -49,11 +48,11 @@
 #ifndef LOPT_STATS_MIN_BLOCKS
 #define LOPT_STATS_MIN_BLOCKS 1
 #endif
-// Per group, shared by all tensors: layers 2 and 3 and their biases.
+// Per group, shared by all tensors: layer 2 in fragment order, its bias, and layer 3 (float32).
 #define SFC_SHARED_L2 0
-#define SFC_SHARED_L3 SFC_FRAGS_32x32
-#define SFC_SHARED_B2 (SFC_SHARED_L3 + SFC_FRAGS_32x8)
-#define SFC_SHARED_B3 (SFC_SHARED_B2 + SFC_HIDDEN)
+#define SFC_SHARED_B2 SFC_FRAGS_32x32
+#define SFC_SHARED_W3 (SFC_SHARED_B2 + SFC_HIDDEN)
+#define SFC_SHARED_B3 (SFC_SHARED_W3 + 2 * SFC_HIDDEN)
 #define SFC_SHARED_FRAGS (SFC_SHARED_B3 + 2)
 
 #define LOPT_STATS_THREADS 256
@@ -302,9 +301,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     const float* w3 = constants + SFC_W3;
     write_b_fragments(shared_frags + SFC_SHARED_L2, 4,
                       [&](int k, int n) { return w2[n * SFC_HIDDEN + hidden_unit_of_k(k)]; }, tid, SFC_FOLD_THREADS);
-    write_b_fragments(shared_frags + SFC_SHARED_L3, 1,
-                      [&](int k, int n) { return n < 2 ? w3[n * SFC_HIDDEN + hidden_unit_of_k(k)] : 0.f; }, tid,
-                      SFC_FOLD_THREADS);
+    if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
     if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = constants[SFC_B2 + tid];
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = constants[SFC_B3 + tid];
     return;
@@ -359,10 +356,10 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
-// One m-tile (16 rows) of the MLP: returns, in lanes with t == 0, (direction, magnitude) of rows
-// g (out[0], out[1]) and g + 8 (out[2], out[3]).
+// One m-tile (16 rows) of the MLP: returns (direction, magnitude) of rows g (out[0], out[1]) and
+// g + 8 (out[2], out[3]), in every lane of the quad.
 LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, const float* l1, const float* b1,
-                            const float* l2, const float* b2, const float* l3, const float* b3, int lane, float out[4]) {
+                            const float* l2, const float* b2, const float* w3, const float* b3, int lane, float out[4]) {
   const int t = lane % 4;
   unsigned a_hi[4][4], a_lo[4][4];
   {
@@ -402,21 +399,30 @@ LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, c
     acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
   }
   mma_3xtf32_layer<4>(acc, a_hi, a_lo, l2, lane);
-  // Layer 3: two outputs (columns 0 and 1 of one n-tile).
+  // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of
+  // its accumulator fragments for rows g and g + 8, then the quad (4 threads) sums its partials.
+  float partial[4] = {0.f, 0.f, 0.f, 0.f};  // direction(g), magnitude(g), direction(g+8), magnitude(g+8)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    split_tf32(fmaxf(acc[j][0], 0.f), a_hi[j][0], a_lo[j][0]);
-    split_tf32(fmaxf(acc[j][2], 0.f), a_hi[j][1], a_lo[j][1]);
-    split_tf32(fmaxf(acc[j][1], 0.f), a_hi[j][2], a_lo[j][2]);
-    split_tf32(fmaxf(acc[j][3], 0.f), a_hi[j][3], a_lo[j][3]);
+  for (int c = 0; c < 4; ++c) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int unit = 8 * c + 2 * t + half;
+      const float h_g = fmaxf(acc[c][half], 0.f), h_g8 = fmaxf(acc[c][2 + half], 0.f);
+      partial[0] = fmaf(w3[unit], h_g, partial[0]);
+      partial[1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[1]);
+      partial[2] = fmaf(w3[unit], h_g8, partial[2]);
+      partial[3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[3]);
+    }
   }
-  const bool output_lane = t == 0;
-  float output[1][4];
-  output[0][0] = output_lane ? b3[0] : 0.f; output[0][1] = output_lane ? b3[1] : 0.f;
-  output[0][2] = output[0][0]; output[0][3] = output[0][1];
-  mma_3xtf32_layer<1>(output, a_hi, a_lo, l3, lane);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = output[0][i];
+  for (int i = 0; i < 4; ++i) {
+    partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 1);
+    partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 2);
+  }
+  out[0] = __fadd_rn(partial[0], b3[0]);
+  out[1] = __fadd_rn(partial[1], b3[1]);
+  out[2] = __fadd_rn(partial[2], b3[0]);
+  out[3] = __fadd_rn(partial[3], b3[1]);
 }
 
 // The small-tensor path: the same MLP for one element in plain float32 FMAs (weights broadcast
@@ -465,13 +471,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
                     float step_mult) {
   __shared__ __align__(16) float l1[SFC_FRAGS_32x32];
   __shared__ __align__(16) float l2[SFC_FRAGS_32x32];
-  __shared__ __align__(16) float l3[SFC_FRAGS_32x8];
-  __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], b3[2];
+  __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], w3[2 * SFC_HIDDEN], b3[2];
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_out[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
-  for (int k = threadIdx.x; k < SFC_FRAGS_32x8; k += SFC_APPLY_THREADS) l3[k] = shared_frags[SFC_SHARED_L3 + k];
+  if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const Decays decays = read_decays(constants);
@@ -496,7 +501,14 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
     const bool valid = index < meta.numel;
     float x[SFC_NUM_FEATURES], param = 0.f;
     ElementState state;
+#ifdef SFC_PROFILE_NO_FEATURES  // timing experiments only: stand-in features, no loads
+    state = ElementState{{0.f, 0.f, 0.f}, 0.f, {0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = static_cast<float>((index + k) & 15) - 7.5f;
+    if (false) {
+#else
     if (valid) {
+#endif
       element_features(meta, index, decays, row_table, col_table, x, state, param);
     } else {
 #pragma unroll
@@ -522,8 +534,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       float out[4];
+#ifdef SFC_PROFILE_NO_MLP  // timing experiments only: the features pass straight through
+      out[0] = tile[(16 * m + g) * SFC_FEATURE_STRIDE]; out[1] = out[2] = out[3] = 0.f;
+      continue;
+#endif
       mlp_m_tile(tile + (16 * m + g) * SFC_FEATURE_STRIDE, tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE, l1, b1, l2, b2,
-                 l3, b3, lane, out);
+                 w3, b3, lane, out);
       if (lane % 4 == 0) {
         mlp_out[warp][16 * m + g] = make_float2(out[0], out[1]);
         mlp_out[warp][16 * m + g + 8] = make_float2(out[2], out[3]);

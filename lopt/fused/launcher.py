@@ -105,7 +105,7 @@ def _compiled(filename: str, device_index: int, defines: tuple):
     from cupy.cuda import compiler
 
     source = kernel_source(filename)
-    options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
+    options = NVRTC_OPTIONS + tuple(d if d.startswith("-") else f"-D{d}" for d in defines)
     with cupy.cuda.Device(device_index):
         arch = compiler._get_arch()
         key = hashlib.sha256("\0".join([source, *options, arch, str(compiler._get_nvrtc_version()),

@@ -35,9 +35,8 @@ TABLE_THREADS = 256
 FINALIZE_THREADS = 256
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 FRAGS_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix in tensor-core fragment order (hi and lo parts)
-FRAGS_32x8 = 4 * 32 * 4
 FOLDED_FLOATS = FRAGS_32x32 + 32 + NUM_FEATURES * 32  # per tensor: folded first layer (fragments), bias, plain
-SHARED_FRAGS_FLOATS = FRAGS_32x32 + FRAGS_32x8 + 32 + 2  # per group: layers 2 and 3 + biases
+SHARED_FRAGS_FLOATS = FRAGS_32x32 + 32 + 2 * 32 + 2  # per group: layer 2 (fragments) + bias, layer 3 + bias
 
 
 def pack_decays(decays: reference.Decays) -> torch.Tensor:
