@@ -42,11 +42,8 @@
 #ifndef SFC_SIMT_MAX_NUMEL
 #define SFC_SIMT_MAX_NUMEL 65536
 #endif
-#ifndef SFC_SPLIT_CORRECTIONS
-#define SFC_SPLIT_CORRECTIONS 1
-#endif
 #ifndef LOPT_STATS_MIN_BLOCKS
-#define LOPT_STATS_MIN_BLOCKS 1
+#define LOPT_STATS_MIN_BLOCKS 3  // bounds registers so 24 warps per SM keep loads in flight
 #endif
 // Per group, shared by all tensors: layer 2 in fragment order, its bias, and layer 3 (float32).
 #define SFC_SHARED_L2 0
@@ -226,41 +223,33 @@ LOPT_DEVICE void mma_tf32(float d[4], const unsigned a[4], unsigned b0, unsigned
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// acc[c] += A B_c over 4 k-steps for NTiles n-tiles of fragment-ordered B, in float32 accuracy:
-// A_hi B_hi + (A_lo B_hi + A_hi B_lo). With SFC_SPLIT_CORRECTIONS the small correction terms go
-// to their own accumulators (twice the independent chains, and they are not swamped by the
-// large terms), added at the end.
-template <int NTiles>
-LOPT_DEVICE void mma_3xtf32_layer(float acc[][4], const unsigned a_hi[4][4], const unsigned a_lo[4][4],
-                                  const float* frags, int lane) {
-#if SFC_SPLIT_CORRECTIONS
-  float correction[NTiles][4];
-#pragma unroll
-  for (int c = 0; c < NTiles; ++c) correction[c][0] = correction[c][1] = correction[c][2] = correction[c][3] = 0.f;
-#endif
+// d += A B for one k-step in float32 accuracy: A_lo B_hi + A_hi B_lo + A_hi B_hi (small terms first).
+LOPT_DEVICE void mma_3xtf32(float d[4], const unsigned a_hi[4], const unsigned a_lo[4], float4 b) {
+  const unsigned b0_hi = __float_as_uint(b.x), b1_hi = __float_as_uint(b.y);
+  const unsigned b0_lo = __float_as_uint(b.z), b1_lo = __float_as_uint(b.w);
+  mma_tf32(d, a_lo, b0_hi, b1_hi);
+  mma_tf32(d, a_hi, b0_lo, b1_lo);
+  mma_tf32(d, a_hi, b0_hi, b1_hi);
+}
+
+// One 32-wide layer for a warp's 32 rows (two m-tiles): acc[m][c] += sum over k-steps j of
+// A_m(j) B(j, c). a[m][j] holds the thread's A fragment values. Every B fragment is read from
+// shared memory once and used for both m-tiles (shared-memory bandwidth is what limits this loop).
+LOPT_DEVICE void mma_3xtf32_layer(float acc[2][4][4], const float a[2][4][4], const float* frags, int lane) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
+    unsigned a_hi[2][4], a_lo[2][4];
 #pragma unroll
-    for (int c = 0; c < NTiles; ++c) {
-      const float4 b = reinterpret_cast<const float4*>(frags)[(j * NTiles + c) * 32 + lane];
-      const unsigned b0_hi = __float_as_uint(b.x), b1_hi = __float_as_uint(b.y);
-      const unsigned b0_lo = __float_as_uint(b.z), b1_lo = __float_as_uint(b.w);
-#if SFC_SPLIT_CORRECTIONS
-      mma_tf32(correction[c], a_lo[j], b0_hi, b1_hi);
-      mma_tf32(correction[c], a_hi[j], b0_lo, b1_lo);
-#else
-      mma_tf32(acc[c], a_lo[j], b0_hi, b1_hi);
-      mma_tf32(acc[c], a_hi[j], b0_lo, b1_lo);
-#endif
-      mma_tf32(acc[c], a_hi[j], b0_hi, b1_hi);
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) split_tf32(a[m][j][i], a_hi[m][i], a_lo[m][i]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float4 b = reinterpret_cast<const float4*>(frags)[(j * 4 + c) * 32 + lane];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) mma_3xtf32(acc[m][c], a_hi[m], a_lo[m], b);
     }
   }
-#if SFC_SPLIT_CORRECTIONS
-#pragma unroll
-  for (int c = 0; c < NTiles; ++c)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[c][i] = __fadd_rn(acc[c][i], correction[c][i]);
-#endif
 }
 
 // Hidden-unit order of a layer's k-steps. A thread's accumulator fragment of n-tile j holds
@@ -356,73 +345,75 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
-// One m-tile (16 rows) of the MLP: returns (direction, magnitude) of rows g (out[0], out[1]) and
-// g + 8 (out[2], out[3]), in every lane of the quad.
-LOPT_DEVICE void mlp_m_tile(const float* tile_row_g, const float* tile_row_g8, const float* l1, const float* b1,
-                            const float* l2, const float* b2, const float* w3, const float* b3, int lane, float out[4]) {
-  const int t = lane % 4;
-  unsigned a_hi[4][4], a_lo[4][4];
-  {
-    const float4 g_lo = *reinterpret_cast<const float4*>(tile_row_g + 8 * t);
-    const float4 g_hi = *reinterpret_cast<const float4*>(tile_row_g + 8 * t + 4);
-    const float4 g8_lo = *reinterpret_cast<const float4*>(tile_row_g8 + 8 * t);
-    const float4 g8_hi = *reinterpret_cast<const float4*>(tile_row_g8 + 8 * t + 4);
-    const float row_g[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
-    const float row_g8[8] = {g8_lo.x, g8_lo.y, g8_lo.z, g8_lo.w, g8_hi.x, g8_hi.y, g8_hi.z, g8_hi.w};
+// The MLP for a warp's 32 rows (two m-tiles of 16): out[m] holds (direction, magnitude) of rows
+// 16m + g (out[m][0], out[m][1]) and 16m + g + 8 (out[m][2], out[m][3]), in every lane of the quad.
+LOPT_DEVICE void mlp_warp_tile(const float* tile, const float* l1, const float* b1, const float* l2, const float* b2,
+                               const float* w3, const float* b3, int lane, float out[2][4]) {
+  const int g = lane / 4, t = lane % 4;
+  float a[2][4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      split_tf32(row_g[2 * j], a_hi[j][0], a_lo[j][0]);       // (g,     k = 8j + t)
-      split_tf32(row_g8[2 * j], a_hi[j][1], a_lo[j][1]);      // (g + 8, k = 8j + t)
-      split_tf32(row_g[2 * j + 1], a_hi[j][2], a_lo[j][2]);   // (g,     k = 8j + t + 4)
-      split_tf32(row_g8[2 * j + 1], a_hi[j][3], a_lo[j][3]);  // (g + 8, k = 8j + t + 4)
+  for (int m = 0; m < 2; ++m) {
+    const float* row_g = tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t;
+    const float* row_g8 = row_g + 8 * SFC_FEATURE_STRIDE;
+    const float4 g_lo = *reinterpret_cast<const float4*>(row_g), g_hi = *reinterpret_cast<const float4*>(row_g + 4);
+    const float4 g8_lo = *reinterpret_cast<const float4*>(row_g8), g8_hi = *reinterpret_cast<const float4*>(row_g8 + 4);
+    const float vg[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
+    const float vg8[8] = {g8_lo.x, g8_lo.y, g8_lo.z, g8_lo.w, g8_hi.x, g8_hi.y, g8_hi.z, g8_hi.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)
+      a[m][j][0] = vg[2 * j]; a[m][j][1] = vg8[2 * j]; a[m][j][2] = vg[2 * j + 1]; a[m][j][3] = vg8[2 * j + 1];
     }
   }
   // Layer 1: h1 = relu(W1' x + b1').
-  float acc[4][4];
+  float h1[2][4][4];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const float bias0 = b1[8 * c + 2 * t], bias1 = b1[8 * c + 2 * t + 1];
-    acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
-  }
-  mma_3xtf32_layer<4>(acc, a_hi, a_lo, l1, lane);
-  // Layer 2: its A fragments are layer 1's accumulators (hidden_unit_of_k order).
+  for (int m = 0; m < 2; ++m)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    split_tf32(fmaxf(acc[j][0], 0.f), a_hi[j][0], a_lo[j][0]);
-    split_tf32(fmaxf(acc[j][2], 0.f), a_hi[j][1], a_lo[j][1]);
-    split_tf32(fmaxf(acc[j][1], 0.f), a_hi[j][2], a_lo[j][2]);
-    split_tf32(fmaxf(acc[j][3], 0.f), a_hi[j][3], a_lo[j][3]);
-  }
+    for (int c = 0; c < 4; ++c) {
+      const float bias0 = b1[8 * c + 2 * t], bias1 = b1[8 * c + 2 * t + 1];
+      h1[m][c][0] = bias0; h1[m][c][1] = bias1; h1[m][c][2] = bias0; h1[m][c][3] = bias1;
+    }
+  mma_3xtf32_layer(h1, a, l1, lane);
+  // Layer 2: its A fragments are layer 1's accumulators (hidden_unit_of_k order), after the ReLU.
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const float bias0 = b2[8 * c + 2 * t], bias1 = b2[8 * c + 2 * t + 1];
-    acc[c][0] = bias0; acc[c][1] = bias1; acc[c][2] = bias0; acc[c][3] = bias1;
-  }
-  mma_3xtf32_layer<4>(acc, a_hi, a_lo, l2, lane);
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      a[m][j][0] = fmaxf(h1[m][j][0], 0.f); a[m][j][1] = fmaxf(h1[m][j][2], 0.f);
+      a[m][j][2] = fmaxf(h1[m][j][1], 0.f); a[m][j][3] = fmaxf(h1[m][j][3], 0.f);
+    }
+  float h2[2][4][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float bias0 = b2[8 * c + 2 * t], bias1 = b2[8 * c + 2 * t + 1];
+      h2[m][c][0] = bias0; h2[m][c][1] = bias1; h2[m][c][2] = bias0; h2[m][c][3] = bias1;
+    }
+  mma_3xtf32_layer(h2, a, l2, lane);
   // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of
-  // its accumulator fragments for rows g and g + 8, then the quad (4 threads) sums its partials.
-  float partial[4] = {0.f, 0.f, 0.f, 0.f};  // direction(g), magnitude(g), direction(g+8), magnitude(g+8)
+  // its accumulator fragments, then the quad (4 threads) sums its partials.
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int m = 0; m < 2; ++m) {
+    float partial[4] = {0.f, 0.f, 0.f, 0.f};  // direction(g), magnitude(g), direction(g+8), magnitude(g+8)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int unit = 8 * c + 2 * t + half;
-      const float h_g = fmaxf(acc[c][half], 0.f), h_g8 = fmaxf(acc[c][2 + half], 0.f);
-      partial[0] = fmaf(w3[unit], h_g, partial[0]);
-      partial[1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[1]);
-      partial[2] = fmaf(w3[unit], h_g8, partial[2]);
-      partial[3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[3]);
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int unit = 8 * c + 2 * t + half;
+        const float h_g = fmaxf(h2[m][c][half], 0.f), h_g8 = fmaxf(h2[m][c][2 + half], 0.f);
+        partial[0] = fmaf(w3[unit], h_g, partial[0]);
+        partial[1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[1]);
+        partial[2] = fmaf(w3[unit], h_g8, partial[2]);
+        partial[3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[3]);
+      }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 1);
+      partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 2);
+      out[m][i] = __fadd_rn(partial[i], b3[i % 2]);
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 1);
-    partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 2);
-  }
-  out[0] = __fadd_rn(partial[0], b3[0]);
-  out[1] = __fadd_rn(partial[1], b3[1]);
-  out[2] = __fadd_rn(partial[2], b3[0]);
-  out[3] = __fadd_rn(partial[3], b3[1]);
 }
 
 // The small-tensor path: the same MLP for one element in plain float32 FMAs (weights broadcast
@@ -531,18 +522,17 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
           make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
     __syncwarp();
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      float out[4];
+    float out[2][4];
 #ifdef SFC_PROFILE_NO_MLP  // timing experiments only: the features pass straight through
-      out[0] = tile[(16 * m + g) * SFC_FEATURE_STRIDE]; out[1] = out[2] = out[3] = 0.f;
-      continue;
+    for (int m = 0; m < 2; ++m) out[m][0] = out[m][1] = out[m][2] = out[m][3] = tile[(16 * m + g) * SFC_FEATURE_STRIDE];
+#else
+    mlp_warp_tile(tile, l1, b1, l2, b2, w3, b3, lane, out);
 #endif
-      mlp_m_tile(tile + (16 * m + g) * SFC_FEATURE_STRIDE, tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE, l1, b1, l2, b2,
-                 w3, b3, lane, out);
-      if (lane % 4 == 0) {
-        mlp_out[warp][16 * m + g] = make_float2(out[0], out[1]);
-        mlp_out[warp][16 * m + g + 8] = make_float2(out[2], out[3]);
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        mlp_out[warp][16 * m + g] = make_float2(out[m][0], out[m][1]);
+        mlp_out[warp][16 * m + g + 8] = make_float2(out[m][2], out[m][3]);
       }
     }
     __syncwarp();
