@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -174,6 +175,8 @@ def environment(device: torch.device) -> dict:
                                         timeout=5).stdout.strip() or None
     except Exception:
         info["commit"] = None
+    # A copy of the tree without .git (the GPU machine) is told its commit through LOPT_COMMIT.
+    info["commit"] = info["commit"] or os.environ.get("LOPT_COMMIT")
     return info
 
 
