@@ -143,10 +143,12 @@ LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, flo
   }
 }
 
-// Updates one element's accumulators (in `s`) and computes its features from its inputs.
-LOPT_DEVICE void features_of_element(const TensorMeta& t, i64 e, float grad, float param, ElementState& s,
-                                     const Decays& decays, const float* row_table, const float* col_table,
-                                     float x[SFC_NUM_FEATURES]) {
+// Loads one element's inputs, updates its accumulators (in `s`) and computes its features.
+LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, const float* row_table,
+                                  const float* col_table, float x[SFC_NUM_FEATURES], ElementState& s, float& param) {
+  const float grad = load_as_float(reinterpret_cast<const void*>(t.grad), e, static_cast<int>(t.grad_dtype));
+  param = load_as_float(reinterpret_cast<const void*>(t.param), e, static_cast<int>(t.param_dtype));
+  s = load_element_state(t, e);
   const bool factored = t.factored != 0;
   update_accumulators(s, grad, decays, factored);
   FactorEntry row, col;
@@ -156,15 +158,6 @@ LOPT_DEVICE void features_of_element(const TensorMeta& t, i64 e, float grad, flo
     col = read_factor_entry(col_table, t.col_table + f.col);
   }
   per_element_features(x, grad, param, s, factored, row, col);
-}
-
-// Loads one element's inputs from global memory, then features_of_element.
-LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, const float* row_table,
-                                  const float* col_table, float x[SFC_NUM_FEATURES], ElementState& s, float& param) {
-  const float grad = load_as_float(reinterpret_cast<const void*>(t.grad), e, static_cast<int>(t.grad_dtype));
-  param = load_as_float(reinterpret_cast<const void*>(t.param), e, static_cast<int>(t.param_dtype));
-  s = load_element_state(t, e);
-  features_of_element(t, e, grad, param, s, decays, row_table, col_table, x);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -447,36 +440,6 @@ LOPT_DEVICE float2 mlp_float32(const float x[SFC_NUM_FEATURES], const float* w1t
   return make_float2(direction, magnitude);
 }
 
-// Software pipelining of the apply pass: while a warp runs the MLP of one chunk, the inputs of
-// its next chunk (gradient, parameter, momentum, rms: float32 tensors) are already on their way
-// into shared memory through cp.async, so memory latency overlaps the tensor-core work.
-struct ElementStaging {
-  float grad[32], param[32], rms[32], mom[96];
-};
-
-LOPT_DEVICE void cp_async_4(float* shared_dst, const float* global_src) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(address), "l"(global_src));
-}
-
-// Starts the copy of this lane's element of `chunk`; false (nothing started) unless the chunk's
-// tensor takes the tensor-core path with float32 gradient and parameter.
-LOPT_DEVICE bool prefetch_element(const TensorMeta* tensors, int num_tensors, i64 chunk, int lane,
-                                  ElementStaging& staging) {
-  const TensorMeta& t = tensors[find_row<LOPT_FIELD_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk)];
-  if (t.grad_dtype != LOPT_F32 || t.param_dtype != LOPT_F32 || t.numel < SFC_SIMT_MAX_NUMEL) return false;
-  const i64 e = (chunk - t.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-  if (e < t.numel) {
-    cp_async_4(&staging.grad[lane], reinterpret_cast<const float*>(t.grad) + e);
-    cp_async_4(&staging.param[lane], reinterpret_cast<const float*>(t.param) + e);
-    cp_async_4(&staging.rms[lane], reinterpret_cast<const float*>(t.rms) + e);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) cp_async_4(&staging.mom[3 * lane + k], reinterpret_cast<const float*>(t.mom) + 3 * e + k);
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
-  return true;
-}
-
 // update_from_mlp and apply_update for one element, then its new state.
 LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, const ElementState& state, float2 mlp_output,
                               float neg_lr, float neg_weight_decay_lr, float exp_mult, float step_mult) {
@@ -502,7 +465,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], w3[2 * SFC_HIDDEN], b3[2];
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_out[SFC_APPLY_WARPS][32];
-  __shared__ ElementStaging staging[SFC_APPLY_WARPS];
   __shared__ TensorMeta meta;
   for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
@@ -515,7 +477,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
   int current = -1;
-  bool staged = chunk_begin < chunk_end && prefetch_element(tensors, num_tensors, chunk_begin, lane, staging[warp]);
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const int tensor = find_row<LOPT_FIELD_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
     if (tensor != current) {
@@ -539,27 +500,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
 #else
     if (valid) {
 #endif
-      if (staged) {
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        const ElementStaging& in = staging[warp];
-        param = in.param[lane];
-        state.mom[0] = in.mom[3 * lane]; state.mom[1] = in.mom[3 * lane + 1]; state.mom[2] = in.mom[3 * lane + 2];
-        state.rms = in.rms[lane];
-        state.full[0] = state.full[1] = state.full[2] = 0.f;
-        if (!meta.factored) {
-          const float* full = reinterpret_cast<const float*>(meta.fac_full) + index * 3;
-          state.full[0] = full[0]; state.full[1] = full[1]; state.full[2] = full[2];
-        }
-        features_of_element(meta, index, in.grad[lane], param, state, decays, row_table, col_table, x);
-      } else {
-        element_features(meta, index, decays, row_table, col_table, x, state, param);
-      }
+      element_features(meta, index, decays, row_table, col_table, x, state, param);
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
-    __syncwarp();  // every lane has read its staged inputs: the next chunk's may come in
-    staged = chunk + 1 < chunk_end && prefetch_element(tensors, num_tensors, chunk + 1, lane, staging[warp]);
     if (meta.numel < SFC_SIMT_MAX_NUMEL) {  // uniform across the block: one tensor per chunk
       if (valid) {
         const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
