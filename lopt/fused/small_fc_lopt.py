@@ -71,6 +71,8 @@ class _GroupPlan:
         dims = [reference.factored_dims(s) for s in shapes]
         self.layout = GroupLayout(shapes, dims, stats_chunk=STATS_CHUNK, apply_chunk=APPLY_THREADS)
         self.key = key
+        self.pointer_key = None  # (ids, parameter and gradient pointers) the device tables were built for
+        self.tensor_table_device = self.axis_table_device = None
         layout = self.layout
 
         def workspace(n, dtype):
@@ -140,8 +142,12 @@ class SmallFCLOptFused:
     def step_group(self, group) -> None:
         step_counter = self._step_counter(group)
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            step_counter.add_(1)
+        # Fast path: same tensors, same storage as last step -> the device tables are current.
+        plan = self.plans.get(id(group))
+        pointer_key = (tuple(map(id, params)), tuple(p.data_ptr() for p in params),
+                       tuple(p.grad.data_ptr() for p in params))
+        if plan is not None and plan.pointer_key == pointer_key:
+            self._launch_all(group, plan, self._constants_for(group), step_counter)
             return
         for p in params:
             if p.device != self.device:
@@ -149,14 +155,13 @@ class SmallFCLOptFused:
             make_contiguous(p)
             self.optimizer.ensure_state(p)
         params = [p for p in params if p.numel() > 0]
-        key = tuple((id(p), tuple(p.shape)) for p in params)
-        plan = self.plans.get(id(group))
-        if plan is None or plan.key != key:
-            plan = _GroupPlan(params, self.device, key)
-            self.plans[id(group)] = plan
         if not params:
             step_counter.add_(1)
             return
+        shape_key = tuple((id(p), tuple(p.shape)) for p in params)
+        if plan is None or plan.key != shape_key:
+            plan = _GroupPlan(params, self.device, shape_key)
+            self.plans[id(group)] = plan
 
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
         pointers = np.zeros((len(params), len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
@@ -171,13 +176,18 @@ class SmallFCLOptFused:
                 launcher.DTYPE_CODES[p.dtype], launcher.DTYPE_CODES[g.dtype],
             )
         layout = plan.layout
-        tensor_table = plan.tensor_table.update(layout.tensor_rows(pointers))
-        axis_table = plan.axis_table.update(layout.axis_rows(pointers)) if layout.num_axis_jobs else tensor_table
-        constants = self._constants_for(group)
-        self._launch_all(group, plan, tensor_table, axis_table, constants, step_counter)
+        plan.tensor_table_device = plan.tensor_table.update(layout.tensor_rows(pointers))
+        plan.axis_table_device = (plan.axis_table.update(layout.axis_rows(pointers)) if layout.num_axis_jobs
+                                  else plan.tensor_table_device)
+        # Reusable next step only if the tables point at the tensors themselves (no temporary copies)
+        # and every tensor with a gradient is in the plan.
+        reusable = all(g is p.grad for p, g in zip(params, grads)) and len(params) == len(pointer_key[0])
+        plan.pointer_key = pointer_key if reusable else None
+        self._launch_all(group, plan, self._constants_for(group), step_counter)
 
-    def _launch_all(self, group, plan, tensor_table, axis_table, constants, step_counter) -> None:
+    def _launch_all(self, group, plan, constants, step_counter) -> None:
         layout, k, dev, ptr = plan.layout, self.kernels, self.device, launcher.pointer
+        tensor_table, axis_table = plan.tensor_table_device, plan.axis_table_device
         n, jobs = np.int32(layout.num_tensors), np.int32(layout.num_axis_jobs)
         launcher.launch(k["adafactor_axis_partials"], layout.total_axis_blocks, 256,
                         (ptr(axis_table), jobs, ptr(plan.axis_partials)), dev)
