@@ -42,6 +42,10 @@
 #ifndef SFC_SIMT_MAX_NUMEL
 #define SFC_SIMT_MAX_NUMEL 65536
 #endif
+#ifndef LOPT_STATS_UNROLL
+#define LOPT_STATS_UNROLL 4
+#endif
+constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
 #ifndef LOPT_STATS_MIN_BLOCKS
 #define LOPT_STATS_MIN_BLOCKS 3  // bounds registers so 24 warps per SM keep loads in flight
 #endif
@@ -175,7 +179,7 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
   // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
-#pragma unroll 4
+#pragma unroll STATS_UNROLL
   for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
     if (e < t.numel) {
