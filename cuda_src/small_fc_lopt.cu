@@ -349,6 +349,17 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
+// Accumulator fragments start at the layer's bias: columns 8c + 2t and 8c + 2t + 1, both rows.
+LOPT_DEVICE void init_with_bias(float acc[2][4][4], const float* bias, int t) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float bias0 = bias[8 * c + 2 * t], bias1 = bias[8 * c + 2 * t + 1];
+      acc[m][c][0] = bias0; acc[m][c][1] = bias1; acc[m][c][2] = bias0; acc[m][c][3] = bias1;
+    }
+}
+
 // The MLP for a warp's 32 rows (two m-tiles of 16): out[m] holds (direction, magnitude) of rows
 // 16m + g (out[m][0], out[m][1]) and 16m + g + 8 (out[m][2], out[m][3]), in every lane of the quad.
 LOPT_DEVICE void mlp_warp_tile(const float* tile, const float* l1, const float* b1, const float* l2, const float* b2,
@@ -370,13 +381,7 @@ LOPT_DEVICE void mlp_warp_tile(const float* tile, const float* l1, const float* 
   }
   // Layer 1: h1 = relu(W1' x + b1').
   float h1[2][4][4];
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float bias0 = b1[8 * c + 2 * t], bias1 = b1[8 * c + 2 * t + 1];
-      h1[m][c][0] = bias0; h1[m][c][1] = bias1; h1[m][c][2] = bias0; h1[m][c][3] = bias1;
-    }
+  init_with_bias(h1, b1, t);
   mma_3xtf32_layer(h1, a, l1, lane);
   // Layer 2: its A fragments are layer 1's accumulators (hidden_unit_of_k order), after the ReLU.
 #pragma unroll
@@ -387,13 +392,7 @@ LOPT_DEVICE void mlp_warp_tile(const float* tile, const float* l1, const float* 
       a[m][j][2] = fmaxf(h1[m][j][1], 0.f); a[m][j][3] = fmaxf(h1[m][j][3], 0.f);
     }
   float h2[2][4][4];
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float bias0 = b2[8 * c + 2 * t], bias1 = b2[8 * c + 2 * t + 1];
-      h2[m][c][0] = bias0; h2[m][c][1] = bias1; h2[m][c][2] = bias0; h2[m][c][3] = bias1;
-    }
+  init_with_bias(h2, b2, t);
   mma_3xtf32_layer(h2, a, l2, lane);
   // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of
   // its accumulator fragments, then the quad (4 threads) sums its partials.

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Mapping, Union
 
 import torch
 

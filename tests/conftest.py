@@ -8,7 +8,7 @@ def pytest_collection_modifyitems(config, items):
     """Skip CUDA tests where there is no GPU or no CuPy (CI); run them on the device with `pytest -m cuda`."""
     has_cuda = torch.cuda.is_available()
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401  (import only to see whether it works)
 
         has_cupy = True
     except Exception:
@@ -19,6 +19,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def single_intra_op_thread():
+    """One intra-op thread for a module of tests on tiny tensors (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class OfflineHub:

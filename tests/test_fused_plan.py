@@ -1,6 +1,5 @@
 """The pure-Python side of the fused backend, on the CPU: work layout, index geometry, availability."""
 
-import itertools
 import math
 
 import numpy as np

@@ -1,8 +1,5 @@
 """Fused small_fc_lopt against the naive backend on the GPU (pytest -m cuda; skipped without CUDA + CuPy)."""
 
-import copy
-import math
-
 import pytest
 import torch
 

@@ -17,19 +17,15 @@ import lopt
 import spec_small_fc_lopt as spec
 from lopt import SmallFCLOpt
 
+# Tiny tensors: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
 WEIGHTS = lopt.random_weights("small_fc_lopt", seed=1)
 NET = WEIGHTS.tensors["mlp"]
 UPDATE_RTOL = 1e-5
 STATE_KEYS = {"mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make(params, **kwargs) -> SmallFCLOpt:

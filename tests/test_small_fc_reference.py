@@ -22,6 +22,9 @@ import spec_small_fc_lopt as spec
 from lopt.reference import accumulators as acc
 from lopt.reference import small_fc_lopt as ref
 
+# Tiny tensors: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
 UPDATE_RTOL = 1e-5  # the brief: relative error of the update vs the float64 oracle
 NET = lopt.random_weights("small_fc_lopt", seed=7).tensors["mlp"]
 DECAYS = ref.Decays.from_offsets()
@@ -50,13 +53,6 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rank_label(shape) -> str:

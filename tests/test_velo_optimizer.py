@@ -17,17 +17,13 @@ from lopt.weights import WeightsError
 import spec_velo as S
 from hub_cache import hub_layout_files
 
+# Tiny tensors: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
 EPS32 = 2.0 ** -23
 R_STATE_KEYS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v", "lstm_hidden", "lstm_cell")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,13 @@ from lopt.reference.accumulators import init_state
 
 import spec_velo as S
 
+# Tiny tensors: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
 SHAPES = [(), (1,), (7,), (4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (2, 3, 4), (3, 5, 5), (4, 4, 4), (8, 3, 3, 3),
           (6, 6, 3, 3), (1, 1, 5, 5), (2, 1, 3, 1), (3, 2, 1, 2, 2), (2, 2, 2, 2, 2, 2)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These tensors are tiny: one intra-op thread is fastest and avoids spin-waiting on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

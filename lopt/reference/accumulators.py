@@ -15,6 +15,8 @@ A 0-d parameter is handled as shape ``(1,)`` (the JAX definition); its state kee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 ADAFACTOR_EPSILON = 1e-30  # added to g² before the Adafactor means
@@ -40,6 +42,32 @@ def effective_decays(initial_decays, offsets) -> torch.Tensor:
     initial = torch.tensor(initial_decays, dtype=torch.float32)
     offsets = torch.tensor(offsets, dtype=torch.float32)
     return torch.clip(param_to_decay(decay_to_param(initial) + offsets), 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Decays:
+    """Effective float32 decays (each a 1-d tensor): momentum (3), rms (1), Adafactor (3).
+
+    Each optimizer subclasses this with its own meta-learned offsets as ``DEFAULT_OFFSETS``.
+    """
+
+    momentum: torch.Tensor
+    rms: torch.Tensor
+    adafactor: torch.Tensor
+
+    DEFAULT_OFFSETS = ((0.0, 0.0, 0.0), (0.0,), (0.0, 0.0, 0.0))
+
+    @classmethod
+    def from_offsets(cls, momentum_offsets=None, rms_offsets=None, adafactor_offsets=None):
+        defaults = cls.DEFAULT_OFFSETS
+        return cls(
+            momentum=effective_decays(MOMENTUM_DECAYS, defaults[0] if momentum_offsets is None else momentum_offsets),
+            rms=effective_decays(RMS_DECAYS, defaults[1] if rms_offsets is None else rms_offsets),
+            adafactor=effective_decays(ADAFACTOR_DECAYS, defaults[2] if adafactor_offsets is None else adafactor_offsets),
+        )
+
+    def to(self, device):
+        return type(self)(self.momentum.to(device), self.rms.to(device), self.adafactor.to(device))
 
 
 def stable_factored_dims(shape) -> tuple[int, int] | None:

@@ -18,17 +18,12 @@ functions and names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from lopt.reference import accumulators
 from lopt.reference.accumulators import (
-    ADAFACTOR_DECAYS,
-    MOMENTUM_DECAYS,
-    RMS_DECAYS,
     adafactor_factors,
-    effective_decays,
     factored_gradient,
     second_moment_normalizer,
     stable_factored_dims,
@@ -62,25 +57,10 @@ FEATURE_NAMES = (
 )
 
 
-@dataclass(frozen=True)
-class Decays:
-    """Effective float32 decays (each a 1-d CPU tensor)."""
+class Decays(accumulators.Decays):
+    """small_fc_lopt's decays: the shared mapping with the published weights' meta-learned offsets."""
 
-    momentum: torch.Tensor
-    rms: torch.Tensor
-    adafactor: torch.Tensor
-
-    @classmethod
-    def from_offsets(cls, momentum_offsets=MOMENTUM_DECAY_OFFSETS, rms_offsets=RMS_DECAY_OFFSETS,
-                     adafactor_offsets=ADAFACTOR_DECAY_OFFSETS) -> "Decays":
-        return cls(
-            momentum=effective_decays(MOMENTUM_DECAYS, momentum_offsets),
-            rms=effective_decays(RMS_DECAYS, rms_offsets),
-            adafactor=effective_decays(ADAFACTOR_DECAYS, adafactor_offsets),
-        )
-
-    def to(self, device) -> "Decays":
-        return Decays(self.momentum.to(device), self.rms.to(device), self.adafactor.to(device))
+    DEFAULT_OFFSETS = (MOMENTUM_DECAY_OFFSETS, RMS_DECAY_OFFSETS, ADAFACTOR_DECAY_OFFSETS)
 
 
 def factored_dims(shape) -> tuple[int, int] | None:

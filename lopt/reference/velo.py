@@ -30,12 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lopt.reference import accumulators
 from lopt.reference.accumulators import (
-    ADAFACTOR_DECAYS,
-    MOMENTUM_DECAYS,
-    RMS_DECAYS,
     adafactor_factors,
-    effective_decays,
     factored_gradient,
     second_moment_normalizer,
     stable_factored_dims,
@@ -101,26 +98,10 @@ MLP_CANDIDATE_TENSORS = {
 }
 
 
-@dataclass(frozen=True)
-class Decays:
-    """VeLO's effective float32 decays (each a 1-d tensor): momentum (3), rms (1), Adafactor (3)."""
+class Decays(accumulators.Decays):
+    """VeLO's decays: the shared mapping with zero offsets (0.9, 0.99, 0.999 etc., bit-exactly)."""
 
-    momentum: torch.Tensor
-    rms: torch.Tensor
-    adafactor: torch.Tensor
-
-    @classmethod
-    def from_offsets(cls, momentum_offsets=MOMENTUM_DECAY_OFFSETS, rms_offsets=RMS_DECAY_OFFSETS,
-                     adafactor_offsets=ADAFACTOR_DECAY_OFFSETS) -> "Decays":
-        """§2: the shared decay mapping; with VeLO's zero offsets it returns (0.9, 0.99, 0.999) etc. bit-exactly."""
-        return cls(
-            momentum=effective_decays(MOMENTUM_DECAYS, momentum_offsets),
-            rms=effective_decays(RMS_DECAYS, rms_offsets),
-            adafactor=effective_decays(ADAFACTOR_DECAYS, adafactor_offsets),
-        )
-
-    def to(self, device) -> "Decays":
-        return Decays(self.momentum.to(device), self.rms.to(device), self.adafactor.to(device))
+    DEFAULT_OFFSETS = (MOMENTUM_DECAY_OFFSETS, RMS_DECAY_OFFSETS, ADAFACTOR_DECAY_OFFSETS)
 
 
 # --------------------------------------------------------------------------------------------
