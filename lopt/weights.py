@@ -26,7 +26,6 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Mapping, Union
 
@@ -80,11 +79,10 @@ class RegisteredWeights:
 
 
 def _read_registry_file() -> dict:
-    try:
-        text = resources.files("lopt._registry").joinpath("registry.json").read_text()
-    except (ModuleNotFoundError, FileNotFoundError):  # running from a source tree that is not installed
-        text = (Path(__file__).resolve().parent.parent / "weights" / "registry.json").read_text()
-    return json.loads(text)
+    """weights/registry.json: shipped in an installed package as lopt/_registry, else read from the source tree."""
+    package = Path(__file__).resolve().parent
+    installed = package / "_registry" / "registry.json"
+    return json.loads((installed if installed.is_file() else package.parent / "weights" / "registry.json").read_text())
 
 
 def _parse_registry(data: dict) -> tuple[dict, dict]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +36,10 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 def cuda_source_dir() -> Path:
-    try:
-        path = Path(str(resources.files("lopt._cuda_src")))
-        if path.is_dir():
-            return path
-    except ModuleNotFoundError:
-        pass
-    return Path(__file__).resolve().parents[2] / "cuda_src"
+    """The kernel sources: shipped in an installed package as lopt/_cuda_src, else the source tree's cuda_src/."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "_cuda_src"
+    return installed if installed.is_dir() else package.parent / "cuda_src"
 
 
 def kernel_source(filename: str) -> str:
