@@ -66,7 +66,8 @@ def _cmd_bench(args) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     param_set = args.params or ("gpt2-medium" if cuda else "tiny-lm")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    weights = bench.resolve_bench_weights(args.optimizer, args.weights, args.require_pretrained)
+    local = None if args.weights is None else (args.weights[0] if len(args.weights) == 1 else tuple(args.weights))
+    weights = bench.resolve_bench_weights(args.optimizer, local, args.require_pretrained)
     label = "" if weights.pretrained else " (untrained weights — timing only)"
     print(f"{args.optimizer} on {param_set} ({len(bench.param_set_shapes(param_set))} tensors) on {device}, "
           f"weights: {weights.source}{label}")
@@ -125,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"])
-    bench.add_argument("--weights", default=None, help="local weights (directory or .safetensors) instead of the registered ones")
+    bench.add_argument("--weights", default=None, nargs="+", metavar="PATH",
+                       help="local weights instead of the registered ones: a directory or .safetensors file "
+                            "(VeLO: the RNN and the MLP directory)")
     bench.add_argument("--require-pretrained", action="store_true", help="fail instead of using untrained weights")
     bench.add_argument("--no-adamw", action="store_true", help="skip the fused AdamW yardstick")
     bench.add_argument("--json", default=None, help="also write the results as JSON here")
