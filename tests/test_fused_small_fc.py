@@ -223,3 +223,30 @@ def test_fused_rejects_max_grad_norm_and_auto_falls_back(weights):
         opt = lopt.SmallFCLOpt(p, weights=weights, backend="auto", max_grad_norm=1.0)
     assert opt.backend == "naive"
     assert lopt.SmallFCLOpt(p, weights=weights).backend == "fused"
+
+
+def test_tensor_beyond_2_pow_31_elements(weights):
+    """64-bit indexing: a (2^25 + 1, 64) tensor (2^31 + 64 elements) whose rows are all equal steps
+    exactly like a (65, 64) tensor with the same row (row/column means, normaliser statistics and
+    factored axes are the same), so its last rows are checked against the small one."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 56 * 2**30:
+        pytest.skip("needs about 50 GiB of free GPU memory")
+    cols, rows = 64, 2**25 + 1
+    g = torch.Generator().manual_seed(21)
+    row_param = torch.randn(cols, generator=g)
+    row_grads = [torch.randn(cols, generator=g) * 1e-2 for _ in range(2)]
+    big = torch.nn.Parameter(row_param.to("cuda", torch.bfloat16).expand(rows, cols).contiguous())
+    small = torch.nn.Parameter(row_param.to("cuda", torch.bfloat16).expand(cols + 1, cols).contiguous())
+    assert big.numel() > 2**31
+    big_opt = lopt.SmallFCLOpt([big], weights=weights, backend="fused")
+    small_opt = lopt.SmallFCLOpt([small], weights=weights, backend="fused")
+    for grad in row_grads:
+        big.grad = grad.to("cuda", torch.bfloat16).expand(rows, cols).contiguous()
+        small.grad = grad.to("cuda", torch.bfloat16).expand(cols + 1, cols).contiguous()
+        big_opt.step()
+        small_opt.step()
+        big.grad = None
+    for index in (0, 2**31 // cols, rows - 1):  # first row, the row crossing 2^31, last row
+        assert torch.equal(big[index].float(), small[-1].float()), index
+    assert torch.equal(big_opt.state[big]["mom"][-1], small_opt.state[small]["mom"][-1])
