@@ -223,7 +223,7 @@ def test_invalid_constructor_arguments_are_rejected():
         make(p, backend="cuda")
     with pytest.raises(ValueError, match=r"lr must be a non-negative number, got -0\.1"):
         make(p, lr=-0.1)
-    with pytest.raises(ValueError, match=r"weight_decay must be >= 0, got -0\.01"):
+    with pytest.raises(ValueError, match=r"weight_decay must be a number >= 0, got -0\.01"):
         make(p, weight_decay=-0.01)
     with pytest.raises(ValueError, match=r"max_grad_norm must be positive or None, got 0"):
         make(p, max_grad_norm=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Iterable
 
@@ -9,6 +10,7 @@ import torch
 from torch.optim import Optimizer
 
 from lopt import weights as weights_lib
+from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "naive", "fused")
@@ -22,7 +24,24 @@ class LearnedOptimizer(Optimizer):
     """
 
     architecture: str = ""
-    display_name: str = ""
+    reference = None  # the optimizer's reference module: provides Decays and factored_dims
+
+    @staticmethod
+    def accumulator_defaults(*, lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays,
+                             adafactor_decays) -> dict:
+        """Validated group defaults shared by every optimizer built on lopt's accumulators."""
+        if not (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr >= 0):
+            raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+        if not (isinstance(weight_decay, numbers.Real) and not isinstance(weight_decay, bool) and weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+        for name, offsets, n in (("momentum_decays", momentum_decays, 3), ("rms_decays", rms_decays, 1),
+                                 ("adafactor_decays", adafactor_decays, 3)):
+            if len(offsets) != n:
+                raise ValueError(f"{name} needs {n} meta-learned offsets, got {len(offsets)}")
+        return dict(lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
+                    momentum_decays=tuple(float(x) for x in momentum_decays),
+                    rms_decays=tuple(float(x) for x in rms_decays),
+                    adafactor_decays=tuple(float(x) for x in adafactor_decays))
 
     def __init__(self, params, defaults: dict, *, weights, backend: str):
         if backend not in BACKENDS:
@@ -107,6 +126,23 @@ class LearnedOptimizer(Optimizer):
 
     def _make_fused_engine(self):
         raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
+
+    def decays(self, group, device=None):
+        """The group's effective float32 decays (computed on the CPU once, cached per device)."""
+        key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"], str(device))
+        cache = self.__dict__.setdefault("_decays_cache", {})
+        if key not in cache:
+            decays = self.reference.Decays.from_offsets(*key[:3])
+            cache[key] = decays.to(device) if device is not None else decays
+        return cache[key]
+
+    def ensure_state(self, p) -> dict:
+        """The parameter's state, created (zero accumulators, float32, on its device) on first use."""
+        state = self.state[p]
+        if not state:
+            for name, buf in init_state(p.shape, self.reference.factored_dims(tuple(p.shape))).items():
+                state[name] = buf.to(p.device)
+        return state
 
     def weights_on(self, device) -> dict:
         """The meta-weights as ``{component: {name: float32 tensor}}`` on ``device`` (cached)."""

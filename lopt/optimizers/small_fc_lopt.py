@@ -6,7 +6,6 @@ import torch
 
 from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import small_fc_lopt as reference
-from lopt.reference.accumulators import init_state
 
 
 class SmallFCLOpt(LearnedOptimizer):
@@ -47,6 +46,7 @@ class SmallFCLOpt(LearnedOptimizer):
     """
 
     architecture = "small_fc_lopt"
+    reference = reference
     requires_loss = False  # step() takes an optional closure, not the loss
 
     def __init__(
@@ -64,43 +64,18 @@ class SmallFCLOpt(LearnedOptimizer):
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
         max_grad_norm: float | None = None,
     ):
-        if not (isinstance(lr, (int, float)) and lr >= 0):
-            raise ValueError(f"lr must be a non-negative number, got {lr!r}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
-        for name, offsets, n in (("momentum_decays", momentum_decays, 3), ("rms_decays", rms_decays, 1),
-                                 ("adafactor_decays", adafactor_decays, 3)):
-            if len(offsets) != n:
-                raise ValueError(f"{name} needs {n} meta-learned offsets, got {len(offsets)}")
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
-            momentum_decays=tuple(float(x) for x in momentum_decays), rms_decays=tuple(float(x) for x in rms_decays),
-            adafactor_decays=tuple(float(x) for x in adafactor_decays), max_grad_norm=max_grad_norm,
-        )
-        self._decays_cache: dict = {}
+        defaults = self.accumulator_defaults(
+            lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
+            rms_decays=rms_decays, adafactor_decays=adafactor_decays)
+        defaults["max_grad_norm"] = max_grad_norm
         super().__init__(params, defaults, weights=weights, backend=backend)
-
-    def decays(self, group, device=None) -> reference.Decays:
-        """The group's effective float32 decays (computed on the CPU, cached, moved to ``device``)."""
-        key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"], str(device))
-        if key not in self._decays_cache:
-            decays = reference.Decays.from_offsets(*key[:3])
-            self._decays_cache[key] = decays.to(device) if device is not None else decays
-        return self._decays_cache[key]
 
     def _make_fused_engine(self):
         from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
         return SmallFCLOptFused(self)
-
-    def ensure_state(self, p) -> dict:
-        state = self.state[p]
-        if not state:
-            for name, buf in init_state(p.shape, reference.factored_dims(tuple(p.shape))).items():
-                state[name] = buf.to(p.device)
-        return state
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -11,7 +11,6 @@ import torch
 
 from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import velo as reference
-from lopt.reference.accumulators import init_state
 
 # Optimizer-wide state. It lives in the first param group so that torch's own state_dict carries it
 # (group entries are saved and restored verbatim; ``add_param_group`` does not copy them).
@@ -98,6 +97,7 @@ class VeLO(LearnedOptimizer):
     """
 
     architecture = "velo"
+    reference = reference
     requires_loss = True
 
     def __init__(
@@ -116,20 +116,9 @@ class VeLO(LearnedOptimizer):
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
     ):
         num_steps = _validate_num_steps(num_steps)
-        if not (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr >= 0):
-            raise ValueError(f"lr must be a non-negative number, got {lr!r}")
-        if not (isinstance(weight_decay, numbers.Real) and weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
-        for name, offsets, n in (("momentum_decays", momentum_decays, 3), ("rms_decays", rms_decays, 1),
-                                 ("adafactor_decays", adafactor_decays, 3)):
-            if len(offsets) != n:
-                raise ValueError(f"{name} needs {n} decay offsets, got {len(offsets)}")
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
-            momentum_decays=tuple(float(x) for x in momentum_decays), rms_decays=tuple(float(x) for x in rms_decays),
-            adafactor_decays=tuple(float(x) for x in adafactor_decays),
-        )
-        self._decays_cache: dict = {}
+        defaults = self.accumulator_defaults(
+            lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
+            rms_decays=rms_decays, adafactor_decays=adafactor_decays)
         self._constants_cache: dict = {}
         super().__init__(params, defaults, weights=weights, backend=backend)
 
@@ -149,10 +138,10 @@ class VeLO(LearnedOptimizer):
         self.weights_on(self.controller_device)
         for p in self._all_params():
             if p.requires_grad:
-                self._ensure_state(p)
+                self.ensure_state(p)
         for group in self.param_groups:
             for device in {p.device for p in group["params"]} | {self.controller_device}:
-                self._decays(group, device)
+                self.decays(group, device)
                 self._constants(device)
         if num_steps > reference.DESIGN_HORIZON_STEPS:
             warnings.warn(
@@ -187,17 +176,10 @@ class VeLO(LearnedOptimizer):
             constants["loss_decays", num_steps] = reference.loss_buffer_decays(num_steps, key)
         return constants
 
-    def _decays(self, group, device) -> reference.Decays:
-        key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"], torch.device(device))
-        if key not in self._decays_cache:
-            self._decays_cache[key] = reference.Decays.from_offsets(*key[:3]).to(device)
-        return self._decays_cache[key]
-
-    def _ensure_state(self, p) -> dict:
+    def ensure_state(self, p) -> dict:
         state = self.state[p]
         if not state:
-            for name, buf in init_state(p.shape, reference.factored_dims(tuple(p.shape))).items():
-                state[name] = buf.to(p.device)
+            super().ensure_state(p)
             hidden, cell = reference.initial_lstm_state(self.weights_on(p.device)["rnn"])
             state["lstm_hidden"] = hidden.clone()
             state["lstm_cell"] = cell.clone()
@@ -281,7 +263,7 @@ class VeLO(LearnedOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self._ensure_state(p)
+                state = self.ensure_state(p)
                 view = self._work_view(p, state)
                 entries.append((group, p, state))
                 param32 = p.detach().to(torch.float32).reshape(view["shape"])
@@ -325,7 +307,7 @@ class VeLO(LearnedOptimizer):
         param32 = p.detach().to(torch.float32).reshape(shape)
         grad32 = reference.clip_gradient(p.grad).reshape(shape)
         new_param = reference.apply_stage(
-            param32, grad32, accumulators, reference.factored_dims(tuple(p.shape)), self._decays(group, p.device), mlp,
+            param32, grad32, accumulators, reference.factored_dims(tuple(p.shape)), self.decays(group, p.device), mlp,
             lr_mult, lr=group["lr"], weight_decay=group["weight_decay"], exp_mult=group["exp_mult"],
             step_mult=group["step_mult"],
         )
