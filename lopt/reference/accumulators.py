@@ -156,3 +156,18 @@ def factored_gradient(grad: torch.Tensor, state: dict, factored_dims) -> torch.T
 def second_moment_normalizer(features: torch.Tensor, axes, eps: float = 1e-5) -> torch.Tensor:
     """x_j * rsqrt(eps + mean over ``axes`` of x_j²), separately for every feature column j."""
     return features * torch.rsqrt(eps + torch.mean(features * features, dim=axes, keepdim=True))
+
+
+def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, factored_dims) -> None:
+    """Momentum, rms and Adafactor accumulators, in place. ``grad`` is ``S + (1,)``."""
+    update_momentum(state["mom"], grad, decays.momentum)
+    update_rms(state["rms"], grad, decays.rms)
+    update_adafactor(state, grad, decays.adafactor, factored_dims)
+
+
+def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> torch.Tensor:
+    """p ← p − lr·u, then, if weight_decay > 0, p ← p − (weight_decay·lr)·p on the updated p (decoupled)."""
+    new_param = param.add(update, alpha=-lr)
+    if weight_decay > 0:
+        new_param.add_(new_param, alpha=-weight_decay * lr)
+    return new_param

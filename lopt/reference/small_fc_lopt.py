@@ -22,14 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from lopt.reference import accumulators
-from lopt.reference.accumulators import (
+from lopt.reference.accumulators import (  # noqa: F401  (update_accumulators, apply_update: steps of this module)
+    apply_update,
+    update_accumulators,
     adafactor_factors,
     factored_gradient,
     second_moment_normalizer,
     stable_factored_dims,
-    update_adafactor,
-    update_momentum,
-    update_rms,
 )
 
 NUM_ELEMENT_FEATURES = 28
@@ -74,12 +73,6 @@ def time_features(step: int) -> torch.Tensor:
     return torch.tanh(tau / torch.tensor(TIMESCALES, dtype=torch.float32) - 1.0)
 
 
-def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, dims) -> None:
-    """§3.2: momentum, rms and Adafactor accumulators, in place. ``grad`` is ``S + (1,)``."""
-    update_momentum(state["mom"], grad, decays.momentum)
-    update_rms(state["rms"], grad, decays.rms)
-    update_adafactor(state, grad, decays.adafactor, dims)
-
 
 def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims) -> torch.Tensor:
     """§3.5: the 28 features, ``S + (28,)``, from the updated accumulators and the pre-update param.
@@ -118,13 +111,6 @@ def update_from_mlp(direction: torch.Tensor, magnitude: torch.Tensor, exp_mult: 
     """§3.9: u = direction · exp(exp_mult · magnitude) · step_mult."""
     return direction * torch.exp(magnitude * exp_mult) * step_mult
 
-
-def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> torch.Tensor:
-    """§3.9: p ← p − lr·u, then p ← p − (weight_decay·lr)·p on the updated p (decoupled weight decay)."""
-    new_param = param.add(update, alpha=-lr)
-    if weight_decay > 0:
-        new_param.add_(new_param, alpha=-weight_decay * lr)
-    return new_param
 
 
 def small_fc_lopt_step(param: torch.Tensor, grad: torch.Tensor, state: dict, step: int, network: dict,

@@ -31,14 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from lopt.reference import accumulators
-from lopt.reference.accumulators import (
+from lopt.reference.accumulators import (  # noqa: F401  (update_accumulators, apply_update: steps of this module)
+    apply_update,
+    update_accumulators,
     adafactor_factors,
     factored_gradient,
     second_moment_normalizer,
     stable_factored_dims,
-    update_adafactor,
-    update_momentum,
-    update_rms,
 )
 
 LSTM_HIDDEN_SIZE = 512
@@ -350,13 +349,6 @@ def generate_mlp_weights(controls: torch.Tensor, mlp: dict) -> GeneratedMLP:
 # --------------------------------------------------------------------------------------------
 
 
-def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, dims) -> None:
-    """§3.3: momentum, rms and Adafactor accumulators with the clipped gradient, in place
-    (the shared accumulators of small_fc_lopt with VeLO's decays). ``grad`` is ``S + (1,)``."""
-    update_momentum(state["mom"], grad, decays.momentum)
-    update_rms(state["rms"], grad, decays.rms)
-    update_adafactor(state, grad, decays.adafactor, dims)
-
 
 def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims) -> torch.Tensor:
     """§3.6: the 30 features ``S + (30,)`` (``ELEMENT_FEATURE_NAMES``) from the **updated**
@@ -407,13 +399,6 @@ def velo_update(direction: torch.Tensor, magnitude: torch.Tensor, lr_mult: torch
     """§3.9: ``u = λ · param_scale · d · exp(exp_mult·μ) · step_mult`` (no clipping)."""
     return lr_mult * (scale * (direction * torch.exp(magnitude * exp_mult) * step_mult))
 
-
-def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> torch.Tensor:
-    """``p ← p − lr·u``, then, if ``weight_decay > 0``, ``p ← p − (weight_decay·lr)·p`` on the updated ``p``."""
-    new_param = param.add(update, alpha=-lr)
-    if weight_decay > 0:
-        new_param.add_(new_param, alpha=-weight_decay * lr)
-    return new_param
 
 
 def apply_stage(param: torch.Tensor, grad: torch.Tensor, state: dict, dims, decays: Decays, mlp: GeneratedMLP,
