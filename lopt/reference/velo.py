@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from lopt.reference import accumulators
-from lopt.reference.accumulators import (  # noqa: F401  (update_accumulators, apply_update: steps of this module)
+from lopt.reference.accumulators import (  # the shared steps (update_accumulators, apply_update, ...)
     apply_update,
     update_accumulators,
     adafactor_factors,
