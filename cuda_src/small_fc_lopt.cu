@@ -237,16 +237,20 @@ LOPT_DEVICE void mma_3xtf32(float d[4], const unsigned a_hi[4], const unsigned a
 }
 
 // One 32-wide layer for a warp's 32 rows (two m-tiles): acc[m][c] += sum over k-steps j of
-// A_m(j) B(j, c). a[m][j] holds the thread's A fragment values. Every B fragment is read from
-// shared memory once and used for both m-tiles (shared-memory bandwidth is what limits this loop).
-LOPT_DEVICE void mma_3xtf32_layer(float acc[2][4][4], const float a[2][4][4], const float* frags, int lane) {
+// A_m(j) B(j, c). load_a(j, a) gives the thread's A fragment values of k-step j for both m-tiles.
+// Every B fragment is read from shared memory once and used for both m-tiles (shared-memory
+// bandwidth is what limits this loop).
+template <typename LoadA>
+LOPT_DEVICE void mma_3xtf32_layer(float acc[2][4][4], LoadA load_a, const float* frags, int lane) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
+    float a[2][4];
+    load_a(j, a);
     unsigned a_hi[2][4], a_lo[2][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) split_tf32(a[m][j][i], a_hi[m][i], a_lo[m][i]);
+      for (int i = 0; i < 4; ++i) split_tf32(a[m][i], a_hi[m][i], a_lo[m][i]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const float4 b = reinterpret_cast<const float4*>(frags)[(j * 4 + c) * 32 + lane];
@@ -362,38 +366,41 @@ LOPT_DEVICE void init_with_bias(float acc[2][4][4], const float* bias, int t) {
 
 // The MLP for a warp's 32 rows (two m-tiles of 16): out[m] holds (direction, magnitude) of rows
 // 16m + g (out[m][0], out[m][1]) and 16m + g + 8 (out[m][2], out[m][3]), in every lane of the quad.
-LOPT_DEVICE void mlp_warp_tile(const float* tile, const float* l1, const float* b1, const float* l2, const float* b2,
+LOPT_DEVICE void mlp_warp_tile(float* tile, const float* l1, const float* b1, const float* l2, const float* b2,
                                const float* w3, const float* b3, int lane, float out[2][4]) {
   const int g = lane / 4, t = lane % 4;
-  float a[2][4][4];
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const float* row_g = tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t;
-    const float* row_g8 = row_g + 8 * SFC_FEATURE_STRIDE;
-    const float4 g_lo = *reinterpret_cast<const float4*>(row_g), g_hi = *reinterpret_cast<const float4*>(row_g + 4);
-    const float4 g8_lo = *reinterpret_cast<const float4*>(row_g8), g8_hi = *reinterpret_cast<const float4*>(row_g8 + 4);
-    const float vg[8] = {g_lo.x, g_lo.y, g_lo.z, g_lo.w, g_hi.x, g_hi.y, g_hi.z, g_hi.w};
-    const float vg8[8] = {g8_lo.x, g8_lo.y, g8_lo.z, g8_lo.w, g8_hi.x, g8_hi.y, g8_hi.z, g8_hi.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {  // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)
-      a[m][j][0] = vg[2 * j]; a[m][j][1] = vg8[2 * j]; a[m][j][2] = vg[2 * j + 1]; a[m][j][3] = vg8[2 * j + 1];
-    }
-  }
-  // Layer 1: h1 = relu(W1' x + b1').
+  // Layer 1: h1 = relu(W1' x + b1'). A fragment values of k-step j for rows g and g + 8 of m-tile m:
+  // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in
+  // the tile (feature_column), read as they are needed to keep registers free.
   float h1[2][4][4];
   init_with_bias(h1, b1, t);
-  mma_3xtf32_layer(h1, a, l1, lane);
-  // Layer 2: its A fragments are layer 1's accumulators (hidden_unit_of_k order), after the ReLU.
+  mma_3xtf32_layer(h1, [&](int j, float a[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
+      const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
+      a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
+    }
+  }, l1, lane);
+  // Layer 2: its A fragments are layer 1's accumulators after the ReLU (hidden_unit_of_k order).
+  // They wait in this lane's own tile row (the features are no longer needed) instead of registers.
+  __syncwarp();  // every lane has read its layer-1 fragments from the tile
+  float* own_row = tile + lane * SFC_FEATURE_STRIDE;
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      a[m][j][0] = fmaxf(h1[m][j][0], 0.f); a[m][j][1] = fmaxf(h1[m][j][2], 0.f);
-      a[m][j][2] = fmaxf(h1[m][j][1], 0.f); a[m][j][3] = fmaxf(h1[m][j][3], 0.f);
-    }
+    for (int j = 0; j < 4; ++j)
+      reinterpret_cast<float4*>(own_row)[m * 4 + j] = make_float4(
+          fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
   float h2[2][4][4];
   init_with_bias(h2, b2, t);
-  mma_3xtf32_layer(h2, a, l2, lane);
+  mma_3xtf32_layer(h2, [&](int j, float a[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const float4 v = reinterpret_cast<const float4*>(own_row)[m * 4 + j];
+      a[m][0] = v.x; a[m][1] = v.y; a[m][2] = v.z; a[m][3] = v.w;
+    }
+  }, l2, lane);
   // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of
   // its accumulator fragments, then the quad (4 threads) sums its partials.
 #pragma unroll
@@ -473,7 +480,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
-  const Decays decays = read_decays(constants);
+  __shared__ Decays decays;  // in shared memory, not 16 registers held through the whole kernel
+  if (threadIdx.x == 0) decays = read_decays(constants);
+  __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
   float* tile = &feature_tiles[warp][0][0];
 
@@ -508,6 +517,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
+#if SFC_SIMT_MAX_NUMEL > 0
     if (meta.numel < SFC_SIMT_MAX_NUMEL) {  // uniform across the block: one tensor per chunk
       if (valid) {
         const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
@@ -516,6 +526,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       }
       continue;
     }
+#endif
     __syncwarp();  // the previous chunk's reads of this warp's tile are done
     float row[SFC_K];
 #pragma unroll
