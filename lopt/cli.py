@@ -73,7 +73,9 @@ def _cmd_bench(args) -> int:
           f"weights: {weights.source}{label}")
 
     backends = args.backends.split(",") if args.backends else ["naive", "fused"]
-    reason = launcher.fused_unavailable_reason(OPTIMIZERS[args.optimizer].architecture, {device})
+    # On a machine without CUDA, say so (rather than that the CPU parameters are not on a GPU).
+    reason = launcher.fused_unavailable_reason(OPTIMIZERS[args.optimizer].architecture,
+                                               {device} if args.device == "cpu" else {torch.device("cuda", 0)})
     if "fused" in backends and reason is not None:
         print(f"fused backend skipped: {reason}")
         backends.remove("fused")

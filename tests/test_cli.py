@@ -92,6 +92,13 @@ def test_bench_on_cpu_with_untrained_weights(capsys, offline_hub, tmp_path):
     assert len(record["results"][0]["ms_all"]) == 2 and record["environment"]["torch"] == torch.__version__
 
 
+def test_bench_without_cuda_says_why_fused_is_skipped(capsys, offline_hub, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = run(capsys, "bench", "--params", "tiny-lm", "--steps", "1", "--warmup", "0", "--quiet")
+    assert code == 0
+    assert "on cpu" in out and "fused backend skipped: no CUDA device is available to PyTorch" in out
+
+
 def test_bench_require_pretrained_fails_clearly(capsys, offline_hub):
     code, _, err = run(capsys, "bench", "--device", "cpu", "--params", "tiny-lm", "--steps", "1", "--quiet",
                        "--require-pretrained")
