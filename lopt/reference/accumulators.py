@@ -19,6 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
+# Names of the per-element features both optimizers build from these accumulators (in their order).
+MOMENTUM_RMS_FEATURE_NAMES = (
+    [f"momentum_{k}" for k in range(3)] + ["rms"] + [f"momentum_times_rsqrt_rms_{k}" for k in range(3)] + ["rsqrt_rms"]
+)
+FACTORED_GRAD_FEATURE_NAMES = [f"factored_grad_{k}" for k in range(3)]
+ADAFACTOR_FEATURE_NAMES = (
+    [f"row_accumulator_{k}" for k in range(3)] + [f"col_accumulator_{k}" for k in range(3)]
+    + [f"rsqrt_row_accumulator_{k}" for k in range(3)] + [f"rsqrt_col_accumulator_{k}" for k in range(3)]
+    + [f"factored_momentum_{k}" for k in range(3)]
+)
+
 ADAFACTOR_EPSILON = 1e-30  # added to g² before the Adafactor means
 SAFE_RSQRT_FLOOR = 1e-9
 MOMENTUM_DECAYS = (0.9, 0.99, 0.999)

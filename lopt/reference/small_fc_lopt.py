@@ -42,17 +42,8 @@ ADAFACTOR_DECAY_OFFSETS = (0.18621896, -0.10864615, -0.06185547)
 
 # Names of the 28 per-element features, in input order (for documentation and debugging).
 FEATURE_NAMES = (
-    ["grad", "param"]
-    + [f"momentum_{k}" for k in range(3)]
-    + ["rms"]
-    + [f"momentum_times_rsqrt_rms_{k}" for k in range(3)]
-    + ["rsqrt_rms"]
-    + [f"factored_grad_{k}" for k in range(3)]
-    + [f"row_accumulator_{k}" for k in range(3)]
-    + [f"col_accumulator_{k}" for k in range(3)]
-    + [f"rsqrt_row_accumulator_{k}" for k in range(3)]
-    + [f"rsqrt_col_accumulator_{k}" for k in range(3)]
-    + [f"factored_momentum_{k}" for k in range(3)]
+    ["grad", "param"] + accumulators.MOMENTUM_RMS_FEATURE_NAMES + accumulators.FACTORED_GRAD_FEATURE_NAMES
+    + accumulators.ADAFACTOR_FEATURE_NAMES
 )
 
 

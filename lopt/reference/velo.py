@@ -72,18 +72,8 @@ LSTM_FEATURE_NAMES = tuple(
 )
 
 ELEMENT_FEATURE_NAMES = tuple(
-    ["grad", "clipped_grad", "param"]
-    + [f"momentum_{k}" for k in range(3)]
-    + ["rms"]
-    + [f"momentum_times_rsqrt_rms_{k}" for k in range(3)]
-    + ["rsqrt_rms"]
-    + [f"factored_grad_{k}" for k in range(3)]
-    + ["grad_times_rsqrt_rms"]
-    + [f"row_accumulator_{k}" for k in range(3)]
-    + [f"col_accumulator_{k}" for k in range(3)]
-    + [f"rsqrt_row_accumulator_{k}" for k in range(3)]
-    + [f"rsqrt_col_accumulator_{k}" for k in range(3)]
-    + [f"factored_momentum_{k}" for k in range(3)]
+    ["grad", "clipped_grad", "param"] + accumulators.MOMENTUM_RMS_FEATURE_NAMES
+    + accumulators.FACTORED_GRAD_FEATURE_NAMES + ["grad_times_rsqrt_rms"] + accumulators.ADAFACTOR_FEATURE_NAMES
 )
 
 # Registry tensor names of the candidate stacks (component "mlp"), by role in the generated MLP.
