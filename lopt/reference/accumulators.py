@@ -164,6 +164,25 @@ def factored_gradient(grad: torch.Tensor, state: dict, factored_dims) -> torch.T
     return grad * row_factor * col_factor
 
 
+def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float) -> list:
+    """The 15 Adafactor features both optimizers end their feature list with (each ``S + (3,)``).
+
+    Factored: row ``R_k``, col ``C_k`` (broadcast back), ``rsqrt(R_k + 1e-8)``, ``rsqrt(C_k + 1e-8)``,
+    ``m_k · row_factor_k · col_factor_k``. Non-factored: ``V_k`` twice, ``rsqrt(V_k + 1e-8)`` twice,
+    ``m_k · (V_k + full_momentum_epsilon)^(-1/2)`` (small_fc_lopt: 1e-6; VeLO: none).
+    """
+    mom = state["mom"]
+    if factored_dims is not None:
+        d1, d0 = factored_dims
+        row = state["fac_vec_row"].unsqueeze(d0).expand_as(mom)
+        col = state["fac_vec_col"].unsqueeze(d1).expand_as(mom)
+        row_factor, col_factor = adafactor_factors(state, factored_dims)
+        return [row, col, torch.rsqrt(row + 1e-8), torch.rsqrt(col + 1e-8), mom * row_factor * col_factor]
+    full = state["fac_vec_v"]
+    full_momentum = mom * torch.pow(full + full_momentum_epsilon if full_momentum_epsilon else full, -0.5)
+    return [full, full, torch.rsqrt(full + 1e-8), torch.rsqrt(full + 1e-8), full_momentum]
+
+
 def second_moment_normalizer(features: torch.Tensor, axes, eps: float = 1e-5) -> torch.Tensor:
     """x_j * rsqrt(eps + mean over ``axes`` of x_j²), separately for every feature column j."""
     return features * torch.rsqrt(eps + torch.mean(features * features, dim=axes, keepdim=True))

@@ -34,7 +34,7 @@ from lopt.reference import accumulators
 from lopt.reference.accumulators import (  # the shared steps (update_accumulators, apply_update, ...)
     apply_update,
     update_accumulators,
-    adafactor_factors,
+    adafactor_features,
     factored_gradient,
     second_moment_normalizer,
     stable_factored_dims,
@@ -354,15 +354,7 @@ def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, d
         grad, torch.clamp(grad, -GRADIENT_FEATURE_CLIP, GRADIENT_FEATURE_CLIP), param, mom, rms, mom * rsqrt_rms,
         rsqrt_rms, factored_gradient(grad, state, dims), grad * rsqrt_rms,
     ]
-    if dims is not None:
-        d1, d0 = dims
-        row = state["fac_vec_row"].unsqueeze(d0).expand_as(mom)
-        col = state["fac_vec_col"].unsqueeze(d1).expand_as(mom)
-        row_factor, col_factor = adafactor_factors(state, dims)
-        features += [row, col, torch.rsqrt(row + 1e-8), torch.rsqrt(col + 1e-8), mom * row_factor * col_factor]
-    else:
-        full = state["fac_vec_v"]
-        features += [full, full, torch.rsqrt(full + 1e-8), torch.rsqrt(full + 1e-8), mom * torch.pow(full, -0.5)]
+    features += adafactor_features(state, dims, full_momentum_epsilon=0.0)
     return torch.cat(features, dim=-1)
 
 
