@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from lopt.fused import launcher
-from lopt.fused.plan import TENSOR_POINTER_FIELDS, GroupLayout
+from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, GroupLayout
 from lopt.reference import small_fc_lopt as reference
 
 SOURCE = "small_fc_lopt.cu"
@@ -31,7 +31,6 @@ STATS_THREADS = 256
 STATS_CHUNK = 256 * 32
 APPLY_THREADS = 128  # one element per thread per chunk
 FOLD_THREADS = 256
-TABLE_THREADS = 256
 FINALIZE_THREADS = 256
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 FRAGS_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix in tensor-core fragment order (hi and lo parts)
@@ -189,7 +188,7 @@ class SmallFCLOptFused:
         layout, k, dev, ptr = plan.layout, self.kernels, self.device, launcher.pointer
         tensor_table, axis_table = plan.tensor_table_device, plan.axis_table_device
         n, jobs = np.int32(layout.num_tensors), np.int32(layout.num_axis_jobs)
-        launcher.launch(k["adafactor_axis_partials"], layout.total_axis_blocks, 256,
+        launcher.launch(k["adafactor_axis_partials"], layout.total_axis_blocks, AXIS_THREADS,
                         (ptr(axis_table), jobs, ptr(plan.axis_partials)), dev)
         launcher.launch(k["adafactor_finalize"], max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS)), FINALIZE_THREADS,
                         (ptr(axis_table), jobs, np.int64(layout.total_axis_outputs), ptr(plan.axis_partials),
