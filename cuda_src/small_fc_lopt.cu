@@ -10,6 +10,7 @@
 // recomputes them with the same code and stores them, so both passes see identical features.
 #include "lopt_common.cuh"
 #include "adafactor.cuh"
+#include "split_mma.cuh"
 
 #define SFC_NUM_FEATURES 28
 #define SFC_NUM_TIME_FEATURES 11
@@ -25,15 +26,14 @@
 #define SFC_B3 (SFC_W3 + 2 * SFC_HIDDEN)                 // (2,)
 #define SFC_CONSTANTS (SFC_B3 + 2)
 
-// The MLP runs on tensor cores (mma.sync m16n8k8, TF32 inputs split in hi + lo parts, three
-// products: float32 accuracy). Weights are kept as B operands in "fragment order": for k-step j
-// (8 inputs), n-tile c (8 outputs) and lane (g = lane / 4, t = lane % 4), one float4
-// {b0_hi, b1_hi, b0_lo, b1_lo} with b0 = B[8j + t][8c + g], b1 = B[8j + t + 4][8c + g].
+// The MLP's 32 x 32 layers run on tensor cores with float32 accuracy (split_mma.cuh: a TF32 product
+// plus one BF16 product for the correction terms); their weights are kept as B operands in the
+// layout split_mma.cuh's layer expects (SFC_OPERAND_32x32 floats each).
+#define SFC_OPERAND_32x32 LOPT_SPLIT_OPERAND_FLOATS
 #define SFC_K 32                                          // 28 features padded to 4 k-steps
-#define SFC_FRAGS_32x32 (4 * 4 * 32 * 4)                   // a 32 x 32 B operand
-// Per tensor: the folded first layer (W1' = W1 scaled per feature) in fragment order, b1' (time
+// Per tensor: the folded first layer (W1' = W1 scaled per feature) as a B operand, b1' (time
 // features folded in), and W1' once more in plain float32 (feature-major) for the small-tensor path.
-#define SFC_FOLDED_B1 SFC_FRAGS_32x32
+#define SFC_FOLDED_B1 SFC_OPERAND_32x32
 #define SFC_FOLDED_PLAIN (SFC_FOLDED_B1 + SFC_HIDDEN)
 #define SFC_FOLDED (SFC_FOLDED_PLAIN + SFC_NUM_FEATURES * SFC_HIDDEN)
 // Tensors smaller than this run the MLP in plain float32 on the CUDA cores: for a handful of
@@ -49,9 +49,9 @@ constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a cons
 #ifndef LOPT_STATS_MIN_BLOCKS
 #define LOPT_STATS_MIN_BLOCKS 3  // bounds registers so 24 warps per SM keep loads in flight
 #endif
-// Per group, shared by all tensors: layer 2 in fragment order, its bias, and layer 3 (float32).
+// Per group, shared by all tensors: layer 2 as a B operand, its bias, and layer 3 (float32).
 #define SFC_SHARED_L2 0
-#define SFC_SHARED_B2 SFC_FRAGS_32x32
+#define SFC_SHARED_B2 SFC_OPERAND_32x32
 #define SFC_SHARED_W3 (SFC_SHARED_B2 + SFC_HIDDEN)
 #define SFC_SHARED_B3 (SFC_SHARED_W3 + 2 * SFC_HIDDEN)
 #define SFC_SHARED_FRAGS (SFC_SHARED_B3 + 2)
@@ -204,81 +204,11 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   }
 }
 
-
-// ------------------------------------------------------------------------------------------
-// Tensor-core helpers
-// ------------------------------------------------------------------------------------------
-LOPT_DEVICE unsigned to_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-// x = hi + lo with both parts representable in TF32 (together about 22 significant bits).
-LOPT_DEVICE void split_tf32(float x, unsigned& hi, unsigned& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32(__fsub_rn(x, __uint_as_float(hi)));
-}
-
-LOPT_DEVICE void mma_tf32(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// d += A B for one k-step in float32 accuracy: A_lo B_hi + A_hi B_lo + A_hi B_hi (small terms first).
-LOPT_DEVICE void mma_3xtf32(float d[4], const unsigned a_hi[4], const unsigned a_lo[4], float4 b) {
-  const unsigned b0_hi = __float_as_uint(b.x), b1_hi = __float_as_uint(b.y);
-  const unsigned b0_lo = __float_as_uint(b.z), b1_lo = __float_as_uint(b.w);
-  mma_tf32(d, a_lo, b0_hi, b1_hi);
-  mma_tf32(d, a_hi, b0_lo, b1_lo);
-  mma_tf32(d, a_hi, b0_hi, b1_hi);
-}
-
-// One 32-wide layer for a warp's 32 rows (two m-tiles): acc[m][c] += sum over k-steps j of
-// A_m(j) B(j, c). load_a(j, a) gives the thread's A fragment values of k-step j for both m-tiles.
-// Every B fragment is read from shared memory once and used for both m-tiles (shared-memory
-// bandwidth is what limits this loop).
-template <typename LoadA>
-LOPT_DEVICE void mma_3xtf32_layer(float acc[2][4][4], LoadA load_a, const float* frags, int lane) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float a[2][4];
-    load_a(j, a);
-    unsigned a_hi[2][4], a_lo[2][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) split_tf32(a[m][i], a_hi[m][i], a_lo[m][i]);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float4 b = reinterpret_cast<const float4*>(frags)[(j * 4 + c) * 32 + lane];
-#pragma unroll
-      for (int m = 0; m < 2; ++m) mma_3xtf32(acc[m][c], a_hi[m], a_lo[m], b);
-    }
-  }
-}
-
 // Hidden-unit order of a layer's k-steps. A thread's accumulator fragment of n-tile j holds
 // columns 8j + 2t and 8j + 2t + 1; reading k-step j's A fragment straight from it gives
 // k = 8j + t -> unit 8j + 2t and k = 8j + t + 4 -> unit 8j + 2t + 1. Layers 2 and 3 sum their
 // inputs in this order (weights permuted to match), so no data moves between threads.
 LOPT_DEVICE int hidden_unit_of_k(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
-
-// Writes B (rows k < 32, columns n < 8 * n_tiles, given by weight(k, n)) in fragment order.
-template <typename Weight>
-LOPT_DEVICE void write_b_fragments(float* out, int n_tiles, Weight weight, int thread, int num_threads) {
-  for (int slot = thread; slot < 4 * n_tiles * 32; slot += num_threads) {
-    const int lane = slot % 32, tile = slot / 32, j = tile / n_tiles, c = tile % n_tiles;
-    const int g = lane / 4, t = lane % 4;
-    unsigned b0_hi, b0_lo, b1_hi, b1_lo;
-    split_tf32(weight(8 * j + t, 8 * c + g), b0_hi, b0_lo);
-    split_tf32(weight(8 * j + t + 4, 8 * c + g), b1_hi, b1_lo);
-    reinterpret_cast<float4*>(out)[slot] =
-        make_float4(__uint_as_float(b0_hi), __uint_as_float(b1_hi), __uint_as_float(b0_lo), __uint_as_float(b1_lo));
-  }
-}
 
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
@@ -296,8 +226,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   if (blockIdx.x == num_tensors) {
     const float* w2 = constants + SFC_W2;
     const float* w3 = constants + SFC_W3;
-    write_b_fragments(shared_frags + SFC_SHARED_L2, 4,
-                      [&](int k, int n) { return w2[n * SFC_HIDDEN + hidden_unit_of_k(k)]; }, tid, SFC_FOLD_THREADS);
+    write_split_operand(shared_frags + SFC_SHARED_L2,
+                        [&](int k, int n) { return w2[n * SFC_HIDDEN + hidden_unit_of_k(k)]; }, tid, SFC_FOLD_THREADS);
     if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
     if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = constants[SFC_B2 + tid];
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = constants[SFC_B3 + tid];
@@ -328,7 +258,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   }
   __syncthreads();
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
-  write_b_fragments(out, 4, [&](int k, int n) {
+  write_split_operand(out, [&](int k, int n) {
     return k < SFC_NUM_FEATURES ? __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]) : 0.f;
   }, tid, SFC_FOLD_THREADS);
   if (tid < SFC_HIDDEN) {
@@ -374,7 +304,7 @@ LOPT_DEVICE void mlp_warp_tile(float* tile, const float* l1, const float* b1, co
   // the tile (feature_column), read as they are needed to keep registers free.
   float h1[2][4][4];
   init_with_bias(h1, b1, t);
-  mma_3xtf32_layer(h1, [&](int j, float a[2][4]) {
+  split_layer_32x32(h1, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
@@ -394,7 +324,7 @@ LOPT_DEVICE void mlp_warp_tile(float* tile, const float* l1, const float* b1, co
           fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
   float h2[2][4][4];
   init_with_bias(h2, b2, t);
-  mma_3xtf32_layer(h2, [&](int j, float a[2][4]) {
+  split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float4 v = reinterpret_cast<const float4*>(own_row)[m * 4 + j];
@@ -470,18 +400,19 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
                     const float* __restrict__ col_table, float neg_lr, float neg_weight_decay_lr, float exp_mult,
                     float step_mult) {
-  __shared__ __align__(16) float l1[SFC_FRAGS_32x32];
-  __shared__ __align__(16) float l2[SFC_FRAGS_32x32];
+  __shared__ __align__(128) float l1[SFC_OPERAND_32x32];
+  __shared__ __align__(128) float l2[SFC_OPERAND_32x32];
   __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], w3[2 * SFC_HIDDEN], b3[2];
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_out[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
-  for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
+  for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   __shared__ Decays decays;  // in shared memory, not 16 registers held through the whole kernel
   if (threadIdx.x == 0) decays = read_decays(constants);
+  split_operand_stores_done();
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
   float* tile = &feature_tiles[warp][0][0];
@@ -494,9 +425,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
     if (tensor != current) {
       __syncthreads();  // everyone is done with the previous tensor's first layer
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
-      for (int k = threadIdx.x; k < SFC_FRAGS_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
+      for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
       if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) meta = tensors[tensor];
+      split_operand_stores_done();
       __syncthreads();
       current = tensor;
     }
@@ -518,7 +450,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
 #if SFC_SIMT_MAX_NUMEL > 0
-    if (meta.numel < SFC_SIMT_MAX_NUMEL) {  // uniform across the block: one tensor per chunk
+    if (__all_sync(0xffffffffu, meta.numel < SFC_SIMT_MAX_NUMEL)) {  // uniform: one tensor per chunk (the vote says so to the compiler)
       if (valid) {
         const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
         const float2 o = mlp_float32(x, f + SFC_FOLDED_PLAIN, f + SFC_FOLDED_B1, constants);

@@ -5,11 +5,16 @@ import torch
 
 import lopt
 from lopt.fused import launcher
+from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
 pytestmark = pytest.mark.cuda
 
+# Tensors under 65,536 elements run the MLP on the CUDA cores (SFC_SIMT_MAX_NUMEL), larger ones on
+# the tensor cores: both kinds, every rank.
 SHAPES = [(), (1,), (37,), (4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (300, 129), (2, 3, 4), (8, 3, 3, 3), (16, 16, 3, 3),
           (3, 1, 5, 1), (2, 5, 1, 3, 4), (1000, 3)]
+TENSOR_CORE_SHAPES = [(70001,), (300, 260), (1, 70000), (64, 32, 36), (16, 16, 17, 17), (4, 4, 4, 33, 33)]
+ALL_SHAPES = SHAPES + TENSOR_CORE_SHAPES
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -51,12 +56,9 @@ TINY_TENSOR_NUMEL = 64
 TINY_TENSOR_TOLERANCE = 1e-4
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_matches_naive_every_rank(weights, dtype):
-    fused_params, naive_params = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
-    fused = lopt.SmallFCLOpt(fused_params, weights=weights, backend="fused", lr=0.7, weight_decay=0.01)
-    naive = lopt.SmallFCLOpt(naive_params, weights=weights, backend="naive", lr=0.7, weight_decay=0.01)
-    steps = 200 if dtype == torch.float32 else 20
+def check_against_naive(fused, fused_params, naive, naive_params, shapes, steps, dtype):
+    """Steps both optimizers on the same gradients; after every step the updates must agree and the
+    naive side is resynchronised to the fused one. Returns the worst relative update errors."""
     worst = worst_step = 0.0
     for step in range(steps):
         set_grads(fused_params, seed=step)
@@ -71,7 +73,7 @@ def test_fused_matches_naive_every_rank(weights, dtype):
                                         torch.cat([u.reshape(-1) for u in naive_updates]))
             worst_step = max(worst_step, step_error)
             assert step_error <= STEP_TOLERANCE, f"step {step}: relative update error {step_error:.2e}"
-            for uf, un, shape in zip(fused_updates, naive_updates, SHAPES):
+            for uf, un, shape in zip(fused_updates, naive_updates, shapes):
                 err = relative_error(uf, un)
                 tolerance = TINY_TENSOR_TOLERANCE if uf.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
                 if uf.numel() >= TINY_TENSOR_NUMEL:
@@ -79,17 +81,40 @@ def test_fused_matches_naive_every_rank(weights, dtype):
                 assert err <= tolerance, f"step {step} shape {shape}: relative update error {err:.2e}"
         else:  # the same float32 math, rounded to the parameter dtype once
             tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
-            for f, n, shape in zip(fused_params, naive_params, SHAPES):
+            for f, n, shape in zip(fused_params, naive_params, shapes):
                 assert torch.allclose(f.detach().float(), n.detach().float(), rtol=tol, atol=tol * 1e-2), shape
         sync_into(naive, naive_params, fused, fused_params)
+    return worst_step, worst
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_matches_naive_every_rank(weights, dtype):
+    shapes = ALL_SHAPES
+    fused_params, naive_params = make_params(shapes, dtype), make_params(shapes, dtype)
+    fused = lopt.SmallFCLOpt(fused_params, weights=weights, backend="fused", lr=0.7, weight_decay=0.01)
+    naive = lopt.SmallFCLOpt(naive_params, weights=weights, backend="naive", lr=0.7, weight_decay=0.01)
+    steps = 200 if dtype == torch.float32 else 20
+    worst_step, worst = check_against_naive(fused, fused_params, naive, naive_params, shapes, steps, dtype)
     assert int(fused.state_dict()["param_groups"][0]["step"]) == steps
     print(f"max relative update error ({dtype}): per step {worst_step:.2e}, per tensor (>= 64 elements) {worst:.2e}")
+
+
+@pytest.mark.parametrize("defines", [("LOPT_NO_WGMMA",), ("SFC_SIMT_MAX_NUMEL=0",)],
+                         ids=["mma.sync layers (what non-Hopper GPUs run)", "every tensor on the tensor cores"])
+def test_kernel_variants_match_naive(weights, defines):
+    shapes = ALL_SHAPES
+    fused_params, naive_params = make_params(shapes, torch.float32), make_params(shapes, torch.float32)
+    fused = lopt.SmallFCLOpt(fused_params, weights=weights, backend="fused", lr=0.7, weight_decay=0.01)
+    fused._fused_engine = SmallFCLOptFused(fused, defines=defines)
+    naive = lopt.SmallFCLOpt(naive_params, weights=weights, backend="naive", lr=0.7, weight_decay=0.01)
+    worst_step, worst = check_against_naive(fused, fused_params, naive, naive_params, shapes, 20, torch.float32)
+    print(f"max relative update error ({defines}): per step {worst_step:.2e}, per tensor {worst:.2e}")
 
 
 def test_bit_identical_across_runs(weights):
     results = []
     for _ in range(2):
-        params = make_params(SHAPES, torch.float32, seed=3)
+        params = make_params(ALL_SHAPES, torch.float32, seed=3)
         opt = lopt.SmallFCLOpt(params, weights=weights, backend="fused")
         for step in range(5):
             set_grads(params, seed=100 + step)
@@ -100,7 +125,7 @@ def test_bit_identical_across_runs(weights):
 
 
 def test_cuda_graph_replay_equals_eager(weights):
-    shapes = [(64, 48), (48,), (3, 5, 7)]
+    shapes = [(64, 48), (48,), (3, 5, 7), (300, 260)]
     eager_params, graph_params = make_params(shapes, torch.float32, 5), make_params(shapes, torch.float32, 5)
     eager = lopt.SmallFCLOpt(eager_params, weights=weights, backend="fused")
     graphed = lopt.SmallFCLOpt(graph_params, weights=weights, backend="fused")
@@ -138,7 +163,7 @@ def test_cuda_graph_replay_equals_eager(weights):
 @pytest.mark.parametrize("direction", ["fused_to_naive", "naive_to_fused"])
 def test_state_dict_interchange(weights, direction, tmp_path):
     first, second = ("fused", "naive") if direction == "fused_to_naive" else ("naive", "fused")
-    params = make_params(SHAPES, torch.float32, 11)
+    params = make_params(ALL_SHAPES, torch.float32, 11)
     opt = lopt.SmallFCLOpt(params, weights=weights, backend=first)
     for step in range(4):
         set_grads(params, step)
@@ -163,8 +188,8 @@ def test_state_dict_interchange(weights, direction, tmp_path):
 
 
 def test_poisoned_workspaces_are_overwritten(weights):
-    params = make_params(SHAPES, torch.float32, 13)
-    clean = make_params(SHAPES, torch.float32, 13)
+    params = make_params(ALL_SHAPES, torch.float32, 13)
+    clean = make_params(ALL_SHAPES, torch.float32, 13)
     opt = lopt.SmallFCLOpt(params, weights=weights, backend="fused")
     ref = lopt.SmallFCLOpt(clean, weights=weights, backend="fused")
     for step in range(3):

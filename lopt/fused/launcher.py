@@ -25,7 +25,7 @@ import torch
 
 FUSED_ARCHITECTURES: tuple = ("small_fc_lopt",)
 
-MIN_COMPUTE_CAPABILITY = (8, 0)  # the MLPs run on TF32 tensor cores (mma.sync m16n8k8)
+MIN_COMPUTE_CAPABILITY = (8, 0)  # the MLPs run on TF32 and BF16 tensor cores (mma.sync)
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -80,7 +80,7 @@ def fused_unavailable_reason(architecture: str, devices) -> str | None:
         return "no CUDA device is available to PyTorch"
     too_old = sorted(str(d) for d in devices if torch.cuda.get_device_capability(d) < MIN_COMPUTE_CAPABILITY)
     if too_old:
-        return f"the fused kernels need compute capability >= 8.0 (TF32 tensor cores), which {', '.join(too_old)} lacks"
+        return f"the fused kernels need compute capability >= 8.0 (TF32 and BF16 tensor cores), which {', '.join(too_old)} lacks"
     if cupy_or_none() is None:
         return "CuPy is not installed (pip install 'lopt[cuda12]' or 'lopt[cuda13]', matching your CUDA major version)"
     return None
@@ -91,10 +91,42 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("LOPT_KERNEL_CACHE", Path.home() / ".cache" / "lopt" / "kernels"))
 
 
+def nvrtc_architecture(compute_capability: tuple, nvrtc_max: int) -> str:
+    """The ``--gpu-architecture`` to build for a device.
+
+    The device's own machine code (``sm_XY``); compute capability 9.0 (H100/H200) gets ``sm_90a``,
+    whose ``wgmma`` instructions the MLP kernels use (an ``a`` build runs on 9.0 devices only, which is
+    all it is built for here). A device newer than this NVRTC knows gets PTX of the newest
+    architecture NVRTC knows (``compute_XY``), which the driver compiles when the module is loaded.
+    """
+    capability = compute_capability[0] * 10 + compute_capability[1]
+    if capability > nvrtc_max:
+        return f"compute_{nvrtc_max}"
+    return f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
+
+
+def _nvrtc_compile(source: str, options: tuple, architecture: str) -> bytes:
+    """Machine code (``sm_*``) or PTX (``compute_*``) from NVRTC, called directly (CuPy's wrappers cannot name an ``sm_90a`` target, and its module cache
+    appends ``-ftz=true``, which would flush denormals where the reference keeps them)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, "lopt_kernels.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, [*options, f"--gpu-architecture={architecture}"])
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"{err}\n{nvrtc.getProgramLog(program)}") from None
+        if architecture.startswith("sm_"):
+            return nvrtc.getCUBIN(program)
+        ptx = nvrtc.getPTX(program)
+        return ptx if isinstance(ptx, bytes) else ptx.encode()
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 @lru_cache(maxsize=None)
 def _compiled(filename: str, device_index: int, defines: tuple):
-    """Compile with NVRTC (through CuPy's wrapper, not its module cache: that one appends ``-ftz=true``,
-    which would flush denormals where the reference keeps them) and cache the cubin on disk."""
+    """Compile for the device with NVRTC and cache the cubin on disk."""
     import hashlib
 
     cupy = cupy_or_none()
@@ -103,14 +135,15 @@ def _compiled(filename: str, device_index: int, defines: tuple):
     source = kernel_source(filename)
     options = NVRTC_OPTIONS + tuple(d if d.startswith("-") else f"-D{d}" for d in defines)
     with cupy.cuda.Device(device_index):
-        arch = compiler._get_arch()
-        key = hashlib.sha256("\0".join([source, *options, arch, str(compiler._get_nvrtc_version()),
+        architecture = nvrtc_architecture(torch.cuda.get_device_capability(device_index),
+                                          int(compiler._get_max_compute_capability()))
+        key = hashlib.sha256("\0".join([source, *options, architecture, str(compiler._get_nvrtc_version()),
                                         cupy.__version__]).encode()).hexdigest()
-        path = kernel_cache_dir() / f"{Path(filename).stem}-sm{arch}-{key[:24]}.cubin"
+        path = kernel_cache_dir() / f"{Path(filename).stem}-{architecture}-{key[:24]}.cubin"
         if path.is_file():
             cubin = path.read_bytes()
         else:
-            cubin, _ = compiler.compile_using_nvrtc(source, options, arch)
+            cubin = _nvrtc_compile(source, options, architecture)
             try:  # write-then-rename, so concurrent processes never read a partial file
                 path.parent.mkdir(parents=True, exist_ok=True)
                 partial = path.with_suffix(f".{os.getpid()}.tmp")

@@ -9,7 +9,7 @@ number of tensors:
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features)
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer
 6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
-   split-TF32 products), update_from_mlp, apply_update
+   split products: TF32 plus a BF16 correction; wgmma on Hopper), update_from_mlp, apply_update
 
 No host synchronisation and no allocation happen in a steady-state step; a step can be captured
 in a CUDA graph (lr and weight decay are then those at capture time).
@@ -33,9 +33,9 @@ APPLY_THREADS = 128  # one element per thread per chunk
 FOLD_THREADS = 256
 FINALIZE_THREADS = 256
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
-FRAGS_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix in tensor-core fragment order (hi and lo parts)
-FOLDED_FLOATS = FRAGS_32x32 + 32 + NUM_FEATURES * 32  # per tensor: folded first layer (fragments), bias, plain
-SHARED_FRAGS_FLOATS = FRAGS_32x32 + 32 + 2 * 32 + 2  # per group: layer 2 (fragments) + bias, layer 3 + bias
+OPERAND_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix as a tensor-core B operand (split_mma.cuh)
+FOLDED_FLOATS = OPERAND_32x32 + 32 + NUM_FEATURES * 32  # per tensor: folded first layer (operand), bias, plain
+SHARED_FRAGS_FLOATS = OPERAND_32x32 + 32 + 2 * 32 + 2  # per group: layer 2 (operand) + bias, layer 3 + bias
 
 
 def pack_decays(decays: reference.Decays) -> torch.Tensor:
