@@ -139,9 +139,18 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
 // ------------------------------------------------------------------------------------------
 // wgmma (sm_90a)
 // ------------------------------------------------------------------------------------------
-// Operand layout, per k-step j (2 KiB): the TF32 B_hi (32 n x 8 k), then the BF16 correction B
-// (32 n x 16 k), each K-major without swizzle: 8 x 16-byte "core matrices" (8 n-rows of 16 bytes);
-// the core matrix of n-group q and 16-byte k-slice h sits at (2q + h) * 128 bytes.
+// Products into one accumulator are ordered by the hardware only when they have the same shape;
+// a TF32 (k8) and a BF16 (k16) product into the same registers would be serialised. So either all
+// three products are TF32 (LOPT_WGMMA_BF16_CORRECTION 0: a_lo b_hi + a_hi b_lo + a_hi b_hi, one
+// accumulator, also more accurate), or the BF16 corrections go into an accumulator of their own,
+// added at the end (1: fewer tensor-core cycles, 32 more registers).
+#ifndef LOPT_WGMMA_BF16_CORRECTION
+#define LOPT_WGMMA_BF16_CORRECTION 0
+#endif
+// Operand layout, per k-step j (2 KiB): TF32 B_hi (32 n x 8 k), then the correction operand:
+// TF32 B_lo (32 n x 8 k), or the BF16 [B_hi ; B_lo] (32 n x 16 k). Each K-major without swizzle:
+// 8 x 16-byte "core matrices" (8 n-rows of 16 bytes); the core matrix of n-group q and 16-byte
+// k-slice h sits at (2q + h) * 128 bytes.
 #define LOPT_WGMMA_LEADING_BYTES 128  // between the two k-slices of an n-group
 #define LOPT_WGMMA_STRIDE_BYTES 256   // between n-groups
 
@@ -150,21 +159,20 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
   for (int slot = thread; slot < 4 * 4 * 32; slot += num_threads) {  // one 16-byte core-matrix row each
     const int j = slot / 128, within = slot % 128, correction = within / 64;
     const int core = (within % 64) / 8, q = core / 2, h = core % 2, n = 8 * q + within % 8;
-    uint4 v;
-    if (!correction) {  // k = 8j + 4h + 0..3
-      v = make_uint4(to_tf32(weight(8 * j + 4 * h, n)), to_tf32(weight(8 * j + 4 * h + 1, n)),
-                     to_tf32(weight(8 * j + 4 * h + 2, n)), to_tf32(weight(8 * j + 4 * h + 3, n)));
-    } else {  // columns 8h .. 8h + 7 of the correction product: b_hi for h = 0, b_lo for h = 1
-      unsigned packed[4];
+    unsigned packed[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < 4; ++u) {
+      if (!correction) {  // k = 8j + 4h + u
+        packed[u] = to_tf32(weight(8 * j + 4 * h + u, n));
+      } else if (!LOPT_WGMMA_BF16_CORRECTION) {
+        packed[u] = to_tf32(split(weight(8 * j + 4 * h + u, n)).lo);
+      } else {  // columns 8h + 2u, 8h + 2u + 1 of the correction product: b_hi for h = 0, b_lo for h = 1
         const SplitValue first = split(weight(8 * j + correction_k(2 * u), n));
         const SplitValue second = split(weight(8 * j + correction_k(2 * u + 1), n));
         packed[u] = h == 0 ? pack_bf16x2(first.hi, second.hi) : pack_bf16x2(first.lo, second.lo);
       }
-      v = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-    reinterpret_cast<uint4*>(out)[slot] = v;
+    reinterpret_cast<uint4*>(out)[slot] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
 }
 
@@ -210,33 +218,73 @@ LOPT_DEVICE void wgmma_bf16_m64n32k16(float acc[4][4], const unsigned a[4], unsi
 }
 
 // acc[m] += A_m B over 32 k. Called by all 128 threads of the warpgroup together. Each k-step's
-// four products go out as one group while the next k-step's A fragments are formed; at most two
+// products go out as one group while the next k-step's A fragments are formed; at most two
 // groups are in flight, so only two k-steps' fragments are held in registers.
 template <typename LoadA>
 LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, int /*lane*/) {
   const unsigned long long base = operand_descriptor(operand);
+#if LOPT_WGMMA_BF16_CORRECTION
+  float correction[2][4][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) correction[m][c][i] = 0.f;
+#pragma unroll
+  for (int m = 0; m < 2; ++m) pin_accumulators(correction[m]);
+#endif
 #pragma unroll
   for (int m = 0; m < 2; ++m) pin_accumulators(acc[m]);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float a[2][4];
     load_a(j, a);
+    // Descriptor addresses count 16-byte units: k-step j's operands start j * 2048 and j * 2048 + 1024 bytes in.
+    const unsigned long long b_hi = base + (j * 2048 >> 4), b_correction = base + ((j * 2048 + 1024) >> 4);
+#if LOPT_WGMMA_BF16_CORRECTION
     SplitFragment f[2];
 #pragma unroll
     for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
-    // Descriptor addresses count 16-byte units: k-step j's operands start j * 2048 and j * 2048 + 1024 bytes in.
-    const unsigned long long b_hi = base + (j * 2048 >> 4), b_correction = base + ((j * 2048 + 1024) >> 4);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");  // this k-step's A fragments are written
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      wgmma_bf16_m64n32k16(acc[m], f[m].correction, b_correction);  // the small terms first
+      wgmma_bf16_m64n32k16(correction[m], f[m].correction, b_correction);
       wgmma_tf32_m64n32k8(acc[m], f[m].hi, b_hi);
     }
+#else
+    unsigned hi[2][4], lo[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const SplitValue v = split(a[m][i]);
+        hi[m][i] = __float_as_uint(v.hi);
+        lo[m][i] = to_tf32(v.lo);
+      }
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");  // this k-step's A fragments are written
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {  // the small terms first
+      wgmma_tf32_m64n32k8(acc[m], lo[m], b_hi);
+      wgmma_tf32_m64n32k8(acc[m], hi[m], b_correction);
+      wgmma_tf32_m64n32k8(acc[m], hi[m], b_hi);
+    }
+#endif
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the previous k-step is done
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
   for (int m = 0; m < 2; ++m) pin_accumulators(acc[m]);
+#if LOPT_WGMMA_BF16_CORRECTION
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    pin_accumulators(correction[m]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[m][c][i] = __fadd_rn(acc[m][c][i], correction[m][c][i]);
+  }
+#endif
 }
 #endif
