@@ -170,13 +170,14 @@ def environment(device: torch.device) -> dict:
         info["cupy"] = cupy.__version__
     except Exception:
         info["cupy"] = None
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        timeout=5).stdout.strip() or None
-    except Exception:
-        info["commit"] = None
-    # A copy of the tree without .git (the GPU machine) is told its commit through LOPT_COMMIT.
-    info["commit"] = info["commit"] or os.environ.get("LOPT_COMMIT")
+    # A copy of the tree whose .git is absent or stale (the GPU machine) is told its commit through LOPT_COMMIT.
+    info["commit"] = os.environ.get("LOPT_COMMIT")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            timeout=5).stdout.strip() or None
+        except Exception:
+            info["commit"] = None
     return info
 
 
