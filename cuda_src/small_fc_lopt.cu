@@ -62,7 +62,6 @@ constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a cons
 #define SFC_APPLY_WARPS 4
 #define SFC_APPLY_THREADS (32 * SFC_APPLY_WARPS)
 #define SFC_APPLY_CHUNK SFC_APPLY_THREADS  // one element per thread per chunk
-#define SFC_FEATURE_STRIDE 36              // row stride of the feature tiles: conflict-free float4 access
 
 __constant__ float SFC_TIMESCALES[SFC_NUM_TIME_FEATURES] = {1.f, 3.f, 10.f, 30.f, 100.f, 300.f, 1000.f,
                                                           3000.f, 10000.f, 30000.f, 100000.f};
@@ -204,11 +203,16 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   }
 }
 
-// Hidden-unit order of a layer's k-steps. A thread's accumulator fragment of n-tile j holds
-// columns 8j + 2t and 8j + 2t + 1; reading k-step j's A fragment straight from it gives
-// k = 8j + t -> unit 8j + 2t and k = 8j + t + 4 -> unit 8j + 2t + 1. Layers 2 and 3 sum their
-// inputs in this order (weights permuted to match), so no data moves between threads.
-LOPT_DEVICE int hidden_unit_of_k(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
+// The hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
+#if LOPT_SPLIT_WGMMA
+// Layer 2's inputs go through the A tile in shared memory, in their natural order.
+LOPT_DEVICE int layer2_input_unit(int k) { return k; }
+#else
+// Layer 2's A fragments are read straight from layer 1's accumulators: a thread's fragment of
+// n-tile j holds columns 8j + 2t and 8j + 2t + 1, and k-step j's A fragment wants k = 8j + t and
+// k = 8j + t + 4, so those are units 8j + 2t and 8j + 2t + 1; no data moves between threads.
+LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
+#endif
 
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
@@ -227,7 +231,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     const float* w2 = constants + SFC_W2;
     const float* w3 = constants + SFC_W3;
     write_split_operand(shared_frags + SFC_SHARED_L2,
-                        [&](int k, int n) { return w2[n * SFC_HIDDEN + hidden_unit_of_k(k)]; }, tid, SFC_FOLD_THREADS);
+                        [&](int k, int n) { return w2[n * SFC_HIDDEN + layer2_input_unit(k)]; }, tid, SFC_FOLD_THREADS);
     if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
     if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = constants[SFC_B2 + tid];
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = constants[SFC_B3 + tid];
@@ -273,15 +277,11 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
 }
 
 // ------------------------------------------------------------------------------------------
-// Apply: each warp takes 32 elements at a time. Every lane computes its element's 28 features
-// (as the statistics pass did) into a shared-memory tile; the MLP then runs on tensor cores as
-// two 16-element m-tiles; the two outputs go back to the element's lane, which applies the update.
+// Apply: a block (4 warps) takes 128 elements at a time, one per thread. Every thread computes its
+// element's 28 features (as the statistics pass did); mlp_chunk runs the MLP for the 128 rows on
+// tensor cores and hands each thread its element's two outputs, and the thread applies the update.
 // Blocks take contiguous ranges of chunks and reload the first layer only when the tensor changes.
 // ------------------------------------------------------------------------------------------
-
-// Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
-// thread's A fragments for all four k-steps are two float4 loads per row.
-LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
 // Accumulator fragments start at the layer's bias: columns 8c + 2t and 8c + 2t + 1, both rows.
 LOPT_DEVICE void init_with_bias(float acc[2][4][4], const float* bias, int t) {
@@ -294,45 +294,10 @@ LOPT_DEVICE void init_with_bias(float acc[2][4][4], const float* bias, int t) {
     }
 }
 
-// The MLP for a warp's 32 rows (two m-tiles of 16): out[m] holds (direction, magnitude) of rows
-// 16m + g (out[m][0], out[m][1]) and 16m + g + 8 (out[m][2], out[m][3]), in every lane of the quad.
-LOPT_DEVICE void mlp_warp_tile(float* tile, const float* l1, const float* b1, const float* l2, const float* b2,
-                               const float* w3, const float* b3, int lane, float out[2][4]) {
-  const int g = lane / 4, t = lane % 4;
-  // Layer 1: h1 = relu(W1' x + b1'). A fragment values of k-step j for rows g and g + 8 of m-tile m:
-  // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in
-  // the tile (feature_column), read as they are needed to keep registers free.
-  float h1[2][4][4];
-  init_with_bias(h1, b1, t);
-  split_layer_32x32(h1, [&](int j, float a[2][4]) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
-      const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
-      a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
-    }
-  }, l1, lane);
-  // Layer 2: its A fragments are layer 1's accumulators after the ReLU (hidden_unit_of_k order).
-  // They wait in this lane's own tile row (the features are no longer needed) instead of registers.
-  __syncwarp();  // every lane has read its layer-1 fragments from the tile
-  float* own_row = tile + lane * SFC_FEATURE_STRIDE;
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      reinterpret_cast<float4*>(own_row)[m * 4 + j] = make_float4(
-          fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
-  float h2[2][4][4];
-  init_with_bias(h2, b2, t);
-  split_layer_32x32(h2, [&](int j, float a[2][4]) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const float4 v = reinterpret_cast<const float4*>(own_row)[m * 4 + j];
-      a[m][0] = v.x; a[m][1] = v.y; a[m][2] = v.z; a[m][3] = v.w;
-    }
-  }, l2, lane);
-  // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of
-  // its accumulator fragments, then the quad (4 threads) sums its partials.
+// Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of its
+// accumulator fragments, then the quad (4 threads) sums its partials. out[m] holds (direction,
+// magnitude) of the fragment's rows g (out[m][0], out[m][1]) and g + 8 (out[m][2], out[m][3]).
+LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const float* b3, int t, float out[2][4]) {
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
     float partial[4] = {0.f, 0.f, 0.f, 0.f};  // direction(g), magnitude(g), direction(g+8), magnitude(g+8)
@@ -355,6 +320,130 @@ LOPT_DEVICE void mlp_warp_tile(float* tile, const float* l1, const float* b1, co
     }
   }
 }
+
+#if !LOPT_SPLIT_WGMMA
+// mma.sync: each warp runs its own 32 elements as two 16-row m-tiles. Scratch: a feature tile per
+// warp, then the MLP outputs of the block's 128 elements.
+#define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
+#define SFC_TILE_BYTES (SFC_APPLY_WARPS * 32 * SFC_FEATURE_STRIDE * 4)
+#define SFC_APPLY_SCRATCH_BYTES (SFC_TILE_BYTES + SFC_APPLY_THREADS * 8)
+
+// Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
+// thread's A fragments for all four k-steps are two float4 loads per row.
+LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
+
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scratch, const float* l1, const float* b1,
+                             const float* l2, const float* b2, const float* w3, const float* b3) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float* tile = reinterpret_cast<float*>(scratch) + warp * 32 * SFC_FEATURE_STRIDE;
+  float2* outputs = reinterpret_cast<float2*>(scratch + SFC_TILE_BYTES) + warp * 32;
+  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
+  float row[SFC_K];
+#pragma unroll
+  for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = k < SFC_NUM_FEATURES ? x[k] : 0.f;
+#pragma unroll
+  for (int q = 0; q < SFC_K / 4; ++q)
+    reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
+        make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+  __syncwarp();
+  // Layer 1: h1 = relu(W1' x + b1'). A fragment values of k-step j for rows g and g + 8 of m-tile m:
+  // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in
+  // the tile (feature_column), read as they are needed to keep registers free.
+  float h1[2][4][4];
+  init_with_bias(h1, b1, t);
+  split_layer_32x32(h1, [&](int j, float a[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
+      const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
+      a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
+    }
+  }, l1, lane);
+  // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
+  // They wait in this lane's own tile row (the features are no longer needed) instead of registers.
+  __syncwarp();  // every lane has read its layer-1 fragments from the tile
+  float* own_row = tile + lane * SFC_FEATURE_STRIDE;
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      reinterpret_cast<float4*>(own_row)[m * 4 + j] = make_float4(
+          fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
+  float h2[2][4][4];
+  init_with_bias(h2, b2, t);
+  split_layer_32x32(h2, [&](int j, float a[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const float4 v = reinterpret_cast<const float4*>(own_row)[m * 4 + j];
+      a[m][0] = v.x; a[m][1] = v.y; a[m][2] = v.z; a[m][3] = v.w;
+    }
+  }, l2, lane);
+  float out[2][4];
+  output_layer(h2, w3, b3, t, out);
+  if (t == 0) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      outputs[16 * m + g] = make_float2(out[m][0], out[m][1]);
+      outputs[16 * m + g + 8] = make_float2(out[m][2], out[m][3]);
+    }
+  }
+  __syncwarp();
+  return outputs[lane];
+}
+
+#else
+// wgmma: the block's 128 elements as two 64-row m-tiles; warp w's accumulators hold rows
+// 64m + 16w + g and + 8. Scratch: the A tile (split_mma.cuh), then the 128 MLP outputs.
+#define SFC_APPLY_SCRATCH_BYTES (LOPT_SPLIT_A_TILE_BYTES + SFC_APPLY_THREADS * 8)
+
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scratch, const float* l1, const float* b1,
+                             const float* l2, const float* b2, const float* w3, const float* b3) {
+  const int row = threadIdx.x, warp = row / 32, g = (row % 32) / 4, t = row % 4;
+  unsigned char* a_tile = scratch;
+  float2* outputs = reinterpret_cast<float2*>(scratch + LOPT_SPLIT_A_TILE_BYTES);
+  __syncthreads();  // the previous chunk is done with the A tile and the outputs
+  // Layer 1: h1 = relu(W1' x + b1'), x padded with zeros to 32 inputs.
+#pragma unroll
+  for (int q = 0; q < SFC_NUM_FEATURES / 4; ++q) store_split_inputs<4>(a_tile, row, 4 * q, x + 4 * q);
+  const float padding[4] = {0.f, 0.f, 0.f, 0.f};
+  store_split_inputs<4>(a_tile, row, SFC_NUM_FEATURES, padding);
+  split_operand_stores_done();
+  __syncthreads();
+  float h1[2][4][4];
+  init_with_bias(h1, b1, t);
+  split_layer_32x32(h1, a_tile, l1);
+  __syncthreads();  // every warp's layer-1 products are done reading the A tile
+  // Layer 2: its inputs, relu(h1), replace the features in the A tile.
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float v[2] = {fmaxf(h1[m][c][2 * half], 0.f), fmaxf(h1[m][c][2 * half + 1], 0.f)};
+        store_split_inputs<2>(a_tile, 64 * m + 16 * warp + g + 8 * half, 8 * c + 2 * t, v);
+      }
+  split_operand_stores_done();
+  __syncthreads();
+  float h2[2][4][4];
+  init_with_bias(h2, b2, t);
+  split_layer_32x32(h2, a_tile, l2);
+  float out[2][4];
+  output_layer(h2, w3, b3, t, out);
+  if (t == 0) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      outputs[64 * m + 16 * warp + g] = make_float2(out[m][0], out[m][1]);
+      outputs[64 * m + 16 * warp + g + 8] = make_float2(out[m][2], out[m][3]);
+    }
+  }
+  __syncthreads();
+  return outputs[row];
+}
+#endif
+
+// Dynamic shared memory the apply kernel needs (read by lopt/fused/small_fc_lopt.py).
+extern "C" __device__ int small_fc_lopt_apply_scratch_bytes = SFC_APPLY_SCRATCH_BYTES;
 
 // The small-tensor path: the same MLP for one element in plain float32 FMAs (weights broadcast
 // from global memory: the same address in every lane, served by the cache).
@@ -403,8 +492,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   __shared__ __align__(128) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(128) float l2[SFC_OPERAND_32x32];
   __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], w3[2 * SFC_HIDDEN], b3[2];
-  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
-  __shared__ float2 mlp_out[SFC_APPLY_WARPS][32];
+  extern __shared__ __align__(128) unsigned char mlp_scratch[];  // SFC_APPLY_SCRATCH_BYTES, for mlp_chunk
   __shared__ TensorMeta meta;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
@@ -414,8 +502,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   if (threadIdx.x == 0) decays = read_decays(constants);
   split_operand_stores_done();
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-  float* tile = &feature_tiles[warp][0][0];
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
@@ -459,29 +545,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       continue;
     }
 #endif
-    __syncwarp();  // the previous chunk's reads of this warp's tile are done
-    float row[SFC_K];
-#pragma unroll
-    for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = k < SFC_NUM_FEATURES ? x[k] : 0.f;
-#pragma unroll
-    for (int q = 0; q < SFC_K / 4; ++q)
-      reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
-          make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
-    __syncwarp();
-    float out[2][4];
-#ifdef SFC_PROFILE_NO_MLP  // timing experiments only: the features pass straight through
-    for (int m = 0; m < 2; ++m) out[m][0] = out[m][1] = out[m][2] = out[m][3] = tile[(16 * m + g) * SFC_FEATURE_STRIDE];
+#ifdef SFC_PROFILE_NO_MLP  // timing experiments only: two features stand in for the MLP's outputs
+    const float2 mlp_output = make_float2(x[0], x[1]);
 #else
-    mlp_warp_tile(tile, l1, b1, l2, b2, w3, b3, lane, out);
+    const float2 mlp_output = mlp_chunk(x, mlp_scratch, l1, b1, l2, b2, w3, b3);
 #endif
-    if (lane % 4 == 0) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        mlp_out[warp][16 * m + g] = make_float2(out[m][0], out[m][1]);
-        mlp_out[warp][16 * m + g + 8] = make_float2(out[m][2], out[m][3]);
-      }
-    }
-    __syncwarp();
-    if (valid) apply_update(meta, index, param, state, mlp_out[warp][lane], neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
+    if (valid) apply_update(meta, index, param, state, mlp_output, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
   }
 }

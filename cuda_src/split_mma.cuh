@@ -11,14 +11,14 @@
 // dropped a_lo b_lo term and the BF16 rounding of the small corrections leave an error of about
 // 2^-19 of sum |a_k b_k|; BF16 keeps float32's exponent range, so no operand can overflow.
 //
-// Two implementations of the same layer, chosen at compile time:
-//   * mma.sync (sm_80+): each warp multiplies its own two 16-row m-tiles; B operands in shared
-//     memory in "fragment order" (one float4 per lane, k-step and n-tile).
-//   * wgmma (sm_90a): the 4 warps of a warpgroup issue each product together (64 rows, one m-tile of
-//     each warp); B operands in shared memory in the canonical no-swizzle K-major layout, read by
-//     the tensor cores directly. Needs the kernel's block to be one warpgroup.
-// Either way a layer's B operand takes LOPT_SPLIT_OPERAND_FLOATS floats (8 KiB), and the rows and
-// accumulators a warp holds have the same layout, so callers do not see which one runs.
+// Two implementations, chosen at compile time:
+//   * mma.sync (sm_80+): each warp multiplies its own 32 rows (two 16-row m-tiles), A fragments
+//     from registers; B operands in shared memory in "fragment order" (a float4 per lane, k-step
+//     and n-tile); TF32 + BF16 products as above.
+//   * wgmma (sm_90a): the block (one warpgroup of 4 warps) multiplies its 128 rows with A and B in
+//     shared memory in the tensor cores' own layout; three TF32 products (see that section).
+// Either way a layer's B operand takes LOPT_SPLIT_OPERAND_FLOATS floats (8 KiB) and the
+// accumulators are m16n8 tiles of float32.
 #pragma once
 #include "lopt_common.cuh"
 
@@ -73,10 +73,6 @@ LOPT_DEVICE SplitFragment split_fragment(const float a[4]) {
   f.correction[3] = pack_bf16x2(v[1].hi, v[3].hi);
   return f;
 }
-
-// k index (0..7, within the k-step) that column c (0..15) of the correction product multiplies:
-// columns 2t and 2t + 1 are k = t and t + 4 (a_lo against b_hi), columns 8.. repeat with a_hi, b_lo.
-LOPT_DEVICE constexpr int correction_k(int c) { return (c % 8) / 2 + 4 * (c % 2); }
 
 #if !LOPT_SPLIT_WGMMA
 // ------------------------------------------------------------------------------------------
@@ -137,42 +133,59 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
 
 #else
 // ------------------------------------------------------------------------------------------
-// wgmma (sm_90a)
+// wgmma (sm_90a): both operands in shared memory, the block's 128 rows as two 64-row m-tiles.
 // ------------------------------------------------------------------------------------------
-// Products into one accumulator are ordered by the hardware only when they have the same shape;
-// a TF32 (k8) and a BF16 (k16) product into the same registers would be serialised. So either all
-// three products are TF32 (LOPT_WGMMA_BF16_CORRECTION 0: a_lo b_hi + a_hi b_lo + a_hi b_hi, one
-// accumulator, also more accurate), or the BF16 corrections go into an accumulator of their own,
-// added at the end (1: fewer tensor-core cycles, 32 more registers).
-#ifndef LOPT_WGMMA_BF16_CORRECTION
-#define LOPT_WGMMA_BF16_CORRECTION 0
-#endif
-// Operand layout, per k-step j (2 KiB): TF32 B_hi (32 n x 8 k), then the correction operand:
-// TF32 B_lo (32 n x 8 k), or the BF16 [B_hi ; B_lo] (32 n x 16 k). Each K-major without swizzle:
-// 8 x 16-byte "core matrices" (8 n-rows of 16 bytes); the core matrix of n-group q and 16-byte
-// k-slice h sits at (2q + h) * 128 bytes.
-#define LOPT_WGMMA_LEADING_BYTES 128  // between the two k-slices of an n-group
-#define LOPT_WGMMA_STRIDE_BYTES 256   // between n-groups
+// Products into one accumulator are ordered by the hardware only when they have the same shape (a
+// TF32 k8 and a BF16 k16 product into the same registers would be serialised), and waiting for
+// products is what costs here, not the products themselves; so this path uses three TF32 products
+// per k-step (a_lo b_hi + a_hi b_lo + a_hi b_hi: the lo parts rounded to TF32, about 2^-21 of
+// sum |a_k b_k|), and a whole layer (24 products) is issued as one group and waited for once.
+//
+// Layouts: K-major without swizzle, made of "core matrices" of 8 rows x 16 bytes (4 TF32 values of
+// k); the core matrix of row group q and k-slice h (of a k-step's two) sits at (2q + h) * 128 bytes.
+//   B operand (per layer, 8 KiB): per k-step j, B_hi (32 n-rows) then B_lo, 1 KiB each.
+//   A tile (per block, 32 KiB): per m-tile (64 rows) and k-step, A_hi then A_lo, 2 KiB each.
+#define LOPT_WGMMA_LEADING_BYTES 128  // between the two k-slices of a row group
+#define LOPT_WGMMA_STRIDE_BYTES 256   // between row groups
+#define LOPT_SPLIT_A_TILE_BYTES (2 * 4 * 2 * 2048)
 
 template <typename Weight>
 LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int num_threads) {
   for (int slot = thread; slot < 4 * 4 * 32; slot += num_threads) {  // one 16-byte core-matrix row each
-    const int j = slot / 128, within = slot % 128, correction = within / 64;
+    const int j = slot / 128, within = slot % 128, low_part = within / 64;
     const int core = (within % 64) / 8, q = core / 2, h = core % 2, n = 8 * q + within % 8;
     unsigned packed[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (!correction) {  // k = 8j + 4h + u
-        packed[u] = to_tf32(weight(8 * j + 4 * h + u, n));
-      } else if (!LOPT_WGMMA_BF16_CORRECTION) {
-        packed[u] = to_tf32(split(weight(8 * j + 4 * h + u, n)).lo);
-      } else {  // columns 8h + 2u, 8h + 2u + 1 of the correction product: b_hi for h = 0, b_lo for h = 1
-        const SplitValue first = split(weight(8 * j + correction_k(2 * u), n));
-        const SplitValue second = split(weight(8 * j + correction_k(2 * u + 1), n));
-        packed[u] = h == 0 ? pack_bf16x2(first.hi, second.hi) : pack_bf16x2(first.lo, second.lo);
-      }
+    for (int u = 0; u < 4; ++u) {  // k = 8j + 4h + u
+      const SplitValue v = split(weight(8 * j + 4 * h + u, n));
+      packed[u] = low_part ? to_tf32(v.lo) : __float_as_uint(v.hi);
     }
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
+// Byte offset in the A tile of row `row` (0..127), input k, part (0: hi, 1: lo).
+LOPT_DEVICE int a_tile_offset(int row, int k, int part) {
+  const int m_tile = row / 64, r = row % 64, j = k / 8, h = (k % 8) / 4;
+  return ((m_tile * 4 + j) * 2 + part) * 2048 + ((r / 8) * 2 + h) * 128 + (r % 8) * 16 + (k % 4) * 4;
+}
+
+// Stores n (2 or 4) consecutive inputs k, k + 1, ... of a row, split into their hi and lo parts.
+template <int N>
+LOPT_DEVICE void store_split_inputs(unsigned char* a_tile, int row, int k, const float* values) {
+  unsigned hi[N], lo[N];
+#pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const SplitValue v = split(values[u]);
+    hi[u] = __float_as_uint(v.hi);
+    lo[u] = to_tf32(v.lo);
+  }
+  if constexpr (N == 4) {
+    *reinterpret_cast<uint4*>(a_tile + a_tile_offset(row, k, 0)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(a_tile + a_tile_offset(row, k, 1)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  } else {
+    *reinterpret_cast<uint2*>(a_tile + a_tile_offset(row, k, 0)) = make_uint2(hi[0], hi[1]);
+    *reinterpret_cast<uint2*>(a_tile + a_tile_offset(row, k, 1)) = make_uint2(lo[0], lo[1]);
   }
 }
 
@@ -194,97 +207,40 @@ LOPT_DEVICE void pin_accumulators(float acc[4][4]) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(acc[c][i])::"memory");
 }
 
-#define LOPT_WGMMA_D16(acc)                                                                                        \
-  "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]),          \
-      "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),      \
-      "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
-
-// acc (this warp's 16 rows x 32 columns, as four m16n8 accumulator tiles) += A B, k = 8.
-LOPT_DEVICE void wgmma_tf32_m64n32k8(float acc[4][4], const unsigned a[4], unsigned long long b) {
+// acc (this warp's 16 rows of the m-tile x 32 columns, as four m16n8 accumulator tiles) += A B, k = 8.
+LOPT_DEVICE void wgmma_tf32_m64n32k8(float acc[4][4], unsigned long long a, unsigned long long b) {
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1;\n"
-      : LOPT_WGMMA_D16(acc)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1;\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]),
+        "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
+      : "l"(a), "l"(b));
 }
 
-// The same with BF16 operands, k = 16 (B K-major: not transposed).
-LOPT_DEVICE void wgmma_bf16_m64n32k16(float acc[4][4], const unsigned a[4], unsigned long long b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
-      : LOPT_WGMMA_D16(acc)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
-// acc[m] += A_m B over 32 k. Called by all 128 threads of the warpgroup together. Each k-step's
-// products go out as one group while the next k-step's A fragments are formed; at most two
-// groups are in flight, so only two k-steps' fragments are held in registers.
-template <typename LoadA>
-LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, int /*lane*/) {
-  const unsigned long long base = operand_descriptor(operand);
-#if LOPT_WGMMA_BF16_CORRECTION
-  float correction[2][4][4];
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) correction[m][c][i] = 0.f;
-#pragma unroll
-  for (int m = 0; m < 2; ++m) pin_accumulators(correction[m]);
-#endif
+// acc[m] += A_m B over 32 k, A_m being rows 64m .. 64m + 63 of the A tile (this warp's accumulators:
+// rows 64m + 16 warp + g and + 8). All 128 threads of the warpgroup call it together, after the A
+// tile and the B operand were published (split_operand_stores_done, then a barrier).
+LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], const unsigned char* a_tile, const float* operand) {
+  const unsigned long long a = operand_descriptor(a_tile), b = operand_descriptor(operand);
 #pragma unroll
   for (int m = 0; m < 2; ++m) pin_accumulators(acc[m]);
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    float a[2][4];
-    load_a(j, a);
-    // Descriptor addresses count 16-byte units: k-step j's operands start j * 2048 and j * 2048 + 1024 bytes in.
-    const unsigned long long b_hi = base + (j * 2048 >> 4), b_correction = base + ((j * 2048 + 1024) >> 4);
-#if LOPT_WGMMA_BF16_CORRECTION
-    SplitFragment f[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");  // this k-step's A fragments are written
+    // Descriptor addresses count 16-byte units.
+    const unsigned long long b_hi = b + (j * 2048 >> 4), b_lo = b + ((j * 2048 + 1024) >> 4);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      wgmma_bf16_m64n32k16(correction[m], f[m].correction, b_correction);
-      wgmma_tf32_m64n32k8(acc[m], f[m].hi, b_hi);
+      const unsigned long long a_hi = a + (((m * 4 + j) * 2) * 2048 >> 4), a_lo = a_hi + (2048 >> 4);
+      wgmma_tf32_m64n32k8(acc[m], a_lo, b_hi);  // the small terms first
+      wgmma_tf32_m64n32k8(acc[m], a_hi, b_lo);
+      wgmma_tf32_m64n32k8(acc[m], a_hi, b_hi);
     }
-#else
-    unsigned hi[2][4], lo[2][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const SplitValue v = split(a[m][i]);
-        hi[m][i] = __float_as_uint(v.hi);
-        lo[m][i] = to_tf32(v.lo);
-      }
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");  // this k-step's A fragments are written
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {  // the small terms first
-      wgmma_tf32_m64n32k8(acc[m], lo[m], b_hi);
-      wgmma_tf32_m64n32k8(acc[m], hi[m], b_correction);
-      wgmma_tf32_m64n32k8(acc[m], hi[m], b_hi);
-    }
-#endif
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // the previous k-step is done
   }
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
   for (int m = 0; m < 2; ++m) pin_accumulators(acc[m]);
-#if LOPT_WGMMA_BF16_CORRECTION
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    pin_accumulators(correction[m]);
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[m][c][i] = __fadd_rn(acc[m][c][i], correction[m][c][i]);
-  }
-#endif
 }
 #endif

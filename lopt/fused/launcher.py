@@ -174,6 +174,26 @@ def kernel_attribute(kernel, name: str) -> int:
     return driver.funcGetAttribute(attribute, kernel.ptr)
 
 
+def set_dynamic_shared_memory_limit(kernel, nbytes: int) -> None:
+    """Let ``kernel`` be launched with up to ``nbytes`` of dynamic shared memory (over 48 KiB needs this)."""
+    from cupy_backends.cuda.api import driver
+
+    driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+
+
+def module_int(module, name: str, device: torch.device) -> int:
+    """The value of an ``extern "C" __device__ int`` of a compiled module (a kernel's compile-time size,
+    say). A synchronous copy: for set-up, never inside a step."""
+    from cupy_backends.cuda.api import driver
+
+    cupy = cupy_or_none()
+    host = np.zeros(1, dtype=np.int32)
+    with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
+        cupy.cuda.runtime.memcpy(host.ctypes.data, driver.moduleGetGlobal(module.ptr, name), 4,
+                                 cupy.cuda.runtime.memcpyDeviceToHost)
+    return int(host[0])
+
+
 _SYNC_CHECK = os.environ.get("LOPT_CUDA_SYNC_CHECK", "") not in ("", "0")
 
 
