@@ -16,11 +16,19 @@ fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 benchmarks/bench_small_fc_lopt.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
+# PROFILE=1: Nsight Compute on the apply and statistics kernels (ViT-B/16), PROFILE_DEFINES picks a variant;
+# besides the sections, the tensor/ALU/FMA/LSU pipe utilisation and the stall reasons per issued instruction.
+PIPES="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
+PIPES="$PIPES,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"
+PIPES="$PIPES,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"
+PIPES="$PIPES,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__issue_active.avg.pct_of_peak_sustained_active"
 if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in small_fc_lopt_apply small_fc_lopt_feature_stats; do
     ncu --clock-control none -k $kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis python3 benchmarks/profile_small_fc_lopt.py vit-b16 \
-        > "$OUT/ncu_$kernel.txt" 2>&1
-    echo "ncu $kernel: exit $?"; grep -E "Duration|Throughput|Pipe|Issue|Stall|Occupancy|Registers|Eligible|No Eligible" "$OUT/ncu_$kernel.txt" | head -40
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --metrics "$PIPES" \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 benchmarks/profile_small_fc_lopt.py vit-b16 "${PROFILE_DEFINES:-}" > "$OUT/ncu_$kernel.txt" 2>&1
+    echo "ncu $kernel: exit $?"; grep -E "Duration|Issue Slots|pipe_|stalled|inst_executed.sum|wavefronts" "$OUT/ncu_$kernel.txt" \
+        | awk '$NF+0 > 0.05 || /Duration|Issue|sum/' | head -60
   done
 fi
