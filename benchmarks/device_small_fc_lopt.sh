@@ -22,11 +22,11 @@ PIPES="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm
 PIPES="$PIPES,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"
 PIPES="$PIPES,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"
 PIPES="$PIPES,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__issue_active.avg.pct_of_peak_sustained_active"
+PIPES="$PIPES,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 if [ "${PROFILE:-0}" = 1 ]; then
-  for kernel in small_fc_lopt_apply small_fc_lopt_feature_stats; do
+  for kernel in ${PROFILE_KERNELS:-small_fc_lopt_apply small_fc_lopt_feature_stats}; do
     ncu --clock-control none -k $kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --metrics "$PIPES" \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 benchmarks/profile_small_fc_lopt.py vit-b16 "${PROFILE_DEFINES:-}" > "$OUT/ncu_$kernel.txt" 2>&1
     echo "ncu $kernel: exit $?"; grep -E "Duration|Issue Slots|pipe_|stalled|inst_executed.sum|wavefronts" "$OUT/ncu_$kernel.txt" \
         | awk '$NF+0 > 0.05 || /Duration|Issue|sum/' | head -60
