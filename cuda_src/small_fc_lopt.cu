@@ -204,15 +204,10 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
 }
 
 // The hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
-#if LOPT_SPLIT_WGMMA
-// Layer 2's inputs go through the A tile in shared memory, in their natural order.
-LOPT_DEVICE int layer2_input_unit(int k) { return k; }
-#else
 // Layer 2's A fragments are read straight from layer 1's accumulators: a thread's fragment of
 // n-tile j holds columns 8j + 2t and 8j + 2t + 1, and k-step j's A fragment wants k = 8j + t and
 // k = 8j + t + 4, so those are units 8j + 2t and 8j + 2t + 1; no data moves between threads.
 LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
-#endif
 
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
@@ -278,21 +273,10 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
 
 // ------------------------------------------------------------------------------------------
 // Apply: a block (4 warps) takes 128 elements at a time, one per thread. Every thread computes its
-// element's 28 features (as the statistics pass did); mlp_chunk runs the MLP for the 128 rows on
-// tensor cores and hands each thread its element's two outputs, and the thread applies the update.
+// element's 28 features (as the statistics pass did); mlp_chunk runs the MLP for each warp's 32
+// rows on tensor cores and hands each thread its element's two outputs; the thread applies the update.
 // Blocks take contiguous ranges of chunks and reload the first layer only when the tensor changes.
 // ------------------------------------------------------------------------------------------
-
-// Accumulator fragments start at the layer's bias: columns 8c + 2t and 8c + 2t + 1, both rows.
-LOPT_DEVICE void init_with_bias(float acc[2][4][4], const float* bias, int t) {
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float bias0 = bias[8 * c + 2 * t], bias1 = bias[8 * c + 2 * t + 1];
-      acc[m][c][0] = bias0; acc[m][c][1] = bias1; acc[m][c][2] = bias0; acc[m][c][3] = bias1;
-    }
-}
 
 // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of its
 // accumulator fragments, then the quad (4 threads) sums its partials. out[m] holds (direction,
@@ -321,22 +305,18 @@ LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const fl
   }
 }
 
-#if !LOPT_SPLIT_WGMMA
-// mma.sync: each warp runs its own 32 elements as two 16-row m-tiles. Scratch: a feature tile per
-// warp, then the MLP outputs of the block's 128 elements.
+// Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
-#define SFC_TILE_BYTES (SFC_APPLY_WARPS * 32 * SFC_FEATURE_STRIDE * 4)
-#define SFC_APPLY_SCRATCH_BYTES (SFC_TILE_BYTES + SFC_APPLY_THREADS * 8)
 
 // Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
-LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scratch, const float* l1, const float* b1,
-                             const float* l2, const float* b2, const float* w3, const float* b3) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float* tile = reinterpret_cast<float*>(scratch) + warp * 32 * SFC_FEATURE_STRIDE;
-  float2* outputs = reinterpret_cast<float2*>(scratch + SFC_TILE_BYTES) + warp * 32;
+// The MLP for the thread's element (features x); every lane of the warp calls it together.
+// tile: the warp's 32 x SFC_FEATURE_STRIDE floats; outputs: the warp's 32 (direction, magnitude).
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
+                             const float* b1, const float* l2, const float* b2, const float* w3, const float* b3) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float row[SFC_K];
 #pragma unroll
@@ -350,7 +330,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scr
   // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in
   // the tile (feature_column), read as they are needed to keep registers free.
   float h1[2][4][4];
-  init_with_bias(h1, b1, t);
   split_layer_32x32(h1, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -358,7 +337,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scr
       const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
     }
-  }, l1, lane);
+  }, l1, b1, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
   // They wait in this lane's own tile row (the features are no longer needed) instead of registers.
   __syncwarp();  // every lane has read its layer-1 fragments from the tile
@@ -370,14 +349,13 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scr
       reinterpret_cast<float4*>(own_row)[m * 4 + j] = make_float4(
           fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
   float h2[2][4][4];
-  init_with_bias(h2, b2, t);
   split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float4 v = reinterpret_cast<const float4*>(own_row)[m * 4 + j];
       a[m][0] = v.x; a[m][1] = v.y; a[m][2] = v.z; a[m][3] = v.w;
     }
-  }, l2, lane);
+  }, l2, b2, lane);
   float out[2][4];
   output_layer(h2, w3, b3, t, out);
   if (t == 0) {
@@ -390,60 +368,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scr
   __syncwarp();
   return outputs[lane];
 }
-
-#else
-// wgmma: the block's 128 elements as two 64-row m-tiles; warp w's accumulators hold rows
-// 64m + 16w + g and + 8. Scratch: the A tile (split_mma.cuh), then the 128 MLP outputs.
-#define SFC_APPLY_SCRATCH_BYTES (LOPT_SPLIT_A_TILE_BYTES + SFC_APPLY_THREADS * 8)
-
-LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], unsigned char* scratch, const float* l1, const float* b1,
-                             const float* l2, const float* b2, const float* w3, const float* b3) {
-  const int row = threadIdx.x, warp = row / 32, g = (row % 32) / 4, t = row % 4;
-  unsigned char* a_tile = scratch;
-  float2* outputs = reinterpret_cast<float2*>(scratch + LOPT_SPLIT_A_TILE_BYTES);
-  __syncthreads();  // the previous chunk is done with the A tile and the outputs
-  // Layer 1: h1 = relu(W1' x + b1'), x padded with zeros to 32 inputs.
-#pragma unroll
-  for (int q = 0; q < SFC_NUM_FEATURES / 4; ++q) store_split_inputs<4>(a_tile, row, 4 * q, x + 4 * q);
-  const float padding[4] = {0.f, 0.f, 0.f, 0.f};
-  store_split_inputs<4>(a_tile, row, SFC_NUM_FEATURES, padding);
-  split_operand_stores_done();
-  __syncthreads();
-  float h1[2][4][4];
-  init_with_bias(h1, b1, t);
-  split_layer_32x32(h1, a_tile, l1);
-  __syncthreads();  // every warp's layer-1 products are done reading the A tile
-  // Layer 2: its inputs, relu(h1), replace the features in the A tile.
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float v[2] = {fmaxf(h1[m][c][2 * half], 0.f), fmaxf(h1[m][c][2 * half + 1], 0.f)};
-        store_split_inputs<2>(a_tile, 64 * m + 16 * warp + g + 8 * half, 8 * c + 2 * t, v);
-      }
-  split_operand_stores_done();
-  __syncthreads();
-  float h2[2][4][4];
-  init_with_bias(h2, b2, t);
-  split_layer_32x32(h2, a_tile, l2);
-  float out[2][4];
-  output_layer(h2, w3, b3, t, out);
-  if (t == 0) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      outputs[64 * m + 16 * warp + g] = make_float2(out[m][0], out[m][1]);
-      outputs[64 * m + 16 * warp + g + 8] = make_float2(out[m][2], out[m][3]);
-    }
-  }
-  __syncthreads();
-  return outputs[row];
-}
-#endif
-
-// Dynamic shared memory the apply kernel needs (read by lopt/fused/small_fc_lopt.py).
-extern "C" __device__ int small_fc_lopt_apply_scratch_bytes = SFC_APPLY_SCRATCH_BYTES;
 
 // The small-tensor path: the same MLP for one element in plain float32 FMAs (weights broadcast
 // from global memory: the same address in every lane, served by the cache).
@@ -489,10 +413,13 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
                     const float* __restrict__ col_table, float neg_lr, float neg_weight_decay_lr, float exp_mult,
                     float step_mult) {
-  __shared__ __align__(128) float l1[SFC_OPERAND_32x32];
-  __shared__ __align__(128) float l2[SFC_OPERAND_32x32];
-  __shared__ float b1[SFC_HIDDEN], b2[SFC_HIDDEN], w3[2 * SFC_HIDDEN], b3[2];
-  extern __shared__ __align__(128) unsigned char mlp_scratch[];  // SFC_APPLY_SCRATCH_BYTES, for mlp_chunk
+  __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
+  __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
+  __shared__ __align__(16) float b1[SFC_HIDDEN];  // read as float2 pairs
+  __shared__ __align__(16) float b2[SFC_HIDDEN];
+  __shared__ float w3[2 * SFC_HIDDEN], b3[2];
+  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
+  __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
@@ -500,7 +427,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   __shared__ Decays decays;  // in shared memory, not 16 registers held through the whole kernel
   if (threadIdx.x == 0) decays = read_decays(constants);
-  split_operand_stores_done();
   __syncthreads();
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
@@ -514,7 +440,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
       if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) meta = tensors[tensor];
-      split_operand_stores_done();
       __syncthreads();
       current = tensor;
     }
@@ -548,7 +473,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
 #ifdef SFC_PROFILE_NO_MLP  // timing experiments only: two features stand in for the MLP's outputs
     const float2 mlp_output = make_float2(x[0], x[1]);
 #else
-    const float2 mlp_output = mlp_chunk(x, mlp_scratch, l1, b1, l2, b2, w3, b3);
+    const int warp = threadIdx.x / 32;
+    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, b3);
 #endif
     if (valid) apply_update(meta, index, param, state, mlp_output, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
   }

@@ -11,30 +11,19 @@
 // dropped a_lo b_lo term and the BF16 rounding of the small corrections leave an error of about
 // 2^-19 of sum |a_k b_k|; BF16 keeps float32's exponent range, so no operand can overflow.
 //
-// Two implementations, chosen at compile time:
-//   * mma.sync (sm_80+): each warp multiplies its own 32 rows (two 16-row m-tiles), A fragments
-//     from registers; B operands in shared memory in "fragment order" (a float4 per lane, k-step
-//     and n-tile); TF32 + BF16 products as above.
-//   * wgmma (sm_90a): the block (one warpgroup of 4 warps) multiplies its 128 rows with A and B in
-//     shared memory in the tensor cores' own layout; three TF32 products (see that section).
-// Either way a layer's B operand takes LOPT_SPLIT_OPERAND_FLOATS floats (8 KiB) and the
-// accumulators are m16n8 tiles of float32.
+// Each warp multiplies its own 32 rows (two 16-row m-tiles) with mma.sync (sm_80 and newer), A
+// fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats = 8 KiB
+// per layer) from shared memory in "fragment order": one float4 per lane, k-step and n-tile.
+// (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: benchmarks/RESULTS.md.)
 #pragma once
 #include "lopt_common.cuh"
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(LOPT_NO_WGMMA)
-#define LOPT_SPLIT_WGMMA 1
-#else
-#define LOPT_SPLIT_WGMMA 0
-#endif
+#define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)  // a 32 x 32 B operand
 
-#define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)  // a 32 x 32 B operand, either layout
-
-LOPT_DEVICE unsigned to_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// x rounded to TF32 (10 explicit mantissa bits), to nearest with ties away from zero: what
+// cvt.rna.tf32.f32 computes for every |x| < 2^128 (1 - 2^-12), in two integer instructions instead of
+// that instruction's four (it also guards the overflow to infinity, which no input here comes near).
+LOPT_DEVICE unsigned to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }
 
 // Two floats rounded to BF16 and packed: `first` in the low half (the lower k index of a fragment).
 LOPT_DEVICE unsigned pack_bf16x2(float first, float second) {
@@ -74,22 +63,19 @@ LOPT_DEVICE SplitFragment split_fragment(const float a[4]) {
   return f;
 }
 
-#if !LOPT_SPLIT_WGMMA
-// ------------------------------------------------------------------------------------------
-// mma.sync
-// ------------------------------------------------------------------------------------------
-LOPT_DEVICE void mma_tf32_m16n8k8(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+// d = A B + c (c may be d itself).
+LOPT_DEVICE void mma_tf32_m16n8k8(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
   asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-LOPT_DEVICE void mma_bf16_m16n8k16(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+LOPT_DEVICE void mma_bf16_m16n8k16(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
 // B (k < 32, n < 32, given by weight(k, n)) in fragment order: for k-step j, n-tile c and lane,
@@ -106,12 +92,12 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
   }
 }
 
-LOPT_DEVICE void split_operand_stores_done() {}
-
-// acc[m][c] += A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A values
-// of k-step j for both m-tiles. Each B fragment is read from shared memory once for both m-tiles.
+// acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
+// values of k-step j for both m-tiles. The bias enters as the first product's addend (lane's
+// columns 8c + 2t, 8c + 2t + 1). Each B fragment is read from shared memory once for both m-tiles.
 template <typename LoadA>
-LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, int lane) {
+LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, const float* bias, int lane) {
+  const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float a[2][4];
@@ -122,125 +108,13 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint4 b = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane];
+      const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
+      const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
-        mma_bf16_m16n8k16(acc[m][c], f[m].correction, b.z, b.w);  // the small terms first
-        mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y);
+        mma_bf16_m16n8k16(acc[m][c], f[m].correction, b.z, b.w, j == 0 ? bias_fragment : acc[m][c]);  // small terms first
+        mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, acc[m][c]);
       }
     }
   }
 }
-
-#else
-// ------------------------------------------------------------------------------------------
-// wgmma (sm_90a): both operands in shared memory, the block's 128 rows as two 64-row m-tiles.
-// ------------------------------------------------------------------------------------------
-// Products into one accumulator are ordered by the hardware only when they have the same shape (a
-// TF32 k8 and a BF16 k16 product into the same registers would be serialised), and waiting for
-// products is what costs here, not the products themselves; so this path uses three TF32 products
-// per k-step (a_lo b_hi + a_hi b_lo + a_hi b_hi: the lo parts rounded to TF32, about 2^-21 of
-// sum |a_k b_k|), and a whole layer (24 products) is issued as one group and waited for once.
-//
-// Layouts: K-major without swizzle, made of "core matrices" of 8 rows x 16 bytes (4 TF32 values of
-// k); the core matrix of row group q and k-slice h (of a k-step's two) sits at (2q + h) * 128 bytes.
-//   B operand (per layer, 8 KiB): per k-step j, B_hi (32 n-rows) then B_lo, 1 KiB each.
-//   A tile (per block, 32 KiB): per m-tile (64 rows) and k-step, A_hi then A_lo, 2 KiB each.
-#define LOPT_WGMMA_LEADING_BYTES 128  // between the two k-slices of a row group
-#define LOPT_WGMMA_STRIDE_BYTES 256   // between row groups
-#define LOPT_SPLIT_A_TILE_BYTES (2 * 4 * 2 * 2048)
-
-template <typename Weight>
-LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int num_threads) {
-  for (int slot = thread; slot < 4 * 4 * 32; slot += num_threads) {  // one 16-byte core-matrix row each
-    const int j = slot / 128, within = slot % 128, low_part = within / 64;
-    const int core = (within % 64) / 8, q = core / 2, h = core % 2, n = 8 * q + within % 8;
-    unsigned packed[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {  // k = 8j + 4h + u
-      const SplitValue v = split(weight(8 * j + 4 * h + u, n));
-      packed[u] = low_part ? to_tf32(v.lo) : __float_as_uint(v.hi);
-    }
-    reinterpret_cast<uint4*>(out)[slot] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
-}
-
-// Byte offset in the A tile of row `row` (0..127), input k, part (0: hi, 1: lo).
-LOPT_DEVICE int a_tile_offset(int row, int k, int part) {
-  const int m_tile = row / 64, r = row % 64, j = k / 8, h = (k % 8) / 4;
-  return ((m_tile * 4 + j) * 2 + part) * 2048 + ((r / 8) * 2 + h) * 128 + (r % 8) * 16 + (k % 4) * 4;
-}
-
-// Stores n (2 or 4) consecutive inputs k, k + 1, ... of a row, split into their hi and lo parts.
-template <int N>
-LOPT_DEVICE void store_split_inputs(unsigned char* a_tile, int row, int k, const float* values) {
-  unsigned hi[N], lo[N];
-#pragma unroll
-  for (int u = 0; u < N; ++u) {
-    const SplitValue v = split(values[u]);
-    hi[u] = __float_as_uint(v.hi);
-    lo[u] = to_tf32(v.lo);
-  }
-  if constexpr (N == 4) {
-    *reinterpret_cast<uint4*>(a_tile + a_tile_offset(row, k, 0)) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *reinterpret_cast<uint4*>(a_tile + a_tile_offset(row, k, 1)) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-  } else {
-    *reinterpret_cast<uint2*>(a_tile + a_tile_offset(row, k, 0)) = make_uint2(hi[0], hi[1]);
-    *reinterpret_cast<uint2*>(a_tile + a_tile_offset(row, k, 1)) = make_uint2(lo[0], lo[1]);
-  }
-}
-
-// Shared memory written by ordinary stores is read by the tensor cores through the async proxy:
-// each writing thread fences before the barrier that publishes the operand.
-LOPT_DEVICE void split_operand_stores_done() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-LOPT_DEVICE unsigned long long operand_descriptor(const void* shared) {
-  const unsigned long long address = static_cast<unsigned long long>(__cvta_generic_to_shared(shared));
-  return ((address & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(LOPT_WGMMA_LEADING_BYTES >> 4) << 16) |
-         (static_cast<unsigned long long>(LOPT_WGMMA_STRIDE_BYTES >> 4) << 32);  // swizzle bits 62-63: none
-}
-
-// Keeps the compiler from moving accumulator reads or writes across the asynchronous MMAs.
-LOPT_DEVICE void pin_accumulators(float acc[4][4]) {
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(acc[c][i])::"memory");
-}
-
-// acc (this warp's 16 rows of the m-tile x 32 columns, as four m16n8 accumulator tiles) += A B, k = 8.
-LOPT_DEVICE void wgmma_tf32_m64n32k8(float acc[4][4], unsigned long long a, unsigned long long b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1;\n"
-      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]),
-        "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
-        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
-      : "l"(a), "l"(b));
-}
-
-// acc[m] += A_m B over 32 k, A_m being rows 64m .. 64m + 63 of the A tile (this warp's accumulators:
-// rows 64m + 16 warp + g and + 8). All 128 threads of the warpgroup call it together, after the A
-// tile and the B operand were published (split_operand_stores_done, then a barrier).
-LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], const unsigned char* a_tile, const float* operand) {
-  const unsigned long long a = operand_descriptor(a_tile), b = operand_descriptor(operand);
-#pragma unroll
-  for (int m = 0; m < 2; ++m) pin_accumulators(acc[m]);
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    // Descriptor addresses count 16-byte units.
-    const unsigned long long b_hi = b + (j * 2048 >> 4), b_lo = b + ((j * 2048 + 1024) >> 4);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const unsigned long long a_hi = a + (((m * 4 + j) * 2) * 2048 >> 4), a_lo = a_hi + (2048 >> 4);
-      wgmma_tf32_m64n32k8(acc[m], a_lo, b_hi);  // the small terms first
-      wgmma_tf32_m64n32k8(acc[m], a_hi, b_lo);
-      wgmma_tf32_m64n32k8(acc[m], a_hi, b_hi);
-    }
-  }
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-  for (int m = 0; m < 2; ++m) pin_accumulators(acc[m]);
-}
-#endif

@@ -97,9 +97,9 @@ def test_fused_unavailable_reasons(monkeypatch):
 
 @pytest.mark.parametrize("capability, nvrtc_max, expected", [
     ((8, 0), 121, "sm_80"), ((8, 6), 121, "sm_86"), ((8, 9), 121, "sm_89"),
-    ((9, 0), 121, "sm_90a"),  # Hopper: the wgmma build
+    ((9, 0), 121, "sm_90"),
     ((10, 0), 121, "sm_100"), ((12, 0), 121, "sm_120"),
-    ((10, 0), 90, "compute_90"),  # newer than this NVRTC: PTX, compiled by the driver (never sm_90a machine code)
+    ((10, 0), 90, "compute_90"),  # newer than this NVRTC: PTX, compiled by the driver
 ])
 def test_nvrtc_architecture(capability, nvrtc_max, expected):
     assert launcher.nvrtc_architecture(capability, nvrtc_max) == expected

@@ -99,8 +99,7 @@ def test_fused_matches_naive_every_rank(weights, dtype):
     print(f"max relative update error ({dtype}): per step {worst_step:.2e}, per tensor (>= 64 elements) {worst:.2e}")
 
 
-@pytest.mark.parametrize("defines", [("LOPT_NO_WGMMA",), ("SFC_SIMT_MAX_NUMEL=0",)],
-                         ids=["mma.sync layers (what non-Hopper GPUs run)", "every tensor on the tensor cores"])
+@pytest.mark.parametrize("defines", [("SFC_SIMT_MAX_NUMEL=0",)], ids=["every tensor on the tensor cores"])
 def test_kernel_variants_match_naive(weights, defines):
     shapes = ALL_SHAPES
     fused_params, naive_params = make_params(shapes, torch.float32), make_params(shapes, torch.float32)

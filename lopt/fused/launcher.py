@@ -92,22 +92,16 @@ def kernel_cache_dir() -> Path:
 
 
 def nvrtc_architecture(compute_capability: tuple, nvrtc_max: int) -> str:
-    """The ``--gpu-architecture`` to build for a device.
-
-    The device's own machine code (``sm_XY``); compute capability 9.0 (H100/H200) gets ``sm_90a``,
-    whose ``wgmma`` instructions the MLP kernels use (an ``a`` build runs on 9.0 devices only, which is
-    all it is built for here). A device newer than this NVRTC knows gets PTX of the newest
-    architecture NVRTC knows (``compute_XY``), which the driver compiles when the module is loaded.
-    """
+    """The ``--gpu-architecture`` to build for a device: its own machine code (``sm_XY``), or, for a
+    device newer than this NVRTC knows, PTX of the newest architecture it knows (``compute_XY``),
+    which the driver compiles when the module is loaded."""
     capability = compute_capability[0] * 10 + compute_capability[1]
-    if capability > nvrtc_max:
-        return f"compute_{nvrtc_max}"
-    return f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
+    return f"compute_{nvrtc_max}" if capability > nvrtc_max else f"sm_{capability}"
 
 
 def _nvrtc_compile(source: str, options: tuple, architecture: str) -> bytes:
-    """Machine code (``sm_*``) or PTX (``compute_*``) from NVRTC, called directly (CuPy's wrappers cannot name an ``sm_90a`` target, and its module cache
-    appends ``-ftz=true``, which would flush denormals where the reference keeps them)."""
+    """Machine code (``sm_*``) or PTX (``compute_*``) from NVRTC, called directly: CuPy's module cache
+    appends ``-ftz=true``, which would flush denormals where the reference keeps them."""
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(source, "lopt_kernels.cu", (), ())
@@ -172,26 +166,6 @@ def kernel_attribute(kernel, name: str) -> int:
     attribute = {"num_regs": driver.CU_FUNC_ATTRIBUTE_NUM_REGS,
                  "shared_size_bytes": driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES}[name]
     return driver.funcGetAttribute(attribute, kernel.ptr)
-
-
-def set_dynamic_shared_memory_limit(kernel, nbytes: int) -> None:
-    """Let ``kernel`` be launched with up to ``nbytes`` of dynamic shared memory (over 48 KiB needs this)."""
-    from cupy_backends.cuda.api import driver
-
-    driver.funcSetAttribute(kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
-
-
-def module_int(module, name: str, device: torch.device) -> int:
-    """The value of an ``extern "C" __device__ int`` of a compiled module (a kernel's compile-time size,
-    say). A synchronous copy: for set-up, never inside a step."""
-    from cupy_backends.cuda.api import driver
-
-    cupy = cupy_or_none()
-    host = np.zeros(1, dtype=np.int32)
-    with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
-        cupy.cuda.runtime.memcpy(host.ctypes.data, driver.moduleGetGlobal(module.ptr, name), 4,
-                                 cupy.cuda.runtime.memcpyDeviceToHost)
-    return int(host[0])
 
 
 _SYNC_CHECK = os.environ.get("LOPT_CUDA_SYNC_CHECK", "") not in ("", "0")

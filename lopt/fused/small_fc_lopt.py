@@ -9,7 +9,7 @@ number of tensors:
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features)
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer
 6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
-   split products: TF32 plus a BF16 correction; wgmma on Hopper), update_from_mlp, apply_update
+   split products: a TF32 product plus a BF16 correction product), update_from_mlp, apply_update
 
 No host synchronisation and no allocation happen in a steady-state step; a step can be captured
 in a CUDA graph (lr and weight decay are then those at capture time).
@@ -105,9 +105,6 @@ class SmallFCLOptFused:
         self.kernels = {name: self.module.get_function(name) for name in (
             "adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
             "small_fc_lopt_feature_stats", "small_fc_lopt_fold", "small_fc_lopt_apply")}
-        # The apply kernel's scratch (MLP tiles) is dynamic shared memory; its size depends on the build.
-        self.apply_scratch_bytes = launcher.module_int(self.module, "small_fc_lopt_apply_scratch_bytes", self.device)
-        launcher.set_dynamic_shared_memory_limit(self.kernels["small_fc_lopt_apply"], self.apply_scratch_bytes)
         self.apply_grid = self._apply_grid()
         self.constants = {}
         self.plans = {}
@@ -117,8 +114,7 @@ class SmallFCLOptFused:
         properties = torch.cuda.get_device_properties(self.device)
         kernel = self.kernels["small_fc_lopt_apply"]
         registers = launcher.kernel_attribute(kernel, "num_regs")
-        shared = (launcher.kernel_attribute(kernel, "shared_size_bytes") + self.apply_scratch_bytes
-                  + 1024)  # + the per-block reservation
+        shared = launcher.kernel_attribute(kernel, "shared_size_bytes") + 1024  # + the per-block reservation
         by_registers = 65536 // max(registers * APPLY_THREADS, 1)
         by_shared_memory = properties.shared_memory_per_multiprocessor // shared
         per_sm = max(1, min(by_registers, by_shared_memory, 2048 // APPLY_THREADS))
@@ -212,5 +208,4 @@ class SmallFCLOptFused:
                         (ptr(tensor_table), n, np.int64(layout.total_apply_chunks), ptr(constants), ptr(plan.folded),
                          ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), np.float32(-lr),
                          np.float32(-weight_decay * lr if weight_decay > 0 else 0.0),
-                         np.float32(group["exp_mult"]), np.float32(group["step_mult"])), dev,
-                        shared_mem=self.apply_scratch_bytes)
+                         np.float32(group["exp_mult"]), np.float32(group["step_mult"])), dev)
