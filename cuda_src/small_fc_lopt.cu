@@ -393,15 +393,14 @@ LOPT_DEVICE float2 mlp_float32(const float x[SFC_NUM_FEATURES], const float* w1t
   return make_float2(direction, magnitude);
 }
 
-// update_from_mlp and apply_update for one element, then its new state.
-LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, const ElementState& state, float2 mlp_output,
-                              float neg_lr, float neg_weight_decay_lr, float exp_mult, float step_mult) {
+// update_from_mlp and apply_update for one element.
+LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, float2 mlp_output, float neg_lr,
+                              float neg_weight_decay_lr, float exp_mult, float step_mult) {
   const float direction = mlp_output.x, magnitude = mlp_output.y;
   const float update = __fmul_rn(__fmul_rn(direction, expf(__fmul_rn(magnitude, exp_mult))), step_mult);
   float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
   if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
   store_from_float(reinterpret_cast<void*>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
-  store_element_state(meta, index, state);
 }
 
 #ifndef SFC_APPLY_MIN_BLOCKS
@@ -446,26 +445,25 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     float x[SFC_NUM_FEATURES], param = 0.f;
-    ElementState state;
-#ifdef SFC_PROFILE_NO_FEATURES  // timing experiments only: stand-in features, no loads
-    state = ElementState{{0.f, 0.f, 0.f}, 0.f, {0.f, 0.f, 0.f}};
+#ifdef SFC_PROFILE_NO_FEATURES  // timing experiments only: stand-in features, no loads, no state
 #pragma unroll
     for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = static_cast<float>((index + k) & 15) - 7.5f;
-    if (false) {
 #else
     if (valid) {
-#endif
+      ElementState state;
       element_features(meta, index, decays, row_table, col_table, x, state, param);
+      store_element_state(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
+#endif
 #if SFC_SIMT_MAX_NUMEL > 0
     if (__all_sync(0xffffffffu, meta.numel < SFC_SIMT_MAX_NUMEL)) {  // uniform: one tensor per chunk (the vote says so to the compiler)
       if (valid) {
         const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
         const float2 o = mlp_float32(x, f + SFC_FOLDED_PLAIN, f + SFC_FOLDED_B1, constants);
-        apply_update(meta, index, param, state, o, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
+        apply_update(meta, index, param, o, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
       }
       continue;
     }
@@ -476,6 +474,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
     const int warp = threadIdx.x / 32;
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, b3);
 #endif
-    if (valid) apply_update(meta, index, param, state, mlp_output, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
+    if (valid) apply_update(meta, index, param, mlp_output, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
   }
 }
