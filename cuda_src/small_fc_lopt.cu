@@ -31,17 +31,10 @@
 // layout split_mma.cuh's layer expects (SFC_OPERAND_32x32 floats each).
 #define SFC_OPERAND_32x32 LOPT_SPLIT_OPERAND_FLOATS
 #define SFC_K 32                                          // 28 features padded to 4 k-steps
-// Per tensor: the folded first layer (W1' = W1 scaled per feature) as a B operand, b1' (time
-// features folded in), and W1' once more in plain float32 (feature-major) for the small-tensor path.
+// Per tensor: the folded first layer (W1' = W1 scaled per feature) as a B operand, and b1' (time
+// features folded in).
 #define SFC_FOLDED_B1 SFC_OPERAND_32x32
-#define SFC_FOLDED_PLAIN (SFC_FOLDED_B1 + SFC_HIDDEN)
-#define SFC_FOLDED (SFC_FOLDED_PLAIN + SFC_NUM_FEATURES * SFC_HIDDEN)
-// Tensors smaller than this run the MLP in plain float32 on the CUDA cores: for a handful of
-// elements the (negligible) cost does not matter and the update matches the reference as closely
-// as float32 arithmetic in another summation order can.
-#ifndef SFC_SIMT_MAX_NUMEL
-#define SFC_SIMT_MAX_NUMEL 65536
-#endif
+#define SFC_FOLDED (SFC_FOLDED_B1 + SFC_HIDDEN)
 #ifndef LOPT_STATS_UNROLL
 #define LOPT_STATS_UNROLL 2  // 4 spills at the 3-blocks register bound (measured: 4.27 vs 4.49 ms, GPT-2 medium)
 #endif
@@ -265,10 +258,6 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) bias = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], bias);
     out[SFC_FOLDED_B1 + tid] = bias;
   }
-  for (int k = tid; k < SFC_NUM_FEATURES * SFC_HIDDEN; k += SFC_FOLD_THREADS) {
-    const int feature = k / SFC_HIDDEN, hidden = k % SFC_HIDDEN;
-    out[SFC_FOLDED_PLAIN + k] = __fmul_rn(w1[hidden * SFC_INPUTS + feature], scale[feature]);
-  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -369,30 +358,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   return outputs[lane];
 }
 
-// The small-tensor path: the same MLP for one element in plain float32 FMAs (weights broadcast
-// from global memory: the same address in every lane, served by the cache).
-LOPT_DEVICE float2 mlp_float32(const float x[SFC_NUM_FEATURES], const float* w1t, const float* b1, const float* constants) {
-  float h1[SFC_HIDDEN];
-#pragma unroll
-  for (int i = 0; i < SFC_HIDDEN; ++i) h1[i] = b1[i];
-#pragma unroll
-  for (int k = 0; k < SFC_NUM_FEATURES; ++k)
-#pragma unroll
-    for (int i = 0; i < SFC_HIDDEN; ++i) h1[i] = fmaf(w1t[k * SFC_HIDDEN + i], x[k], h1[i]);
-  const float* w2 = constants + SFC_W2;
-  const float* w3 = constants + SFC_W3;
-  float direction = constants[SFC_B3], magnitude = constants[SFC_B3 + 1];
-  for (int n = 0; n < SFC_HIDDEN; ++n) {
-    float acc = constants[SFC_B2 + n];
-#pragma unroll
-    for (int i = 0; i < SFC_HIDDEN; ++i) acc = fmaf(w2[n * SFC_HIDDEN + i], fmaxf(h1[i], 0.f), acc);
-    acc = fmaxf(acc, 0.f);
-    direction = fmaf(w3[n], acc, direction);
-    magnitude = fmaf(w3[SFC_HIDDEN + n], acc, magnitude);
-  }
-  return make_float2(direction, magnitude);
-}
-
 // update_from_mlp and apply_update for one element.
 LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, float2 mlp_output, float neg_lr,
                               float neg_weight_decay_lr, float exp_mult, float step_mult) {
@@ -456,16 +421,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
-    }
-#endif
-#if SFC_SIMT_MAX_NUMEL > 0
-    if (__all_sync(0xffffffffu, meta.numel < SFC_SIMT_MAX_NUMEL)) {  // uniform: one tensor per chunk (the vote says so to the compiler)
-      if (valid) {
-        const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
-        const float2 o = mlp_float32(x, f + SFC_FOLDED_PLAIN, f + SFC_FOLDED_B1, constants);
-        apply_update(meta, index, param, o, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
-      }
-      continue;
     }
 #endif
 #ifdef SFC_PROFILE_NO_MLP  // timing experiments only: two features stand in for the MLP's outputs

@@ -34,7 +34,7 @@ FOLD_THREADS = 256
 FINALIZE_THREADS = 256
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 OPERAND_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix as a tensor-core B operand (split_mma.cuh)
-FOLDED_FLOATS = OPERAND_32x32 + 32 + NUM_FEATURES * 32  # per tensor: folded first layer (operand), bias, plain
+FOLDED_FLOATS = OPERAND_32x32 + 32  # per tensor: folded first layer (operand) and its bias
 SHARED_FRAGS_FLOATS = OPERAND_32x32 + 32 + 2 * 32 + 2  # per group: layer 2 (operand) + bias, layer 3 + bias
 
 
