@@ -139,7 +139,16 @@ LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, flo
   }
 }
 
-// Loads one element's inputs, updates its accumulators (in `s`) and computes its features.
+// Features 13..24 of a factored tensor are its R and C entries' accumulators and their rsqrt: the
+// same value for every element sharing an entry, so the statistics pass sums their squares over the
+// factor tables (small_fc_lopt_fold) instead of over the elements.
+#define SFC_TABLE_FEATURES_FIRST 13
+#define SFC_TABLE_FEATURES_END 25
+LOPT_DEVICE constexpr bool is_table_feature(int k) { return k >= SFC_TABLE_FEATURES_FIRST && k < SFC_TABLE_FEATURES_END; }
+
+// Loads one element's inputs, updates its accumulators (in `s`) and computes its features
+// (FactorsOnly: of a factored tensor, all but the table features, which are left at zero).
+template <bool FactorsOnly = false>
 LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, const float* row_table,
                                   const float* col_table, float x[SFC_NUM_FEATURES], ElementState& s, float& param) {
   const float grad = load_as_float(reinterpret_cast<const void*>(t.grad), e, static_cast<int>(t.grad_dtype));
@@ -150,16 +159,37 @@ LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& deca
   FactorEntry row, col;
   if (factored) {
     const FactorIndex f = factor_index(t, e);
-    row = read_factor_entry(row_table, t.row_table + f.row);
-    col = read_factor_entry(col_table, t.col_table + f.col);
+    row = FactorsOnly ? read_factor_entry_factors(row_table, t.row_table + f.row)
+                      : read_factor_entry(row_table, t.row_table + f.row);
+    col = FactorsOnly ? read_factor_entry_factors(col_table, t.col_table + f.col)
+                      : read_factor_entry(col_table, t.col_table + f.col);
   }
   per_element_features(x, grad, param, s, factored, row, col);
 }
 
 // ------------------------------------------------------------------------------------------
 // Statistics pass: per chunk of LOPT_STATS_CHUNK elements, the 28 sums of squared features
-// (float per thread, double across threads, fixed order).
+// (float per thread, double across threads, fixed order); for factored tensors the table features'
+// sums are left at zero here and formed by the fold.
 // ------------------------------------------------------------------------------------------
+template <bool Factored>
+LOPT_DEVICE void sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, const float* row_table,
+                                      const float* col_table, float squares[SFC_NUM_FEATURES]) {
+  // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
+#pragma unroll STATS_UNROLL
+  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+    if (e < t.numel) {
+      float x[SFC_NUM_FEATURES], param;
+      ElementState s;
+      element_features<Factored>(t, e, decays, row_table, col_table, x, s, param);
+#pragma unroll
+      for (int j = 0; j < SFC_NUM_FEATURES; ++j)
+        if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const float* __restrict__ constants,
                             const float* __restrict__ row_table, const float* __restrict__ col_table,
@@ -170,17 +200,10 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   float squares[SFC_NUM_FEATURES];
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
-  // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
-#pragma unroll STATS_UNROLL
-  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
-    if (e < t.numel) {
-      float x[SFC_NUM_FEATURES], param;
-      ElementState s;
-      element_features(t, e, decays, row_table, col_table, x, s, param);
-#pragma unroll
-      for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = fmaf(x[j], x[j], squares[j]);
-    }
+  if (t.factored) {
+    sum_squared_features<true>(t, chunk, decays, row_table, col_table, squares);
+  } else {
+    sum_squared_features<false>(t, chunk, decays, row_table, col_table, squares);
   }
   __shared__ double warp_sums[LOPT_STATS_THREADS / 32][SFC_NUM_FEATURES];
 #pragma unroll
@@ -211,7 +234,8 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 #define SFC_FOLD_LANES 8  // partial sums per feature
 extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
 small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const double* __restrict__ stats_partials,
-                   const float* __restrict__ constants, const i64* __restrict__ step_counter, float* __restrict__ folded,
+                   const float* __restrict__ row_table,
+                   const float* __restrict__ col_table, const float* __restrict__ constants, const i64* __restrict__ step_counter, float* __restrict__ folded,
                    float* __restrict__ shared_frags) {
   const int tid = threadIdx.x;
   const float* w1 = constants + SFC_W1;
@@ -236,6 +260,43 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
       s += stats_partials[(t.first_stats_chunk + c) * SFC_NUM_FEATURES + feature];
     lane_sums[feature][lane] = s;
   }
+  // Factored tensors: the table features' sums of squares, over the R and C entries, each entry
+  // counted once per element that uses it (an R entry by len(d0) elements, a C entry by len(d1)).
+  constexpr int kTableFeatures = SFC_TABLE_FEATURES_END - SFC_TABLE_FEATURES_FIRST;
+  __shared__ double table_sums[kTableFeatures];
+  if (t.factored) {
+    double sums[kTableFeatures] = {};  // feature 13 + j: R acc (j < 3), C acc, R rsqrt, C rsqrt (j >= 9)
+    const i64 len_d0 = t.d0_is_a ? t.a : t.b, len_d1 = t.d0_is_a ? t.b : t.a;
+    for (i64 entry = tid; entry < t.numel / len_d0; entry += SFC_FOLD_THREADS) {
+      const FactorEntry r = read_factor_entry(row_table, t.row_table + entry);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        sums[k] += static_cast<double>(__fmul_rn(r.acc[k], r.acc[k]));
+        sums[6 + k] += static_cast<double>(__fmul_rn(r.rsqrt_acc[k], r.rsqrt_acc[k]));
+      }
+    }
+    for (i64 entry = tid; entry < t.num_col_entries; entry += SFC_FOLD_THREADS) {
+      const FactorEntry c = read_factor_entry(col_table, t.col_table + entry);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        sums[3 + k] += static_cast<double>(__fmul_rn(c.acc[k], c.acc[k]));
+        sums[9 + k] += static_cast<double>(__fmul_rn(c.rsqrt_acc[k], c.rsqrt_acc[k]));
+      }
+    }
+    __shared__ double warp_table_sums[SFC_FOLD_THREADS / 32][kTableFeatures];
+#pragma unroll
+    for (int j = 0; j < kTableFeatures; ++j) {
+      const double w = warp_sum(sums[j]);
+      if (tid % 32 == 0) warp_table_sums[tid / 32][j] = w;
+    }
+    __syncthreads();
+    if (tid < kTableFeatures) {
+      double total = 0.0;
+      for (int w = 0; w < SFC_FOLD_THREADS / 32; ++w) total += warp_table_sums[w][tid];
+      const bool row_entry = tid % 6 < 3;
+      table_sums[tid] = total * static_cast<double>(row_entry ? len_d0 : len_d1);
+    }
+  }
   if (tid < SFC_NUM_TIME_FEATURES) {
     // time_features: tanh(tau / T_i - 1), tau = steps taken before this one.
     const float tau = static_cast<float>(*step_counter - 1);
@@ -245,6 +306,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   if (tid < SFC_NUM_FEATURES) {
     double s = 0.0;
     for (int lane = 0; lane < SFC_FOLD_LANES; ++lane) s += lane_sums[tid][lane];
+    if (t.factored && is_table_feature(tid)) s += table_sums[tid - SFC_TABLE_FEATURES_FIRST];  // the pass left 0
     const float mean_square = static_cast<float>(s / static_cast<double>(t.numel));
     scale[tid] = rsqrtf(__fadd_rn(1e-5f, mean_square));
   }

@@ -201,8 +201,8 @@ class SmallFCLOptFused:
                         (ptr(tensor_table), n, ptr(constants), ptr(plan.row_table), ptr(plan.col_table),
                          ptr(plan.stats_partials)), dev)
         launcher.launch(k["small_fc_lopt_fold"], layout.num_tensors + 1, FOLD_THREADS,
-                        (ptr(tensor_table), n, ptr(plan.stats_partials), ptr(constants), ptr(step_counter),
-                         ptr(plan.folded), ptr(plan.shared_frags)), dev)
+                        (ptr(tensor_table), n, ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table),
+                         ptr(constants), ptr(step_counter), ptr(plan.folded), ptr(plan.shared_frags)), dev)
         lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
         launcher.launch(k["small_fc_lopt_apply"], min(self.apply_grid, layout.total_apply_chunks), APPLY_THREADS,
                         (ptr(tensor_table), n, np.int64(layout.total_apply_chunks), ptr(constants), ptr(plan.folded),
