@@ -390,6 +390,16 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
     }
   }, l1, b1, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
+  float h2[2][4][4];
+#ifdef SFC_LAYER2_FROM_REGISTERS
+  split_layer_32x32(h2, [&](int j, float a[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
+      a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
+    }
+  }, l2, b2, lane);
+#else
   // They wait in this lane's own tile row (the features are no longer needed) instead of registers.
   __syncwarp();  // every lane has read its layer-1 fragments from the tile
   float* own_row = tile + lane * SFC_FEATURE_STRIDE;
@@ -399,7 +409,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
     for (int j = 0; j < 4; ++j)
       reinterpret_cast<float4*>(own_row)[m * 4 + j] = make_float4(
           fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
-  float h2[2][4][4];
   split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -407,6 +416,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       a[m][0] = v.x; a[m][1] = v.y; a[m][2] = v.z; a[m][3] = v.w;
     }
   }, l2, b2, lane);
+#endif
   float out[2][4];
   output_layer(h2, w3, b3, t, out);
   if (t == 0) {
@@ -457,17 +467,19 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  int current = -1;
+  // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
+  // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
+  i64 current_end = -1;  // first chunk after the current tensor's
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    const int tensor = find_row<LOPT_FIELD_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-    if (tensor != current) {
-      __syncthreads();  // everyone is done with the previous tensor's first layer
+    if (chunk >= current_end) {
+      const int tensor = find_row<LOPT_FIELD_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+      __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
       if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) meta = tensors[tensor];
       __syncthreads();
-      current = tensor;
+      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
