@@ -391,7 +391,8 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   }, l1, b1, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
   float h2[2][4][4];
-#ifdef SFC_LAYER2_FROM_REGISTERS
+  // (Read straight from the registers: parking them in the tile instead saves registers but was
+  // 1 ms slower per GPT-2-medium step.)
   split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -399,24 +400,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
     }
   }, l2, b2, lane);
-#else
-  // They wait in this lane's own tile row (the features are no longer needed) instead of registers.
-  __syncwarp();  // every lane has read its layer-1 fragments from the tile
-  float* own_row = tile + lane * SFC_FEATURE_STRIDE;
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      reinterpret_cast<float4*>(own_row)[m * 4 + j] = make_float4(
-          fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][1], 0.f), fmaxf(h1[m][j][3], 0.f));
-  split_layer_32x32(h2, [&](int j, float a[2][4]) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const float4 v = reinterpret_cast<const float4*>(own_row)[m * 4 + j];
-      a[m][0] = v.x; a[m][1] = v.y; a[m][2] = v.z; a[m][3] = v.w;
-    }
-  }, l2, b2, lane);
-#endif
   float out[2][4];
   output_layer(h2, w3, b3, t, out);
   if (t == 0) {
