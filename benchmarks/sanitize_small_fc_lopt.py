@@ -4,7 +4,7 @@ import torch
 
 import lopt
 
-# Small tensors (CUDA-core MLP) and one of 78,000 elements (tensor-core MLP: wgmma on Hopper).
+# Small tensors and one of 78,000 elements (many blocks of the apply pass).
 shapes = [(), (5,), (33, 17), (4, 4), (2, 3, 5), (6, 2, 3, 3), (1, 9), (300,), (300, 260)]
 params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
 params.append(torch.nn.Parameter(torch.randn(7, 5, device="cuda", dtype=torch.bfloat16)))

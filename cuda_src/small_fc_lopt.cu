@@ -4,7 +4,7 @@
 //   adafactor_axis_partials, adafactor_finalize, adafactor_factor_tables   (adafactor.cuh)
 //   small_fc_lopt_feature_stats   update_accumulators + per_element_features, sums of squares per chunk
 //   small_fc_lopt_fold            normalise_features and time_features folded into the first layer
-//   small_fc_lopt_apply<E>        update_accumulators + per_element_features + mlp + apply_update
+//   small_fc_lopt_apply           update_accumulators + per_element_features + mlp + apply_update
 //
 // The statistics pass recomputes the updated accumulators without storing them; the apply pass
 // recomputes them with the same code and stores them, so both passes see identical features.
