@@ -203,34 +203,72 @@ def test_unsupported_parameter_dtypes_are_rejected(dtype):
         make([good, bad])
 
 
-def test_unsupported_dtype_added_later_is_rejected_at_step():
+def test_unsupported_dtype_added_later_is_rejected_by_add_param_group():
     gen = torch.Generator().manual_seed(10)
     good = leaf((3,), gen)
     opt = make([good])
     late = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
-    opt.add_param_group({"params": [late]})
-    good.grad, late.grad = rand_grad((3,), gen), torch.randn(2, 2, dtype=torch.float64)
-    before = [good.detach().clone(), late.detach().clone()]
-    with pytest.raises(TypeError, match=r"SmallFCLOpt: gradient of parameter #1 has unsupported dtype torch\.float64"):
+    with pytest.raises(TypeError, match=r"SmallFCLOpt: parameter #1 has dtype torch\.float64; supported are"):
+        opt.add_param_group({"params": [late]})
+    assert len(opt.param_groups) == 1  # nothing was added
+
+
+BAD_HYPERPARAMETERS = [
+    ({"lr": -0.1}, ValueError, r"lr must be a finite number >= 0\.0, got -0\.1"),
+    ({"lr": float("inf")}, ValueError, r"lr must be a finite number >= 0\.0, got inf"),
+    ({"lr": float("nan")}, ValueError, r"lr must be a finite number >= 0\.0, got nan"),
+    ({"lr": "0.1"}, TypeError, r"lr must be a finite number >= 0\.0, got '0\.1' of type str"),
+    ({"lr": torch.tensor([0.1, 0.2])}, ValueError, r"lr as a tensor must be a 0-d floating-point tensor"),
+    ({"lr": torch.tensor(-1.0)}, ValueError, r"lr must be a finite number >= 0\.0, got -1\.0"),
+    ({"weight_decay": -0.01}, ValueError, r"weight_decay must be a finite number >= 0\.0, got -0\.01"),
+    ({"max_grad_norm": 0}, ValueError, r"max_grad_norm must be a finite number > 0 or None, got 0"),
+    ({"max_grad_norm": -1.0}, ValueError, r"max_grad_norm must be a finite number > 0 or None, got -1\.0"),
+    ({"exp_mult": float("nan")}, ValueError, r"exp_mult must be a finite number"),
+    ({"momentum_decays": (0.1, 0.2)}, ValueError, r"momentum_decays needs 3 finite meta-learned offsets"),
+    ({"rms_decays": (0.1, 0.2, 0.3)}, ValueError, r"rms_decays needs 1 finite meta-learned offsets"),
+]
+
+
+@pytest.mark.parametrize("bad, error, message", BAD_HYPERPARAMETERS)
+def test_invalid_hyperparameters_are_rejected_wherever_they_come_from(bad, error, message):
+    """Constructor, a param-group dict, add_param_group and a loaded state dict are all validated, and a
+    rejected group changes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    p, q = leaf((3,), gen), leaf((2, 2), gen)
+    with pytest.raises(error, match=r"SmallFCLOpt: invalid arguments: " + message):
+        make([p], **bad)
+    with pytest.raises(error, match=r"SmallFCLOpt: invalid param group #1: " + message):
+        make([{"params": [p]}, {"params": [q], **bad}])
+    opt = make([p])
+    with pytest.raises(error, match=r"SmallFCLOpt: invalid param group #1: " + message):
+        opt.add_param_group({"params": [q], **bad})
+    assert len(opt.param_groups) == 1
+    saved = make([p]).state_dict()
+    saved["param_groups"][0].update(bad)
+    before = opt.state_dict()
+    with pytest.raises(error, match=r"SmallFCLOpt: invalid saved param group #0: " + message):
+        opt.load_state_dict(saved)
+    assert opt.state_dict()["param_groups"] == before["param_groups"]
+
+
+def test_hyperparameters_changed_after_construction_are_checked_at_step():
+    gen = torch.Generator().manual_seed(4)
+    p = leaf((5,), gen)
+    opt = make([p])
+    p.grad = rand_grad((5,), gen)
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = -0.5  # e.g. a buggy scheduler
+    with pytest.raises(ValueError, match=r"SmallFCLOpt\.step: param group lr is -0\.5; it must be a finite number >= 0"):
         opt.step()
-    assert torch.equal(good, before[0]) and torch.equal(late, before[1]) and not opt.state
-    assert "step" not in opt.param_groups[0]
+    assert torch.equal(p, before) and not opt.state
 
 
 def test_invalid_constructor_arguments_are_rejected():
     p = [torch.zeros(3, requires_grad=True)]
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'naive', 'fused'\), got 'cuda'"):
         make(p, backend="cuda")
-    with pytest.raises(ValueError, match=r"lr must be a non-negative number, got -0\.1"):
-        make(p, lr=-0.1)
-    with pytest.raises(ValueError, match=r"weight_decay must be a number >= 0, got -0\.01"):
-        make(p, weight_decay=-0.01)
-    with pytest.raises(ValueError, match=r"max_grad_norm must be positive or None, got 0"):
-        make(p, max_grad_norm=0)
-    with pytest.raises(ValueError, match=r"momentum_decays needs 3 meta-learned offsets, got 2"):
-        make(p, momentum_decays=(0.1, 0.2))
-    with pytest.raises(ValueError, match=r"rms_decays needs 1 meta-learned offsets, got 3"):
-        make(p, rms_decays=(0.1, 0.2, 0.3))
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'raise'\), got 'ignore'"):
+        make(p, nonfinite="ignore")
 
 
 def test_backend_choice_on_cpu():

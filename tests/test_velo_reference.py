@@ -122,7 +122,7 @@ def test_lstm_input_features_match_the_oracle(shape, meta):
     steps_taken, num_steps = 13, 40
     constants = R.rank_one_hot_table()
     fraction = R.fraction_features(steps_taken, num_steps, torch.tensor(R.FRACTION_TIMESCALES))
-    row = R.lstm_input_features(fraction[None], loss_feats, R.lstm_statistics(param, mom, rms)[None],
+    row = R.lstm_input_features(fraction[None], loss_feats, R.tensor_statistics(param, mom, rms).lstm[None],
                                 constants[min(R.tensor_rank(shape), 5)][None])
     expected = S.spec_lstm_features(param.double(), mom.double().movedim(-1, 0), rms.double()[..., 0], steps_taken,
                                     num_steps, loss_feats.double().tolist(), shape)
@@ -135,8 +135,9 @@ def test_var_rms_is_taken_around_the_momentum_mean():
     param = torch.ones(4, 5)  # ν = 1
     mom = torch.zeros(4, 5, 3) + torch.tensor([0.1, 0.2, 0.4])
     rms = torch.full((4, 5, 1), 0.05)
-    stats = R.lstm_statistics(param, mom, rms)
-    torch.testing.assert_close(stats, torch.tensor([0.05, 0, 0, 0, 0.05 ** 2, 0.15 ** 2, 0.35 ** 2]))
+    stats = R.tensor_statistics(param, mom, rms)
+    torch.testing.assert_close(stats.lstm, torch.tensor([0.05, 0, 0, 0, 0.05 ** 2, 0.15 ** 2, 0.35 ** 2]))
+    assert stats.mean_square_param.dtype == torch.float32 and float(stats.mean_square_param) == 1.0
 
 
 def test_rank_encoding_counts_axes_longer_than_one():
@@ -275,7 +276,9 @@ def test_per_element_update_matches_the_oracle(shape, meta):
     R.update_accumulators(work, grad.unsqueeze(-1), decays, dims)
     features = R.normalise_features(R.per_element_features(grad.unsqueeze(-1), param.unsqueeze(-1), work, dims))
     direction, magnitude = R.per_element_mlp(features, mlp)
-    update = R.velo_update(direction, magnitude, lr_mult, R.param_scale(param), 0.001, 0.001)
+    scale = R.param_scale(R.tensor_statistics(param, state["mom"], state["rms"]).mean_square_param)
+    torch.testing.assert_close(scale.double(), (param.double() ** 2).mean().add(1e-9).sqrt(), rtol=1e-6, atol=0)
+    update = R.velo_update(direction, magnitude, lr_mult, scale, 0.001, 0.001)
 
     ostate = oracle_state(shape, history, meta["rnn"])
     raw = S.spec_update_and_features(param.double(), grad.double(), ostate, S.spec_factored_dims(shape))
@@ -296,8 +299,8 @@ def test_per_element_update_matches_the_oracle(shape, meta):
     assert oupdate.abs().max() > 0
 
     again = {k: v.clone() for k, v in state.items()}
-    new_param = R.apply_stage(param, grad, again, dims, decays, mlp, lr_mult, lr=1.0, weight_decay=0.0, exp_mult=0.001,
-                              step_mult=0.001)
+    new_param = R.apply_stage(param, grad, again, dims, decays, mlp, lr_mult, scale, lr=1.0, weight_decay=0.0,
+                              exp_mult=0.001, step_mult=0.001)
     assert torch.equal(new_param, param - update)
     assert all(torch.equal(again[k], work[k]) for k in work)
 
@@ -329,10 +332,11 @@ def test_a_scalar_is_the_one_element_vector_of_the_jax_definition(meta):
         state = {k: (v.view((1,) + v.shape[-1:]) if v.numel() and not shape else v)
                  for k, v in init_state(shape, R.factored_dims(shape)).items()}
         param, grad = torch.tensor([0.7]), torch.tensor([-0.03])
-        stats = R.lstm_statistics(param, state["mom"], state["rms"])
-        new = R.apply_stage(param, grad, state, R.factored_dims(shape), decays, mlp, torch.tensor(0.5), lr=1.0,
-                            weight_decay=0.0, exp_mult=0.001, step_mult=0.001)
-        results.append((stats, new, state["mom"].clone()))
+        stats = R.tensor_statistics(param, state["mom"], state["rms"])
+        new = R.apply_stage(param, grad, state, R.factored_dims(shape), decays, mlp, torch.tensor(0.5),
+                            R.param_scale(stats.mean_square_param), lr=1.0, weight_decay=0.0, exp_mult=0.001,
+                            step_mult=0.001)
+        results.append((stats.lstm, new, state["mom"].clone()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert not torch.equal(results[0][1], torch.tensor([0.7]))
 

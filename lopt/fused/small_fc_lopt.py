@@ -138,6 +138,10 @@ class SmallFCLOptFused:
             group["step"] = step
         return step
 
+    def step(self, inputs) -> None:
+        for group in self.optimizer.param_groups:
+            self.step_group(group)
+
     def step_group(self, group) -> None:
         step_counter = self._step_counter(group)
         params = [p for p in group["params"] if p.grad is not None]

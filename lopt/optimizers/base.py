@@ -1,9 +1,21 @@
-"""What every lopt optimizer shares: meta-weights, backend choice, input checks, step counters."""
+"""What every lopt optimizer shares: groups and their validation, the step's check phase (gradient
+validation, AMP unscaling, the non-finite policy), backend choice, state dicts and copies.
+
+A step runs in phases that both backends share (``docs/design.md``):
+
+1. **check** — here: every gradient is validated before anything changes; the naive backend also
+   unscales AMP gradients and applies the non-finite policy on the host, the fused backend does
+   both on the device inside its statistics pass;
+2. **accumulate**, 3. **statistics**, 4. **reduce**, 5. **control**, 6. **apply** — in the
+   optimizer's reference module (naive) or its fused engine.
+"""
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -14,56 +26,158 @@ from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "naive", "fused")
+NONFINITE_POLICIES = ("skip", "raise")
+# A gradient element at or beyond 2^64 in magnitude has a square that overflows float32, which the
+# optimizer's float32 second-moment state cannot hold: it is treated like a non-finite element.
+GRADIENT_LIMIT = 2.0**64
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A step saw a non-finite (or overflowing) gradient or loss under ``nonfinite="raise"``; nothing changed."""
+
+
+@dataclass
+class StepInputs:
+    """What the check phase hands to a backend.
+
+    ``params[g]`` lists group ``g``'s parameters that take part in this step (a gradient and at
+    least one element). ``grad_scale`` and ``found_inf`` are GradScaler's device tensors when it
+    drives the step (``_step_supports_amp_scaling``), else None.
+    """
+
+    params: list
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    def entries(self, groups):
+        """(group, param) for every participating parameter, in group order."""
+        for group, params in zip(groups, self.params):
+            for p in params:
+                yield group, p
+
+
+def _is_real_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = False, allow_tensor: bool = True) -> None:
+    """A finite number (or 0-d floating tensor) >= minimum (> when strict); raises ValueError naming it."""
+    bound = f"> {minimum}" if strict else f">= {minimum}"
+    if torch.is_tensor(value):
+        if not allow_tensor:
+            raise TypeError(f"{name} must be a number, got a tensor")
+        if value.numel() != 1 or value.dim() != 0 or not value.is_floating_point():
+            raise ValueError(f"{name} as a tensor must be a 0-d floating-point tensor, got shape "
+                             f"{tuple(value.shape)} and dtype {value.dtype}")
+        number = float(value.detach().cpu())  # construction and add_param_group only, never in step()
+    elif _is_real_number(value):
+        number = float(value)
+    else:
+        raise TypeError(f"{name} must be a finite number {bound}, got {value!r} of type {type(value).__name__}")
+    if not math.isfinite(number) or number < minimum or (strict and number == minimum):
+        raise ValueError(f"{name} must be a finite number {bound}, got {number!r}")
 
 
 class LearnedOptimizer(Optimizer):
     """Base class: a ``torch.optim.Optimizer`` driven by frozen meta-weights.
 
-    Subclasses set ``architecture`` (a registry architecture name) and implement
-    ``_step_group_naive`` and, where a fused backend exists, ``_make_fused_engine``.
+    Subclasses set ``architecture`` (a registry architecture name) and ``reference`` (their
+    reference module), implement ``_naive_step`` and, where a fused backend exists,
+    ``_make_fused_engine``.
     """
 
     architecture: str = ""
     reference = None  # the optimizer's reference module: provides Decays and factored_dims
+    requires_loss = False
+    # GradScaler hands grad_scale and found_inf to step() (as fused AdamW): gradients are unscaled
+    # inside the step and an overflowing step changes nothing, without a separate unscale pass.
+    _step_supports_amp_scaling = True
+    # Attributes that __getstate__ carries besides torch's (defaults, state, param_groups).
+    _PICKLED_ATTRIBUTES = ("meta_weights", "backend", "backend_reason", "nonfinite")
 
     @staticmethod
     def accumulator_defaults(*, lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays,
                              adafactor_decays) -> dict:
-        """Validated group defaults shared by every optimizer built on lopt's accumulators."""
-        if not (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr >= 0):
-            raise ValueError(f"lr must be a non-negative number, got {lr!r}")
-        if not (isinstance(weight_decay, numbers.Real) and not isinstance(weight_decay, bool) and weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
-        for name, offsets, n in (("momentum_decays", momentum_decays, 3), ("rms_decays", rms_decays, 1),
-                                 ("adafactor_decays", adafactor_decays, 3)):
-            if len(offsets) != n:
-                raise ValueError(f"{name} needs {n} meta-learned offsets, got {len(offsets)}")
+        """The group defaults shared by every optimizer built on lopt's accumulators."""
         return dict(lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
-                    momentum_decays=tuple(float(x) for x in momentum_decays),
-                    rms_decays=tuple(float(x) for x in rms_decays),
-                    adafactor_decays=tuple(float(x) for x in adafactor_decays))
+                    momentum_decays=tuple(momentum_decays), rms_decays=tuple(rms_decays),
+                    adafactor_decays=tuple(adafactor_decays))
 
-    def __init__(self, params, defaults: dict, *, weights, backend: str):
+    def __init__(self, params, defaults: dict, *, weights, backend: str, nonfinite: str = "skip"):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        super().__init__(params, defaults)
-        self._check_parameters()
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self._validate_group(dict(defaults), where="arguments")
+        super().__init__(params, defaults)  # add_param_group validates every group and its parameters
         # Load the meta-weights before anything else can fail half-way: construction either
         # succeeds with validated weights or raises.
         self.meta_weights = weights_lib.load_weights(weights, self.architecture)
-        self._weights_by_device: dict = {}
-        self.backend_requested = backend
+        self.nonfinite = nonfinite
+        first = self.param_groups[0]
+        first.setdefault("skipped_steps", 0)
+        for group in self.param_groups:
+            group.setdefault("step", 0)
+        self._init_caches()
         self.backend, self.backend_reason = self._choose_backend(backend)
+        self._start_fused_engine(strict=backend == "fused")
+
+    def _init_caches(self) -> None:
+        """Per-process caches (rebuilt after unpickling, never saved)."""
+        self._weights_by_device: dict = {}
+        self._decays_cache: dict = {}
         self._fused_engine = None
-        if self.backend == "fused":
-            try:
-                self._fused_engine = self._make_fused_engine()
-            except Exception as err:  # compilation failure, unsupported option, ...
-                if backend == "fused":
-                    raise RuntimeError(f"{type(self).__name__}(backend='fused') cannot run: {err}") from err
-                warnings.warn(f"{type(self).__name__}: using the naive backend because the fused backend failed to "
-                              f"start: {err}", RuntimeWarning, stacklevel=2)
-                self.backend, self.backend_reason = "naive", str(err)
+        self._skipped_seen = 0
+
+    def _start_fused_engine(self, strict: bool) -> None:
+        if self.backend != "fused":
+            return
+        try:
+            self._fused_engine = self._make_fused_engine()
+        except Exception as err:  # compilation failure, unsupported option, ...
+            if strict:
+                raise RuntimeError(f"{type(self).__name__}(backend='fused') cannot run: {err}") from err
+            warnings.warn(f"{type(self).__name__}: using the naive backend because the fused backend failed to "
+                          f"start: {err}", RuntimeWarning, stacklevel=3)
+            self.backend, self.backend_reason = "naive", str(err)
+
+    # ------------------------------------------------------------------ groups
+
+    def _validate_group(self, group: dict, where: str) -> None:
+        """Hyper-parameters of one group (raises ValueError/TypeError naming ``where``); subclasses extend."""
+        try:
+            _check_scalar("lr", group["lr"])
+            _check_scalar("weight_decay", group["weight_decay"])
+            for name in ("exp_mult", "step_mult"):
+                _check_scalar(name, group[name], minimum=-math.inf, allow_tensor=False)
+            for name, n in (("momentum_decays", 3), ("rms_decays", 1), ("adafactor_decays", 3)):
+                offsets = group[name]
+                if len(offsets) != n or not all(_is_real_number(x) and math.isfinite(x) for x in offsets):
+                    raise ValueError(f"{name} needs {n} finite meta-learned offsets, got {offsets!r}")
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{type(self).__name__}: invalid {where}: {err}") from None
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, with the group's hyper-parameters validated first (nothing is added on error)."""
+        where = f"param group #{len(self.param_groups)}"
+        params = param_group["params"]
+        param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)  # (a generator once)
+        first_index = sum(len(group["params"]) for group in self.param_groups)
+        for offset, p in enumerate(param_group["params"]):
+            if isinstance(p, torch.Tensor):
+                self._check_parameter_dtype(p, f"parameter #{first_index + offset}")
+        candidate = dict(param_group)
+        for name, default in self.defaults.items():
+            candidate.setdefault(name, default)
+        self._validate_group(candidate, where=where)
+        for name in ("momentum_decays", "rms_decays", "adafactor_decays"):
+            if name in param_group:
+                param_group[name] = tuple(float(x) for x in param_group[name])
+        super().add_param_group(param_group)
+        self.param_groups[-1].setdefault("step", 0)
+        if getattr(self, "_fused_engine", None) is not None:
+            self._fused_engine.invalidate()
 
     # ------------------------------------------------------------------ checks
 
@@ -71,36 +185,119 @@ class LearnedOptimizer(Optimizer):
         for group in self.param_groups:
             yield from group["params"]
 
-    def _check_parameters(self) -> None:
-        for index, p in enumerate(self._all_params()):
-            if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(
-                    f"{type(self).__name__}: parameter #{index} has dtype {p.dtype}; supported are float32, bfloat16 "
-                    f"and float16 (optimizer state and math are float32). Convert the model, e.g. model.float()"
-                )
+    def _check_parameter_dtype(self, p, what: str) -> None:
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{type(self).__name__}: {what} has dtype {p.dtype}; supported are float32, bfloat16 and float16 "
+                f"(optimizer state and math are float32). Convert the model, e.g. model.float()"
+            )
+        if _is_dtensor(p):
+            raise TypeError(
+                f"{type(self).__name__}: {what} is a DTensor (FSDP2 / tensor parallelism); lopt steps plain tensors "
+                f"only so far. Use DDP, or gather full parameters before stepping"
+            )
 
-    def _check_gradients(self) -> None:
-        """Validate every gradient before touching any state, so a bad input changes nothing."""
-        for index, p in enumerate(self._all_params()):
+    def _check_gradients(self) -> StepInputs:
+        """Check phase, part 1: validate every gradient before touching any state, so a bad input changes
+        nothing; returns the participating parameters and GradScaler's tensors."""
+        participating = []
+        index = 0
+        for group in self.param_groups:
+            _validate_live_group(self, group)
+            params = []
+            for p in group["params"]:
+                g = p.grad
+                if g is not None:
+                    self._check_gradient(index, p, g)
+                    if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
+                        params.append(p)
+                index += 1
+            participating.append(params)
+        return StepInputs(participating, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+
+    def _check_gradient(self, index: int, p, g) -> None:
+        name = type(self).__name__
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError(
+                f"{name} does not support sparse gradients (parameter #{index}, shape {tuple(p.shape)}): "
+                f"use dense gradients, e.g. torch.nn.Embedding(..., sparse=False)"
+            )
+        if g.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: gradient of parameter #{index} has unsupported dtype {g.dtype}; "
+                            f"supported are float32, bfloat16 and float16")
+        if g.shape != p.shape:
+            raise RuntimeError(
+                f"{name}: gradient of parameter #{index} has shape {tuple(g.shape)} but the parameter has shape "
+                f"{tuple(p.shape)}"
+            )
+        if g.device != p.device:
+            raise RuntimeError(f"{name}: gradient of parameter #{index} is on {g.device} but the parameter is on {p.device}")
+
+    def _unscaled_gradients(self, inputs: StepInputs) -> dict:
+        """Naive check phase, part 2: the gradients as the math uses them (float32, AMP-unscaled), by parameter."""
+        inverse_scale = None
+        if inputs.grad_scale is not None:
+            inverse_scale = inputs.grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ forms it
+        grads = {}
+        for group, p in inputs.entries(self.param_groups):
             g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse or g.layout != torch.strided:
-                raise RuntimeError(
-                    f"{type(self).__name__} does not support sparse gradients (parameter #{index}, shape {tuple(p.shape)}): "
-                    f"use dense gradients, e.g. torch.nn.Embedding(..., sparse=False)"
-                )
-            if g.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"{type(self).__name__}: gradient of parameter #{index} has unsupported dtype {g.dtype}")
-            if g.shape != p.shape:
-                raise RuntimeError(
-                    f"{type(self).__name__}: gradient of parameter #{index} has shape {tuple(g.shape)} but the parameter "
-                    f"has shape {tuple(p.shape)}"
-                )
-            if g.device != p.device:
-                raise RuntimeError(
-                    f"{type(self).__name__}: gradient of parameter #{index} is on {g.device} but the parameter is on {p.device}"
-                )
+            if inverse_scale is not None:
+                g = g.to(torch.float32) * inverse_scale.to(g.device)
+            grads[p] = g
+        return grads
+
+    def _naive_step_allowed(self, inputs: StepInputs, grads: dict, loss=None) -> bool:
+        """Naive check phase, part 3 (one host read): False if the step must be skipped.
+
+        An AMP overflow (GradScaler's ``found_inf``) skips silently: GradScaler expects it and
+        lowers its scale. A non-finite or overflowing gradient (|g| >= 2^64), or a non-finite loss,
+        raises under ``nonfinite="raise"``; else the step is skipped, counted and warned about.
+        """
+        if inputs.found_inf is not None and bool(inputs.found_inf.detach().cpu().item() > 0):
+            return False
+        params = [p for _, p in inputs.entries(self.param_groups)]
+        if not params and loss is None:
+            return True
+        peaks = [grads[p].detach().abs().amax().to(torch.float32) for p in params]
+        if loss is not None:
+            peaks.append(torch.where(torch.isfinite(loss), 0.0, math.inf).to(torch.float32).reshape(()))
+        devices = {t.device for t in peaks}
+        peaks = torch.stack([t.to("cpu") if len(devices) > 1 else t for t in peaks]).cpu()
+        bad = ~(peaks < GRADIENT_LIMIT)  # NaN compares False
+        if not bool(bad.any()):
+            return True
+        where = int(bad.nonzero()[0])
+        if where == len(params):
+            problem = f"the loss is not finite ({float(loss)})"
+        else:
+            index = next(i for i, p in enumerate(self._all_params()) if p is params[where])
+            problem = (f"the gradient of parameter #{index} (shape {tuple(params[where].shape)}) holds "
+                       f"{_describe_peak(float(peaks[where]))}")
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(f"{type(self).__name__}.step: {problem}; nothing was changed "
+                                         f"(nonfinite='raise')")
+        first = self.param_groups[0]
+        first["skipped_steps"] = int(first["skipped_steps"]) + 1
+        self._skipped_seen = first["skipped_steps"]
+        warnings.warn(f"{type(self).__name__}: step skipped because {problem}; parameters, state and step counters "
+                      f"are unchanged ({first['skipped_steps']} skipped so far; nonfinite='raise' stops instead)",
+                      RuntimeWarning, stacklevel=4)
+        return False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite (or overflowing) gradient or loss so far.
+
+        The fused backend counts on the device without synchronising; reading this property
+        synchronises and warns if steps were skipped since it was last read.
+        """
+        count = int(self.param_groups[0]["skipped_steps"])
+        if count > self._skipped_seen:
+            warnings.warn(f"{type(self).__name__}: {count - self._skipped_seen} step(s) were skipped since the last "
+                          f"check because a gradient or the loss was not finite ({count} in total)", RuntimeWarning,
+                          stacklevel=2)
+        self._skipped_seen = count
+        return count
 
     # ------------------------------------------------------------------ backends
 
@@ -113,6 +310,8 @@ class LearnedOptimizer(Optimizer):
         from lopt.fused import launcher
 
         reason = launcher.fused_unavailable_reason(self.architecture, self._param_devices())
+        if reason is None:
+            reason = self._fused_unsupported_reason()
         if requested == "fused":
             if reason:
                 raise RuntimeError(f"{type(self).__name__}(backend='fused') cannot run: {reason}. Use backend='naive' or 'auto'.")
@@ -121,8 +320,12 @@ class LearnedOptimizer(Optimizer):
         if reason is None:
             return "fused", "CUDA parameters and a working fused backend"
         if any(d.type == "cuda" for d in self._param_devices()):
-            warnings.warn(f"{type(self).__name__}: using the naive backend because {reason}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{type(self).__name__}: using the naive backend because {reason}", RuntimeWarning, stacklevel=4)
         return "naive", reason
+
+    def _fused_unsupported_reason(self) -> str | None:
+        """Why this optimizer's settings rule out the fused backend (None if they do not)."""
+        return None
 
     def _make_fused_engine(self):
         raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
@@ -130,11 +333,10 @@ class LearnedOptimizer(Optimizer):
     def decays(self, group, device=None):
         """The group's effective float32 decays (computed on the CPU once, cached per device)."""
         key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"], str(device))
-        cache = self.__dict__.setdefault("_decays_cache", {})
-        if key not in cache:
+        if key not in self._decays_cache:
             decays = self.reference.Decays.from_offsets(*key[:3])
-            cache[key] = decays.to(device) if device is not None else decays
-        return cache[key]
+            self._decays_cache[key] = decays.to(device) if device is not None else decays
+        return self._decays_cache[key]
 
     def ensure_state(self, p) -> dict:
         """The parameter's state, created (zero accumulators, float32, on its device) on first use."""
@@ -144,28 +346,71 @@ class LearnedOptimizer(Optimizer):
                 state[name] = buf.to(p.device)
         return state
 
-    def weights_on(self, device) -> dict:
-        """The meta-weights as ``{component: {name: float32 tensor}}`` on ``device`` (cached)."""
-        key = torch.device(device)
+    def weights_on(self, device, dtype=torch.float32) -> dict:
+        """The meta-weights as ``{component: {name: tensor}}`` on ``device`` in ``dtype`` (cached)."""
+        key = (torch.device(device), dtype)
         if key not in self._weights_by_device:
-            self._weights_by_device[key] = self.meta_weights.to(key).tensors
+            self._weights_by_device[key] = {
+                component: {name: t.to(device=key[0], dtype=dtype) for name, t in tensors.items()}
+                for component, tensors in self.meta_weights.tensors.items()}
         return self._weights_by_device[key]
 
-    # ------------------------------------------------------------------ step counters, state dicts
+    # ------------------------------------------------------------------ step counters, state dicts, copies
 
     @staticmethod
     def _host_step(group) -> int:
         step = group.get("step", 0)
         return int(step.item()) if torch.is_tensor(step) else int(step)
 
+    # Keys of the first param group that hold optimizer-wide state (counters, buffers), not hyper-parameters.
+    GLOBAL_STATE_KEYS: tuple = ()
+    # State entries every parameter's state must carry (state dicts are checked against them).
+    TENSOR_STATE_KEYS: tuple = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")
+
     def state_dict(self):
         state = super().state_dict()
         for group in state["param_groups"]:
-            if torch.is_tensor(group.get("step")):
-                group["step"] = int(group["step"].item())  # portable: loads into either backend
+            for key in ("step", "skipped_steps"):
+                if torch.is_tensor(group.get(key)):
+                    group[key] = int(group[key].item())  # portable: loads into either backend
         return state
 
+    def _validate_state_dict(self, state_dict) -> None:
+        """Raise ValueError (changing nothing) unless ``state_dict`` is one of this optimizer's."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(f"{name}.load_state_dict: not an optimizer state dict (needs 'state' and 'param_groups')")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"{name}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        foreign = _foreign_optimizer(state_dict, self)
+        if foreign:
+            raise ValueError(f"{name}.load_state_dict: this is a state dict of {foreign}, not of {name}; nothing "
+                             f"was changed")
+        missing = [key for key in self.GLOBAL_STATE_KEYS if key not in groups[0]]
+        if missing:
+            raise ValueError(f"{name}.load_state_dict: not a {name} state dict: its first param group lacks {missing}")
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in state_dict["state"].items():
+            absent = [key for key in self.TENSOR_STATE_KEYS if key not in values]
+            if absent:
+                raise ValueError(f"{name}.load_state_dict: not a {name} state dict: the state of parameter #{index} "
+                                 f"lacks {absent}")
+            if not (isinstance(index, int) and 0 <= index < len(params)):
+                raise ValueError(f"{name}.load_state_dict: state for parameter #{index}, but the optimizer has "
+                                 f"{len(params)} parameters")
+            expected = tuple(params[index].shape) + (3,)
+            if tuple(values["mom"].shape) != expected:
+                raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(params[index].shape)} "
+                                 f"but its saved momentum has shape {tuple(values['mom'].shape)} (expected {expected})")
+        for index, group in enumerate(groups):
+            candidate = dict(self.defaults)
+            candidate.update({k: v for k, v in group.items() if k != "params"})
+            self._validate_group(candidate, where=f"saved param group #{index}")
+
     def load_state_dict(self, state_dict):
+        self._validate_state_dict(state_dict)
         saved_state = state_dict["state"]
         super().load_state_dict(state_dict)
         # torch casts floating-point state to each parameter's dtype (bfloat16 momentum for a
@@ -177,8 +422,75 @@ class LearnedOptimizer(Optimizer):
             for key, value in values.items():
                 if torch.is_tensor(value) and value.is_floating_point():
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+        for group in self.param_groups:
+            for name in ("momentum_decays", "rms_decays", "adafactor_decays"):
+                group[name] = tuple(float(x) for x in group[name])
+        self.param_groups[0].setdefault("skipped_steps", 0)  # (state dicts of lopt 0.1 lack it)
+        self._skipped_seen = int(self.param_groups[0]["skipped_steps"])
         if self._fused_engine is not None:
             self._fused_engine.invalidate()
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        for name in self._PICKLED_ATTRIBUTES:
+            state[name] = getattr(self, name)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._init_caches()
+        self._restore_after_unpickling()
+        self._start_fused_engine(strict=False)
+
+    def _restore_after_unpickling(self) -> None:
+        """Subclass hook: rebuild per-process attributes after a copy or unpickling."""
+
     def __repr__(self):
-        return f"{type(self).__name__}(backend={self.backend!r}, weights={self.meta_weights.source!r}, groups={len(self.param_groups)})"
+        weights = getattr(getattr(self, "meta_weights", None), "source", None)
+        return (f"{type(self).__name__}(backend={getattr(self, 'backend', None)!r}, weights={weights!r}, "
+                f"groups={len(getattr(self, 'param_groups', []))})")
+
+
+def _validate_live_group(optimizer, group) -> None:
+    """Cheap per-step re-check of host-side hyper-parameters that code may have changed since (a
+    scheduler, a user): a negative or non-finite lr would silently reverse or poison the step."""
+    for name in ("lr", "weight_decay"):
+        value = group[name]
+        if not torch.is_tensor(value) and not (_is_real_number(value) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{type(optimizer).__name__}.step: param group {name} is {value!r}; it must be a finite "
+                             f"number >= 0 (or a 0-d tensor). Nothing was changed")
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support has no DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _describe_peak(peak: float) -> str:
+    if math.isnan(peak):
+        return "NaN"
+    if math.isinf(peak):
+        return "an infinite value"
+    return f"a value of magnitude {peak:.3g}, whose square overflows float32 (|g| >= 2^64)"
+
+
+def _foreign_optimizer(state_dict, optimizer) -> str | None:
+    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s."""
+    first = state_dict["param_groups"][0] if state_dict["param_groups"] else {}
+    own = type(optimizer).__name__
+    if "num_steps" in first and "loss_means" in first and own != "VeLO":
+        return "lopt.VeLO"
+    if own == "VeLO" and "num_steps" not in first and any("mom" in v for v in state_dict["state"].values()):
+        return "lopt.SmallFCLOpt"
+    for values in state_dict["state"].values():
+        keys = set(values)
+        if {"exp_avg", "exp_avg_sq"} & keys:
+            return "torch.optim.Adam/AdamW"
+        if "momentum_buffer" in keys:
+            return "torch.optim.SGD"
+        if "mom" not in keys:
+            return f"another optimizer (parameter state keys {sorted(keys)})"
+    return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from lopt.optimizers.base import LearnedOptimizer
@@ -22,15 +25,18 @@ class SmallFCLOpt(LearnedOptimizer):
         p &\leftarrow p - \text{lr}\cdot u, \qquad
         p \leftarrow p - \text{weight\_decay}\cdot\text{lr}\cdot p \ \ (\text{if weight\_decay} > 0)
 
-    The semantics are PyLO's ``AdafacLO_naive`` (``shared/spec/small_fc_lopt.md``) with two
-    decisions of lopt: ties between equal axis sizes when choosing the factored axes are broken by a
-    stable sort (lowest axis first) on every platform, and a 0-d parameter has each feature
-    normalised by itself (the JAX definition) rather than by one value shared by all 28 features.
+    The semantics are PyLO's ``AdafacLO_naive`` (docs/small_fc_lopt.md) with two decisions of
+    lopt: ties between equal axis sizes when choosing the factored axes are broken by a stable sort
+    (lowest axis first) on every platform, and a 0-d parameter has each feature normalised by
+    itself (the JAX definition) rather than by one value shared by all 28 features.
 
     Args:
         params: parameters or parameter groups (groups may set ``lr``, ``weight_decay``, ...).
         lr: multiplies the meta-learned step (1.0 = the step the weights were meta-trained with).
-        weight_decay: decoupled weight decay, applied after the update as ``p -= weight_decay*lr*p``.
+            A number or a 0-d tensor (a CUDA tensor lets a compiled step or a captured CUDA graph
+            follow a scheduler without recompiling or re-capturing).
+        weight_decay: decoupled weight decay, applied after the update as ``p -= weight_decay*lr*p``
+            (a number or a 0-d tensor).
         weights: meta-weights — a registered name (default ``"small_fc_lopt"``: hub repo
             ``btherien/mulo``), a hub repo id ``owner/name[@revision]``, a local directory in PyLO's
             hub layout, a ``.safetensors`` file, or a :class:`lopt.weights.MetaWeights`.
@@ -39,10 +45,18 @@ class SmallFCLOpt(LearnedOptimizer):
         momentum_decays, rms_decays, adafactor_decays: meta-learned decay offsets (PyLO's defaults).
         max_grad_norm: if set, each tensor's gradient is clipped to this 2-norm first (PyLO option;
             the gradient tensor itself is not modified).
+        nonfinite: what a step does when a gradient holds NaN, ±inf or a value whose square
+            overflows float32 (|g| >= 2^64): ``"skip"`` (default) leaves parameters, state and
+            step counters untouched, counts it in :attr:`skipped_steps` and warns; ``"raise"``
+            raises :class:`lopt.NonFiniteGradientError` (the fused backend then reads one flag
+            from the device per step).
 
     State per parameter (float32, PyLO's names and layout, decay axis last): ``mom`` ``S+(3,)``,
     ``rms`` ``S+(1,)``, ``fac_vec_row``/``fac_vec_col`` (rank >= 2) or ``fac_vec_v`` (rank <= 1).
     Each group counts its steps in ``group["step"]``.
+
+    Works with ``torch.amp.GradScaler`` like fused AdamW: ``scaler.step(opt)`` hands its scale and
+    overflow flag to the step, which unscales the gradients itself and changes nothing on overflow.
     """
 
     architecture = "small_fc_lopt"
@@ -63,14 +77,20 @@ class SmallFCLOpt(LearnedOptimizer):
         rms_decays=reference.RMS_DECAY_OFFSETS,
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
         max_grad_norm: float | None = None,
+        nonfinite: str = "skip",
     ):
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         defaults = self.accumulator_defaults(
             lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
             rms_decays=rms_decays, adafactor_decays=adafactor_decays)
         defaults["max_grad_norm"] = max_grad_norm
-        super().__init__(params, defaults, weights=weights, backend=backend)
+        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite)
+
+    def _validate_group(self, group: dict, where: str) -> None:
+        super()._validate_group(group, where)
+        max_grad_norm = group.get("max_grad_norm")
+        if max_grad_norm is not None and not (_is_positive_number(max_grad_norm)):
+            raise ValueError(f"{type(self).__name__}: invalid {where}: max_grad_norm must be a finite number > 0 "
+                             f"or None, got {max_grad_norm!r}")
 
     def _make_fused_engine(self):
         from lopt.fused.small_fc_lopt import SmallFCLOptFused
@@ -84,26 +104,29 @@ class SmallFCLOpt(LearnedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_gradients()
-        for group in self.param_groups:
-            if self.backend == "fused":
-                self._fused_engine.step_group(group)
-            else:
-                self._step_group_naive(group)
+        inputs = self._check_gradients()
+        if self.backend == "fused":
+            self._fused_engine.step(inputs)
+        else:
+            self._naive_step(inputs)
         return loss
 
-    def _step_group_naive(self, group) -> None:
-        group["step"] = self._host_step(group) + 1
-        max_grad_norm = group["max_grad_norm"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if max_grad_norm is not None:
-                norm = torch.linalg.vector_norm(grad.to(torch.float32))
-                grad = grad.to(torch.float32) * torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-            reference.small_fc_lopt_step(
-                p, grad, self.ensure_state(p), group["step"], self.weights_on(p.device)["mlp"],
-                self.decays(group, p.device), lr=group["lr"], weight_decay=group["weight_decay"],
-                exp_mult=group["exp_mult"], step_mult=group["step_mult"],
-            )
+    def _naive_step(self, inputs) -> None:
+        grads = self._unscaled_gradients(inputs)
+        if not self._naive_step_allowed(inputs, grads):
+            return
+        for group, params in zip(self.param_groups, inputs.params):
+            group["step"] = self._host_step(group) + 1
+            for p in params:
+                grad = grads[p]
+                if group["max_grad_norm"] is not None:
+                    grad = reference.clip_gradient_norm(grad, group["max_grad_norm"])
+                reference.small_fc_lopt_step(
+                    p, grad, self.ensure_state(p), group["step"], self.weights_on(p.device)["mlp"],
+                    self.decays(group, p.device), lr=group["lr"], weight_decay=group["weight_decay"],
+                    exp_mult=group["exp_mult"], step_mult=group["step_mult"],
+                )
+
+
+def _is_positive_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0

@@ -6,21 +6,28 @@ import math
 import numbers
 import operator
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import velo as reference
 
-# Optimizer-wide state. It lives in the first param group so that torch's own state_dict carries it
-# (group entries are saved and restored verbatim; ``add_param_group`` does not copy them).
-GLOBAL_STATE_KEYS = ("num_steps", "loss_means", "loss_running_min", "loss_count", "skipped_steps")
-TENSOR_STATE_KEYS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v", "lstm_hidden", "lstm_cell")
-
 _MISSING_LOSS = (
-    "VeLO.step needs the training loss: call opt.step(loss) with the loss of this step (a float or a 0-d tensor, "
-    "computed before backward), or opt.step(closure) with a closure that returns it"
+    "VeLO.step needs the training loss: call opt.step(loss) with the loss of this step (a number or a one-element "
+    "tensor), opt.step(closure) with a closure that returns it, or, where a training loop calls step() for you, "
+    "hand each micro-batch's loss to opt.accumulate_loss(loss) before it does"
 )
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """The loss a step uses, as the backends read it: a host ``value``, or a device ``tensor``
+    (a user's loss tensor, or the sum of accumulated losses, then divided by ``count``)."""
+
+    value: float | None = None
+    tensor: torch.Tensor | None = None
+    count: int = 1
 
 
 def _validate_num_steps(num_steps) -> int:
@@ -54,7 +61,7 @@ class VeLO(LearnedOptimizer):
         \text{step\_mult}, \qquad p \leftarrow p - \text{weight\_decay}\cdot\text{lr}\cdot p
 
     with :math:`\hat g` the gradient clipped to ±1000. The semantics are PyLO's ``VeLO_naive``
-    (``shared/spec/velo.md``; the JAX ``HyperV2`` of learned_optimization) with these decisions:
+    (the JAX ``HyperV2`` of learned_optimization; ``docs/velo.md``) with these decisions:
 
     * ``lr`` defaults to **1.0**, the step VeLO was meta-trained with (JAX VeLO has no lr).
       PyLO's constructor default ``1e-3`` makes every step 1000× smaller than VeLO's; pass
@@ -63,7 +70,10 @@ class VeLO(LearnedOptimizer):
       VeLO's swap rule (deterministic on every platform).
     * 0-d parameters follow the JAX definition (the scalar as a 1-element vector; PyLO crashes).
     * Rank ≥ 5 tensors (five or more axes of size > 1) get the all-zero rank encoding (JAX).
-    * A tensor without a gradient in a step is skipped: no LSTM row, no state change.
+    * A tensor without a gradient in a step, or with no elements, is skipped: no LSTM row, no
+      state change.
+    * The controller (mixing layers, LSTM, heads, weight generation) is evaluated in float64 and
+      its outputs rounded to float32, so that rounding does not depend on the summation order.
     * State and math are float32 for every parameter dtype; the parameter keeps its dtype.
 
     Args:
@@ -79,26 +89,38 @@ class VeLO(LearnedOptimizer):
             ``Pauljanson002/VeLO_RNN`` and ``Pauljanson002/VeLO_MLP``), a pair ``(rnn, mlp)`` or
             dict ``{"rnn": ..., "mlp": ...}`` of local directories in PyLO's hub layout, hub repo
             ids or ``.safetensors`` files, or a :class:`lopt.weights.MetaWeights`.
-        backend: ``"auto"`` or ``"naive"`` (VeLO has no fused backend yet; ``"fused"`` raises).
+        backend: ``"auto"`` (fused on CUDA when available, else naive), ``"naive"`` or ``"fused"``.
         exp_mult, step_mult: output scalings (PyLO defaults 0.001 and 0.001).
         momentum_decays, rms_decays, adafactor_decays: offsets added to the decays
             (0.9, 0.99, 0.999) / (0.999,) / (0.9, 0.99, 0.999) in PyLO's parametrisation; VeLO's
             weights were meta-trained with zeros.
 
+        nonfinite: ``"skip"`` (default): a step whose loss or any gradient is NaN, ±inf or beyond
+            2^64 changes nothing (parameters, state, loss buffer, step counters), is counted in
+            :attr:`skipped_steps` and warned about; ``"raise"``: it raises
+            :class:`lopt.NonFiniteGradientError`.
+
     ``step(loss)`` needs this step's training loss (a Python number, or a tensor with one element
-    on any device) or a closure that returns it; see :meth:`step`.
+    on any device) or a closure that returns it; loops that call ``step()`` themselves hand the
+    loss over with :meth:`accumulate_loss` first. See :meth:`step`.
 
     State: per parameter (float32, PyLO's accumulator names and layout, decay axis last) ``mom``
     ``S+(3,)``, ``rms`` ``S+(1,)``, ``fac_vec_row``/``fac_vec_col`` (rank ≥ 2) or ``fac_vec_v``,
     and the tensor's LSTM row ``lstm_hidden``, ``lstm_cell`` (512 each). Each group counts its
     steps in ``group["step"]``. The optimizer-wide state lives in the first group:
     ``num_steps``, the loss buffer ``loss_means``, ``loss_running_min`` (10 each) and
-    ``loss_count``, and ``skipped_steps`` (steps skipped for a non-finite loss on a GPU).
+    ``loss_count``, and ``skipped_steps``.
     """
 
     architecture = "velo"
     reference = reference
     requires_loss = True
+    # Optimizer-wide state. It lives in the first param group so that torch's own state_dict carries
+    # it (group entries are saved and restored verbatim; ``add_param_group`` does not copy them).
+    GLOBAL_STATE_KEYS = ("num_steps", "loss_means", "loss_running_min", "loss_count")
+    TENSOR_STATE_KEYS = LearnedOptimizer.TENSOR_STATE_KEYS + ("lstm_hidden", "lstm_cell")
+    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum",
+                                                                 "_accumulated_losses")
 
     def __init__(
         self,
@@ -114,28 +136,32 @@ class VeLO(LearnedOptimizer):
         momentum_decays=reference.MOMENTUM_DECAY_OFFSETS,
         rms_decays=reference.RMS_DECAY_OFFSETS,
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
+        nonfinite: str = "skip",
     ):
         num_steps = _validate_num_steps(num_steps)
+        if isinstance(params, torch.Tensor):
+            raise TypeError("VeLO: params must be an iterable of tensors or param-group dicts, got a single tensor; "
+                            "pass [tensor] or model.parameters()")
+        params = list(params)  # (a generator is read twice: for the controller device, then by torch)
         defaults = self.accumulator_defaults(
             lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
             rms_decays=rms_decays, adafactor_decays=adafactor_decays)
         self._constants_cache: dict = {}
-        super().__init__(params, defaults, weights=weights, backend=backend)
-
         # The loss buffer and the batched controller live on the first parameter's device.
-        self.controller_device = next(iter(self._all_params())).device
+        self.controller_device = _first_param_device(params)
+        self._loss_sum = None  # accumulate_loss: running sum on the controller device
+        self._accumulated_losses = 0  # ... and how many losses it holds (known on the host: no sync)
+        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite)
+
         buffer = reference.init_loss_buffer(num_steps, self.controller_device)
         first = self.param_groups[0]
         first["num_steps"] = num_steps
         first["loss_means"] = buffer.means
         first["loss_running_min"] = buffer.running_min
         first["loss_count"] = buffer.count
-        first["skipped_steps"] = torch.zeros((), dtype=torch.int64, device=self.controller_device)
-        for group in self.param_groups:
-            group.setdefault("step", 0)
         # State is created eagerly (as PyLO does), so the first step allocates nothing and
         # host-to-device copies of the meta-weights happen here, not inside step().
-        self.weights_on(self.controller_device)
+        self.weights_on(self.controller_device, torch.float64)
         for p in self._all_params():
             if p.requires_grad:
                 self.ensure_state(p)
@@ -148,6 +174,15 @@ class VeLO(LearnedOptimizer):
                 f"VeLO was meta-trained on runs of up to {reference.DESIGN_HORIZON_STEPS} steps; num_steps={num_steps} "
                 f"is outside that range (JAX's VeLO runs longer trainings as gradient accumulation over "
                 f"{reference.DESIGN_HORIZON_STEPS} optimizer steps)", UserWarning, stacklevel=2)
+
+    def _init_caches(self) -> None:
+        super()._init_caches()
+        self._constants_cache = {}
+
+    def _make_fused_engine(self):
+        from lopt.fused.velo import VeLOFused
+
+        return VeLOFused(self)
 
     # ------------------------------------------------------------------ global state
 
@@ -187,108 +222,87 @@ class VeLO(LearnedOptimizer):
 
     # ------------------------------------------------------------------ loss
 
-    def _loss_on_controller(self, loss) -> tuple[torch.Tensor, bool]:
-        """(float32 0-d loss on the controller device, whether its finiteness is checked on the device).
+    def accumulate_loss(self, loss) -> None:
+        """Hand over one micro-batch's loss, for a training loop that calls ``step()`` without one.
 
-        Raises before anything changes if the loss is missing or malformed, or non-finite where it
-        can be checked without stalling a GPU (Python numbers, CPU tensors, CPU parameters).
+        ``loss`` is a number or a one-element tensor on any device (detached; on a GPU nothing
+        synchronises). The next ``step()`` uses the **mean** of the losses accumulated since the
+        previous step — with gradient accumulation, the loss of the whole batch — and starts over.
+        Use it where the loop owns the ``step()`` call (HF ``Trainer``, Lightning with gradient
+        accumulation, ``accelerate``); see ``docs/integrations.md``.
         """
+        value = _validated_loss(loss)
+        if isinstance(value, torch.Tensor):
+            value = float(value.item()) if value.device.type == "cpu" else value.detach().reshape(())
+        if self._loss_sum is None:
+            self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.controller_device)
+        if self._accumulated_losses == 0:
+            self._loss_sum.fill_(value)  # (a 0-d tensor on the device is read there: no synchronisation)
+        else:
+            self._loss_sum.add_(value)
+        self._accumulated_losses += 1
+
+    def _step_loss(self, explicit, from_closure) -> StepLoss:
+        """The loss this step uses (validated; raises before anything changes)."""
+        if self._accumulated_losses:
+            if explicit is not None:
+                raise ValueError(
+                    f"VeLO.step got a loss, but {self._accumulated_losses} loss(es) were handed over with "
+                    f"accumulate_loss() since the last step: use one way or the other")
+            count, self._accumulated_losses = self._accumulated_losses, 0
+            return StepLoss(tensor=self._loss_sum, count=count)
+        loss = explicit if explicit is not None else from_closure
         if loss is None:
             raise TypeError(_MISSING_LOSS)
+        value = _validated_loss(loss)
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu" or self.controller_device.type == "cpu":
+                return StepLoss(value=float(value.detach().float().item()))
+            return StepLoss(tensor=value.detach().reshape(()))
+        return StepLoss(value=float(value))
+
+    def _loss_on_controller(self, loss: StepLoss) -> torch.Tensor:
+        """The step's loss as a float32 0-d tensor on the controller device (naive backend)."""
         device = self.controller_device
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"VeLO.step needs the scalar training loss, got a tensor of shape {tuple(loss.shape)}; "
-                    f"reduce it first (e.g. loss.mean())"
-                )
-            if loss.is_complex() or loss.dtype == torch.bool:
-                raise TypeError(f"VeLO.step needs a real-valued loss, got a tensor of dtype {loss.dtype}")
-            if loss.device.type != "cpu" and device.type != "cpu":
-                # Checking on the host would wait for the whole forward/backward: check on the device.
-                return loss.detach().reshape(()).to(device=device, dtype=torch.float32), True
-            loss = loss.detach().item()
-        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-            loss = float(loss)
-        else:
-            raise TypeError(f"{_MISSING_LOSS}; got {type(loss).__name__}")
-        if not math.isfinite(loss):
-            raise ValueError(
-                f"VeLO.step got a non-finite loss ({loss}); nothing was changed. VeLO's loss features would be "
-                f"corrupted for the rest of training: skip this step (or lower the learning rate / fix the model)"
-            )
-        # torch.full writes the value on the device without a host-to-device copy.
-        return torch.full((), loss, dtype=torch.float32, device=device), False
+        if loss.tensor is None:
+            return torch.full((), loss.value, dtype=torch.float32, device=device)  # (writes on the device: no copy)
+        value = loss.tensor.to(device=device, dtype=torch.float32)
+        return value / loss.count if loss.count != 1 else value
 
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
-    def step(self, loss=None):
+    def step(self, loss=None, *, closure=None):
         """One VeLO step.
 
         ``loss`` is this step's training loss: a Python number, a one-element tensor on any device,
-        or a closure that re-evaluates the model (with gradients) and returns it. Returns the loss
-        as given (the closure's result for a closure).
+        or a closure (also accepted as ``closure=``, as Lightning passes it) that re-evaluates the
+        model with gradients and returns it. Losses handed over with :meth:`accumulate_loss` since
+        the last step take the place of both (their mean is used; a closure still runs, for its
+        gradients). Returns the loss as given (the closure's result for a closure).
 
-        Missing, malformed or non-finite losses raise (``TypeError``/``ValueError``) before any
-        state or parameter changes. One exception, so that a CUDA training loop never waits for
-        the GPU: a loss tensor on a GPU (with parameters on a GPU) is checked on the device, and if
-        it is not finite the step changes no tensor (parameters, accumulators, LSTM state and loss
-        buffer keep their values) and ``param_groups[0]["skipped_steps"]`` counts it; the step
-        counters still advance (the step happened in the schedule, as an LR scheduler's would).
+        A missing or malformed loss raises ``TypeError``/``ValueError`` before anything changes. A
+        non-finite loss or gradient follows the ``nonfinite`` policy: by default the step changes
+        nothing and is counted in :attr:`skipped_steps`. On a GPU the fused backend decides on the
+        device without synchronising.
         """
         if callable(loss):
-            with torch.enable_grad():
-                loss = loss()
+            if closure is not None:
+                raise TypeError("VeLO.step got two closures (positionally and as closure=)")
+            closure, loss = loss, None
         returned = loss
-        loss_value, check_on_device = self._loss_on_controller(loss)
-        self._check_gradients()
-
-        device = self.controller_device
-        keep = torch.isfinite(loss_value) if check_on_device else None  # device-side "apply this step"
-        first = self.param_groups[0]
-        num_steps = first["num_steps"]
-
-        # 1. Loss buffer and loss features (shared by every tensor).
-        new_buffer = reference.update_loss_buffer(self.loss_buffer(), loss_value)
-        loss_feats = reference.loss_features(new_buffer)
-
-        # 2. Statistics stage: one LSTM input row per tensor with a gradient, from the old state.
-        entries = []  # (group, param, state)
-        statistics, fractions, ranks, hiddens, cells = [], [], [], [], []
-        constants = self._constants(device)
-        for group in self.param_groups:
-            steps_taken = self._host_step(group)
-            fraction = reference.fraction_features(steps_taken, num_steps, constants["fraction_timescales"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.ensure_state(p)
-                view = self._work_view(p, state)
-                entries.append((group, p, state))
-                param32 = p.detach().to(torch.float32).reshape(view["shape"])
-                statistics.append(reference.lstm_statistics(param32, view["mom"], view["rms"]).to(device))
-                fractions.append(fraction)
-                ranks.append(constants["rank_one_hot"][min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)])
-                hiddens.append(state["lstm_hidden"].to(device))
-                cells.append(state["lstm_cell"].to(device))
-
-        if entries:
-            # 3. Controller stage, batched over every tensor of the model.
-            inputs = reference.lstm_input_features(torch.stack(fractions), loss_feats, torch.stack(statistics),
-                                                   torch.stack(ranks))
-            weights = self.weights_on(device)
-            controller = reference.controller_step(inputs, torch.stack(hiddens), torch.stack(cells), weights["rnn"])
-            mlps = reference.generate_mlp_weights(controller.controls, weights["mlp"])
-
-        # 4. Apply stage, per tensor (the step counters advance first: PyLO's order).
-        for group in self.param_groups:
-            group["step"] = self._host_step(group) + 1
-        for index, (group, p, state) in enumerate(entries):
-            self._apply(group, p, state, mlps.select(index, p.device), controller.lr_mult[index].to(p.device),
-                        controller.hidden[index], controller.cell[index], keep)
-
-        self._commit_loss_buffer(new_buffer, keep)
+        from_closure = None
+        if closure is not None:
+            if loss is not None:
+                raise TypeError("VeLO.step takes a loss or a closure, not both")
+            with torch.enable_grad():
+                returned = from_closure = closure()
+        step_loss = self._step_loss(loss, from_closure)
+        inputs = self._check_gradients()
+        if self.backend == "fused":
+            self._fused_engine.step(inputs, step_loss)
+        else:
+            self._naive_step(inputs, self._loss_on_controller(step_loss))
         return returned
 
     def _work_view(self, p, state) -> dict:
@@ -300,67 +314,109 @@ class VeLO(LearnedOptimizer):
             view[name] = buf.view(shape + buf.shape[-1:]) if buf.numel() and p.dim() == 0 else buf
         return view
 
-    def _apply(self, group, p, state, mlp, lr_mult, hidden, cell, keep) -> None:
-        view = self._work_view(p, state)
-        shape = view.pop("shape")
-        accumulators = view if keep is None else {name: buf.clone() for name, buf in view.items()}
-        param32 = p.detach().to(torch.float32).reshape(shape)
-        grad32 = reference.clip_gradient(p.grad).reshape(shape)
-        new_param = reference.apply_stage(
-            param32, grad32, accumulators, reference.factored_dims(tuple(p.shape)), self.decays(group, p.device), mlp,
-            lr_mult, lr=group["lr"], weight_decay=group["weight_decay"], exp_mult=group["exp_mult"],
-            step_mult=group["step_mult"],
-        )
-        new_param = new_param.reshape(p.shape)
-        if keep is None:
-            p.copy_(new_param)
-            state["lstm_hidden"].copy_(hidden)
-            state["lstm_cell"].copy_(cell)
+    def _naive_step(self, inputs, loss: torch.Tensor) -> None:
+        """The naive backend: statistics, control (float64, batched over every tensor), apply."""
+        grads = self._unscaled_gradients(inputs)
+        if not self._naive_step_allowed(inputs, grads, loss):
             return
-        keep = keep.to(p.device)
-        for name, buf in view.items():
-            buf.copy_(torch.where(keep, accumulators[name], buf))
-        p.copy_(torch.where(keep, new_param.to(p.dtype), p))
-        state["lstm_hidden"].copy_(torch.where(keep.to(hidden.device), hidden, state["lstm_hidden"].to(hidden.device)))
-        state["lstm_cell"].copy_(torch.where(keep.to(cell.device), cell, state["lstm_cell"].to(cell.device)))
-
-    def _commit_loss_buffer(self, buffer: reference.LossBuffer, keep) -> None:
-        # New tensors rather than in-place writes: a state_dict taken earlier keeps its values.
+        device = self.controller_device
         first = self.param_groups[0]
-        if keep is None:
-            first["loss_means"], first["loss_running_min"], first["loss_count"] = (
-                buffer.means, buffer.running_min, buffer.count)
-            return
-        first["loss_means"] = torch.where(keep, buffer.means, first["loss_means"])
-        first["loss_running_min"] = torch.where(keep, buffer.running_min, first["loss_running_min"])
-        first["loss_count"] = torch.where(keep, buffer.count, first["loss_count"])
-        first["skipped_steps"] = first["skipped_steps"] + (~keep).to(torch.int64)
+        num_steps = first["num_steps"]
+
+        # Loss buffer and loss features (shared by every tensor).
+        new_buffer = reference.update_loss_buffer(self.loss_buffer(), loss)
+        loss_feats = reference.loss_features(new_buffer)
+
+        # Statistics: one LSTM input row per tensor, from the pre-update parameter and the old state.
+        entries = list(inputs.entries(self.param_groups))
+        constants = self._constants(device)
+        statistics, fractions, ranks, hiddens, cells = [], [], [], [], []
+        for group, p in entries:
+            state = self.ensure_state(p)
+            view = self._work_view(p, state)
+            param32 = p.detach().to(torch.float32).reshape(view["shape"])
+            statistics.append(reference.tensor_statistics(param32, view["mom"], view["rms"]))
+            fractions.append(reference.fraction_features(self._host_step(group), num_steps,
+                                                         constants["fraction_timescales"]))
+            ranks.append(constants["rank_one_hot"][min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)])
+            hiddens.append(state["lstm_hidden"].to(device))
+            cells.append(state["lstm_cell"].to(device))
+
+        if entries:
+            # Control: mixing, LSTM, heads and weight generation for every tensor at once, in float64.
+            rows = reference.lstm_input_features(torch.stack(fractions), loss_feats,
+                                                 torch.stack([s.lstm.to(device) for s in statistics]), torch.stack(ranks))
+            weights = self.weights_on(device, torch.float64)
+            controller = reference.controller_step(rows.double(), torch.stack(hiddens).double(),
+                                                   torch.stack(cells).double(), weights["rnn"])
+            mlps = reference.generate_mlp_weights(controller.controls, weights["mlp"]).to(torch.float32)
+            lr_mult = controller.lr_mult.to(torch.float32)
+
+        # Apply, per tensor (the step counters advance first: PyLO's order).
+        for group in self.param_groups:
+            group["step"] = self._host_step(group) + 1
+        for index, ((group, p), stats) in enumerate(zip(entries, statistics)):
+            state = self.state[p]
+            view = self._work_view(p, state)
+            shape = view.pop("shape")
+            new_param = reference.apply_stage(
+                p.detach().to(torch.float32).reshape(shape), reference.clip_gradient(grads[p]).reshape(shape), view,
+                reference.factored_dims(tuple(p.shape)), self.decays(group, p.device), mlps.select(index, p.device),
+                lr_mult[index].to(p.device), reference.param_scale(stats.mean_square_param.to(p.device)),
+                lr=group["lr"], weight_decay=group["weight_decay"], exp_mult=group["exp_mult"],
+                step_mult=group["step_mult"])
+            p.copy_(new_param.reshape(p.shape))
+            state["lstm_hidden"].copy_(controller.hidden[index])
+            state["lstm_cell"].copy_(controller.cell[index])
+        # New tensors rather than in-place writes: a state_dict taken earlier keeps its values.
+        first["loss_means"], first["loss_running_min"], first["loss_count"] = (
+            new_buffer.means, new_buffer.running_min, new_buffer.count)
 
     # ------------------------------------------------------------------ state dicts
 
     def state_dict(self):
         state = super().state_dict()
         first = state["param_groups"][0]
-        for key in GLOBAL_STATE_KEYS:  # independent copies (they are replaced, not mutated, but be safe)
+        for key in self.GLOBAL_STATE_KEYS:  # independent copies (they are replaced, not mutated, but be safe)
             if torch.is_tensor(first.get(key)):
                 first[key] = first[key].clone()
         return state
 
     def load_state_dict(self, state_dict):
-        groups = state_dict.get("param_groups") or [{}]
-        missing = [key for key in GLOBAL_STATE_KEYS if key not in groups[0]]
-        if missing:
-            raise ValueError(
-                f"not a VeLO state dict: its first param group lacks {missing} (VeLO keeps num_steps, the loss "
-                f"buffer and the skipped-step count there)"
-            )
-        for index, values in state_dict.get("state", {}).items():
-            absent = [key for key in TENSOR_STATE_KEYS if key not in values]
-            if absent:
-                raise ValueError(f"not a VeLO state dict: the state of parameter #{index} lacks {absent}")
+        self._validate_state_dict(state_dict)
+        num_steps = _validate_num_steps(state_dict["param_groups"][0]["num_steps"])
         super().load_state_dict(state_dict)
         first = self.param_groups[0]
-        first["num_steps"] = _validate_num_steps(first["num_steps"])
+        first["num_steps"] = num_steps
         for key, dtype in (("loss_means", torch.float32), ("loss_running_min", torch.float32),
-                           ("loss_count", torch.int32), ("skipped_steps", torch.int64)):
+                           ("loss_count", torch.int32)):
             first[key] = torch.as_tensor(first[key]).to(device=self.controller_device, dtype=dtype, copy=True)
+
+    def _restore_after_unpickling(self) -> None:
+        self._constants_cache = {}
+
+
+def _first_param_device(params) -> torch.device:
+    """The device of the first parameter of ``params`` (an iterable of tensors or of param-group dicts)."""
+    for item in params:
+        group_params = item["params"] if isinstance(item, dict) else [item]
+        if isinstance(group_params, torch.Tensor):
+            group_params = [group_params]
+        for p in group_params:
+            return p.device
+    raise ValueError("VeLO got an empty parameter list")
+
+
+def _validated_loss(loss):
+    """A loss as a Python number or a one-element real tensor (raises TypeError/ValueError otherwise)."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(
+                f"VeLO needs the scalar training loss, got a tensor of shape {tuple(loss.shape)}; reduce it first "
+                f"(e.g. loss.mean())")
+        if loss.is_complex() or loss.dtype == torch.bool:
+            raise TypeError(f"VeLO needs a real-valued loss, got a tensor of dtype {loss.dtype}")
+        return loss
+    if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+        return float(loss)
+    raise TypeError(f"{_MISSING_LOSS}; got {type(loss).__name__}")

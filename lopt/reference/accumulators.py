@@ -116,6 +116,28 @@ def safe_rsqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.rsqrt(torch.clamp_min(x, SAFE_RSQRT_FLOOR))
 
 
+# Large finite gradients (up to 2^64, beyond which g² itself overflows float32 and the step is
+# skipped: lopt.optimizers.base.GRADIENT_LIMIT) give accumulators and features near float32's
+# largest value, whose sums would overflow. Means over a tensor's elements therefore divide the
+# values by a power of two first when the largest of them exceeds 2^SUM_SAFE_EXPONENT (2^80 ≈ 1e24;
+# 2^40 for sums of squares): exact, and the identity — so bit-identical to a plain float32 mean —
+# for every ordinary magnitude.
+SUM_SAFE_EXPONENT = 80
+
+
+def _power_of_two_divisor(peak: torch.Tensor, limit_exponent: int) -> torch.Tensor:
+    """1 where ``peak`` ≤ 2^limit_exponent, else the power of two that brings it there (float32)."""
+    exponent = torch.clamp(torch.ceil(torch.log2(peak)) - limit_exponent, min=0)
+    return torch.exp2(exponent)
+
+
+def overflow_safe_mean(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """``torch.mean(x, dim)`` of finite float32 values, without overflowing when they are huge."""
+    divisor = _power_of_two_divisor(torch.amax(torch.abs(x), dim=dim, keepdim=True), SUM_SAFE_EXPONENT)
+    mean = torch.mean(x / divisor, dim=dim, keepdim=True) * divisor
+    return mean if keepdim else mean.squeeze(dim)
+
+
 def update_momentum(mom: torch.Tensor, grad: torch.Tensor, decays: torch.Tensor) -> None:
     """mom_k <- β_k·mom_k + (1 − β_k)·g   (in place; grad has a trailing axis of size 1)."""
     mom.mul_(decays).add_((1 - decays) * grad)
@@ -138,8 +160,8 @@ def update_adafactor(state: dict, grad: torch.Tensor, decays: torch.Tensor, fact
         state["fac_vec_v"].copy_(decays * state["fac_vec_v"] + mixing * grad_squared)
     else:
         d1, d0 = factored_dims
-        state["fac_vec_row"].copy_(decays * state["fac_vec_row"] + mixing * grad_squared.mean(dim=d0))
-        state["fac_vec_col"].copy_(decays * state["fac_vec_col"] + mixing * grad_squared.mean(dim=d1))
+        state["fac_vec_row"].copy_(decays * state["fac_vec_row"] + mixing * overflow_safe_mean(grad_squared, d0))
+        state["fac_vec_col"].copy_(decays * state["fac_vec_col"] + mixing * overflow_safe_mean(grad_squared, d1))
 
 
 def adafactor_factors(state: dict, factored_dims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +172,7 @@ def adafactor_factors(state: dict, factored_dims) -> tuple[torch.Tensor, torch.T
     d1, d0 = factored_dims
     row, col = state["fac_vec_row"], state["fac_vec_col"]
     d1_inside_row = d1 - 1 if d1 > d0 else d1  # R lacks axis d0
-    row_col_mean = row.mean(dim=d1_inside_row, keepdim=True)
+    row_col_mean = overflow_safe_mean(row, d1_inside_row, keepdim=True)
     row_factor = safe_rsqrt(row / (row_col_mean + 1e-9)).unsqueeze(d0)
     col_factor = safe_rsqrt(col).unsqueeze(d1)
     return row_factor, col_factor
@@ -184,8 +206,15 @@ def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float)
 
 
 def second_moment_normalizer(features: torch.Tensor, axes, eps: float = 1e-5) -> torch.Tensor:
-    """x_j * rsqrt(eps + mean over ``axes`` of x_j²), separately for every feature column j."""
-    return features * torch.rsqrt(eps + torch.mean(features * features, dim=axes, keepdim=True))
+    """x_j * rsqrt(eps + mean over ``axes`` of x_j²), separately for every feature column j.
+
+    Computed as ``(x_j/s_j) * rsqrt(eps/s_j² + mean((x_j/s_j)²))`` with ``s_j`` a power of two that
+    is 1 (the plain formula, bit for bit) unless the column holds values above 2^40, whose squares
+    could overflow the float32 mean.
+    """
+    divisor = _power_of_two_divisor(torch.amax(torch.abs(features), dim=axes, keepdim=True), SUM_SAFE_EXPONENT // 2)
+    scaled = features / divisor
+    return scaled * torch.rsqrt(eps / (divisor * divisor) + torch.mean(scaled * scaled, dim=axes, keepdim=True))
 
 
 def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, factored_dims) -> None:
@@ -195,9 +224,14 @@ def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, factore
     update_adafactor(state, grad, decays.adafactor, factored_dims)
 
 
-def apply_update(param: torch.Tensor, update: torch.Tensor, lr: float, weight_decay: float) -> torch.Tensor:
-    """p ← p − lr·u, then, if weight_decay > 0, p ← p − (weight_decay·lr)·p on the updated p (decoupled)."""
-    new_param = param.add(update, alpha=-lr)
-    if weight_decay > 0:
-        new_param.add_(new_param, alpha=-weight_decay * lr)
+def apply_update(param: torch.Tensor, update: torch.Tensor, lr, weight_decay) -> torch.Tensor:
+    """p ← p − lr·u, then p ← p − (weight_decay·lr)·p on the updated p (decoupled; skipped when 0).
+
+    ``lr`` and ``weight_decay`` are numbers or 0-d tensors (schedulers update tensors in place, so a
+    compiled step or a captured graph follows them). Each product is rounded before the
+    subtraction, as the fused kernels do.
+    """
+    new_param = param - lr * update
+    if torch.is_tensor(weight_decay) or weight_decay > 0:
+        new_param = new_param - (weight_decay * lr) * new_param
     return new_param

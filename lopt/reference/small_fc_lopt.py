@@ -1,8 +1,8 @@
 """small_fc_lopt (AdafacMLPLOpt), the reference math in plain PyTorch.
 
 One step for one parameter tensor ``p`` with gradient ``g`` and step count ``t`` (1 on the first
-step), all in float32 (the spec is ``shared/spec/small_fc_lopt.md``; section numbers below refer
-to it):
+step), all in float32 (the semantics are specified in ``docs/small_fc_lopt.md``; section numbers
+below refer to it):
 
 1. accumulators (§3.2): momentum ``m_k``, ``v`` (EMA of g²), Adafactor ``R_k, C_k`` or ``V_k``
 2. 28 per-element features from the updated accumulators and the pre-update ``p`` (§3.4, §3.5)
@@ -88,6 +88,16 @@ def mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor
     hidden = F.relu(F.linear(hidden, network["network.linear_0.weight"], network["network.linear_0.bias"]))
     output = F.linear(hidden, network["network.output.weight"], network["network.output.bias"])
     return output[..., 0], output[..., 1]
+
+
+def clip_gradient_norm(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """PyLO's per-tensor clipping (``max_grad_norm``): ``g · min(1, max_norm / (‖g‖₂ + 1e-6))`` in float32.
+
+    The norm is accumulated in float64, so that large finite gradients do not overflow it.
+    """
+    grad = grad.to(torch.float32)
+    norm = torch.linalg.vector_norm(grad, dtype=torch.float64).to(torch.float32)
+    return grad * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def update_from_mlp(direction: torch.Tensor, magnitude: torch.Tensor, exp_mult: float, step_mult: float) -> torch.Tensor:

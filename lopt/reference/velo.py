@@ -1,26 +1,29 @@
 """VeLO (HyperV2 as ported by PyLO's ``VeLO_naive``), the reference math in plain PyTorch.
 
 VeLO is a per-tensor LSTM that, every step, writes the weights of a small per-element MLP. The
-spec is ``shared/spec/velo.md``; section numbers below refer to it. One step, all float32:
+semantics are specified in ``docs/velo.md``; section numbers below refer to its "Semantics"
+part. One step, in the phases both backends share:
 
-1. **Loss buffer** (§3.2): ten bias-corrected EMAs of the (spike-clipped) training loss and their
+1. **Loss buffer** (§1): ten bias-corrected EMAs of the (spike-clipped) training loss and their
    running minima give 9 loss features, shared by every tensor.
-2. **Statistics stage** (§3.4): per tensor, from the pre-update ``p`` and the *old* accumulators:
-   ``ν = rsqrt(max(mean p², 1e-9))``, then the mean of ``ν·v`` and the variances of ``ν·m_k``
-   (and of ``ν·v`` around the *momentum* means — a bug of the original the weights were trained
-   with). With the fraction of training done, the loss features and the rank one-hot they form
-   one 30-feature row per tensor.
-3. **Controller stage** (§3.5), batched over all tensors (one matrix multiply per layer):
-   mixing layers (a max over all tensors couples them), one LSTM step, heads giving a control
-   vector ``c ∈ R^256`` and a step multiplier ``λ`` per tensor; weight generation (§3.8)
-   ``W = 100 · mean_k c_k W^(k)`` turns each ``c`` into one MLP 30 → 4 → 4 → 3.
-4. **Apply stage** (§3.3, §3.6–3.9), per tensor: accumulators updated with the clipped gradient,
+2. **Statistics** (§3): per tensor, from the pre-update ``p`` and the *old* accumulators:
+   ``mean p²``, ``ν = rsqrt(max(mean p², 1e-9))``, the mean of ``ν·v`` and the variances of
+   ``ν·m_k`` (and of ``ν·v`` around the *momentum* means — a bug of the original the weights were
+   trained with), accumulated in float64. With the fraction of training done, the loss features
+   and the rank one-hot they form one 30-feature row per tensor.
+3. **Control** (§4, §5), batched over all tensors and evaluated in float64: mixing layers (a
+   max over all tensors couples them), one LSTM step, heads giving a control vector
+   ``c ∈ R^256`` and a step multiplier ``λ`` per tensor; weight generation
+   ``W = 100 · mean_k c_k W^(k)`` turns each ``c`` into one MLP 30 → 4 → 4 → 3. Its outputs are
+   rounded to float32 (the generation sums 256 terms that can cancel: in float32, two summation
+   orders alone move an update by up to ~1e-3).
+4. **Apply** (§2, §6–§8), per tensor, float32: accumulators updated with the clipped gradient,
    30 per-element features, per-column normalisation, the generated MLP gives direction ``d`` and
    magnitude ``μ``, and ``p ← p − lr·λ·param_scale·d·exp(exp_mult·μ)·step_mult``, then decoupled
    weight decay.
 
-A later fused backend keeps these three stages: the statistics are per-tensor sums, the controller
-is a handful of small batched GEMMs, the apply stage is one element-wise pass.
+The fused backend (``lopt/fused/velo.py``, ``cuda_src/velo.cu``) runs the same phases with the
+same names.
 """
 
 from __future__ import annotations
@@ -191,24 +194,35 @@ def clip_gradient(grad: torch.Tensor) -> torch.Tensor:
     return torch.clamp(grad.to(torch.float32), -GRADIENT_CLIP, GRADIENT_CLIP)
 
 
-def lstm_statistics(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
-    """The 7 raw per-tensor statistics of the **old** accumulators: ``[μ_v, var_m (3), var_v (3)]``.
+@dataclass(frozen=True)
+class TensorStatistics:
+    """Per-tensor statistics of the statistics phase: ``mean_square_param`` (mean p², float32 0-d)
+    and the 7 raw LSTM statistics ``lstm`` = ``[μ_v, var_m (3), var_v (3)]`` (float32)."""
 
-    ``ν = rsqrt(max(mean p², 1e-9))``; ``m̃ = ν·m``, ``ṽ = ν·v`` (ν, not ν²);
-    ``μ_m,k = mean m̃_k``, ``var_m,k = mean (m̃_k − μ_m,k)²``, ``μ_v = mean ṽ``,
-    ``var_v,k = mean (ṽ − μ_m,k)²`` (the momentum mean: the original's bug, kept). Means are over
-    all elements (two-pass, so float32 does not cancel). ``param`` has the work shape (a 0-d
+    mean_square_param: torch.Tensor
+    lstm: torch.Tensor
+
+
+def tensor_statistics(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor) -> TensorStatistics:
+    """Statistics of the pre-update ``param`` and the **old** accumulators, accumulated in float64.
+
+    ``mean p²`` is rounded to float32; ``ν = rsqrt(max(mean p², 1e-9))`` (float32); with
+    ``m̃ = ν·m`` and ``ṽ = ν·v`` (ν, not ν²): ``μ_m,k = mean m̃_k``, ``var_m,k = mean (m̃_k − μ_m,k)²``,
+    ``μ_v = mean ṽ``, ``var_v,k = mean (ṽ − μ_m,k)²`` (the momentum mean: the original's bug,
+    kept), each two-pass in float64 and rounded to float32. ``param`` has the work shape (a 0-d
     parameter as ``(1,)``), ``mom`` and ``rms`` a trailing decay axis.
     """
     axes = list(range(param.dim()))
-    norm_mult = torch.rsqrt(torch.clamp_min(torch.mean(param * param), 1e-9))
-    scaled_mom = mom * norm_mult
-    scaled_rms = rms * norm_mult
+    param64 = param.to(torch.float64)
+    mean_square_param = torch.mean(param64 * param64).to(torch.float32)
+    norm_mult = torch.rsqrt(torch.clamp_min(mean_square_param, 1e-9)).to(torch.float64)
+    scaled_mom = mom.to(torch.float64) * norm_mult
+    scaled_rms = rms.to(torch.float64) * norm_mult
     mean_mom = torch.mean(scaled_mom, dim=axes, keepdim=True)
     var_mom = torch.mean((scaled_mom - mean_mom) ** 2, dim=axes)
     mean_rms = torch.mean(scaled_rms, dim=axes)
     var_rms = torch.mean((scaled_rms - mean_mom) ** 2, dim=axes)
-    return torch.cat([mean_rms, var_mom, var_rms])
+    return TensorStatistics(mean_square_param, torch.cat([mean_rms, var_mom, var_rms]).to(torch.float32))
 
 
 def clip_log_abs(x: torch.Tensor, scale: float = 10.0) -> torch.Tensor:
@@ -241,7 +255,7 @@ def lstm_input_features(fraction: torch.Tensor, loss_feats: torch.Tensor, statis
     """The ``N_t × 30`` LSTM input, one row per tensor, in sorted key order (``LSTM_FEATURE_NAMES``):
     fraction (9), loss features (9), L(μ_v), rank one-hot (5), L(var_m) (3), L(var_v) (3).
 
-    ``fraction`` ``N_t×9``, ``loss_feats`` ``9``, ``statistics`` ``N_t×7`` (``lstm_statistics``),
+    ``fraction`` ``N_t×9``, ``loss_feats`` ``9``, ``statistics`` ``N_t×7`` (``TensorStatistics.lstm``),
     ``rank_one_hot`` ``N_t×5``.
     """
     logs = clip_log_abs(statistics)
@@ -318,6 +332,9 @@ class GeneratedMLP:
         """Tensor ``index``'s MLP out of a batch, on ``device``."""
         return GeneratedMLP(*(getattr(self, role)[index].to(device) for role in MLP_CANDIDATE_TENSORS))
 
+    def to(self, dtype) -> "GeneratedMLP":
+        return GeneratedMLP(*(getattr(self, role).to(dtype) for role in MLP_CANDIDATE_TENSORS))
+
 
 def generate_mlp_weights(controls: torch.Tensor, mlp: dict) -> GeneratedMLP:
     """``W = 100 · (1/K) Σ_k c_k W^(k)`` for each of the six candidate stacks (K = 256).
@@ -371,9 +388,9 @@ def per_element_mlp(features: torch.Tensor, mlp: GeneratedMLP) -> tuple[torch.Te
     return output[..., 0], output[..., 1]
 
 
-def param_scale(param: torch.Tensor) -> torch.Tensor:
-    """``sqrt(mean p² + 1e-9)`` of the pre-update tensor (0-d)."""
-    return torch.sqrt(torch.mean(param * param) + 1e-9)
+def param_scale(mean_square_param: torch.Tensor) -> torch.Tensor:
+    """``sqrt(mean p² + 1e-9)`` of the pre-update tensor (0-d), from ``TensorStatistics.mean_square_param``."""
+    return torch.sqrt(mean_square_param + 1e-9)
 
 
 def velo_update(direction: torch.Tensor, magnitude: torch.Tensor, lr_mult: torch.Tensor, scale: torch.Tensor,
@@ -384,20 +401,20 @@ def velo_update(direction: torch.Tensor, magnitude: torch.Tensor, lr_mult: torch
 
 
 def apply_stage(param: torch.Tensor, grad: torch.Tensor, state: dict, dims, decays: Decays, mlp: GeneratedMLP,
-                lr_mult: torch.Tensor, *, lr: float, weight_decay: float, exp_mult: float,
+                lr_mult: torch.Tensor, scale: torch.Tensor, *, lr, weight_decay, exp_mult: float,
                 step_mult: float) -> torch.Tensor:
     """Everything after the controller for one tensor; returns the new float32 param.
 
     ``param`` (float32, pre-update) and ``grad`` (float32, clipped) have the work shape (a 0-d
     parameter as ``(1,)``); ``state`` holds the accumulators in that shape and is updated in place;
-    ``mlp`` and ``lr_mult`` are this tensor's controller outputs.
+    ``mlp`` and ``lr_mult`` are this tensor's controller outputs, ``scale`` its ``param_scale``.
     """
     batch_grad = grad.unsqueeze(-1)
     batch_param = param.unsqueeze(-1)
     update_accumulators(state, batch_grad, decays, dims)
     features = normalise_features(per_element_features(batch_grad, batch_param, state, dims))
     direction, magnitude = per_element_mlp(features, mlp)
-    update = velo_update(direction, magnitude, lr_mult, param_scale(param), exp_mult, step_mult)
+    update = velo_update(direction, magnitude, lr_mult, scale, exp_mult, step_mult)
     return apply_update(param, update, lr, weight_decay)
 
 
