@@ -5,7 +5,8 @@ features, §3.6 normalisation, §3.7 time features, §3.8 MLP, §3.9 update) and
 every parameter rank. Per-step comparisons are "teacher forced": the oracle starts each step from
 lopt's own float32 state and parameter, so the tolerance measures one step's rounding, not drift.
 
-Run with ``-s`` to see the largest relative update error per rank (test_zz_report).
+Run with ``-s`` to see the largest relative update error per rank (printed when the module's
+whole-step tests are done, by the ``update_error_report`` fixture).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 UPDATE_RTOL = 1e-5  # the brief: relative error of the update vs the float64 oracle
 NET = lopt.random_weights("small_fc_lopt", seed=7).tensors["mlp"]
 DECAYS = ref.Decays.from_offsets()
-MAX_REL: dict = {}  # rank label -> largest relative update error seen (printed by test_zz_report)
 
 SHAPES = {
     "0d": (),
@@ -68,9 +68,22 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() / scale
 
 
-def record(shape, err: float) -> None:
-    key = rank_label(shape)
-    MAX_REL[key] = max(MAX_REL.get(key, 0.0), err)
+@pytest.fixture(scope="module")
+def update_error_report():
+    """Collects the largest relative update error per rank; prints them once the module's tests are done (-s).
+
+    Only a report: every test asserts its own errors, so none depends on another having run.
+    """
+    largest: dict = {}
+
+    def record(shape, err: float) -> None:
+        key = rank_label(shape)
+        largest[key] = max(largest.get(key, 0.0), err)
+
+    yield record
+    if largest:
+        print("\nmax relative update error vs the float64 oracle: "
+              + ", ".join(f"{k}: {v:.2e}" for k, v in sorted(largest.items())))
 
 
 def make_param(kind: str, gen: torch.Generator):
@@ -388,10 +401,13 @@ def test_update_formula_and_decoupled_weight_decay(lr, wd):
     u = ref.update_from_mlp(direction, magnitude, 0.001, 0.01)
     u_want = direction.double() * torch.exp(0.001 * magnitude.double()) * 0.01
     assert rel_err(u, u_want) < 1e-6
+    p_before, u_before = p.clone(), u.clone()
     new_p = ref.apply_update(p, u, lr, wd)
+    # apply_update returns a new tensor and leaves its inputs as they were (the caller copies the result back)
+    assert new_p.data_ptr() != p.data_ptr() and new_p.data_ptr() != u.data_ptr()
+    assert torch.equal(p, p_before) and torch.equal(u, u_before)
     want = (1 - wd * lr) * (p.double() - lr * u.double())  # weight decay on the already-updated p
     assert rel_err(new_p, want) < 1e-6
-    assert torch.equal(p, p.clone())  # apply_update returns a new tensor
     if wd:
         wrong = p.double() - lr * u.double() - wd * lr * p.double()  # decay of the old p: a different rule
         assert (new_p.double() - wrong).abs().max().item() > 100 * (new_p.double() - want).abs().max().item()
@@ -408,7 +424,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("kind", ALL_KINDS)
-def test_whole_step_matches_oracle(kind, config, monkeypatch):
+def test_whole_step_matches_oracle(kind, config, monkeypatch, update_error_report):
     """6 steps with random gradients; each step's update, state and new parameter vs the oracle."""
     cfg = dict(lr=1.0, weight_decay=0.0, exp_mult=spec.EXP_MULT, step_mult=spec.STEP_MULT) | CONFIGS[config]
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{config}".encode()))
@@ -423,7 +439,7 @@ def test_whole_step_matches_oracle(kind, config, monkeypatch):
         p_before = p.clone()
         u = _run_reference_step(p, g, state, t, monkeypatch=monkeypatch, **cfg)
         err = rel_err(u, want["u"])
-        record(shape, err)
+        update_error_report(shape, err)
         assert err < UPDATE_RTOL, (t, err)
         # the new parameter: the oracle's, up to the update tolerance and float32 rounding of p
         ulp = torch.finfo(torch.float32).eps * want["p"].abs()
@@ -467,12 +483,3 @@ def test_tied_axes_assignment_changes_the_update(shape, monkeypatch):
         got = _run_reference_step(p, g, state, t, monkeypatch=monkeypatch)
         assert rel_err(got, want["u"]) < UPDATE_RTOL
         assert rel_err(other["u"], want["u"]) > 1e-3
-
-
-def test_zz_report():
-    """Prints the largest relative update error per rank seen in this module (run with -s)."""
-    if not MAX_REL:
-        pytest.skip("no whole-step comparisons ran")
-    print("\nmax relative update error vs the float64 oracle: "
-          + ", ".join(f"{k}: {v:.2e}" for k, v in sorted(MAX_REL.items())))
-    assert max(MAX_REL.values()) < UPDATE_RTOL
