@@ -12,10 +12,14 @@ to an optimizer as float32 tensors:
   it), a local ``.safetensors`` file, an already loaded :class:`MetaWeights`, or (for
   architectures with several components, such as VeLO) a tuple/dict of such sources, one per
   component.
-* Downloads go through ``huggingface_hub`` (its cache, ``HF_HOME``, ``HF_HUB_OFFLINE``); tensors
-  load through ``safetensors``. Every failure raises :class:`WeightsError` naming the problem
-  and the fix, and nothing is half-loaded: a :class:`MetaWeights` exists only once every check
-  passed.
+* Downloads go through ``huggingface_hub`` (its cache, ``HF_HOME``, ``HF_HUB_OFFLINE``; with
+  ``HF_HUB_OFFLINE`` set only the cache is read, without network attempts); tensors load through
+  ``safetensors``. ``download(name_or_repo_id)`` fills the cache (``lopt weights download``);
+  ``verify(source)`` checks a source, VeLO's two directories as a pair.
+* Every failure raises :class:`WeightsError` naming the problem and the fix, and nothing is
+  half-loaded: a :class:`MetaWeights` exists only once every check passed. A string that is
+  neither an existing path nor a registered name is tried as a hub repo id only if it is a valid
+  one; when the hub cannot provide it either, the message says both.
 """
 
 from __future__ import annotations

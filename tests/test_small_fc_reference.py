@@ -1,6 +1,6 @@
 """lopt's float32 small_fc_lopt reference math against the independent float64 oracle (spec_small_fc_lopt).
 
-Every stage of the spec (§2 decays, §3.3 factored dims, §1.1 state, §3.2 accumulators, §3.5
+Every stage of docs/small_fc_lopt.md (§2 decays, §3.3 factored dims, §1.1 state, §3.2 accumulators, §3.5
 features, §3.6 normalisation, §3.7 time features, §3.8 MLP, §3.9 update) and the whole step, for
 every parameter rank. Per-step comparisons are "teacher forced": the oracle starts each step from
 lopt's own float32 state and parameter, so the tolerance measures one step's rounding, not drift.
@@ -137,7 +137,7 @@ def test_effective_decays_are_the_spec_float32_bit_patterns():
         "adafactor": list(spec.ADAFACTOR_DECAY_BITS),
     }
     assert all(t.dtype == torch.float32 for t in (DECAYS.momentum, DECAYS.rms, DECAYS.adafactor))
-    # The spec's bit patterns are what the float32 chain gives (our own evaluation of §2) ...
+    # The bit patterns of §2 are what the float32 chain gives (our own evaluation of §2) ...
     for initial, offsets, bits in ((acc.MOMENTUM_DECAYS, ref.MOMENTUM_DECAY_OFFSETS, spec.MOMENTUM_DECAY_BITS),
                                    (acc.RMS_DECAYS, ref.RMS_DECAY_OFFSETS, spec.RMS_DECAY_BITS),
                                    (acc.ADAFACTOR_DECAYS, ref.ADAFACTOR_DECAY_OFFSETS, spec.ADAFACTOR_DECAY_BITS)):
@@ -170,7 +170,7 @@ FACTORED_DIMS_TABLE = [
 
 @pytest.mark.parametrize("shape,expected", FACTORED_DIMS_TABLE, ids=[str(s) for s, _ in FACTORED_DIMS_TABLE])
 def test_factored_dims_follow_the_stable_tie_rule(shape, expected):
-    assert spec.factored_axes(shape) == expected  # the oracle agrees with the spec's table ...
+    assert spec.factored_axes(shape) == expected  # the oracle agrees with the tables of §1.1/§3.3 ...
     assert ref.factored_dims(shape) == expected  # ... and so does lopt (never numpy's argsort)
 
 
@@ -183,7 +183,7 @@ def test_factored_dims_agree_with_oracle_for_every_small_shape():
 
 
 STATE_SHAPE_TABLE = [
-    # S, mom, rms, row, col, v   (spec §1.1 table)
+    # S, mom, rms, row, col, v   (docs/small_fc_lopt.md §1.1)
     ((), (3,), (1,), (0,), (0,), (3,)),
     ((7,), (7, 3), (7, 1), (0,), (0,), (7, 3)),
     ((4, 6), (4, 6, 3), (4, 6, 1), (4, 3), (6, 3), (0,)),

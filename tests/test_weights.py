@@ -27,7 +27,7 @@ from lopt.weights import MetaWeights, PublishedComponent, RegisteredWeights, Wei
 
 ARCH = "small_fc_lopt"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# spec §4: config.json and the tensors of PyLO's MetaMLP(39, 32, 1)
+# docs/small_fc_lopt.md §4: config.json and the tensors of PyLO's MetaMLP(39, 32, 1)
 CONFIG = {"input_size": 39, "hidden_size": 32, "hidden_layers": 1}
 SHAPES = {
     "network.input.weight": (32, 39),
