@@ -12,8 +12,10 @@ whole-step tests are done, by the ``update_error_report`` fixture).
 from __future__ import annotations
 
 import math
+import re
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +147,20 @@ def test_effective_decays_are_the_spec_float32_bit_patterns():
     # ... and not what float64 rounded once gives (2 ulp off for the first momentum decay, §2).
     f64 = 1 - math.exp(10 * (math.log(1 - 0.9) / 10 + 0.15216392))
     assert _bits(f64) == 0x3F0AC24F != spec.MOMENTUM_DECAY_BITS[0]
+
+
+def test_documented_decays_and_weight_shapes_are_what_lopt_uses():
+    """docs/small_fc_lopt.md's §2 table (bits) and §4 table (tensor shapes) against the code and the registry."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "small_fc_lopt.md").read_text()
+    section2 = doc[doc.index("## 2. Decays"):doc.index("## 3. One step")]
+    table = "\n".join(line for line in section2.splitlines() if line.startswith("|"))
+    documented_bits = [int(b, 16) for b in re.findall(r"`(0x[0-9a-f]{8})`", table)]
+    assert documented_bits == list(spec.MOMENTUM_DECAY_BITS + spec.RMS_DECAY_BITS + spec.ADAFACTOR_DECAY_BITS)
+    assert documented_bits == [_bits(float(x)) for x in torch.cat([DECAYS.momentum, DECAYS.rms, DECAYS.adafactor])]
+    section4 = doc[doc.index("## 4. The meta-weights"):doc.index("## 5.")]
+    documented_shapes = {name: tuple(int(n) for n in dims.split(",") if n.strip())
+                         for name, dims in re.findall(r"\| `(network\.[a-z_0-9.]+)` \| \(([0-9, ]+)\) \|", section4)}
+    assert documented_shapes == lopt.weights.architecture("small_fc_lopt").components["mlp"].tensors
 
 
 def test_effective_decays_are_clipped_to_unit_interval():
