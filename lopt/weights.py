@@ -12,10 +12,14 @@ to an optimizer as float32 tensors:
   it), a local ``.safetensors`` file, an already loaded :class:`MetaWeights`, or (for
   architectures with several components, such as VeLO) a tuple/dict of such sources, one per
   component.
-* Downloads go through ``huggingface_hub`` (its cache, ``HF_HOME``, ``HF_HUB_OFFLINE``); tensors
-  load through ``safetensors``. Every failure raises :class:`WeightsError` naming the problem
-  and the fix, and nothing is half-loaded: a :class:`MetaWeights` exists only once every check
-  passed.
+* Downloads go through ``huggingface_hub`` (its cache, ``HF_HOME``, ``HF_HUB_OFFLINE``; with
+  ``HF_HUB_OFFLINE`` set only the cache is read, without network attempts); tensors load through
+  ``safetensors``. ``download(name_or_repo_id)`` fills the cache (``lopt weights download``);
+  ``verify(source)`` checks a source, VeLO's two directories as a pair.
+* Every failure raises :class:`WeightsError` naming the problem and the fix, and nothing is
+  half-loaded: a :class:`MetaWeights` exists only once every check passed. A string that is
+  neither an existing path nor a registered name is tried as a hub repo id only if it is a valid
+  one; when the hub cannot provide it either, the message says both.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Union
 
@@ -163,10 +167,6 @@ class MetaWeights:
     configs: dict
     source: str
     pretrained: bool = True
-    extra: dict = field(default_factory=dict)
-
-    def component(self, name: str) -> dict:
-        return self.tensors[name]
 
     def to(self, device) -> "MetaWeights":
         moved = {c: {k: v.to(device) for k, v in ts.items()} for c, ts in self.tensors.items()}
@@ -292,6 +292,9 @@ def _load_registered(entry: RegisteredWeights, spec: ArchitectureSpec, verify_ch
     return _assemble(spec, loaded, f"{entry.name} ({source})")
 
 
+REPO_ID_FORM = "owner/name[@revision]"
+
+
 def _split_revision(repo: str) -> tuple[str, str | None]:
     if "@" in repo:
         repo_id, revision = repo.split("@", 1)
@@ -299,10 +302,27 @@ def _split_revision(repo: str) -> tuple[str, str | None]:
     return repo, None
 
 
-def _looks_like_repo_id(text: str) -> bool:
+def _repo_id_problem(text: str) -> str | None:
+    """Why ``text`` is not a hub repo id ``owner/name[@revision]``, or None when it is one (checked locally)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     repo_id, _ = _split_revision(text)
-    parts = repo_id.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~")) and not text.endswith(".safetensors")
+    if repo_id.count("/") != 1:
+        return f"a repo id has exactly one '/', {repo_id!r} has {repo_id.count('/')}"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        return str(err)
+    return None
+
+
+def _convert_command(pickle_path: Path, target: Path) -> str:
+    """A shell command that turns a torch.save'd state dict into a safetensors file.
+
+    The file is opened by hand: torch.load given a path ending in .safetensors reads it as safetensors.
+    """
+    return (f"python3 -c \"import torch, safetensors.torch as st; "
+            f"st.save_file(torch.load(open({str(pickle_path)!r}, 'rb')), {str(target)!r})\"")
 
 
 def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
@@ -311,22 +331,38 @@ def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
     if path.is_dir():
         weights_path = path / WEIGHTS_FILE
         if not weights_path.is_file():
-            bin_hint = " (it has pytorch_model.bin: convert it to safetensors)" if (path / "pytorch_model.bin").exists() else ""
+            pickled = path / "pytorch_model.bin"
+            bin_hint = f" (it has pytorch_model.bin: convert it with {_convert_command(pickled, weights_path)})" if pickled.is_file() else ""
             raise WeightsError(f"{path} has no {WEIGHTS_FILE}{bin_hint}; expected PyLO's hub layout: {CONFIG_FILE} + {WEIGHTS_FILE}")
         config = _read_config(path / CONFIG_FILE, comp) if (path / CONFIG_FILE).exists() else dict(comp.config)
         return _validate_tensors(comp, _read_safetensors(weights_path), str(weights_path)), config
-    if path.suffix == ".safetensors" or path.is_file():
-        if not path.is_file():
-            raise WeightsError(f"weights file {path} does not exist")
+    if path.is_file():
         return _validate_tensors(comp, _read_safetensors(path), str(path)), dict(comp.config)
-    if isinstance(source, str) and _looks_like_repo_id(source):
-        repo_id, revision = _split_revision(source)
-        published = PublishedComponent(repo_id, revision or "main", {CONFIG_FILE: None, WEIGHTS_FILE: None})
-        return _load_component(comp, _download_component(source, published, verify_checksum=False))
-    raise WeightsError(
-        f"cannot find meta-weights {str(source)!r}: it is not a registered name ({sorted(_REGISTERED)}), "
-        f"not an existing directory or .safetensors file, and not a hub repo id of the form owner/name[@revision]"
-    )
+    if path.suffix == ".safetensors":
+        looked_for = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise WeightsError(f"weights file {path} does not exist{looked_for}")
+    if not isinstance(source, str):  # a Path object is a local path, never a repo id
+        raise WeightsError(f"no directory or file {path.absolute()} exists; pass a directory with {CONFIG_FILE} + "
+                           f"{WEIGHTS_FILE} or a .safetensors file")
+    problem = _repo_id_problem(source)
+    if problem is not None:
+        raise WeightsError(
+            f"cannot find meta-weights {source!r}: no local directory or file {path.absolute()} exists, it is not a "
+            f"registered name ({sorted(_REGISTERED)}), and it is not a valid hub repo id {REPO_ID_FORM} ({problem}). "
+            f"Pass an existing directory with {CONFIG_FILE} + {WEIGHTS_FILE}, a .safetensors file, a registered name "
+            f"or a hub repo id"
+        )
+    # Every repo id is also a valid relative path: if the hub cannot provide it either, say both.
+    repo_id, revision = _split_revision(source)
+    published = PublishedComponent(repo_id, revision or "main", {CONFIG_FILE: None, WEIGHTS_FILE: None})
+    try:
+        directory = _download_component(source, published, verify_checksum=False)
+    except WeightsError as err:
+        raise WeightsError(
+            f"cannot find meta-weights {source!r}: no local directory or file {path.absolute()} exists, "
+            f"and as a hub repo id: {err}"
+        ) from None
+    return _load_component(comp, directory)
 
 
 def _read_config(path: Path, comp: ComponentSpec) -> dict:
@@ -343,10 +379,38 @@ def _read_config(path: Path, comp: ComponentSpec) -> dict:
     return config
 
 
+def _not_safetensors(path: Path) -> tuple[str, str] | None:
+    """(what ``path`` is, how to fix it) when it is certainly not a safetensors file; None when it may be one.
+
+    A safetensors file starts with the header's length (8 bytes, little-endian) followed by the
+    JSON header, which begins with ``{``. Files too short to tell are left to the reader (which
+    reports them as truncated).
+    """
+    with open(path, "rb") as f:
+        head = f.read(64)
+    convert = f"convert it in place with {_convert_command(path, path)}"
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a zip archive, the format torch.save writes (a PyTorch checkpoint)", convert
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "it is a Python pickle (a PyTorch checkpoint written by an older torch.save)", convert
+    if head.startswith(b"version https://git-lfs"):
+        return ("it is a Git LFS pointer, not the file's content",
+                "fetch the real file (`git lfs pull` in the clone, or download the repository through the Hugging Face hub)")
+    if len(head) > 8 and head[8:9] != b"{":
+        header_length = int.from_bytes(head[:8], "little")
+        return (f"its first 8 bytes give a header length of {header_length} bytes (the file has {path.stat().st_size}) "
+                f"and no JSON header follows", "pass a file written by safetensors (e.g. by MetaWeights.save)")
+    return None
+
+
 def _read_safetensors(path: Path) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    wrong_format = _not_safetensors(path)
+    if wrong_format is not None:
+        what, fix = wrong_format
+        raise WeightsError(f"{path} is not a safetensors file: {what}; {fix}")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
@@ -394,15 +458,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_component(label: str, published: PublishedComponent, verify_checksum: bool) -> Path:
-    """Fetch a component's files through the huggingface_hub cache; return the snapshot directory."""
+def _download_component(label: str, published: PublishedComponent, verify_checksum: bool, *, force: bool = False) -> Path:
+    """Fetch a component's files through the huggingface_hub cache; return the snapshot directory.
+
+    With ``HF_HUB_OFFLINE`` set only the cache is read (no network attempt, no retries).
+    ``label`` is what the user asked for (a registered name or a repo id): the messages' fixes use it.
+    """
     import huggingface_hub
+    from huggingface_hub import constants as hub_constants
     from huggingface_hub import errors as hub_errors
 
+    offline = hub_constants.is_offline_mode()
+    if force and offline:
+        raise WeightsError(f"cannot download {label!r} again while HF_HUB_OFFLINE is set: unset it on a machine "
+                           f"that reaches the Hugging Face hub")
     directory = None
     for filename, expected in published.files.items():
         try:
-            local = huggingface_hub.hf_hub_download(published.repo_id, filename, revision=published.revision)
+            local = huggingface_hub.hf_hub_download(published.repo_id, filename, revision=published.revision,
+                                                    force_download=force, local_files_only=offline)
         except hub_errors.RepositoryNotFoundError:
             raise WeightsError(f"hub repository {published.repo_id!r} does not exist (or is private); check the repo id") from None
         except hub_errors.RevisionNotFoundError:
@@ -416,13 +490,13 @@ def _download_component(label: str, published: PublishedComponent, verify_checks
         else:
             cause = None
         if cause is not None:
-            offline = huggingface_hub.constants.is_offline_mode()
+            why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable (set HF_HUB_OFFLINE=1 to fail at once instead of retrying)"
             raise WeightsError(
                 f"cannot get {filename} of {label!r} from the Hugging Face hub repo {published.repo_id}@{published.revision}: "
-                f"{'HF_HUB_OFFLINE is set' if offline else 'the hub is unreachable'} and the file is not in the cache "
-                f"({huggingface_hub.constants.HF_HUB_CACHE}). Fix: pass weights=<a local directory with config.json + "
-                f"model.safetensors, or a .safetensors file>, or run `lopt weights download {label}` on a machine with "
-                f"internet and copy its HF cache here (HF_HOME). [{type(cause).__name__}: {cause}]"
+                f"{why} and the file is not in the cache ({hub_constants.HF_HUB_CACHE}). Fix: pass "
+                f"weights=<a local directory with config.json + model.safetensors, or a .safetensors file>, or run "
+                f"`lopt weights download {label}` on a machine with internet and copy its HF cache here (HF_HOME). "
+                f"[{type(cause).__name__}: {cause}]"
             ) from None
         local = Path(local)
         if verify_checksum and expected:
@@ -442,21 +516,48 @@ def _download_component(label: str, published: PublishedComponent, verify_checks
     return directory
 
 
-def download(name: str, *, force: bool = False) -> list[Path]:
-    """Download a registered weight set into the Hugging Face cache (or check it is there); return its directories."""
-    if name not in _REGISTERED:
-        raise WeightsError(f"no registered weights named {name!r}; known: {sorted(_REGISTERED)}")
-    import huggingface_hub
+def _network_label(spec: ArchitectureSpec, comp: ComponentSpec) -> str:
+    return spec.name if len(spec.components) == 1 else f"the {comp.name} network of {spec.name}"
 
-    entry = _REGISTERED[name]
-    directories = []
-    for published in entry.components.values():
-        if force:
-            for filename in published.files:
-                huggingface_hub.hf_hub_download(published.repo_id, filename, revision=published.revision, force_download=True)
-        directories.append(_download_component(name, published, verify_checksum=True))
-    load_weights(name, entry.architecture)  # validates names and shapes too
-    return directories
+
+def _identify_networks(source) -> tuple[list[tuple[str, str]], list[str]]:
+    """Which known networks one directory or file holds: ([(architecture, component)], why each other one does not fit)."""
+    matches, mismatches = [], []
+    for spec in _ARCHITECTURES.values():
+        for comp in spec.components.values():
+            try:
+                _load_component(comp, source)
+            except WeightsError as err:
+                mismatches.append(f"as {_network_label(spec, comp)}: {err}")
+            else:
+                matches.append((spec.name, comp.name))
+    return matches, mismatches
+
+
+def download(source: str, *, force: bool = False) -> list[Path]:
+    """Download weights into the Hugging Face cache (or check they are there); return their directories.
+
+    ``source`` is a registered name (every network of the set is fetched, checksums verified) or a
+    hub repo id ``owner/name[@revision]`` (its config.json and model.safetensors are fetched and
+    must hold one of the networks lopt knows). ``force`` downloads again even if cached.
+    """
+    if source in _REGISTERED:
+        entry = _REGISTERED[source]
+        directories = [_download_component(source, published, verify_checksum=True, force=force)
+                       for published in entry.components.values()]
+        load_weights(source, entry.architecture)  # validates names and shapes too
+        return directories
+    problem = _repo_id_problem(source)
+    if problem is not None:
+        raise WeightsError(f"no registered weights named {source!r} (known: {sorted(_REGISTERED)}), and it is not a hub "
+                           f"repo id {REPO_ID_FORM} either ({problem})")
+    repo_id, revision = _split_revision(source)
+    published = PublishedComponent(repo_id, revision or "main", {CONFIG_FILE: None, WEIGHTS_FILE: None})
+    directory = _download_component(source, published, verify_checksum=False, force=force)
+    matches, mismatches = _identify_networks(directory)
+    if not matches:
+        raise WeightsError(f"{source} (cached in {directory}) holds none of the networks lopt knows: " + "; ".join(mismatches))
+    return [directory]
 
 
 def cached_status(name: str) -> str:
@@ -473,16 +574,39 @@ def cached_status(name: str) -> str:
     return "cached" if found == total else ("partly cached" if found else "not cached")
 
 
-def verify(path, architecture_name: str | None = None) -> tuple[str, MetaWeights]:
-    """Check that ``path`` (a directory, file or registered name) holds valid weights; return (architecture, weights).
+def verify(source, architecture_name: str | None = None) -> tuple[str, MetaWeights]:
+    """Check that ``source`` holds valid weights; return (architecture, weights).
 
-    Without ``architecture_name`` every known architecture is tried.
+    ``source`` is anything :func:`load_weights` accepts: a directory, a ``.safetensors`` file, a hub
+    repo id or a registered name, or, for an architecture of several networks, one source per
+    network as a tuple in registry order (VeLO: ``verify((rnn_dir, mlp_dir))``) or a dict
+    (``{"rnn": ..., "mlp": ...}``). Without ``architecture_name`` every architecture whose number
+    of networks fits ``source`` is tried.
     """
-    candidates = [architecture_name] if architecture_name else list(_ARCHITECTURES)
+    if architecture_name is not None:
+        candidates = [architecture(architecture_name).name]
+    elif isinstance(source, (tuple, list)):
+        candidates = [name for name, spec in _ARCHITECTURES.items() if len(spec.components) == len(source)]
+    elif isinstance(source, Mapping):
+        candidates = [name for name, spec in _ARCHITECTURES.items() if set(spec.components) == set(source)]
+    else:
+        candidates = list(_ARCHITECTURES)
+    if not candidates:
+        shapes = {name: list(spec.components) for name, spec in _ARCHITECTURES.items()}
+        raise WeightsError(f"no architecture has the networks given ({len(source)} sources); the architectures' networks: {shapes}")
     errors = []
     for arch in candidates:
         try:
-            return arch, load_weights(path, arch)
+            return arch, load_weights(source, arch)
         except WeightsError as err:
             errors.append(f"as {arch}: {err}")
+    if isinstance(source, (str, os.PathLike)) and Path(os.path.expanduser(str(source))).exists():
+        # One network of a several-network architecture (e.g. VeLO's rnn alone): say what it is and what is missing.
+        partial = [(a, c) for a, c in _identify_networks(source)[0] if len(_ARCHITECTURES[a].components) > 1]
+        if partial:
+            arch, comp = partial[0]
+            names = list(_ARCHITECTURES[arch].components)
+            raise WeightsError(f"{source} holds {_network_label(_ARCHITECTURES[arch], _ARCHITECTURES[arch].components[comp])} "
+                               f"only; {arch} needs one source per network {names}: pass them together, "
+                               f"verify(({', '.join(n + '_dir' for n in names)}))")
     raise WeightsError("; ".join(errors))

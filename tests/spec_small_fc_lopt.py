@@ -1,12 +1,12 @@
-"""An independent float64 implementation of small_fc_lopt, written from the spec text alone.
+"""An independent float64 implementation of small_fc_lopt as ``docs/small_fc_lopt.md`` defines it.
 
-``shared/spec/small_fc_lopt.md`` (section numbers below refer to it) with the "Decisions for
-lopt": stable tie rule for the factored axes, a 0-d parameter normalised per feature. Nothing here
+Section numbers below refer to that page, lopt's decisions (its §5.1) included: the stable tie
+rule for the factored axes (D1), a 0-d parameter normalised per feature (D2). Nothing here
 imports ``lopt.reference``: the tests use it as the oracle for lopt's float32 reference, the
 optimizer front-end and (later) the fused kernels.
 
-Layout. The oracle keeps its accumulators the way the spec writes them, one tensor per decay:
-``m[k]``, ``v``, ``R[k]``, ``C[k]``, ``V[k]`` (float64, shapes as in §1.1 without the trailing
+Layout. The oracle keeps its accumulators the way the definition writes them, one tensor per
+decay: ``m[k]``, ``v``, ``R[k]``, ``C[k]``, ``V[k]`` (float64, shapes as in §1.1 without the trailing
 decay axis). :func:`to_pylo_state` / :func:`from_pylo_state` convert to and from PyLO's layout
 (decay axis last), which lopt's optimizer state uses.
 """
@@ -25,7 +25,7 @@ def _f32(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
-# §2: the effective float32 decays of the PyLO constructor defaults (bit patterns from the spec table).
+# §2: the effective float32 decays of the PyLO constructor defaults (bit patterns from the table of §2).
 MOMENTUM_DECAY_BITS = (0x3F0AC24D, 0x3F755C6A, 0x3F7F7E79)
 RMS_DECAY_BITS = (0x3F7FB6FE,)
 ADAFACTOR_DECAY_BITS = (0x3EB6623A, 0x3F7F22E0, 0x3F7FDCB2)
@@ -42,7 +42,7 @@ STEP_MULT = 0.01
 
 
 def float32_decay_chain(initial, offset) -> float:
-    """§2 evaluated in float32 with torch ops in the spec's order: 1 − exp(10·(ln(1 − β0)/10 + θ)), clipped."""
+    """§2 evaluated in float32 with torch ops in the order §2 prescribes: 1 − exp(10·(ln(1 − β0)/10 + θ)), clipped."""
     b = torch.tensor(initial, dtype=torch.float32)
     o = torch.tensor(offset, dtype=torch.float32)
     y = torch.log(1 - b) / 10
@@ -173,7 +173,7 @@ def features(g: torch.Tensor, p: torch.Tensor, state: dict) -> torch.Tensor:
 def normalise(feats: torch.Tensor, *, naive_rank0: bool = False) -> torch.Tensor:
     """x_j · (1e-5 + mean over the tensor's elements of x_j²)^(−1/2), per feature column j.
 
-    A 0-d parameter's features have shape (28,): its one element is its own mean (lopt decision 3).
+    A 0-d parameter's features have shape (28,): its one element is its own mean (§3.6, decision D2).
     ``naive_rank0=True`` gives PyLO naive's artifact instead (one value shared by all 28 features),
     used only to show that the tests can tell the two apart.
     """

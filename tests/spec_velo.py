@@ -1,8 +1,8 @@
-"""VeLO written from ``shared/spec/velo.md`` alone, in float64: the oracle of the VeLO tests.
+"""VeLO as ``docs/velo.md`` ("Exact semantics") defines it, in float64: the oracle of the VeLO tests.
 
 It imports nothing from lopt and keeps its own state layout (decay axis **first**), so agreement
-with ``lopt.reference.velo`` is evidence that both read the spec the same way. Section numbers
-refer to the spec. Rank-0 tensors follow the JAX definition (a 1-element vector, decision 4).
+with ``lopt.reference.velo`` is evidence that both read the definition the same way. Section
+numbers refer to docs/velo.md. Rank-0 tensors follow the JAX definition (a 1-element vector, §5).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ F64 = torch.float64
 
 
 def as_float32(x: float) -> float:
-    """x rounded to float32 (the spec's constants are float32 values), returned as a Python float."""
+    """x rounded to float32 (docs/velo.md's constants are float32 values), returned as a Python float."""
     return struct.unpack("f", struct.pack("f", x))[0]
 
 

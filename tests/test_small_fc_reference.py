@@ -1,18 +1,21 @@
 """lopt's float32 small_fc_lopt reference math against the independent float64 oracle (spec_small_fc_lopt).
 
-Every stage of the spec (§2 decays, §3.3 factored dims, §1.1 state, §3.2 accumulators, §3.5
+Every stage of docs/small_fc_lopt.md (§2 decays, §3.3 factored dims, §1.1 state, §3.2 accumulators, §3.5
 features, §3.6 normalisation, §3.7 time features, §3.8 MLP, §3.9 update) and the whole step, for
 every parameter rank. Per-step comparisons are "teacher forced": the oracle starts each step from
 lopt's own float32 state and parameter, so the tolerance measures one step's rounding, not drift.
 
-Run with ``-s`` to see the largest relative update error per rank (test_zz_report).
+Run with ``-s`` to see the largest relative update error per rank (printed when the module's
+whole-step tests are done, by the ``update_error_report`` fixture).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +31,6 @@ pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 UPDATE_RTOL = 1e-5  # the brief: relative error of the update vs the float64 oracle
 NET = lopt.random_weights("small_fc_lopt", seed=7).tensors["mlp"]
 DECAYS = ref.Decays.from_offsets()
-MAX_REL: dict = {}  # rank label -> largest relative update error seen (printed by test_zz_report)
 
 SHAPES = {
     "0d": (),
@@ -68,9 +70,22 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() / scale
 
 
-def record(shape, err: float) -> None:
-    key = rank_label(shape)
-    MAX_REL[key] = max(MAX_REL.get(key, 0.0), err)
+@pytest.fixture(scope="module")
+def update_error_report():
+    """Collects the largest relative update error per rank; prints them once the module's tests are done (-s).
+
+    Only a report: every test asserts its own errors, so none depends on another having run.
+    """
+    largest: dict = {}
+
+    def record(shape, err: float) -> None:
+        key = rank_label(shape)
+        largest[key] = max(largest.get(key, 0.0), err)
+
+    yield record
+    if largest:
+        print("\nmax relative update error vs the float64 oracle: "
+              + ", ".join(f"{k}: {v:.2e}" for k, v in sorted(largest.items())))
 
 
 def make_param(kind: str, gen: torch.Generator):
@@ -124,7 +139,7 @@ def test_effective_decays_are_the_spec_float32_bit_patterns():
         "adafactor": list(spec.ADAFACTOR_DECAY_BITS),
     }
     assert all(t.dtype == torch.float32 for t in (DECAYS.momentum, DECAYS.rms, DECAYS.adafactor))
-    # The spec's bit patterns are what the float32 chain gives (our own evaluation of §2) ...
+    # The bit patterns of §2 are what the float32 chain gives (our own evaluation of §2) ...
     for initial, offsets, bits in ((acc.MOMENTUM_DECAYS, ref.MOMENTUM_DECAY_OFFSETS, spec.MOMENTUM_DECAY_BITS),
                                    (acc.RMS_DECAYS, ref.RMS_DECAY_OFFSETS, spec.RMS_DECAY_BITS),
                                    (acc.ADAFACTOR_DECAYS, ref.ADAFACTOR_DECAY_OFFSETS, spec.ADAFACTOR_DECAY_BITS)):
@@ -132,6 +147,20 @@ def test_effective_decays_are_the_spec_float32_bit_patterns():
     # ... and not what float64 rounded once gives (2 ulp off for the first momentum decay, §2).
     f64 = 1 - math.exp(10 * (math.log(1 - 0.9) / 10 + 0.15216392))
     assert _bits(f64) == 0x3F0AC24F != spec.MOMENTUM_DECAY_BITS[0]
+
+
+def test_documented_decays_and_weight_shapes_are_what_lopt_uses():
+    """docs/small_fc_lopt.md's §2 table (bits) and §4 table (tensor shapes) against the code and the registry."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "small_fc_lopt.md").read_text()
+    section2 = doc[doc.index("## 2. Decays"):doc.index("## 3. One step")]
+    table = "\n".join(line for line in section2.splitlines() if line.startswith("|"))
+    documented_bits = [int(b, 16) for b in re.findall(r"`(0x[0-9a-f]{8})`", table)]
+    assert documented_bits == list(spec.MOMENTUM_DECAY_BITS + spec.RMS_DECAY_BITS + spec.ADAFACTOR_DECAY_BITS)
+    assert documented_bits == [_bits(float(x)) for x in torch.cat([DECAYS.momentum, DECAYS.rms, DECAYS.adafactor])]
+    section4 = doc[doc.index("## 4. The meta-weights"):doc.index("## 5.")]
+    documented_shapes = {name: tuple(int(n) for n in dims.split(",") if n.strip())
+                         for name, dims in re.findall(r"\| `(network\.[a-z_0-9.]+)` \| \(([0-9, ]+)\) \|", section4)}
+    assert documented_shapes == lopt.weights.architecture("small_fc_lopt").components["mlp"].tensors
 
 
 def test_effective_decays_are_clipped_to_unit_interval():
@@ -157,7 +186,7 @@ FACTORED_DIMS_TABLE = [
 
 @pytest.mark.parametrize("shape,expected", FACTORED_DIMS_TABLE, ids=[str(s) for s, _ in FACTORED_DIMS_TABLE])
 def test_factored_dims_follow_the_stable_tie_rule(shape, expected):
-    assert spec.factored_axes(shape) == expected  # the oracle agrees with the spec's table ...
+    assert spec.factored_axes(shape) == expected  # the oracle agrees with the tables of §1.1/§3.3 ...
     assert ref.factored_dims(shape) == expected  # ... and so does lopt (never numpy's argsort)
 
 
@@ -170,7 +199,7 @@ def test_factored_dims_agree_with_oracle_for_every_small_shape():
 
 
 STATE_SHAPE_TABLE = [
-    # S, mom, rms, row, col, v   (spec §1.1 table)
+    # S, mom, rms, row, col, v   (docs/small_fc_lopt.md §1.1)
     ((), (3,), (1,), (0,), (0,), (3,)),
     ((7,), (7, 3), (7, 1), (0,), (0,), (7, 3)),
     ((4, 6), (4, 6, 3), (4, 6, 1), (4, 3), (6, 3), (0,)),
@@ -388,10 +417,13 @@ def test_update_formula_and_decoupled_weight_decay(lr, wd):
     u = ref.update_from_mlp(direction, magnitude, 0.001, 0.01)
     u_want = direction.double() * torch.exp(0.001 * magnitude.double()) * 0.01
     assert rel_err(u, u_want) < 1e-6
+    p_before, u_before = p.clone(), u.clone()
     new_p = ref.apply_update(p, u, lr, wd)
+    # apply_update returns a new tensor and leaves its inputs as they were (the caller copies the result back)
+    assert new_p.data_ptr() != p.data_ptr() and new_p.data_ptr() != u.data_ptr()
+    assert torch.equal(p, p_before) and torch.equal(u, u_before)
     want = (1 - wd * lr) * (p.double() - lr * u.double())  # weight decay on the already-updated p
     assert rel_err(new_p, want) < 1e-6
-    assert torch.equal(p, p.clone())  # apply_update returns a new tensor
     if wd:
         wrong = p.double() - lr * u.double() - wd * lr * p.double()  # decay of the old p: a different rule
         assert (new_p.double() - wrong).abs().max().item() > 100 * (new_p.double() - want).abs().max().item()
@@ -408,7 +440,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("kind", ALL_KINDS)
-def test_whole_step_matches_oracle(kind, config, monkeypatch):
+def test_whole_step_matches_oracle(kind, config, monkeypatch, update_error_report):
     """6 steps with random gradients; each step's update, state and new parameter vs the oracle."""
     cfg = dict(lr=1.0, weight_decay=0.0, exp_mult=spec.EXP_MULT, step_mult=spec.STEP_MULT) | CONFIGS[config]
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{config}".encode()))
@@ -423,7 +455,7 @@ def test_whole_step_matches_oracle(kind, config, monkeypatch):
         p_before = p.clone()
         u = _run_reference_step(p, g, state, t, monkeypatch=monkeypatch, **cfg)
         err = rel_err(u, want["u"])
-        record(shape, err)
+        update_error_report(shape, err)
         assert err < UPDATE_RTOL, (t, err)
         # the new parameter: the oracle's, up to the update tolerance and float32 rounding of p
         ulp = torch.finfo(torch.float32).eps * want["p"].abs()
@@ -467,12 +499,3 @@ def test_tied_axes_assignment_changes_the_update(shape, monkeypatch):
         got = _run_reference_step(p, g, state, t, monkeypatch=monkeypatch)
         assert rel_err(got, want["u"]) < UPDATE_RTOL
         assert rel_err(other["u"], want["u"]) > 1e-3
-
-
-def test_zz_report():
-    """Prints the largest relative update error per rank seen in this module (run with -s)."""
-    if not MAX_REL:
-        pytest.skip("no whole-step comparisons ran")
-    print("\nmax relative update error vs the float64 oracle: "
-          + ", ".join(f"{k}: {v:.2e}" for k, v in sorted(MAX_REL.items())))
-    assert max(MAX_REL.values()) < UPDATE_RTOL

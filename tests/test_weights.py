@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +27,7 @@ from lopt.weights import MetaWeights, PublishedComponent, RegisteredWeights, Wei
 
 ARCH = "small_fc_lopt"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# spec §4: config.json and the tensors of PyLO's MetaMLP(39, 32, 1)
+# docs/small_fc_lopt.md §4: config.json and the tensors of PyLO's MetaMLP(39, 32, 1)
 CONFIG = {"input_size": 39, "hidden_size": 32, "hidden_layers": 1}
 SHAPES = {
     "network.input.weight": (32, 39),
@@ -199,7 +201,8 @@ def test_not_cached_and_offline_names_the_repo_and_the_fix(offline_hub):
         lopt.SmallFCLOpt([torch.zeros(2, requires_grad=True)])
     with pytest.raises(WeightsError, match=r"from the Hugging Face hub repo nobody/missing@v1: HF_HUB_OFFLINE is set"):
         load_weights("nobody/missing@v1", ARCH)
-    with pytest.raises(WeightsError, match=r"no registered weights named 'nope'; known: \[.*'small_fc_lopt'"):
+    with pytest.raises(WeightsError, match=r"no registered weights named 'nope' \(known: \[.*'small_fc_lopt'.*\]\), and it is "
+                                           r"not a hub repo id owner/name\[@revision\] either \(a repo id has exactly one '/'"):
         W.download("nope")
 
 
@@ -391,14 +394,12 @@ def _corrupt(kind: str, good: bytes) -> bytes:
         return good[:600]
     if kind == "empty":
         return b""
-    if kind == "garbage":
-        return bytes(range(256)) * 8
     if kind == "bad_header_length":
         return (10**9).to_bytes(8, "little") + good[8:]
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["truncated", "header_only", "empty", "garbage", "bad_header_length"])
+@pytest.mark.parametrize("kind", ["truncated", "header_only", "empty", "bad_header_length"])
 def test_corrupt_or_truncated_file(tmp_path, kind):
     good = save(mlp_tensors(16))
     directory = tmp_path / "d"
@@ -429,6 +430,14 @@ def test_config_json_that_is_not_json(tmp_path):
         load_weights(directory, ARCH)
 
 
+def run_suggested_conversion(message: str) -> None:
+    """Run the shell command a WeightsError suggests (``python3 -c "..."``), exactly as printed."""
+    command = re.search(r'python3 -c "[^"]*"', message).group(0)
+    result = subprocess.run(["bash", "-c", command.replace("python3", shlex.quote(sys.executable), 1)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 def test_directory_without_model_safetensors(tmp_path):
     directory = tmp_path / "only_config"
     directory.mkdir()
@@ -436,24 +445,188 @@ def test_directory_without_model_safetensors(tmp_path):
     with pytest.raises(WeightsError, match=rf"{directory} has no model\.safetensors; expected PyLO's hub layout: "
                                            r"config\.json \+ model\.safetensors"):
         load_weights(directory, ARCH)
-    torch.save(mlp_tensors(17), directory / "pytorch_model.bin")
-    with pytest.raises(WeightsError, match=r"has no model\.safetensors \(it has pytorch_model\.bin: convert it to safetensors\)"):
+    tensors = mlp_tensors(17)
+    torch.save(tensors, directory / "pytorch_model.bin")
+    with pytest.raises(WeightsError, match=r"has no model\.safetensors \(it has pytorch_model\.bin: convert it with python3 -c "
+                                           r"\"import torch, safetensors\.torch as st; st\.save_file\(torch\.load\(open\(.*pytorch_model\.bin', 'rb'\)\), "
+                                           r".*model\.safetensors'\)\"\)") as raised:
         load_weights(directory, ARCH)
+    run_suggested_conversion(str(raised.value))  # the fix the message names works
+    assert_same_tensors(load_weights(directory, ARCH), tensors)
 
 
-def test_nonexistent_paths(tmp_path):
+def _torch_save_zip(tensors, path):
+    torch.save(tensors, path)
+
+
+def _torch_save_legacy_pickle(tensors, path):
+    torch.save(tensors, path, _use_new_zipfile_serialization=False)
+
+
+@pytest.mark.parametrize("writer,what", [
+    (_torch_save_zip, r"it is a zip archive, the format torch\.save writes \(a PyTorch checkpoint\)"),
+    (_torch_save_legacy_pickle, r"it is a Python pickle \(a PyTorch checkpoint written by an older torch\.save\)"),
+], ids=["zip", "pickle"])
+def test_pytorch_checkpoint_named_safetensors(tmp_path, writer, what):
+    """A torch.save file renamed .safetensors is named as such (not 'truncated'), and the conversion it suggests works."""
+    tensors = mlp_tensors(19)
+    directory = tmp_path / "d"
+    directory.mkdir()
+    (directory / "config.json").write_bytes(config_bytes())
+    writer(tensors, directory / "model.safetensors")
+    with pytest.raises(WeightsError, match=rf"model\.safetensors is not a safetensors file: {what}; convert it in place with "
+                                           r"python3 -c ") as raised:
+        load_weights(directory, ARCH)
+    assert "truncated" not in str(raised.value)
+    run_suggested_conversion(str(raised.value))
+    assert_same_tensors(load_weights(directory, ARCH), tensors)
+
+
+@pytest.mark.parametrize("content,what", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"ab" * 32 + b"\nsize 10096\n",
+     r"it is a Git LFS pointer, not the file's content; fetch the real file \(`git lfs pull` in the clone, or download "
+     r"the repository through the Hugging Face hub\)"),
+    (bytes(range(256)) * 8, r"its first 8 bytes give a header length of 506097522914230528 bytes \(the file has 2048\) "
+                            r"and no JSON header follows; pass a file written by safetensors"),
+    (b"not a safetensors file", rf"its first 8 bytes give a header length of {int.from_bytes(b'not a sa', 'little')} bytes "
+                                r"\(the file has 22\) and no JSON header follows"),
+], ids=["git_lfs_pointer", "binary_garbage", "text"])
+def test_other_files_named_safetensors(tmp_path, content, what):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(WeightsError, match=rf"w\.safetensors is not a safetensors file: {what}"):
+        load_weights(path, ARCH)
+
+
+def test_nonexistent_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     missing_file = tmp_path / "nope.safetensors"
-    with pytest.raises(WeightsError, match=rf"weights file {missing_file} does not exist"):
+    with pytest.raises(WeightsError, match=rf"weights file {missing_file} does not exist$"):
         load_weights(missing_file, ARCH)
-    with pytest.raises(WeightsError, match=r"cannot find meta-weights './definitely/not/here': it is not a registered name "
-                                           r"\(\[.*'small_fc_lopt'.*\]\), not an existing directory or \.safetensors file, "
-                                           r"and not a hub repo id of the form owner/name\[@revision\]"):
-        load_weights("./definitely/not/here", ARCH)
-    for source in ("not-a-repo-or-name", "a/b/c"):
-        with pytest.raises(WeightsError, match=rf"cannot find meta-weights '{source}'"):
-            load_weights(source, ARCH)
-    with pytest.raises(WeightsError, match=r"cannot find meta-weights"):
-        lopt.SmallFCLOpt([torch.zeros(2, requires_grad=True)], weights=str(tmp_path / "missing_dir"))
+    with pytest.raises(WeightsError, match=rf"weights file nope\.safetensors does not exist \(looked for {missing_file}\)"):
+        load_weights("nope.safetensors", ARCH)
+    with pytest.raises(WeightsError, match=rf"no directory or file {tmp_path / 'missing_dir'} exists; pass a directory with "
+                                           r"config\.json \+ model\.safetensors or a \.safetensors file"):
+        lopt.SmallFCLOpt([torch.zeros(2, requires_grad=True)], weights=Path("missing_dir"))  # a Path is never a repo id
+
+
+def _forbid_network(monkeypatch, *, hub_calls_too: bool = False) -> list:
+    """Record and refuse every network connection (and, optionally, every huggingface_hub download call)."""
+    import socket
+
+    import huggingface_hub
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    if hub_calls_too:
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+    return attempts
+
+
+@pytest.mark.parametrize("source,problem", [
+    ("not a/valid id!!", r"Repo id must use alphanumeric chars"),
+    ("a/b/c", r"a repo id has exactly one '/', 'a/b/c' has 2"),
+    ("not-a-repo-or-name", r"a repo id has exactly one '/', 'not-a-repo-or-name' has 0"),
+    ("./definitely/not/here", r"a repo id has exactly one '/', '\./definitely/not/here' has 3"),
+    ("~nobody/x", r"Repo id must use alphanumeric chars"),
+])
+def test_neither_a_local_path_nor_a_valid_repo_id(tmp_path, monkeypatch, source, problem):
+    """Said at once, without asking the hub, and naming the absolute path that was looked for."""
+    monkeypatch.chdir(tmp_path)
+    attempts = _forbid_network(monkeypatch, hub_calls_too=True)
+    absolute = Path(os.path.expanduser(source)).absolute()
+    with pytest.raises(WeightsError, match=(
+            rf"cannot find meta-weights {re.escape(repr(source))}: no local directory or file {re.escape(str(absolute))} "
+            r"exists, it is not a registered name \(\[.*'small_fc_lopt'.*\]\), and it is not a valid hub repo id "
+            rf"owner/name\[@revision\] \({problem}.*\)\. Pass an existing directory with config\.json \+ model\.safetensors, "
+            r"a \.safetensors file, a registered name or a hub repo id$")):
+        load_weights(source, ARCH)
+    assert attempts == []
+
+
+def test_missing_relative_path_offline_names_the_path_and_the_cache_without_network(offline_hub, tmp_path, monkeypatch):
+    """'ckpts/mulo' could be a local directory or a repo id: offline, the message says both, and nothing goes to the network."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpts").mkdir()  # the parent exists, the directory does not (a typo, or not copied yet)
+    attempts = _forbid_network(monkeypatch)
+    with pytest.raises(WeightsError, match=(
+            rf"cannot find meta-weights 'ckpts/mulo': no local directory or file {re.escape(str(tmp_path / 'ckpts' / 'mulo'))} "
+            r"exists, and as a hub repo id: cannot get config\.json of 'ckpts/mulo' from the Hugging Face hub repo "
+            r"ckpts/mulo@main: HF_HUB_OFFLINE is set and the file is not in the cache")):
+        load_weights("ckpts/mulo", ARCH)
+    with pytest.raises(WeightsError, match=r"btherien/mulo@main: HF_HUB_OFFLINE is set"):
+        load_weights("small_fc_lopt", ARCH)
+    assert attempts == []
+    # the directory it names is the one that is then found
+    write_dir(tmp_path / "ckpts" / "mulo", mlp_tensors(20))
+    assert_same_tensors(load_weights("ckpts/mulo", ARCH), mlp_tensors(20))
+
+
+def test_unreachable_hub_message_for_a_missing_relative_path(tmp_path, monkeypatch):
+    """Online but unreachable (what huggingface_hub raises after its retries): both facts, and how to skip the retries."""
+    import huggingface_hub
+    import huggingface_hub.constants as hub_constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    calls = []
+
+    def unreachable(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs["revision"], kwargs["local_files_only"]))
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(WeightsError, match=(
+            rf"cannot find meta-weights 'ckpts/mulo@v2': no local directory or file {re.escape(str(tmp_path / 'ckpts' / 'mulo@v2'))} "
+            r"exists, and as a hub repo id: cannot get config\.json of 'ckpts/mulo@v2' from the Hugging Face hub repo "
+            r"ckpts/mulo@v2: the hub is unreachable \(set HF_HUB_OFFLINE=1 to fail at once instead of retrying\) and the "
+            r"file is not in the cache")):
+        load_weights("ckpts/mulo@v2", ARCH)
+    assert calls == [("ckpts/mulo", "config.json", "v2", False)]
+
+
+def test_download_accepts_a_repo_id_as_the_messages_suggest(offline_hub, capsys):
+    """The offline message says `lopt weights download <repo-id>`: that command exists and fills/validates the cache."""
+    from lopt import cli
+
+    with pytest.raises(WeightsError, match=r"run `lopt weights download someone/sfc@v2` on a machine with internet") as raised:
+        load_weights("someone/sfc@v2", ARCH)
+    assert cli.main(["weights", "download", "someone/sfc@v2"]) == 2
+    assert "HF_HUB_OFFLINE is set and the file is not in the cache" in capsys.readouterr().err
+    # what the download on the connected machine leaves in the (copied) cache
+    snapshot = offline_hub.add("someone/sfc", {"config.json": config_bytes(), "model.safetensors": save(mlp_tensors(21))},
+                               revision="v2")
+    assert "someone/sfc@v2" in str(raised.value)
+    assert W.download("someone/sfc@v2") == [snapshot]
+    assert cli.main(["weights", "download", "someone/sfc@v2"]) == 0
+    assert capsys.readouterr().out.strip() == str(snapshot)
+    assert_same_tensors(load_weights("someone/sfc@v2", ARCH), mlp_tensors(21))
+    # a VeLO network alone is a known network too
+    velo = lopt.random_weights("velo", seed=1)
+    velo_dirs = velo.save({"rnn": offline_hub.home / "rnn", "mlp": offline_hub.home / "mlp"})
+    rnn_snapshot = offline_hub.add("someone/velo-rnn", hub_layout_files(velo_dirs[0]))
+    assert W.download("someone/velo-rnn") == [rnn_snapshot]
+
+
+def test_download_errors(offline_hub):
+    offline_hub.add("someone/other-model", {"config.json": b'{"hidden_size": 768}', "model.safetensors": save({"w": torch.ones(3)})})
+    with pytest.raises(WeightsError, match=r"someone/other-model \(cached in .*\) holds none of the networks lopt knows: as "
+                                           r"small_fc_lopt: .*; as the rnn network of velo: .*; as the mlp network of velo: "):
+        W.download("someone/other-model")
+    with pytest.raises(WeightsError, match=r"no registered weights named 'a/b/c' \(known: .*\), and it is not a hub repo id "
+                                           r"owner/name\[@revision\] either \(a repo id has exactly one '/', 'a/b/c' has 2\)"):
+        W.download("a/b/c")
+    with pytest.raises(WeightsError, match=r"cannot download 'someone/other-model' again while HF_HUB_OFFLINE is set: unset it"):
+        W.download("someone/other-model", force=True)
+    with pytest.raises(WeightsError, match=r"cannot download 'small_fc_lopt' again while HF_HUB_OFFLINE is set"):
+        W.download("small_fc_lopt", force=True)
 
 
 # ----------------------------------------------------------------------------------------- verify
@@ -476,3 +649,25 @@ def test_verify(tmp_path):
         W.verify(tmp_path / "absent.safetensors", ARCH)
     with pytest.raises(WeightsError, match=r"unknown learned-optimizer architecture 'other'"):
         W.verify(good, "other")
+
+
+def test_verify_a_velo_pair(tmp_path):
+    """VeLO's two networks are verified together, as a tuple (rnn, mlp) or a dict; one alone says what is missing."""
+    velo = lopt.random_weights("velo", seed=2)
+    rnn_dir, mlp_dir = velo.save((tmp_path / "rnn", tmp_path / "mlp"))
+    for source in ((rnn_dir, mlp_dir), [str(rnn_dir), str(mlp_dir)], {"mlp": mlp_dir, "rnn": rnn_dir}):
+        arch, loaded = W.verify(source)
+        assert arch == "velo"
+        for comp in ("rnn", "mlp"):
+            assert all(torch.equal(loaded.tensors[comp][k], v) for k, v in velo.tensors[comp].items())
+    assert W.verify((rnn_dir, mlp_dir), "velo")[0] == "velo"
+    with pytest.raises(WeightsError, match=r"as velo: .*mlp/model\.safetensors does not hold the rnn network lopt expects"):
+        W.verify((mlp_dir, rnn_dir))  # swapped
+    with pytest.raises(WeightsError, match=rf"{rnn_dir} holds the rnn network of velo only; velo needs one source per network "
+                                           r"\['rnn', 'mlp'\]: pass them together, verify\(\(rnn_dir, mlp_dir\)\)"):
+        W.verify(rnn_dir)
+    with pytest.raises(WeightsError, match=r"no architecture has the networks given \(3 sources\); the architectures' networks: "
+                                           r"\{'small_fc_lopt': \['mlp'\], 'velo': \['rnn', 'mlp'\]\}"):
+        W.verify((rnn_dir, mlp_dir, mlp_dir))
+    with pytest.raises(WeightsError, match=r"weights for small_fc_lopt needs 1 entries"):
+        W.verify((rnn_dir, mlp_dir), ARCH)
