@@ -324,8 +324,10 @@ class LearnedOptimizer(Optimizer):
         return "naive", reason
 
     def _fused_unsupported_reason(self) -> str | None:
-        """Why this optimizer's settings rule out the fused backend (None if they do not)."""
-        return None
+        """Why this optimizer's settings or parameters rule out the fused backend (None if they do not)."""
+        from lopt.fused.engine import non_dense_parameter
+
+        return non_dense_parameter(self._all_params())
 
     def _make_fused_engine(self):
         raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
