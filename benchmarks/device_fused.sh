@@ -8,17 +8,17 @@ OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -m cuda -q -rfEs -s -p no:cacheprovider tests/ ${PYTEST_ARGS:-} > "$OUT/pytest_cuda.log" 2>&1
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rfEs -s -p no:cacheprovider tests/ ${PYTEST_ARGS:-} > "$OUT/pytest_cuda.log" 2>&1
   echo "pytest -m cuda: exit $?"; grep -E "^\[|passed|failed|error|^FAILED|^ERROR" "$OUT/pytest_cuda.log" | tail -40
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize_fused.py > "$OUT/sanitizer_$tool.log" 2>&1
+    timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize_fused.py > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $?"; tail -2 "$OUT/sanitizer_$tool.log"
   done
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 benchmarks/bench_fused.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_fused.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^{'
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in ${PROFILE_KERNELS:-velo_apply velo_statistics}; do
