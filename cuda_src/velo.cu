@@ -33,7 +33,7 @@
 #define VELO_FF 4  // hidden units of the generated MLP
 
 // Statistics partials per chunk: the 30 feature sums of squares, then the LSTM sums of the old state
-// (shifted by the tensor's first element, so that variances do not cancel): Σp², Σ(m_k − s_k),
+// (shifted by the tensor's first element s, so that variances do not cancel): Σp², Σ(m_k − s_k),
 // Σ(m_k − s_k)², Σ(v − s_v), Σ(v − s_v)².
 #define VELO_LSTM_SUMS 9
 #define VELO_STATS (VELO_NUM_FEATURES + VELO_LSTM_SUMS)
@@ -159,44 +159,52 @@ LOPT_DEVICE float clip_gradient(float g) { return fminf(fmaxf(g, -VELO_GRADIENT_
 #ifndef VELO_STATS_MIN_BLOCKS
 #define VELO_STATS_MIN_BLOCKS 2
 #endif
+#ifndef VELO_STATS_UNROLL
+#define VELO_STATS_UNROLL 1
+#endif
+constexpr int STATS_UNROLL = VELO_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
 
+// Per thread, sums in float32 (over at most LOPT_STATS_PER_THREAD elements; the block adds them in
+// float64). The old momentum and rms enter shifted by the tensor's first element's, so that their
+// variances (E[d²] − E[d]² of the shifted values) do not cancel, and are exactly zero for a constant tensor.
 template <bool Factored>
 LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
                            const float* row_table, const float* col_table, float squares[VELO_NUM_FEATURES],
-                           double lstm[VELO_LSTM_SUMS]) {
-  // Shifts: the tensor's first element's old momentum and rms (the same for every thread).
+                           float lstm[VELO_LSTM_SUMS]) {
   const float* mom0 = pointer<const float>(t.mom);
-  const double shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
-  const double shift_rms = pointer<const float>(t.rms)[0];
+  const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
+  const float shift_rms = pointer<const float>(t.rms)[0];
   bool unusable = false;
+#pragma unroll STATS_UNROLL
   for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
-    if (e >= t.numel) break;
-    const float raw_grad = load_gradient(t, e, inverse_scale);
-    unusable |= gradient_unusable(raw_grad);
-    const float grad = clip_gradient(raw_grad);
-    const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-    ElementState s = load_element_state(t, e);
-    // tensor_statistics: the pre-update parameter and the old accumulators.
-    lstm[0] += static_cast<double>(param) * static_cast<double>(param);
+    if (e < t.numel) {
+      const float raw_grad = load_gradient(t, e, inverse_scale);
+      unusable |= gradient_unusable(raw_grad);
+      const float grad = clip_gradient(raw_grad);
+      const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+      ElementState s = load_element_state(t, e);
+      // tensor_statistics: the pre-update parameter and the old accumulators.
+      lstm[0] = fmaf(param, param, lstm[0]);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      const double d = static_cast<double>(s.mom[k]) - shift_mom[k];
-      lstm[1 + k] += d;
-      lstm[4 + k] += d * d;
+      for (int k = 0; k < 3; ++k) {
+        const float d = __fsub_rn(s.mom[k], shift_mom[k]);
+        lstm[1 + k] += d;
+        lstm[4 + k] = fmaf(d, d, lstm[4 + k]);
+      }
+      const float d = __fsub_rn(s.rms, shift_rms);
+      lstm[7] += d;
+      lstm[8] = fmaf(d, d, lstm[8]);
+      // per_element_features: the updated accumulators.
+      update_accumulators(s, grad, decays, Factored);
+      FactorEntry row = {}, col = {};
+      if (Factored) load_factor_entries<true>(t, e, row_table, col_table, row, col);
+      float x[VELO_NUM_FEATURES];
+      per_element_features(x, grad, param, s, Factored, row, col);
+#pragma unroll
+      for (int j = 0; j < VELO_NUM_FEATURES; ++j)
+        if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
     }
-    const double d = static_cast<double>(s.rms) - shift_rms;
-    lstm[7] += d;
-    lstm[8] += d * d;
-    // per_element_features: the updated accumulators.
-    update_accumulators(s, grad, decays, Factored);
-    FactorEntry row = {}, col = {};
-    if (Factored) load_factor_entries<true>(t, e, row_table, col_table, row, col);
-    float x[VELO_NUM_FEATURES];
-    per_element_features(x, grad, param, s, Factored, row, col);
-#pragma unroll
-    for (int j = 0; j < VELO_NUM_FEATURES; ++j)
-      if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
   }
   return unusable;
 }
@@ -210,10 +218,11 @@ velo_statistics(const TensorMeta* __restrict__ tensors, int num_tensors, const G
   const i64 chunk = blockIdx.x - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
   const float inverse_scale = inverse_grad_scale(flags);
-  float squares[VELO_NUM_FEATURES];
+  float squares[VELO_NUM_FEATURES], lstm[VELO_LSTM_SUMS];
 #pragma unroll
   for (int j = 0; j < VELO_NUM_FEATURES; ++j) squares[j] = 0.f;
-  double lstm[VELO_LSTM_SUMS] = {};
+#pragma unroll
+  for (int j = 0; j < VELO_LSTM_SUMS; ++j) lstm[j] = 0.f;
   const bool unusable = t.factored ? sum_chunk<true>(t, chunk, decays, inverse_scale, row_table, col_table, squares, lstm)
                                    : sum_chunk<false>(t, chunk, decays, inverse_scale, row_table, col_table, squares, lstm);
   report_unusable_gradients(unusable, flags.status);
@@ -297,7 +306,7 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   const float mean_square_param = static_cast<float>(lstm[0] / n);
   param_scales[r] = sqrtf(__fadd_rn(mean_square_param, 1e-9f));
   const double nu = rsqrtf(fmaxf(mean_square_param, 1e-9f));  // ν, float32 as in the reference
-  const float* mom0 = pointer<const float>(t.mom);
+  const float* mom0 = pointer<const float>(t.mom);  // the statistics pass's shifts
   const double shift_rms = pointer<const float>(t.rms)[0];
   const double rms_offset = lstm[7] / n, rms_square = lstm[8] / n;
   float statistics[7];  // μ_v, var_m (3), var_v (3)

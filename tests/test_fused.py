@@ -84,9 +84,13 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
                 tolerance = TINY_TENSOR_TOLERANCE if uf.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
                 assert error <= tolerance, f"step {index} shape {shape}: relative update error {error:.2e}"
         else:
-            for f, n in zip(fused_params, naive_params):
+            for f, n, shape in zip(fused_params, naive_params, ALL_SHAPES):
                 distance = ulp_distance(f.detach(), n.detach())
-                assert int(distance.max()) <= 1, "fused and naive differ by more than one ulp"
+                worst = int(distance.max())
+                assert worst <= 1, (f"step {index} shape {shape}: fused and naive differ by {worst} ulps (fused "
+                                    f"{f.detach().reshape(-1)[distance.reshape(-1).argmax()].item()}, naive "
+                                    f"{n.detach().reshape(-1)[distance.reshape(-1).argmax()].item()}; update error "
+                                    f"{relative_error(flat(fused_updates), flat(naive_updates)):.2e})")
                 mismatched += int((distance > 0).sum())
                 total += distance.numel()
             worst_step = max(worst_step, relative_error(flat(fused_updates), flat(naive_updates)))
@@ -331,7 +335,10 @@ def test_mixed_dtypes_and_tensors_without_gradient(name, weights):
         fused_params[3].grad = naive_params[3].grad = None
         step(fused, loss_of(index))
         step(naive, loss_of(index))
-    assert torch.equal(fused.state[fused_params[3]]["mom"], naive.state[naive_params[3]]["mom"])  # untouched
+    if name == "velo":  # (VeLO creates state eagerly, SmallFCLOpt at a parameter's first gradient)
+        assert torch.equal(fused.state[fused_params[3]]["mom"], naive.state[naive_params[3]]["mom"])  # untouched
+    else:
+        assert fused_params[3] not in fused.state and naive_params[3] not in naive.state
     assert relative_error(fused_params[0].detach() - initial, naive_params[0].detach() - initial) <= 1e-5
     for f, n in zip(fused_params[1:3], naive_params[1:3]):
         assert int(ulp_distance(f.detach(), n.detach()).max()) <= 1
@@ -381,9 +388,10 @@ def test_a_non_finite_gradient_skips_the_step_on_the_device(name, weights):
     set_grads(params, grads)
     before = [p.detach().clone() for p in params]
     state_before = {k: v.clone() for k, v in opt.state[params[8]].items()}
+    loss = loss_of(1)  # (made before: a host-to-device copy synchronises)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step(opt, loss_of(1))
+        step(opt, loss)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(p, b) for p, b in zip(params, before))
@@ -404,9 +412,10 @@ def test_velo_fused_non_finite_loss_skips_without_synchronising(weights):
     set_grads(params, random_grads(params, 1))
     before = [p.detach().clone() for p in params]
     buffer_before = opt.loss_buffer().means.clone()
+    infinite = torch.tensor(float("inf"), device="cuda")  # (made before: a host-to-device copy synchronises)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        opt.step(torch.tensor(float("inf"), device="cuda"))
+        opt.step(infinite)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(p, b) for p, b in zip(params, before))
@@ -520,7 +529,7 @@ def test_a_corrupt_cached_kernel_is_rebuilt(tmp_path, monkeypatch, weights):
     assert len(cached) == 1
     cached[0].write_bytes(cached[0].read_bytes()[:1000])  # truncated
     launcher._compiled.cache_clear()
-    with pytest.warns(RuntimeWarning, match=r"cached kernel binary .* could not be loaded .*rebuilt"):
+    with pytest.warns(RuntimeWarning, match=r"cached kernel binary .* could not be used \(it is truncated or corrupt\); it is rebuilt"):
         opt = lopt.SmallFCLOpt(params, weights=weights["small_fc_lopt"], backend="auto")
     assert opt.backend == "fused"
     assert cached[0].stat().st_size > 1000  # rewritten whole

@@ -136,10 +136,32 @@ def _load_module(binary: bytes):
     return module
 
 
+# A cached binary is stored behind a header (magic, sha256 of the binary): the driver does not reject
+# a truncated or corrupt image reliably (it can crash the process), so lopt checks it before loading.
+_CACHE_MAGIC = b"LOPTBIN1"
+
+
+def _cache_record(binary: bytes) -> bytes:
+    import hashlib
+
+    return _CACHE_MAGIC + hashlib.sha256(binary).digest() + binary
+
+
+def _cached_binary(record: bytes) -> bytes | None:
+    """The binary of a cache record, or None if the record is not whole."""
+    import hashlib
+
+    header = len(_CACHE_MAGIC) + 32
+    if len(record) <= header or not record.startswith(_CACHE_MAGIC):
+        return None
+    binary = record[header:]
+    return binary if hashlib.sha256(binary).digest() == record[len(_CACHE_MAGIC):header] else None
+
+
 @lru_cache(maxsize=None)
 def _compiled(source: str, name: str, device_index: int, defines: tuple):
-    """Compile for the device with NVRTC and cache the binary on disk; a cached binary that does not
-    load (truncated, corrupt, or stale) is rebuilt once, with a warning."""
+    """Compile for the device with NVRTC and cache the binary on disk; a cached binary that is not whole
+    (truncated, corrupt) or does not load (stale) is rebuilt, with a warning."""
     import hashlib
     import warnings
 
@@ -154,17 +176,21 @@ def _compiled(source: str, name: str, device_index: int, defines: tuple):
                                         cupy.__version__]).encode()).hexdigest()
         path = kernel_cache_dir() / f"{name}-{architecture}-{key[:24]}.cubin"
         if path.is_file():
-            try:
-                return _load_module(path.read_bytes())
-            except Exception as err:
-                warnings.warn(f"lopt: the cached kernel binary {path} could not be loaded ({err}); it is corrupt or "
-                              f"stale, so it is rebuilt", RuntimeWarning, stacklevel=4)
+            binary = _cached_binary(path.read_bytes())
+            problem = "it is truncated or corrupt" if binary is None else None
+            if binary is not None:
+                try:
+                    return _load_module(binary)
+                except Exception as err:  # a whole image the driver refuses: stale
+                    problem = f"the driver refused it ({err})"
+            warnings.warn(f"lopt: the cached kernel binary {path} could not be used ({problem}); it is rebuilt",
+                          RuntimeWarning, stacklevel=4)
         binary = _nvrtc_compile(source, options, architecture)
         module = _load_module(binary)
         try:  # write-then-rename, so concurrent processes never read a partial file
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_bytes(binary)
+            partial.write_bytes(_cache_record(binary))
             partial.replace(path)
         except OSError:
             pass  # an unwritable cache only costs a recompile next time
@@ -258,8 +284,8 @@ class MetadataTable:
         else:
             slot = self.staging[self.next_staging]
             self.next_staging = (self.next_staging + 1) % self.STAGING_RING
-            if slot[1] is not None:
-                slot[1].synchronize()  # (uploaded STAGING_RING updates ago: in practice never waits)
+            if slot[1] is not None and not slot[1].query():
+                slot[1].synchronize()  # (uploaded STAGING_RING updates ago: in practice done, never waited for)
         slot[0].numpy()[...] = rows
         self.table.copy_(slot[0], non_blocking=True)
         if torch.cuda.is_current_stream_capturing():
