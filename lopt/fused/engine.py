@@ -31,6 +31,9 @@ from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, 
 FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
 STATS_THREADS = CONSTANTS["STATS_THREADS"]
 _G = FIELD["GroupMeta"]
+STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[2:7]
+assert TENSOR_POINTER_FIELDS[2:7] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
+assert TENSOR_POINTER_FIELDS[:2] == ("param", "grad") and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
 
 
 def memory_order(t: torch.Tensor) -> tuple | None:
@@ -133,11 +136,19 @@ class FusedEngine:
         return properties.multi_processor_count * per_sm
 
     def _plan_for(self, inputs) -> Plan:
-        entries = [(g, p) for g, params in enumerate(inputs.params) for p in params]
-        key = tuple((id(p), g, tuple(p.shape), p.stride()) for g, p in entries)
-        if self.plan is not None and self.plan.key == key:
-            return self.plan
-        params, groups, shapes, dims, orders = [], [], [], [], []
+        """The plan for this step's tensors: the last one while the same parameters (by identity, with
+        the same storage or at least the same shape and strides) take part, else a new one."""
+        params = [p for group_params in inputs.params for p in group_params]
+        key = (tuple(map(id, params)), tuple(map(len, inputs.params)))
+        plan = self.plan
+        if plan is not None and plan.key == key:
+            param_pointers = [p.data_ptr() for p in params]
+            if param_pointers == plan.param_pointers or all(
+                    (tuple(p.shape), p.stride()) == geometry for p, geometry in zip(params, plan.geometries)):
+                plan.param_pointers = param_pointers
+                return plan
+        entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
+        groups, shapes, dims, orders = [], [], [], []
         for g, p in entries:
             if p.device != self.device:
                 raise RuntimeError(f"the fused backend needs all parameters on {self.device}; one is on {p.device}")
@@ -146,13 +157,19 @@ class FusedEngine:
                 raise RuntimeError(dense_layout_problem(p))
             logical_dims = self.optimizer.reference.factored_dims(tuple(p.shape))
             self._arrange_state(p, order, logical_dims)
-            params.append(p)
             groups.append(g)
             orders.append(order)
             shapes.append(tuple(p.shape[a] for a in order) if p.dim() else (1,))
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
         layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK)
         plan = Plan(key, params, groups, layout, orders, self.device)
+        plan.param_pointers = [p.data_ptr() for p in params]
+        plan.geometries = [(tuple(p.shape), p.stride()) for p in params]
+        plan.strided_rows = {row for row, p in enumerate(params) if not p.is_contiguous()}
+        state = self.optimizer.state
+        plan.state_pointers = np.array([[state[p][name].data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
+                                       dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
+        plan.param_dtypes = np.array([launcher.DTYPE_CODES[p.dtype] for p in params], dtype=np.int64)
         self._allocate(plan)
         self.plan = plan
         return plan
@@ -182,22 +199,28 @@ class FusedEngine:
     # ------------------------------------------------------------------ per step
 
     def _refresh(self, plan: Plan, inputs) -> None:
-        """Point the device tables at this step's gradients and hyper-parameters (uploads only changes)."""
-        layout = plan.layout
-        pointers = np.zeros((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
-        state = self.optimizer.state
-        for row, p in enumerate(plan.params):
-            g = p.grad
-            if g.stride() != p.stride():
+        """Point the device tables at this step's gradients and hyper-parameters (uploads only changes).
+
+        Per tensor only its parameter and gradient pointers and the gradient's dtype are read (the
+        state's pointers are fixed for the plan), so the host's share of a step stays small whether or
+        not the gradients are new tensors every step."""
+        layout, params = plan.layout, plan.params
+        grads = [p.grad for p in params]
+        # A gradient laid out differently from its parameter is copied into the parameter's layout.
+        for row, p in enumerate(params):
+            if row in plan.strided_rows and grads[row].stride() != p.stride() or \
+                    row not in plan.strided_rows and not grads[row].is_contiguous():
                 copy = plan.grad_copies.get(row)
-                if copy is None or copy.dtype != g.dtype:
-                    copy = plan.grad_copies[row] = torch.empty_like(p, dtype=g.dtype)  # p's layout
-                copy.copy_(g)
-                g = copy
-            s = state[p]
-            pointers[row] = (p.data_ptr(), g.data_ptr(), s["mom"].data_ptr(), s["rms"].data_ptr(),
-                             s["fac_vec_row"].data_ptr(), s["fac_vec_col"].data_ptr(), s["fac_vec_v"].data_ptr(),
-                             launcher.DTYPE_CODES[p.dtype], launcher.DTYPE_CODES[g.dtype])
+                if copy is None or copy.dtype != grads[row].dtype:
+                    copy = plan.grad_copies[row] = torch.empty_like(p, dtype=grads[row].dtype)  # p's layout
+                copy.copy_(grads[row])
+                grads[row] = copy
+        pointers = np.empty((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
+        pointers[:, 0] = plan.param_pointers
+        pointers[:, 1] = [g.data_ptr() for g in grads]
+        pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = plan.state_pointers
+        pointers[:, -2] = plan.param_dtypes
+        pointers[:, -1] = [launcher.DTYPE_CODES[g.dtype] for g in grads]
         if plan.pointers is None or not np.array_equal(plan.pointers, pointers):
             plan.tensor_table.update(layout.tensor_rows(pointers))
             if layout.num_axis_jobs:
