@@ -65,9 +65,12 @@ def make_optimizer(name: str, params, num_steps: int | None = None, **kwargs):
     return lopt.SmallFCLOpt(params, weights=SMALL_FC_WEIGHTS, **kwargs)
 
 
-def reference_training(model, steps, make_opt, *, autocast_dtype=None, scaler=None, lr_factors=None):
+def reference_training(model, steps, make_opt, *, autocast_dtype=None, scaler=None, lr_factors=None,
+                       gradient_divisor=None):
     """The hand-written loop: for each step, back-propagate every micro-batch's loss divided by the
-    step's number of micro-batches, then step; VeLO gets the float64 mean of the micro-batch losses.
+    step's number of micro-batches (or by ``gradient_divisor``: Lightning divides by
+    accumulate_grad_batches even in an epoch's last, shorter step), then step; VeLO gets the float64
+    mean of the micro-batch losses.
 
     ``steps`` lists each step's micro-batches ``(x, y)``. ``lr_factors[t]`` (optional) multiplies every
     group's initial lr at step ``t`` (a schedule). Returns (model, optimizer, per-step micro-batch losses).
@@ -87,7 +90,7 @@ def reference_training(model, steps, make_opt, *, autocast_dtype=None, scaler=No
                         else contextlib.nullcontext())
             with autocast:
                 loss = mse(model(x), y)
-            divided = loss / len(micro_batches)
+            divided = loss / (gradient_divisor or len(micro_batches))
             (scaler.scale(divided) if scaler is not None else divided).backward()
             losses.append(float(loss.detach().double()))
         losses_per_step.append(losses)
