@@ -89,12 +89,10 @@ def _timm_registry(registry):
     try:
         from timm.optim import OptimInfo
         from timm.optim._optim_factory import default_registry
-    except ImportError as err:
-        raise ImportError(f"lopt.integrations.timm needs a working timm (and torchvision, which timm imports): "
-                          f"import failed with {type(err).__name__}: {err}") from err
-    except RuntimeError as err:  # e.g. a torchvision built for another torch: "operator torchvision::nms does not exist"
-        raise ImportError(f"lopt.integrations.timm needs a working timm, but importing it failed (usually a "
-                          f"torchvision that does not match this torch): {err}") from err
+    except Exception as err:  # ImportError, or e.g. a torchvision built for another torch: RuntimeError
+        # "operator torchvision::nms does not exist" (timm imports torchvision)
+        raise ImportError(f"lopt.integrations.timm needs a working timm (and the torchvision built for this torch, "
+                          f"which timm imports): importing it failed with {type(err).__name__}: {err}") from err
     return OptimInfo, registry if registry is not None else default_registry
 
 
