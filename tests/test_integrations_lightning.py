@@ -198,3 +198,25 @@ def test_callback_works_with_the_pytorch_lightning_namespace():
                    callbacks=[VeLOLossCallback()]).fit(module, loader())
     velo = module.trainer.optimizers[0]
     assert_fed_means(velo, [module.losses[0:2], module.losses[2:4], module.losses[4:5]])
+
+
+@pytest.mark.cuda
+def test_real_16_mixed_on_a_gpu_velo_callback_and_fused_small_fc_lopt():
+    """precision="16-mixed" on a GPU (Lightning's own CUDA GradScaler): VeLO (naive: it has no fused
+    backend yet) gets the mean micro-batch losses; SmallFCLOpt's fused step matches its naive step."""
+    module = RegressionModule("velo")
+    trainer = make_trainer(accelerator="gpu", precision="16-mixed", accumulate_grad_batches=2,
+                           callbacks=[VeLOLossCallback()])
+    trainer.fit(module, loader())
+    assert isinstance(trainer.precision_plugin.scaler, torch.amp.GradScaler)
+    _, losses = module.steps(accumulation=2)
+    assert_fed_means(trainer.optimizers[0], losses)
+
+    nets = {}
+    for backend in ("fused", "naive"):
+        module = RegressionModule("small_fc_lopt", backend=backend)
+        trainer = make_trainer(accelerator="gpu", precision="16-mixed", accumulate_grad_batches=2)
+        trainer.fit(module, loader())
+        assert trainer.optimizers[0].backend == backend and trainer.optimizers[0].param_groups[0]["step"] == 3
+        nets[backend] = module.net
+    assert_same_parameters(nets["fused"], nets["naive"], rtol=1e-4, atol=1e-6)
