@@ -97,22 +97,11 @@ def test_compiled_velo_step_with_accumulate_loss_does_not_recompile_for_new_loss
     assert_schedule_moved(compiled)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "dynamo drops attribute writes on a torch.optim.Optimizer inside a compiled step (torch 2.13: "
-    "'self.x = 0' in step() is not replayed; writes into a list or dict are): VeLO._step_loss's "
-    "'self._accumulated_losses = 0' is lost, so every compiled step averages all losses handed over since the "
-    "first step (the second step used the mean of the first two losses). Keeping the count in a container (or a tensor) "
-    "that step() mutates in place would fix it"))
 def test_compiled_velo_step_with_accumulate_loss_computes_what_the_eager_step_computes(velo_runs_with_accumulate_loss):
     compiled, eager = velo_runs_with_accumulate_loss
     assert_same_history(compiled, eager)
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.RecompileError, reason=(
-    "VeLO._step_loss turns a CPU loss tensor into a Python float (float(value.item())): dynamo breaks the graph "
-    "there and guards the resumed frame on the float's value (TORCH_LOGS=recompiles: "
-    "'torch_dynamo_resume_in_step_at_... ___stack0.value == 1.3141...'), so every new loss recompiles. Keeping "
-    "the loss a tensor (StepLoss(tensor=...)) on the CPU too would fix it; accumulate_loss is the way meanwhile"))
 def test_compiled_velo_step_with_the_loss_tensor_does_not_recompile_for_new_losses():
     # (The guard is dynamo's, whatever the backend: aot_eager keeps this expected failure cheap.)
     train("velo", compiled=True, feed="step", dynamo_backend="aot_eager")
