@@ -22,8 +22,11 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in ${PROFILE_KERNELS:-velo_apply velo_statistics}; do
-    ncu --clock-control none -k $kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+    timeout 120 ncu --clock-control none -k $kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats \
         python3 benchmarks/profile_fused.py ${PROFILE_OPTIMIZER:-velo} gpt2-medium > "$OUT/ncu_$kernel.txt" 2>&1
-    echo "ncu $kernel: exit $?"; grep -E "Duration|Throughput|Achieved Occupancy|Registers" "$OUT/ncu_$kernel.txt" | head -12
+    echo "ncu $kernel: exit $?"
+    grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|Stall|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
+        "$OUT/ncu_$kernel.txt" | head -24
   done
 fi
