@@ -61,7 +61,7 @@ def soak(name: str, backend: str, device: torch.device, steps: int, check_every:
         one_step(i)
     start_memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     start_rss = host_rss_mib()
-    losses, window_ms, finite = [], {}, True
+    losses, rss, window_ms, finite = [], [], {}, True
     t0 = synced_time()
     for i in range(steps):
         loss = one_step(i)
@@ -72,12 +72,14 @@ def soak(name: str, backend: str, device: torch.device, steps: int, check_every:
         if (i + 1) % check_every == 0 or i + 1 == steps:
             finite = finite and all(bool(torch.isfinite(p).all()) for p in model.parameters())
             losses.append(round(float(loss.detach()), 5))
+            rss.append(round(host_rss_mib(), 1))
     window_ms["last"] = (synced_time() - t_last) * 1e3 / window
     result = {"optimizer": name, "backend": backend, "device": str(device), "steps": steps, "finite": finite,
               "model": f"MLP {inputs}-{hidden}-{hidden}-10", "parameters": sum(p.numel() for p in model.parameters()),
               "loss_every_check": losses, "ms_per_step_first_window": round(window_ms["first"], 4),
               "ms_per_step_last_window": round(window_ms["last"], 4), "host_rss_mib_start": round(start_rss, 1),
-              "host_rss_mib_end": round(host_rss_mib(), 1), "skipped_steps": opt.skipped_steps}
+              "host_rss_mib_end": round(host_rss_mib(), 1), "host_rss_mib_every_check": rss,
+              "skipped_steps": opt.skipped_steps}
     if device.type == "cuda":
         result["cuda_allocated_mib_start"] = round(start_memory / 2**20, 3)
         result["cuda_allocated_mib_end"] = round(torch.cuda.memory_allocated(device) / 2**20, 3)
@@ -102,7 +104,7 @@ def main() -> int:
         for backend in args.backends.split(","):
             result = soak(name, backend, device, args.steps, args.check_every, args.window, args.inputs, args.hidden)
             results.append(result)
-            print(json.dumps({k: v for k, v in result.items() if k != "loss_every_check"}), flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k not in ("loss_every_check",)}), flush=True)
     env = environment() if device.type == "cuda" else {"device": "cpu", "torch": torch.__version__, "lopt": lopt.__version__}
     with open(args.out, "w") as f:
         json.dump({"environment": env, "results": results}, f, indent=2)

@@ -557,6 +557,56 @@ LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float
   return make_float2(out[0], out[1]);
 }
 
+// What the apply pass needs of a tensor's group, read once per tensor a block reaches.
+struct ApplyScalars {
+  Decays decays;
+  float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
+};
+
+LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
+  const float* values = pointer<const float>(g.values);
+  const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
+  return ApplyScalars{read_decays(values), -lr, -__fmul_rn(weight_decay, lr), values[LOPT_GROUP_EXP_MULT],
+                      values[LOPT_GROUP_STEP_MULT]};
+}
+
+// The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
+// they stay in registers through the loop instead of being re-read (from shared memory) per element.
+template <bool Factored>
+LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
+                              const float4* row_factors, const float4* col_factors, const float4* row_contributions,
+                              const float4* col_contributions, float inverse_scale) {
+  for (; chunk < end; ++chunk) {
+    const i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
+    if (e >= t.numel) break;
+    const float grad = clip_gradient(load_gradient(t, e, inverse_scale));
+    const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+    ElementState s = load_element_state(t, e);
+    update_accumulators(s, grad, a.decays, Factored);
+    store_element_state(t, e, s);
+    float x[VELO_NUM_FEATURES];
+    float4 table_share = make_float4(0.f, 0.f, 0.f, 0.f);
+    FactorEntry row = {}, col = {};
+    if (Factored) {
+      const FactorIndex f = factor_index(t, e);
+      const float4 rf = __ldg(row_factors + t.row_table + f.row), cf = __ldg(col_factors + t.col_table + f.col);
+      row.factor[0] = rf.x; row.factor[1] = rf.y; row.factor[2] = rf.z;
+      col.factor[0] = cf.x; col.factor[1] = cf.y; col.factor[2] = cf.z;
+      const float4 r = __ldg(row_contributions + t.row_table + f.row), c = __ldg(col_contributions + t.col_table + f.col);
+      table_share = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
+    }
+    per_element_features(x, grad, param, s, Factored, row, col);  // (factored: features 15..26 unused)
+    const float2 output = per_element_mlp<Factored>(x, record, table_share);
+    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)); apply_update: p − lr·u, then weight decay.
+    const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
+                                   __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
+                                             __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, a.exp_mult))), a.step_mult)));
+    float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
+    if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
+    store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
 velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups, int num_groups,
            i64 total_chunks, const float* __restrict__ records, const float4* __restrict__ row_factors,
@@ -582,61 +632,24 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
   }
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float record[VELO_RECORD_FLOATS];
-  __shared__ TensorMeta meta;
-  __shared__ Decays decays;
-  __shared__ float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
   const float inverse_scale = inverse_grad_scale(flags);
-  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  i64 current_end = -1;  // first chunk after the current tensor's
-  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    if (chunk >= current_end) {
-      const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-      __syncthreads();  // everyone is done with the previous tensor's record and metadata
-      for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
-        record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
-      if (threadIdx.x == 0) {
-        meta = tensors[tensor];
-        const GroupMeta g = groups[meta.group];
-        const float* values = pointer<const float>(g.values);
-        const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
-        decays = read_decays(values);
-        neg_lr = -lr;
-        neg_weight_decay_lr = -__fmul_rn(weight_decay, lr);
-        exp_mult = values[LOPT_GROUP_EXP_MULT];
-        step_mult = values[LOPT_GROUP_STEP_MULT];
-      }
-      __syncthreads();
-      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
-    }
-    const i64 e = (chunk - meta.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
-    if (e >= meta.numel) continue;
-    const float grad = clip_gradient(load_gradient(meta, e, inverse_scale));
-    const float param = load_as_float(pointer<const void>(meta.param), e, static_cast<int>(meta.param_dtype));
-    ElementState s = load_element_state(meta, e);
-    const bool factored = meta.factored != 0;
-    update_accumulators(s, grad, decays, factored);
-    store_element_state(meta, e, s);
-    float x[VELO_NUM_FEATURES];
-    float2 output;
-    if (factored) {
-      FactorEntry row, col;
-      load_factors(meta, e, row_factors, col_factors, row, col);
-      per_element_features(x, grad, param, s, true, row, col);  // (features 15..26 left unused)
-      const FactorIndex f = factor_index(meta, e);
-      const float4 r = __ldg(row_contributions + meta.row_table + f.row), c = __ldg(col_contributions + meta.col_table + f.col);
-      output = per_element_mlp<true>(x, record, make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z),
-                                                           __fadd_rn(r.w, c.w)));
+  // Chunks ascend, so a block meets its tensors one after the other: the search and the record load
+  // happen once per tensor.
+  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end;) {
+    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+    __syncthreads();  // everyone is done with the previous tensor's record
+    for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
+      record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
+    __syncthreads();
+    const TensorMeta t = tensors[tensor];
+    const ApplyScalars a = read_apply_scalars(groups[t.group]);
+    const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
+    if (t.factored) {
+      apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     } else {
-      per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
-      output = per_element_mlp<false>(x, record, make_float4(0.f, 0.f, 0.f, 0.f));
+      apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     }
-    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)); apply_update: p − lr·u, then weight decay.
-    const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
-                                   __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
-                                             __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, exp_mult))), step_mult)));
-    float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
-    if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
-    store_from_float(pointer<void>(meta.param), e, static_cast<int>(meta.param_dtype), new_param);
+    chunk = end;
   }
 }
