@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from lopt.distributed import SumPacket
 from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import small_fc_lopt as reference
 
@@ -78,12 +79,14 @@ class SmallFCLOpt(LearnedOptimizer):
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
+        process_group=None,
     ):
         defaults = self.accumulator_defaults(
             lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
             rms_decays=rms_decays, adafactor_decays=adafactor_decays)
         defaults["max_grad_norm"] = max_grad_norm
-        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite)
+        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
+                         process_group=process_group)
 
     def _validate_group(self, group: dict, where: str) -> None:
         super()._validate_group(group, where)
@@ -112,20 +115,33 @@ class SmallFCLOpt(LearnedOptimizer):
         return loss
 
     def _naive_step(self, inputs) -> None:
-        grads = self._unscaled_gradients(inputs)
-        if not self._naive_step_allowed(inputs, grads):
+        """The naive backend, phase by phase over all tensors (``lopt/reference/small_fc_lopt.py`` per
+        tensor): check (with ``max_grad_norm``'s Σg²), accumulate, feature statistics, apply. Each
+        phase's sums over a tensor split among processes complete in one reduce for all tensors."""
+        tensors = self._naive_tensors(inputs)
+        check = SumPacket(self.reducer)
+        norm_sums = {id(t): check.add(reference.gradient_square_sum(t.grad), split=t.split)
+                     for t in tensors if t.group["max_grad_norm"] is not None}
+        if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
-        for group, params in zip(self.param_groups, inputs.params):
+        for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-            for p in params:
-                grad = grads[p]
-                if group["max_grad_norm"] is not None:
-                    grad = reference.clip_gradient_norm(grad, group["max_grad_norm"])
-                reference.small_fc_lopt_step(
-                    p, grad, self.ensure_state(p), group["step"], self.weights_on(p.device)["mlp"],
-                    self.decays(group, p.device), lr=group["lr"], weight_decay=group["weight_decay"],
-                    exp_mult=group["exp_mult"], step_mult=group["step_mult"],
-                )
+        grads = [(reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[norm_sums[id(t)]])
+                  if id(t) in norm_sums else t.grad).unsqueeze(-1) for t in tensors]
+        self._naive_accumulate(tensors, grads)
+        grad_of = {id(t): g for t, g in zip(tensors, grads)}
+
+        def features(t):  # the 28 features from the updated accumulators and the pre-update parameter
+            return reference.per_element_features(grad_of[id(t)], t.value.unsqueeze(-1), t.state, t.dims,
+                                                  t.row_col_mean)
+
+        square_sums = self._naive_feature_square_sums(tensors, features)
+        for t, sums in zip(tensors, square_sums):
+            group = t.group
+            update = reference.update_from_features(
+                features(t), sums, t.count, group["step"], self.weights_on(t.value.device)["mlp"],
+                exp_mult=group["exp_mult"], step_mult=group["step_mult"])
+            t.write_back(reference.apply_update(t.value, update, group["lr"], group["weight_decay"]))
 
 
 def _is_positive_number(value) -> bool:
