@@ -493,12 +493,12 @@ class LearnedOptimizer(Optimizer):
                 state[name] = buf.to(p.device)
             return state
         local = local_part(p)
-        # R lacks axis d0 and C lacks axis d1: each keeps the parameter's axis 0 unless it is the one removed.
-        keeps_axis_0 = {"mom": True, "rms": True, "fac_vec_v": True,
+        # R lacks axis d0 and C lacks axis d1: each keeps the parameter's axis 0 unless it is the one
+        # removed. The unused entries (shape (0,)) are whole on every process.
+        keeps_axis_0 = {"mom": True, "rms": True, "fac_vec_v": dims is None,
                         "fac_vec_row": dims is not None and dims[1] != 0, "fac_vec_col": dims is not None and dims[0] != 0}
         for name, buf in init_state(local.shape, dims).items():
-            has_axis_0 = buf.numel() > 0 and keeps_axis_0[name]
-            state[name] = distributed.sharded_like(buf.to(local.device), p, has_axis_0)
+            state[name] = distributed.sharded_like(buf.to(local.device), p, keeps_axis_0[name])
         return state
 
     def weights_on(self, device, dtype=torch.float32) -> dict:
@@ -546,19 +546,32 @@ class LearnedOptimizer(Optimizer):
         missing = [key for key in self.GLOBAL_STATE_KEYS if key not in groups[0]]
         if missing:
             raise ValueError(f"{name}.load_state_dict: not a {name} state dict: its first param group lacks {missing}")
+        for index, (group, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(group["params"]) != len(saved.get("params", ())):
+                raise ValueError(f"{name}.load_state_dict: saved param group #{index} has "
+                                 f"{len(saved.get('params', ()))} parameters, this optimizer's {len(group['params'])}")
         params = [p for group in self.param_groups for p in group["params"]]
+        positions = _saved_positions(state_dict)
         for index, values in state_dict["state"].items():
             absent = [key for key in self.TENSOR_STATE_KEYS if key not in values]
             if absent:
                 raise ValueError(f"{name}.load_state_dict: not a {name} state dict: the state of parameter #{index} "
                                  f"lacks {absent}")
-            if not (isinstance(index, int) and 0 <= index < len(params)):
+            if index not in positions:
                 raise ValueError(f"{name}.load_state_dict: state for parameter #{index}, but the optimizer has "
                                  f"{len(params)} parameters")
-            expected = tuple(params[index].shape) + (3,)
+            param = params[positions[index]]
+            expected = tuple(param.shape) + (3,)
             if tuple(values["mom"].shape) != expected:
-                raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(params[index].shape)} "
+                raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(param.shape)} "
                                  f"but its saved momentum has shape {tuple(values['mom'].shape)} (expected {expected})")
+            if distributed.is_dtensor(param) != distributed.is_dtensor(values["mom"]):
+                raise ValueError(
+                    f"{name}.load_state_dict: parameter #{index} is "
+                    f"{'a DTensor' if distributed.is_dtensor(param) else 'a plain tensor'} but its saved state is "
+                    f"{'a DTensor' if distributed.is_dtensor(values['mom']) else 'plain tensors'}; save and load "
+                    f"sharded (FSDP2) optimizer state with torch.distributed.checkpoint's get_optimizer_state_dict "
+                    f"and set_optimizer_state_dict (full_state_dict=True converts between the two)")
         for index, group in enumerate(groups):
             candidate = dict(self.defaults)
             candidate.update({k: v for k, v in group.items() if k != "params"})
@@ -572,8 +585,9 @@ class LearnedOptimizer(Optimizer):
         # bfloat16 parameter); lopt's state is float32 for every parameter dtype, so restore the
         # saved float32 values (an independent copy on the parameter's device).
         params = [p for group in self.param_groups for p in group["params"]]
+        positions = _saved_positions(state_dict)
         for index, values in saved_state.items():
-            param = params[index]
+            param = params[positions[index]]
             for key, value in values.items():
                 if torch.is_tensor(value) and value.is_floating_point():
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
@@ -617,6 +631,13 @@ def _validate_live_group(optimizer, group) -> None:
         if not torch.is_tensor(value) and not (_is_real_number(value) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{type(optimizer).__name__}.step: param group {name} is {value!r}; it must be a finite "
                              f"number >= 0 (or a 0-d tensor). Nothing was changed")
+
+
+def _saved_positions(state_dict) -> dict:
+    """Position among the optimizer's parameters of each key of a saved state (indices, or the
+    parameter names torch.distributed.checkpoint uses), by the order of the saved groups' params."""
+    keys = (key for group in state_dict["param_groups"] for key in group.get("params", ()))
+    return {key: position for position, key in enumerate(keys)}
 
 
 def _bad_element_count(values: torch.Tensor) -> torch.Tensor:
