@@ -232,11 +232,13 @@ def run_checkpoint(name, model_name, rank, directory):
     fresh = sharded_model(model_name, seed=7)
     fresh_opt = make_optimizer(name, fresh.parameters())
     state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    steps_before_loading = fresh_opt.param_groups[0]["step"]  # (no zero-gradient step to create the state)
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(fresh, state["model"])
     set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
     run_fsdp(name, model_name, rank, model=fresh, opt=fresh_opt, first_step=CHECKPOINT_AT)
-    return {"params": full_parameters(fresh), "step": fresh_opt.param_groups[0]["step"]}
+    return {"params": full_parameters(fresh), "step": fresh_opt.param_groups[0]["step"],
+            "steps_before_loading": steps_before_loading}
 
 
 def run_nonfinite(name, strategy, rank):
@@ -454,6 +456,7 @@ def test_sharded_checkpoint_resumes_exactly(distributed_results, name):
         resumed, uninterrupted = result[name, "checkpoint"]["params"], result[name, "transformer", "fsdp"]["params"]
         assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
         assert result[name, "checkpoint"]["step"] == STEPS
+        assert result[name, "checkpoint"]["steps_before_loading"] == 0
 
 
 def test_max_grad_norm_clips_by_the_whole_tensors_norm_under_fsdp(distributed_results):

@@ -158,6 +158,14 @@ class LearnedOptimizer(Optimizer):
         self.reducer  # validates the parameters' layouts against the process group, before anything else
         self.backend, self.backend_reason = self._choose_backend(backend)
         self._start_fused_engine(strict=backend == "fused")
+        self._create_sharded_state()
+
+    def _create_sharded_state(self) -> None:
+        """DTensor (FSDP2) parameters get their (zero) state at once: torch.distributed.checkpoint's
+        get/set_optimizer_state_dict would otherwise create it by running a step with zero gradients."""
+        for p in self._all_params():
+            if distributed.is_dtensor(p) and p.requires_grad:
+                self.ensure_state(p)
 
     def _init_caches(self) -> None:
         """Per-process caches (rebuilt after unpickling, never saved)."""
@@ -229,6 +237,8 @@ class LearnedOptimizer(Optimizer):
         super().add_param_group(param_group)
         self.param_groups[-1].setdefault("step", 0)
         self._reducer = None
+        if hasattr(self, "meta_weights"):  # (not while torch's constructor adds the first groups)
+            self._create_sharded_state()
         if getattr(self, "_fused_engine", None) is not None:
             self._fused_engine.invalidate()
 

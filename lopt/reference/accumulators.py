@@ -243,9 +243,15 @@ def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float,
     return [full, full, torch.rsqrt(full + 1e-8), torch.rsqrt(full + 1e-8), full_momentum]
 
 
+def float64_square_sum(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """Σ x² in float64 (over ``dim``, or over everything), formed as the square of the float64 2-norm:
+    torch upcasts element by element inside the reduction, without a float64 copy of ``x``."""
+    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64) ** 2
+
+
 def feature_square_sums(features: torch.Tensor) -> torch.Tensor:
     """Σ x_j² over all elements, for every feature column j (the last axis), in float64."""
-    return float64_sum(torch.square(features.to(torch.float64)), dim=list(range(features.dim() - 1)))
+    return float64_square_sum(features, dim=list(range(features.dim() - 1)))
 
 
 def normalise_by_square_sums(features: torch.Tensor, square_sums: torch.Tensor, count: int,

@@ -96,7 +96,7 @@ def mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor
 
 def gradient_square_sum(grad: torch.Tensor) -> torch.Tensor:
     """Σ g² over the tensor, in float64 (so that large finite gradients do not overflow it)."""
-    return accumulators.float64_sum(torch.square(grad.to(torch.float64)))
+    return accumulators.float64_square_sum(grad)
 
 
 def clip_gradient_norm(grad: torch.Tensor, max_norm: float, square_sum: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,6 +39,7 @@ from lopt.reference.accumulators import (  # the shared steps (update_accumulato
     apply_update,
     factored_gradient,
     feature_square_sums,
+    float64_square_sum,
     float64_sum,
     normalise_by_square_sums,
     second_moment_normalizer,
@@ -221,7 +222,7 @@ class TensorMoments:
 def moment_sums(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
     """First-pass sums over the tensor's elements, float64: ``[Σ p², Σ m_0, Σ m_1, Σ m_2, Σ v]``."""
     axes = list(range(param.dim()))
-    square_param = float64_sum(torch.square(param.to(torch.float64))).reshape(1)
+    square_param = float64_square_sum(param).reshape(1)
     return torch.cat([square_param, float64_sum(mom, axes), float64_sum(rms, axes)])
 
 
