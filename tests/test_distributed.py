@@ -138,16 +138,16 @@ def full_parameters(model):
             for n, p in model.named_parameters()}
 
 
-def single_process_run(name, model_name, steps=STEPS):
+def single_process_run(name, model_name, steps=STEPS, model=None, opt=None, first_step=0):
     """The reference: one process, the whole batch, the same initial parameters and optimizer.
 
     VeLO is handed the batch loss as the mean of the two half-batch losses, the number the
     processes agree on: its loss features divide differences of loss averages, which turns the
     one-ulp difference between that and the mean over all four examples into ~4e-5 of a step.
     """
-    model = make_model(model_name)
-    opt = make_optimizer(name, model.parameters())
-    for step in range(steps):
+    model = model or make_model(model_name)
+    opt = opt or make_optimizer(name, model.parameters())
+    for step in range(first_step, steps):
         opt.zero_grad()
         model(global_batch(model_name, step)).backward()
         with torch.no_grad():
@@ -221,12 +221,20 @@ def fsdp_result(model, opt, steps=STEPS):
 
 def run_checkpoint(name, model_name, rank, directory):
     """Train CHECKPOINT_AT steps, save model and optimizer with torch.distributed.checkpoint, load them
-    into a fresh model and optimizer (other initial values), and train on to STEPS."""
+    into a fresh model and optimizer (other initial values), and train on to STEPS. Also: the full
+    (unsharded) state dict loads into one process's optimizer, which trains on like the single-process run."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     model, opt = run_fsdp(name, model_name, rank, steps=CHECKPOINT_AT)
+    full_state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    unsharded = make_model(model_name)
+    unsharded.load_state_dict(full_parameters(model))
+    unsharded_opt = make_optimizer(name, unsharded.parameters(), process_group="local")
+    unsharded_opt.load_state_dict(full_state)
+    single_process_run(name, model_name, model=unsharded, opt=unsharded_opt, first_step=CHECKPOINT_AT)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=directory)
     fresh = sharded_model(model_name, seed=7)
@@ -238,7 +246,7 @@ def run_checkpoint(name, model_name, rank, directory):
     set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
     run_fsdp(name, model_name, rank, model=fresh, opt=fresh_opt, first_step=CHECKPOINT_AT)
     return {"params": full_parameters(fresh), "step": fresh_opt.param_groups[0]["step"],
-            "steps_before_loading": steps_before_loading}
+            "steps_before_loading": steps_before_loading, "from_full_state_dict": full_parameters(unsharded)}
 
 
 def run_nonfinite(name, strategy, rank):
@@ -457,6 +465,17 @@ def test_sharded_checkpoint_resumes_exactly(distributed_results, name):
         assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
         assert result[name, "checkpoint"]["step"] == STEPS
         assert result[name, "checkpoint"]["steps_before_loading"] == 0
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_full_state_dict_of_the_sharded_optimizer_resumes_on_one_process(distributed_results, single_process, name):
+    """get_optimizer_state_dict(full_state_dict=True) after 3 sharded steps, loaded into a one-process
+    optimizer (keys are parameter names), then 3 single-process steps: the single-process run's end."""
+    runs, initial = single_process
+    for result in distributed_results:
+        errors = relative_errors(result[name, "checkpoint"]["from_full_state_dict"], runs[name, "transformer"],
+                                 initial["transformer"])
+        assert max(errors.values()) <= UPDATE_RTOL, errors
 
 
 def test_max_grad_norm_clips_by_the_whole_tensors_norm_under_fsdp(distributed_results):
