@@ -24,7 +24,6 @@ file and prints a table.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics

@@ -56,12 +56,19 @@ def _dist():
     return dist if dist.is_available() else None
 
 
-def is_dtensor(tensor) -> bool:
-    if _dist() is None:
-        return False
-    from torch.distributed.tensor import DTensor
+_DTENSOR_CLASS: list = []  # [DTensor] once looked up, [None] in a torch build without distributed support
 
-    return isinstance(tensor, DTensor)
+
+def is_dtensor(tensor) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (cheap: called for every parameter in every step)."""
+    if not _DTENSOR_CLASS:
+        if _dist() is None:
+            _DTENSOR_CLASS.append(None)
+        else:
+            from torch.distributed.tensor import DTensor
+
+            _DTENSOR_CLASS.append(DTensor)
+    return _DTENSOR_CLASS[0] is not None and isinstance(tensor, _DTENSOR_CLASS[0])
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from lopt import distributed
 from lopt import weights as weights_lib
-from lopt.distributed import SumPacket, local_part
+from lopt.distributed import SumPacket, is_dtensor, local_part
 from lopt.reference import accumulators
 from lopt.reference.accumulators import init_state
 
@@ -70,11 +70,11 @@ class NaiveTensor:
     parameter as ``(1,)``), ``dims`` (factored axes, chosen from the global shape) and ``count``
     (global number of elements) describe the whole tensor; ``value`` (float32, pre-update),
     ``grad`` (float32, AMP-unscaled) and ``state`` (the accumulators) are local, in the work shape.
+    (A new one every step, and nothing keyed by its identity: a compiled step would recompile.)
     """
 
     group: dict
     param: torch.Tensor
-    index: int
     shape: tuple
     dims: tuple | None
     count: int
@@ -82,6 +82,9 @@ class NaiveTensor:
     value: torch.Tensor
     grad: torch.Tensor
     state: dict
+    # The gradient the accumulators and features use (after max_grad_norm's or VeLO's clipping), with a
+    # trailing axis of size 1: set by the optimizer before the accumulate phase.
+    step_grad: torch.Tensor | None = None
     row_col_mean: torch.Tensor | None = None  # set by the accumulate phase where R's d1 axis is split
 
     def write_back(self, new_value: torch.Tensor) -> None:
@@ -164,7 +167,7 @@ class LearnedOptimizer(Optimizer):
         """DTensor (FSDP2) parameters get their (zero) state at once: torch.distributed.checkpoint's
         get/set_optimizer_state_dict would otherwise create it by running a step with zero gradients."""
         for p in self._all_params():
-            if distributed.is_dtensor(p) and p.requires_grad:
+            if is_dtensor(p) and p.requires_grad:
                 self.ensure_state(p)
 
     def _init_caches(self) -> None:
@@ -172,7 +175,9 @@ class LearnedOptimizer(Optimizer):
         self._weights_by_device: dict = {}
         self._decays_cache: dict = {}
         self._fused_engine = None
-        self._skipped_seen = 0
+        # Host-side bookkeeping lives in a dict that step() mutates in place: inside a compiled step,
+        # dynamo replays writes into containers, not attribute assignments on the optimizer.
+        self._host = {"skipped_seen": 0}
         self._reducer = None
 
     @property
@@ -181,7 +186,7 @@ class LearnedOptimizer(Optimizer):
 
         Its group is ``process_group`` (by default the default group when torch.distributed is
         initialized), or the device mesh's group of DTensor parameters (which must hold the same
-        processes). Built on first use, and again after ``add_param_group``.
+        processes). Built at construction and again after ``add_param_group`` (never inside a step).
         """
         if self._reducer is None:
             self._reducer = distributed.reducer_for(self.process_group, self._all_params(), type(self).__name__)
@@ -238,6 +243,7 @@ class LearnedOptimizer(Optimizer):
         self.param_groups[-1].setdefault("step", 0)
         self._reducer = None
         if hasattr(self, "meta_weights"):  # (not while torch's constructor adds the first groups)
+            self.reducer
             self._create_sharded_state()
         if getattr(self, "_fused_engine", None) is not None:
             self._fused_engine.invalidate()
@@ -254,7 +260,7 @@ class LearnedOptimizer(Optimizer):
                 f"{type(self).__name__}: {what} has dtype {p.dtype}; supported are float32, bfloat16 and float16 "
                 f"(optimizer state and math are float32). Convert the model, e.g. model.float()"
             )
-        reason = distributed.unsupported_layout_reason(p) if distributed.is_dtensor(p) else None
+        reason = distributed.unsupported_layout_reason(p) if is_dtensor(p) else None
         if reason:
             raise TypeError(f"{type(self).__name__}: {what} (shape {tuple(p.shape)}) is {reason}. "
                             f"{distributed.SUPPORTED_LAYOUTS}")
@@ -264,13 +270,17 @@ class LearnedOptimizer(Optimizer):
         nothing; returns the participating parameters and GradScaler's tensors."""
         participating = []
         index = 0
+        strided, supported = torch.strided, SUPPORTED_DTYPES
         for group in self.param_groups:
             _validate_live_group(self, group)
             params = []
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    self._check_gradient(index, p, g)
+                    # (the common case in one expression; _check_gradient says what is wrong)
+                    if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
+                            and g.device == p.device and not is_dtensor(p) and not is_dtensor(g)):
+                        self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
                 index += 1
@@ -294,9 +304,9 @@ class LearnedOptimizer(Optimizer):
             )
         if g.device != p.device:
             raise RuntimeError(f"{name}: gradient of parameter #{index} is on {g.device} but the parameter is on {p.device}")
-        if distributed.is_dtensor(p) and not (distributed.is_dtensor(g) and g.placements == p.placements
+        if is_dtensor(p) and not (is_dtensor(g) and g.placements == p.placements
                                               and g.device_mesh == p.device_mesh):
-            layout = (f"a DTensor with placements {tuple(g.placements)}" if distributed.is_dtensor(g)
+            layout = (f"a DTensor with placements {tuple(g.placements)}" if is_dtensor(g)
                       else "a plain tensor")
             raise RuntimeError(f"{name}: gradient of parameter #{index} is {layout}, but the parameter is a DTensor "
                                f"with placements {tuple(p.placements)}; the gradient must be sharded like the "
@@ -308,7 +318,6 @@ class LearnedOptimizer(Optimizer):
         inverse_scale = None
         if inputs.grad_scale is not None:
             inverse_scale = inputs.grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ forms it
-        index_of = {id(p): i for i, p in enumerate(self._all_params())}
         tensors = []
         for group, p in inputs.entries(self.param_groups):
             layout = distributed.shard_layout(p)
@@ -323,7 +332,7 @@ class LearnedOptimizer(Optimizer):
                 buf = local_part(state[name])
                 views[name] = buf.view(local_shape + buf.shape[-1:]) if buf.numel() and p.dim() == 0 else buf
             tensors.append(NaiveTensor(
-                group=group, param=p, index=index_of[id(p)], shape=shape,
+                group=group, param=p, shape=shape,
                 dims=self.reference.factored_dims(layout.global_shape), count=math.prod(shape), split=layout.split,
                 value=local_part(p).detach().to(torch.float32).reshape(local_shape), grad=grad.reshape(local_shape),
                 state=views))
@@ -359,24 +368,24 @@ class LearnedOptimizer(Optimizer):
             return False
         if loss_total == 0 and whole_total == 0 and not any(tensor_totals):
             return True
-        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)
+        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)  # (a host read per step at most)
         if self.nonfinite == "raise":
             raise NonFiniteGradientError(f"{type(self).__name__}.step: {problem}; nothing was changed "
                                          f"(nonfinite='raise')")
         first = self.param_groups[0]
         first["skipped_steps"] = int(first["skipped_steps"]) + 1
-        self._skipped_seen = first["skipped_steps"]
+        self._host["skipped_seen"] = first["skipped_steps"]
         warnings.warn(f"{type(self).__name__}: step skipped because {problem}; parameters, state and step counters "
                       f"are unchanged ({first['skipped_steps']} skipped so far; nonfinite='raise' stops instead)",
                       RuntimeWarning, stacklevel=4)
         return False
 
-    @staticmethod
-    def _describe_problem(tensors, local_counts, totals, loss) -> str:
+    def _describe_problem(self, tensors, local_counts, totals, loss) -> str:
         """What made the check fail, in the terms of this process (the first bad gradient, else the loss)."""
         for t, local, total in zip(tensors, local_counts, totals):
             if total > 0:
-                what = f"the gradient of parameter #{t.index} (shape {tuple(t.param.shape)})"
+                index = next(i for i, p in enumerate(self._all_params()) if p is t.param)
+                what = f"the gradient of parameter #{index} (shape {tuple(t.param.shape)})"
                 if float(local) > 0:
                     return f"{what} holds {_describe_peak(float(t.grad.abs().amax()))}"
                 return f"{what} holds a non-finite or overflowing value in another process's shard"
@@ -384,9 +393,9 @@ class LearnedOptimizer(Optimizer):
             return f"the loss is not finite ({float(loss)})"
         return "a gradient or the loss of another process is not finite (or overflows)"
 
-    def _naive_accumulate(self, tensors: list, grads: list) -> None:
+    def _naive_accumulate(self, tensors: list) -> None:
         """Accumulate phase (naive) for all tensors: momentum, rms and the Adafactor accumulators from
-        ``grads`` (float32, work shape + (1,)); the means along a split axis 0 complete in one reduce.
+        each tensor's ``step_grad``; the means along a split axis 0 complete in one reduce.
 
         A factored tensor splits at most one of its factored axes: where that is d0, R's mean over
         it needs the reduce; where it is d1, C's mean does, and so does the mean of R over d1 (the
@@ -394,7 +403,8 @@ class LearnedOptimizer(Optimizer):
         """
         packet = SumPacket(self.reducer)
         pending = []
-        for t, grad in zip(tensors, grads):
+        for t in tensors:
+            grad = t.step_grad
             decays = self.decays(t.group, grad.device)
             accumulators.update_momentum(t.state["mom"], grad, decays.momentum)
             accumulators.update_rms(t.state["rms"], grad, decays.rms)
@@ -421,14 +431,23 @@ class LearnedOptimizer(Optimizer):
             accumulators.ema_(t.state["fac_vec_col"], decays.adafactor,
                               accumulators.mean_from_sum(packet[handles["col"]], t.shape[d1]))
 
-    def _naive_feature_square_sums(self, tensors: list, features_of) -> list:
-        """Statistics phase (naive): every tensor's per-column Σ x² (float64) of ``features_of(t)``,
-        completed across processes in one reduce. The features are recomputed by the apply phase
-        rather than kept, so that no more than one tensor's features are alive at a time."""
+    def _complete_sums(self, tensors: list, partial_sums: list) -> list:
+        """Each tensor's float64 ``partial_sums`` over its elements, completed across processes in one reduce."""
         packet = SumPacket(self.reducer)
-        handles = [packet.add(accumulators.feature_square_sums(features_of(t)), split=t.split) for t in tensors]
+        handles = [packet.add(sums, split=t.split) for t, sums in zip(tensors, partial_sums)]
         packet.reduce()
         return [packet[h] for h in handles]
+
+    def _naive_feature_square_sums(self, tensors: list) -> list:
+        """Statistics phase (naive): every tensor's per-feature Σ x² (float64) of ``self._features(t)``,
+        completed across processes in one reduce. The apply phase recomputes the features rather than
+        keeping them, so that no more than one tensor's features are alive at a time."""
+        return self._complete_sums(tensors, [accumulators.feature_square_sums(self._features(t)) for t in tensors])
+
+    def _features(self, t: NaiveTensor) -> torch.Tensor:
+        """The per-element features of a tensor (from the updated accumulators and the pre-update value)."""
+        return self.reference.per_element_features(t.step_grad, t.value.unsqueeze(-1), t.state, t.dims,
+                                                   t.row_col_mean)
 
     @property
     def skipped_steps(self) -> int:
@@ -438,11 +457,12 @@ class LearnedOptimizer(Optimizer):
         synchronises and warns if steps were skipped since it was last read.
         """
         count = int(self.param_groups[0]["skipped_steps"])
-        if count > self._skipped_seen:
-            warnings.warn(f"{type(self).__name__}: {count - self._skipped_seen} step(s) were skipped since the last "
+        seen = self._host["skipped_seen"]
+        if count > seen:
+            warnings.warn(f"{type(self).__name__}: {count - seen} step(s) were skipped since the last "
                           f"check because a gradient or the loss was not finite ({count} in total)", RuntimeWarning,
                           stacklevel=2)
-        self._skipped_seen = count
+        self._host["skipped_seen"] = count
         return count
 
     # ------------------------------------------------------------------ backends
@@ -456,7 +476,7 @@ class LearnedOptimizer(Optimizer):
         from lopt.fused import launcher
 
         reason = launcher.fused_unavailable_reason(self.architecture, self._param_devices())
-        if reason is None and any(distributed.is_dtensor(p) for p in self._all_params()):
+        if reason is None and any(is_dtensor(p) for p in self._all_params()):
             reason = "the parameters are DTensors (FSDP2), which only the naive backend steps so far"
         if reason is None:
             reason = self._fused_unsupported_reason()
@@ -472,8 +492,10 @@ class LearnedOptimizer(Optimizer):
         return "naive", reason
 
     def _fused_unsupported_reason(self) -> str | None:
-        """Why this optimizer's settings rule out the fused backend (None if they do not)."""
-        return None
+        """Why this optimizer's settings or parameters rule out the fused backend (None if they do not)."""
+        from lopt.fused.engine import non_dense_parameter
+
+        return non_dense_parameter(self._all_params())
 
     def _make_fused_engine(self):
         raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
@@ -498,7 +520,7 @@ class LearnedOptimizer(Optimizer):
         if state:
             return state
         dims = self.reference.factored_dims(tuple(p.shape))
-        if not distributed.is_dtensor(p):
+        if not is_dtensor(p):
             for name, buf in init_state(p.shape, dims).items():
                 state[name] = buf.to(p.device)
             return state
@@ -575,11 +597,11 @@ class LearnedOptimizer(Optimizer):
             if tuple(values["mom"].shape) != expected:
                 raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(param.shape)} "
                                  f"but its saved momentum has shape {tuple(values['mom'].shape)} (expected {expected})")
-            if distributed.is_dtensor(param) != distributed.is_dtensor(values["mom"]):
+            if is_dtensor(param) != is_dtensor(values["mom"]):
                 raise ValueError(
                     f"{name}.load_state_dict: parameter #{index} is "
-                    f"{'a DTensor' if distributed.is_dtensor(param) else 'a plain tensor'} but its saved state is "
-                    f"{'a DTensor' if distributed.is_dtensor(values['mom']) else 'plain tensors'}; save and load "
+                    f"{'a DTensor' if is_dtensor(param) else 'a plain tensor'} but its saved state is "
+                    f"{'a DTensor' if is_dtensor(values['mom']) else 'plain tensors'}; save and load "
                     f"sharded (FSDP2) optimizer state with torch.distributed.checkpoint's get_optimizer_state_dict "
                     f"and set_optimizer_state_dict (full_state_dict=True converts between the two)")
         for index, group in enumerate(groups):
@@ -605,7 +627,7 @@ class LearnedOptimizer(Optimizer):
             for name in ("momentum_decays", "rms_decays", "adafactor_decays"):
                 group[name] = tuple(float(x) for x in group[name])
         self.param_groups[0].setdefault("skipped_steps", 0)  # (state dicts of lopt 0.1 lack it)
-        self._skipped_seen = int(self.param_groups[0]["skipped_steps"])
+        self._host["skipped_seen"] = int(self.param_groups[0]["skipped_steps"])
         if self._fused_engine is not None:
             self._fused_engine.invalidate()
 
@@ -621,6 +643,7 @@ class LearnedOptimizer(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._init_caches()
+        self.reducer
         self._restore_after_unpickling()
         self._start_fused_engine(strict=False)
 
@@ -664,12 +687,14 @@ def _describe_peak(peak: float) -> str:
 
 
 def _foreign_optimizer(state_dict, optimizer) -> str | None:
-    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s."""
+    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s kind."""
+    from lopt.optimizers.velo import VeLO
+
     first = state_dict["param_groups"][0] if state_dict["param_groups"] else {}
-    own = type(optimizer).__name__
-    if "num_steps" in first and "loss_means" in first and own != "VeLO":
+    is_velo = isinstance(optimizer, VeLO)
+    if "num_steps" in first and "loss_means" in first and not is_velo:
         return "lopt.VeLO"
-    if own == "VeLO" and "num_steps" not in first and any("mom" in v for v in state_dict["state"].values()):
+    if is_velo and "num_steps" not in first and any("mom" in v for v in state_dict["state"].values()):
         return "lopt.SmallFCLOpt"
     for values in state_dict["state"].values():
         keys = set(values)

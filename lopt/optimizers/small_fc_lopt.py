@@ -95,6 +95,12 @@ class SmallFCLOpt(LearnedOptimizer):
             raise ValueError(f"{type(self).__name__}: invalid {where}: max_grad_norm must be a finite number > 0 "
                              f"or None, got {max_grad_norm!r}")
 
+    def _fused_unsupported_reason(self) -> str | None:
+        if any(group["max_grad_norm"] is not None for group in self.param_groups):
+            return ("max_grad_norm is not supported by the fused backend yet; clip gradients before step() "
+                    "(torch.nn.utils.clip_grad_norm_) or use backend='naive'")
+        return super()._fused_unsupported_reason()
+
     def _make_fused_engine(self):
         from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
@@ -109,6 +115,9 @@ class SmallFCLOpt(LearnedOptimizer):
                 loss = closure()
         inputs = self._check_gradients()
         if self.backend == "fused":
+            if any(group["max_grad_norm"] is not None for group in self.param_groups):  # (a group added later)
+                raise RuntimeError("SmallFCLOpt: max_grad_norm is not supported by the fused backend yet; clip "
+                                   "gradients before step() or use backend='naive'. Nothing was changed")
             self._fused_engine.step(inputs)
         else:
             self._naive_step(inputs)
@@ -120,26 +129,22 @@ class SmallFCLOpt(LearnedOptimizer):
         phase's sums over a tensor split among processes complete in one reduce for all tensors."""
         tensors = self._naive_tensors(inputs)
         check = SumPacket(self.reducer)
-        norm_sums = {id(t): check.add(reference.gradient_square_sum(t.grad), split=t.split)
-                     for t in tensors if t.group["max_grad_norm"] is not None}
+        clipped = [t.group["max_grad_norm"] is not None for t in tensors]
+        norm_sums = [check.add(reference.gradient_square_sum(t.grad), split=t.split) if clip else None
+                     for t, clip in zip(tensors, clipped)]
         if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
         for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-        grads = [(reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[norm_sums[id(t)]])
-                  if id(t) in norm_sums else t.grad).unsqueeze(-1) for t in tensors]
-        self._naive_accumulate(tensors, grads)
-        grad_of = {id(t): g for t, g in zip(tensors, grads)}
-
-        def features(t):  # the 28 features from the updated accumulators and the pre-update parameter
-            return reference.per_element_features(grad_of[id(t)], t.value.unsqueeze(-1), t.state, t.dims,
-                                                  t.row_col_mean)
-
-        square_sums = self._naive_feature_square_sums(tensors, features)
+        for t, clip, handle in zip(tensors, clipped, norm_sums):
+            grad = reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[handle]) if clip else t.grad
+            t.step_grad = grad.unsqueeze(-1)
+        self._naive_accumulate(tensors)
+        square_sums = self._naive_feature_square_sums(tensors)
         for t, sums in zip(tensors, square_sums):
             group = t.group
             update = reference.update_from_features(
-                features(t), sums, t.count, group["step"], self.weights_on(t.value.device)["mlp"],
+                self._features(t), sums, t.count, group["step"], self.weights_on(t.value.device)["mlp"],
                 exp_mult=group["exp_mult"], step_mult=group["step_mult"])
             t.write_back(reference.apply_update(t.value, update, group["lr"], group["weight_decay"]))
 

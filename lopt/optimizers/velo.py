@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lopt.distributed import SumPacket
 from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import velo as reference
 
@@ -132,8 +131,8 @@ class VeLO(LearnedOptimizer):
     # it (group entries are saved and restored verbatim; ``add_param_group`` does not copy them).
     GLOBAL_STATE_KEYS = ("num_steps", "loss_means", "loss_running_min", "loss_count")
     TENSOR_STATE_KEYS = LearnedOptimizer.TENSOR_STATE_KEYS + ("lstm_hidden", "lstm_cell")
-    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum",
-                                                                 "_accumulated_losses", "average_loss")
+    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum", "_losses",
+                                                                 "average_loss")
 
     def __init__(
         self,
@@ -168,7 +167,9 @@ class VeLO(LearnedOptimizer):
         # The loss buffer and the batched controller live on the first parameter's device.
         self.controller_device = _first_param_device(params)
         self._loss_sum = None  # accumulate_loss: running sum on the controller device
-        self._accumulated_losses = 0  # ... and how many losses it holds (known on the host: no sync)
+        # ... and how many losses it holds (known on the host: no sync), in a dict step() mutates in place
+        # (inside a compiled step dynamo replays container writes, not attribute assignments)
+        self._losses = {"accumulated": 0}
         super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
                          process_group=process_group)
 
@@ -255,29 +256,30 @@ class VeLO(LearnedOptimizer):
             value = float(value.item()) if value.device.type == "cpu" else value.detach().reshape(())
         if self._loss_sum is None:
             self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.controller_device)
-        if self._accumulated_losses == 0:
+        if self._losses["accumulated"] == 0:
             self._loss_sum.fill_(value)  # (a 0-d tensor on the device is read there: no synchronisation)
         else:
             self._loss_sum.add_(value)
-        self._accumulated_losses += 1
+        self._losses["accumulated"] += 1
 
     def _step_loss(self, explicit, from_closure) -> StepLoss:
         """The loss this step uses (validated; raises before anything changes)."""
-        if self._accumulated_losses:
+        count = self._losses["accumulated"]
+        if count:
             if explicit is not None:
                 raise ValueError(
-                    f"VeLO.step got a loss, but {self._accumulated_losses} loss(es) were handed over with "
+                    f"VeLO.step got a loss, but {count} loss(es) were handed over with "
                     f"accumulate_loss() since the last step: use one way or the other")
-            count, self._accumulated_losses = self._accumulated_losses, 0
+            self._losses["accumulated"] = 0
             return StepLoss(tensor=self._loss_sum, count=count)
         loss = explicit if explicit is not None else from_closure
         if loss is None:
             raise TypeError(_MISSING_LOSS)
         value = _validated_loss(loss)
         if isinstance(value, torch.Tensor):
-            if value.device.type == "cpu" or self.controller_device.type == "cpu":
-                return StepLoss(value=float(value.detach().float().item()))
-            return StepLoss(tensor=value.detach().reshape(()))
+            if value.device.type == "cpu" and self.controller_device.type != "cpu":
+                return StepLoss(value=float(value.detach().float().item()))  # (reading a CPU tensor costs nothing)
+            return StepLoss(tensor=value.detach().reshape(()))  # (a tensor: a compiled step does not specialise on it)
         return StepLoss(value=float(value))
 
     def _averaged_loss(self, loss: StepLoss) -> StepLoss:
@@ -351,13 +353,13 @@ class VeLO(LearnedOptimizer):
         loss_feats = reference.loss_features(new_buffer)
 
         # Statistics of the pre-update parameters and the old accumulators, in two passes.
-        first_pass = self._complete_sums(tensors, lambda t: reference.moment_sums(t.value, t.state["mom"],
-                                                                                  t.state["rms"]))
-        moments = {id(t): reference.tensor_moments(sums, t.count) for t, sums in zip(tensors, first_pass)}
-        second_pass = self._complete_sums(tensors, lambda t: reference.centred_square_sums(
-            t.state["mom"], t.state["rms"], moments[id(t)]))
-        statistics = [reference.statistics_from_sums(moments[id(t)], sums, t.count)
-                      for t, sums in zip(tensors, second_pass)]
+        first_pass = self._complete_sums(
+            tensors, [reference.moment_sums(t.value, t.state["mom"], t.state["rms"]) for t in tensors])
+        moments = [reference.tensor_moments(sums, t.count) for t, sums in zip(tensors, first_pass)]
+        second_pass = self._complete_sums(
+            tensors, [reference.centred_square_sums(t.state["mom"], t.state["rms"], m) for t, m in zip(tensors, moments)])
+        statistics = [reference.statistics_from_sums(m, sums, t.count)
+                      for t, m, sums in zip(tensors, moments, second_pass)]
 
         # Control: one LSTM input row per tensor; mixing, LSTM, heads and weight generation for
         # every tensor at once, in float64.
@@ -388,21 +390,17 @@ class VeLO(LearnedOptimizer):
         # Accumulate, with the clipped gradient (the step counters advance first: PyLO's order).
         for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-        grads = [reference.clip_gradient(t.grad).unsqueeze(-1) for t in tensors]
-        self._naive_accumulate(tensors, grads)
-        grad_of = {id(t): g for t, g in zip(tensors, grads)}
-
-        def features(t):  # the 30 features from the updated accumulators and the pre-update parameter
-            return reference.per_element_features(grad_of[id(t)], t.value.unsqueeze(-1), t.state, t.dims,
-                                                  t.row_col_mean)
+        for t in tensors:
+            t.step_grad = reference.clip_gradient(t.grad).unsqueeze(-1)
+        self._naive_accumulate(tensors)
 
         # Feature statistics, then apply.
-        square_sums = self._naive_feature_square_sums(tensors, features)
+        square_sums = self._naive_feature_square_sums(tensors)
         for index, (t, stats, sums) in enumerate(zip(tensors, statistics, square_sums)):
             at = t.value.device
             group = t.group
             update = reference.update_from_features(
-                features(t), sums, t.count, mlps.select(index, at), lr_mult[index].to(at),
+                self._features(t), sums, t.count, mlps.select(index, at), lr_mult[index].to(at),
                 reference.param_scale(stats.mean_square_param.to(at)), exp_mult=group["exp_mult"],
                 step_mult=group["step_mult"])
             t.write_back(reference.apply_update(t.value, update, group["lr"], group["weight_decay"]))
@@ -411,13 +409,6 @@ class VeLO(LearnedOptimizer):
         # New tensors rather than in-place writes: a state_dict taken earlier keeps its values.
         first["loss_means"], first["loss_running_min"], first["loss_count"] = (
             new_buffer.means, new_buffer.running_min, new_buffer.count)
-
-    def _complete_sums(self, tensors: list, partial_sums) -> list:
-        """``partial_sums(t)`` (float64) for every tensor, completed across processes in one reduce."""
-        packet = SumPacket(self.reducer)
-        handles = [packet.add(partial_sums(t), split=t.split) for t in tensors]
-        packet.reduce()
-        return [packet[h] for h in handles]
 
     # ------------------------------------------------------------------ state dicts
 
