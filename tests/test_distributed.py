@@ -338,6 +338,19 @@ def refusals(rank):
     return messages
 
 
+def fused_guard(rank):
+    """The check the fused backend runs before its first multi-process step (called directly: the
+    fused engines need CUDA): processes holding the same tensors pass, different tensors are refused."""
+    same = make_optimizer("velo", [torch.nn.Parameter(torch.randn(4, 3))])
+    same._check_fused_processes_hold_the_same_tensors()
+    different = make_optimizer("velo", [torch.nn.Parameter(torch.randn(4 + rank, 3))])
+    try:
+        different._check_fused_processes_hold_the_same_tensors()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
 def worker(rank, port, directory):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -357,6 +370,7 @@ def worker(rank, port, directory):
         results["small_fc_lopt", "mlp", "fsdp_clipped"] = fsdp_result(
             *run_fsdp("small_fc_lopt", "mlp", rank, max_grad_norm=0.05))
         results["refusals"] = refusals(rank)
+        results["fused_guard"] = fused_guard(rank)
     except Exception:
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
@@ -538,3 +552,11 @@ def test_reductions_are_packed_not_per_tensor(distributed_results, name):
                 "velo": {"ddp": 3, "zero": 3, "fsdp": 6}}[name]  # + loss, mixing max; + two statistics passes
     assert {s: per_step["mlp", s] for s in STRATEGIES} == expected
 
+
+
+def test_the_fused_backend_refuses_processes_that_hold_different_tensors(distributed_results):
+    """Under ZeroRedundancyOptimizer the fused engines would not be exact (they do not reduce yet)."""
+    for result in distributed_results:
+        assert re.search(r"VeLO\(backend='fused'\): the processes' optimizers hold different parameters \(as under "
+                         r"ZeroRedundancyOptimizer\).*use backend='naive' \(exact\), or DDP. Nothing was changed",
+                         result["fused_guard"] or "")

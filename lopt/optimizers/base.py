@@ -204,6 +204,24 @@ class LearnedOptimizer(Optimizer):
                           f"start: {err}", RuntimeWarning, stacklevel=3)
             self.backend, self.backend_reason = "naive", str(err)
 
+    def _check_fused_processes_hold_the_same_tensors(self) -> None:
+        """First fused step in a multi-process run: refuse (before anything changes) if the processes'
+        optimizers hold different tensors, as under ZeroRedundancyOptimizer. The fused engines do not
+        take part in the reduce phase yet (VeLO's max over all tensors, the shared skip decision), so
+        they are exact only where every process holds every tensor (DDP). One small all-reduce, once."""
+        if self._host.get("fused_processes_checked") or self.reducer.is_identity:
+            return
+        shapes = tuple(tuple(p.shape) for p in self._all_params())
+        fingerprint = float(hash(shapes) % 2**52)  # (hashes of int tuples are the same in every process)
+        device = next(iter(self._param_devices()))
+        extremes = self.reducer.max_(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=device))
+        if float(extremes[0]) != -float(extremes[1]):
+            raise RuntimeError(
+                f"{type(self).__name__}(backend='fused'): the processes' optimizers hold different parameters (as "
+                f"under ZeroRedundancyOptimizer), and the fused backend does not take part in the reduce phase yet, "
+                f"so it would not step like one process; use backend='naive' (exact), or DDP. Nothing was changed")
+        self._host["fused_processes_checked"] = True
+
     # ------------------------------------------------------------------ groups
 
     def _validate_group(self, group: dict, where: str) -> None:
@@ -368,7 +386,7 @@ class LearnedOptimizer(Optimizer):
             return False
         if loss_total == 0 and whole_total == 0 and not any(tensor_totals):
             return True
-        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)  # (a host read per step at most)
+        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)
         if self.nonfinite == "raise":
             raise NonFiniteGradientError(f"{type(self).__name__}.step: {problem}; nothing was changed "
                                          f"(nonfinite='raise')")

@@ -118,6 +118,7 @@ class SmallFCLOpt(LearnedOptimizer):
             if any(group["max_grad_norm"] is not None for group in self.param_groups):  # (a group added later)
                 raise RuntimeError("SmallFCLOpt: max_grad_norm is not supported by the fused backend yet; clip "
                                    "gradients before step() or use backend='naive'. Nothing was changed")
+            self._check_fused_processes_hold_the_same_tensors()
             self._fused_engine.step(inputs)
         else:
             self._naive_step(inputs)

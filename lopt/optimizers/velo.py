@@ -330,6 +330,7 @@ class VeLO(LearnedOptimizer):
         inputs = self._check_gradients()
         step_loss = self._averaged_loss(step_loss)
         if self.backend == "fused":
+            self._check_fused_processes_hold_the_same_tensors()
             self._fused_engine.step(inputs, step_loss)
         else:
             self._naive_step(inputs, self._loss_on_controller(step_loss))
