@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import tempfile
+import time
 import traceback
 import warnings
 
@@ -33,6 +34,7 @@ OPTIMIZERS = ("small_fc_lopt", "velo")
 MODELS = ("mlp", "transformer")
 STRATEGIES = ("ddp", "zero", "fsdp")
 UPDATE_RTOL = 1e-5  # per tensor: |p_distributed − p_single| / |p_single − p_initial|
+WORKER_TIMEOUT_S = 600
 
 
 def weights(name):
@@ -351,6 +353,21 @@ def fused_guard(rank):
     return None
 
 
+def uneven_participation(rank):
+    """ZeRO-like: each process's VeLO holds its own tensor, and process 1's has no gradient this step.
+    Process 0 must step exactly like one process whose only tensor is its own (process 1 adds no row)."""
+    weights_seed = torch.Generator().manual_seed(40 + rank)
+    param = torch.nn.Parameter(torch.randn(5, 3, generator=weights_seed))
+    twin = torch.nn.Parameter(param.detach().clone())
+    opt = make_optimizer("velo", [param])
+    alone = make_optimizer("velo", [twin], process_group="local")
+    param.grad = torch.randn(5, 3, generator=weights_seed) if rank == 0 else None
+    twin.grad = param.grad.clone() if param.grad is not None else None
+    opt.step(torch.tensor(1.5))
+    alone.step(torch.tensor(1.5))
+    return torch.equal(param, twin)
+
+
 def worker(rank, port, directory):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -371,6 +388,7 @@ def worker(rank, port, directory):
             *run_fsdp("small_fc_lopt", "mlp", rank, max_grad_norm=0.05))
         results["refusals"] = refusals(rank)
         results["fused_guard"] = fused_guard(rank)
+        results["uneven_participation"] = uneven_participation(rank)
     except Exception:
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
@@ -388,7 +406,14 @@ def distributed_results():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as directory:
-        mp.start_processes(worker, args=(free_port(), directory), nprocs=WORLD, start_method="spawn")
+        context = mp.start_processes(worker, args=(free_port(), directory), nprocs=WORLD, start_method="spawn",
+                                     join=False)
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:  # (a collective that one process never joins would hang forever)
+                for process in context.processes:
+                    process.terminate()
+                pytest.fail(f"the {WORLD} processes did not finish within {WORKER_TIMEOUT_S} s")
         results = [torch.load(os.path.join(directory, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     for rank, result in enumerate(results):
         assert "error" not in result, f"process {rank} failed:\n{result['error']}"
@@ -560,3 +585,9 @@ def test_the_fused_backend_refuses_processes_that_hold_different_tensors(distrib
         assert re.search(r"VeLO\(backend='fused'\): the processes' optimizers hold different parameters \(as under "
                          r"ZeroRedundancyOptimizer\).*use backend='naive' \(exact\), or DDP. Nothing was changed",
                          result["fused_guard"] or "")
+
+
+def test_a_process_without_gradients_still_takes_part_in_the_controllers_max(distributed_results):
+    """A process whose tensors have no gradient in a step adds no row to VeLO's max, but still joins the
+    collective (else the other process would wait forever); the other steps as if alone."""
+    assert all(result["uneven_participation"] for result in distributed_results)

@@ -163,6 +163,11 @@ class LearnedOptimizer(Optimizer):
         self._start_fused_engine(strict=backend == "fused")
         self._create_sharded_state()
 
+    @property
+    def has_sharded_parameters(self) -> bool:
+        """True when the parameters are DTensors sharded on dim 0 (FSDP2; then all of them are)."""
+        return any(is_dtensor(p) for p in self._all_params())
+
     def _create_sharded_state(self) -> None:
         """DTensor (FSDP2) parameters get their (zero) state at once: torch.distributed.checkpoint's
         get/set_optimizer_state_dict would otherwise create it by running a step with zero gradients."""

@@ -375,10 +375,10 @@ class VeLO(LearnedOptimizer):
                 torch.stack([constants["rank_one_hot"][min(reference.tensor_rank(t.param.shape),
                                                            reference.NUM_RANK_CLASSES)] for t in tensors])).double()
         shared = reference.mixing_max(rows, weights["rnn"])
-        if not all(t.split for t in tensors):
-            # Processes holding different tensors (ZeRO) take the max over all of them; where every
-            # process holds every tensor (DDP) this changes nothing. FSDP2's processes each have
-            # every tensor's row already.
+        if not self.has_sharded_parameters:
+            # Processes holding different tensors (ZeRO) take the max over all of them (a process
+            # without rows this step contributes zeros); where every process holds every tensor
+            # (DDP) this changes nothing. FSDP2's processes each have every tensor's row already.
             self.reducer.max_(shared)
         if tensors:
             controller = reference.controller_step(
