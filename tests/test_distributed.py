@@ -337,6 +337,15 @@ def refusals(rank):
             messages[name, "plain_grad"] = str(err)
         messages[name, "plain_grad_unchanged"] = torch.equal(before, sharded.full_tensor())
         sharded.grad = None
+        # A state dict of plain tensors (torch.save of a one-process optimizer) is not a sharded one.
+        plain = torch.nn.Parameter(sharded.full_tensor().detach().clone())
+        plain_opt = make_optimizer(name, [plain])
+        plain.grad = torch.ones_like(plain)
+        take_step(plain_opt, name, torch.tensor(1.0))
+        try:
+            opt.load_state_dict(plain_opt.state_dict())
+        except ValueError as err:
+            messages[name, "plain_state"] = str(err)
     return messages
 
 
@@ -564,6 +573,8 @@ def test_unsupported_layouts_are_refused_with_what_is_supported(distributed_resu
     assert re.search(r"gradient of parameter #0 is a plain tensor, but the parameter is a DTensor",
                      messages[name, "plain_grad"])
     assert messages[name, "plain_grad_unchanged"]
+    assert re.search(r"parameter #0 is a DTensor but its saved state is plain tensors; save and load sharded "
+                     r"\(FSDP2\) optimizer state with torch.distributed.checkpoint", messages[name, "plain_state"])
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
