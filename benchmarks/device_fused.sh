@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, sanitizers, benchmark. Run from the repository root on the GPU machine:
 #   bash benchmarks/device_fused.sh            (writes logs and bench.json under $OUT)
-# PYTEST_ARGS, SANITIZE=0, BENCH=0, BENCH_ARGS, PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER) adjust it.
+# PYTEST_ARGS, TESTS=0, FRAMEWORKS=0, SANITIZE=0 (SANITIZERS="memcheck"), BENCH=0, BENCH_ARGS, SOAK=1,
+# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER) adjust it.
 set -u
 export PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
@@ -11,14 +12,22 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rfEs -s -p no:cacheprovider tests/ ${PYTEST_ARGS:-} > "$OUT/pytest_cuda.log" 2>&1
   echo "pytest -m cuda: exit $?"; grep -E "^\[|passed|failed|error|^FAILED|^ERROR" "$OUT/pytest_cuda.log" | tail -40
 fi
+if [ "${FRAMEWORKS:-1}" = 1 ]; then  # the integration tests that need a GPU or timm (not in CPU CI)
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_integrations_timm.py tests/test_integrations_lightning.py \
+      > "$OUT/pytest_frameworks.log" 2>&1
+  echo "pytest frameworks: exit $?"; tail -3 "$OUT/pytest_frameworks.log"
+fi
 if [ "${SANITIZE:-1}" = 1 ]; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZERS:-memcheck racecheck}; do
     timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize_fused.py > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $?"; tail -2 "$OUT/sanitizer_$tool.log"
   done
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_fused.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+fi
+if [ "${SOAK:-0}" = 1 ]; then
+  timeout ${SOAK_TIMEOUT:-120} python3 benchmarks/soak.py --device cuda --backends fused --out "$OUT/soak.json" 2>&1 | tail -3
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in ${PROFILE_KERNELS:-velo_apply velo_statistics}; do

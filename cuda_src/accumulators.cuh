@@ -7,7 +7,8 @@
 // tables until the step is known to be kept (commit_factored_accumulators, in the control phase).
 //   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis)
 //   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags
-//   adafactor_factor_tables  R and C updated (EMAs), row_col_mean per slab of R, the per-entry tables
+//   adafactor_factor_tables  R and C updated (EMAs), row_col_mean per slab of R, the per-entry tables (and
+//                            compact copies of the factors, for the passes that read only those)
 #pragma once
 #include "common.cuh"
 
@@ -108,28 +109,32 @@ LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
   return f;
 }
 
-// Only the factors of an entry (acc and rsqrt_acc left at zero): one float4 load instead of three.
-LOPT_DEVICE FactorEntry read_factor_entry_factors(const float* table, i64 entry) {
-  const float4 y = __ldg(reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS) + 1);
-  FactorEntry f = {};
-  f.factor[0] = y.x; f.factor[1] = y.y; f.factor[2] = y.z;
-  return f;
-}
-
-LOPT_DEVICE void write_factor_entry(float* table, i64 entry, const float acc[3], const float factor[3]) {
+LOPT_DEVICE void write_factor_entry(float* table, float4* factors, i64 entry, const float acc[3], const float factor[3]) {
   float4* p = reinterpret_cast<float4*>(table + entry * LOPT_TABLE_FLOATS);
   p[0] = make_float4(acc[0], acc[1], acc[2], 0.f);
-  p[1] = make_float4(factor[0], factor[1], factor[2], 0.f);
+  p[1] = factors[entry] = make_float4(factor[0], factor[1], factor[2], 0.f);
   p[2] = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)), rsqrtf(__fadd_rn(acc[2], 1e-8f)), 0.f);
 }
 
-// An element's R and C table entries (FactorsOnly: only their factors).
-template <bool FactorsOnly>
+// An element's R and C table entries, whole.
 LOPT_DEVICE void load_factor_entries(const TensorMeta& t, i64 e, const float* row_table, const float* col_table,
                                      FactorEntry& row, FactorEntry& col) {
   const FactorIndex f = factor_index(t, e);
-  row = FactorsOnly ? read_factor_entry_factors(row_table, t.row_table + f.row) : read_factor_entry(row_table, t.row_table + f.row);
-  col = FactorsOnly ? read_factor_entry_factors(col_table, t.col_table + f.col) : read_factor_entry(col_table, t.col_table + f.col);
+  row = read_factor_entry(row_table, t.row_table + f.row);
+  col = read_factor_entry(col_table, t.col_table + f.col);
+}
+
+// Only the factors of an element's R and C entries (acc and rsqrt_acc left at zero), from the compact
+// copies adafactor_factor_tables also writes: one float4 per entry, so a warp's reads of neighbouring
+// entries are contiguous (a third of the cache traffic of reading them out of the whole entries).
+LOPT_DEVICE void load_factors(const TensorMeta& t, i64 e, const float4* row_factors, const float4* col_factors,
+                              FactorEntry& row, FactorEntry& col) {
+  const FactorIndex f = factor_index(t, e);
+  const float4 r = __ldg(row_factors + t.row_table + f.row), c = __ldg(col_factors + t.col_table + f.col);
+  row = FactorEntry{};
+  col = FactorEntry{};
+  row.factor[0] = r.x; row.factor[1] = r.y; row.factor[2] = r.z;
+  col.factor[0] = c.x; col.factor[1] = c.y; col.factor[2] = c.z;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -291,7 +296,8 @@ adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_out
 extern "C" __global__ void __launch_bounds__(LOPT_TABLE_THREADS)
 adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                         i64 total_slabs, i64 total_col_entries, const float* __restrict__ axis_means,
-                        float* __restrict__ row_table, float* __restrict__ col_table) {
+                        float* __restrict__ row_table, float* __restrict__ col_table, float4* __restrict__ row_factors,
+                        float4* __restrict__ col_factors) {
   if (blockIdx.x < total_slabs) {
     const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_SLAB>(tensors, num_tensors, blockIdx.x)];
     const Decays decays = group_decays(groups, t);
@@ -327,7 +333,7 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
       float factor[3];
 #pragma unroll
       for (int k = 0; k < 3; ++k) factor[k] = safe_rsqrt(__fdiv_rn(acc[k], __fadd_rn(row_col_mean[k], 1e-9f)));
-      write_factor_entry(row_table, t.row_table + entry, acc, factor);
+      write_factor_entry(row_table, row_factors, t.row_table + entry, acc, factor);
     }
   } else {
     const i64 gid = (static_cast<i64>(blockIdx.x) - total_slabs) * LOPT_TABLE_THREADS + threadIdx.x;
@@ -343,6 +349,6 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
       acc[k] = ema(old_col[entry * 3 + k], decays.adafactor[k], decays.adafactor_mix[k], mean);
       factor[k] = safe_rsqrt(acc[k]);
     }
-    write_factor_entry(col_table, t.col_table + entry, acc, factor);
+    write_factor_entry(col_table, col_factors, t.col_table + entry, acc, factor);
   }
 }

@@ -81,19 +81,31 @@ LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, flo
 #define SFC_TABLE_FEATURES_END (SFC_TABLE_FEATURES_FIRST + LOPT_TABLE_FEATURES)
 LOPT_DEVICE constexpr bool is_table_feature(int k) { return k >= SFC_TABLE_FEATURES_FIRST && k < SFC_TABLE_FEATURES_END; }
 
+// Where an element's factor-table values come from: the whole entries (every feature), or only the
+// compact factors (the statistics pass, which leaves the table features to the fold).
+struct TableInputs {
+  const float* row_table;
+  const float* col_table;
+  const float4* row_factors;
+  const float4* col_factors;
+};
+
 // Loads one element's inputs, updates its accumulators (in `s`) and computes its features
 // (FactorsOnly: of a factored tensor, all but the table features, which are left at zero).
 template <bool FactorsOnly = false>
 LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                  const float* row_table, const float* col_table, float x[SFC_NUM_FEATURES],
-                                  ElementState& s, float& grad, float& param) {
+                                  const TableInputs& tables, float x[SFC_NUM_FEATURES], ElementState& s, float& grad,
+                                  float& param) {
   grad = load_gradient(t, e, inverse_scale);
   param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
   s = load_element_state(t, e);
   const bool factored = t.factored != 0;
   update_accumulators(s, grad, decays, factored);
   FactorEntry row = {}, col = {};
-  if (factored) load_factor_entries<FactorsOnly>(t, e, row_table, col_table, row, col);
+  if (factored) {
+    if (FactorsOnly) load_factors(t, e, tables.row_factors, tables.col_factors, row, col);
+    else load_factor_entries(t, e, tables.row_table, tables.col_table, row, col);
+  }
   per_element_features(x, grad, param, s, factored, row, col);
 }
 
@@ -104,7 +116,7 @@ LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& deca
 // ------------------------------------------------------------------------------------------
 template <bool Factored>
 LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
-                                      const float* row_table, const float* col_table, float squares[SFC_NUM_FEATURES]) {
+                                      const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
   bool unusable = false;
   // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
 #pragma unroll STATS_UNROLL
@@ -113,7 +125,7 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
     if (e < t.numel) {
       float x[SFC_NUM_FEATURES], grad, param;
       ElementState s;
-      element_features<Factored>(t, e, decays, inverse_scale, row_table, col_table, x, s, grad, param);
+      element_features<Factored>(t, e, decays, inverse_scale, tables, x, s, grad, param);
       unusable |= gradient_unusable(grad);
 #pragma unroll
       for (int j = 0; j < SFC_NUM_FEATURES; ++j)
@@ -125,7 +137,7 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
-                            const float* __restrict__ row_table, const float* __restrict__ col_table,
+                            const float4* __restrict__ row_factors, const float4* __restrict__ col_factors,
                             const float* grad_scale, const float* found_inf, int* status,
                             double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
@@ -136,8 +148,9 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   float squares[SFC_NUM_FEATURES];
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
-  const bool unusable = t.factored ? sum_squared_features<true>(t, chunk, decays, inverse_scale, row_table, col_table, squares)
-                                   : sum_squared_features<false>(t, chunk, decays, inverse_scale, row_table, col_table, squares);
+  const TableInputs tables{nullptr, nullptr, row_factors, col_factors};
+  const bool unusable = t.factored ? sum_squared_features<true>(t, chunk, decays, inverse_scale, tables, squares)
+                                   : sum_squared_features<false>(t, chunk, decays, inverse_scale, tables, squares);
   report_unusable_gradients(unusable, flags.status);
   __shared__ double warp_sums[LOPT_STATS_THREADS / 32][SFC_NUM_FEATURES];
 #pragma unroll
@@ -177,7 +190,7 @@ LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays&
   for (i64 e = threadIdx.x; e < t.numel; e += SFC_FOLD_THREADS) {
     float x[SFC_NUM_FEATURES], grad, param;
     ElementState s;
-    element_features(t, e, decays, inverse_scale, row_table, col_table, x, s, grad, param);
+    element_features(t, e, decays, inverse_scale, TableInputs{row_table, col_table, nullptr, nullptr}, x, s, grad, param);
 #pragma unroll
     for (int j = 0; j < SFC_NUM_FEATURES; ++j) partial[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
   }
@@ -433,7 +446,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
     if (valid) {
       ElementState state;
-      element_features(meta, index, group.decays, inverse_scale, row_table, col_table, x, state, grad, param);
+      element_features(meta, index, group.decays, inverse_scale, TableInputs{row_table, col_table, nullptr, nullptr},
+                       x, state, grad, param);
       store_element_state(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll

@@ -12,6 +12,7 @@
 //                velo_lstm            one LSTM step for all tensors (float64, gates fused into the product)
 //                velo_heads           control vector, step multiplier λ, weight generation, the tensor's MLP
 //                                     with its normalisation folded into the first layer; a kept step's LSTM state
+//                velo_table_contributions  the factor-table features' share of the first layer, per table entry
 //   apply        velo_apply           update_accumulators + per_element_features + per_element_mlp + update
 //
 // As in the reference, the controller runs in float64 (its products are exact, its sums do not depend
@@ -48,17 +49,17 @@
 #define VELO_GEN_WEIGHTS 159
 
 // A tensor's record for the apply pass (float32): the first layer with the normalisation folded in,
-// rows padded to 32 (float4 reads), the other layers (direction and magnitude outputs only), λ and
-// param_scale.
-#define VELO_RECORD_W0 0      // (4, 32)
-#define VELO_RECORD_B0 128
-#define VELO_RECORD_W1 132    // (4, 4)
-#define VELO_RECORD_B1 148
-#define VELO_RECORD_W2 152    // (2, 4)
-#define VELO_RECORD_B2 160    // (2,)
-#define VELO_RECORD_LR_MULT 162
-#define VELO_RECORD_PARAM_SCALE 163
-#define VELO_RECORD_FLOATS 164
+// stored by input (W0'ᵀ: one float4 holds an input's weights to the 4 hidden units), the other layers
+// (direction and magnitude outputs only), λ and param_scale.
+#define VELO_RECORD_W0 0      // (30, 4)
+#define VELO_RECORD_B0 120
+#define VELO_RECORD_W1 124    // (4, 4)
+#define VELO_RECORD_B1 140
+#define VELO_RECORD_W2 144    // (2, 4)
+#define VELO_RECORD_B2 152    // (2,)
+#define VELO_RECORD_LR_MULT 154
+#define VELO_RECORD_PARAM_SCALE 155
+#define VELO_RECORD_FLOATS 156
 
 __constant__ float VELO_FRACTION_TIMESCALES[VELO_FRACTION_FEATURES] = {0.03f, 0.1f, 0.2f, 0.4f, 0.6f, 0.8f, 0.9f, 1.0f, 1.1f};
 
@@ -157,7 +158,7 @@ LOPT_DEVICE float clip_gradient(float g) { return fminf(fmaxf(g, -VELO_GRADIENT_
 // Statistics pass
 // ------------------------------------------------------------------------------------------
 #ifndef VELO_STATS_MIN_BLOCKS
-#define VELO_STATS_MIN_BLOCKS 3  // 80 registers: 24 warps per SM keep loads in flight (measured 6.2 -> 4.6 ms, GPT-2 medium)
+#define VELO_STATS_MIN_BLOCKS 4  // 64 registers: 32 warps per SM keep loads in flight (measured, GPT-2 medium on an H200: 2 blocks 6.2 ms, 3: 4.4, 4: 4.0)
 #endif
 #ifndef VELO_STATS_UNROLL
 #define VELO_STATS_UNROLL 1
@@ -169,7 +170,7 @@ constexpr int STATS_UNROLL = VELO_STATS_UNROLL;  // (#pragma unroll takes a cons
 // variances (E[d²] − E[d]² of the shifted values) do not cancel, and are exactly zero for a constant tensor.
 template <bool Factored>
 LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
-                           const float* row_table, const float* col_table, float squares[VELO_NUM_FEATURES],
+                           const float4* row_factors, const float4* col_factors, float squares[VELO_NUM_FEATURES],
                            float lstm[VELO_LSTM_SUMS]) {
   const float* mom0 = pointer<const float>(t.mom);
   const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
@@ -198,7 +199,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
       // per_element_features: the updated accumulators.
       update_accumulators(s, grad, decays, Factored);
       FactorEntry row = {}, col = {};
-      if (Factored) load_factor_entries<true>(t, e, row_table, col_table, row, col);
+      if (Factored) load_factors(t, e, row_factors, col_factors, row, col);
       float x[VELO_NUM_FEATURES];
       per_element_features(x, grad, param, s, Factored, row, col);
 #pragma unroll
@@ -211,7 +212,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, VELO_STATS_MIN_BLOCKS)
 velo_statistics(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
-                const float* __restrict__ row_table, const float* __restrict__ col_table, const float* grad_scale,
+                const float4* __restrict__ row_factors, const float4* __restrict__ col_factors, const float* grad_scale,
                 const float* found_inf, int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
   const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x)];
@@ -223,8 +224,8 @@ velo_statistics(const TensorMeta* __restrict__ tensors, int num_tensors, const G
   for (int j = 0; j < VELO_NUM_FEATURES; ++j) squares[j] = 0.f;
 #pragma unroll
   for (int j = 0; j < VELO_LSTM_SUMS; ++j) lstm[j] = 0.f;
-  const bool unusable = t.factored ? sum_chunk<true>(t, chunk, decays, inverse_scale, row_table, col_table, squares, lstm)
-                                   : sum_chunk<false>(t, chunk, decays, inverse_scale, row_table, col_table, squares, lstm);
+  const bool unusable = t.factored ? sum_chunk<true>(t, chunk, decays, inverse_scale, row_factors, col_factors, squares, lstm)
+                                   : sum_chunk<false>(t, chunk, decays, inverse_scale, row_factors, col_factors, squares, lstm);
   report_unusable_gradients(unusable, flags.status);
   double values[VELO_STATS];
 #pragma unroll
@@ -466,23 +467,47 @@ velo_heads(const VeloTensor* __restrict__ velo_tensors, const double* __restrict
   __syncthreads();
   float* record = records + static_cast<i64>(r) * VELO_RECORD_FLOATS;
   const float* scales = feature_scales + static_cast<i64>(r) * VELO_NUM_FEATURES;
-  if (tid < VELO_FF * 32) {  // first layer, normalisation folded in: W0'[u][j] = W0[u][j] · scale_j (rows padded to 32)
-    const int u = tid / 32, j = tid % 32;
-    record[VELO_RECORD_W0 + tid] = j < VELO_NUM_FEATURES ? __fmul_rn(generated[VELO_GEN_W0 + u * VELO_NUM_FEATURES + j], scales[j]) : 0.f;
-  } else if (tid < VELO_FF * 32 + 4) {
-    record[VELO_RECORD_B0 + tid - VELO_FF * 32] = generated[VELO_GEN_B0 + tid - VELO_FF * 32];
-  } else if (tid < VELO_FF * 32 + 20) {
-    record[VELO_RECORD_W1 + tid - VELO_FF * 32 - 4] = generated[VELO_GEN_W1 + tid - VELO_FF * 32 - 4];
-  } else if (tid < VELO_FF * 32 + 24) {
-    record[VELO_RECORD_B1 + tid - VELO_FF * 32 - 20] = generated[VELO_GEN_B1 + tid - VELO_FF * 32 - 20];
-  } else if (tid < VELO_FF * 32 + 32) {  // output rows 0 (direction) and 1 (magnitude); row 2 is unused
-    record[VELO_RECORD_W2 + tid - VELO_FF * 32 - 24] = generated[VELO_GEN_W2 + tid - VELO_FF * 32 - 24];
-  } else if (tid < VELO_FF * 32 + 34) {
-    record[VELO_RECORD_B2 + tid - VELO_FF * 32 - 32] = generated[VELO_GEN_B2 + tid - VELO_FF * 32 - 32];
-  } else if (tid == VELO_FF * 32 + 34) {
+  if (tid < VELO_NUM_FEATURES * VELO_FF) {  // W0'ᵀ[j][u] = W0[u][j] · scale_j
+    const int j = tid / VELO_FF, u = tid % VELO_FF;
+    record[VELO_RECORD_W0 + tid] = __fmul_rn(generated[VELO_GEN_W0 + u * VELO_NUM_FEATURES + j], scales[j]);
+  } else if (tid < VELO_RECORD_W2 + 2 * VELO_FF) {  // b0, W1, b1 and the direction/magnitude rows of W2 as generated
+    record[tid] = generated[tid];
+  } else if (tid < VELO_RECORD_B2 + 2) {
+    record[tid] = generated[VELO_GEN_B2 + tid - VELO_RECORD_B2];
+  } else if (tid == VELO_RECORD_LR_MULT) {
     record[VELO_RECORD_LR_MULT] = static_cast<float>(lr_mult);
     record[VELO_RECORD_PARAM_SCALE] = param_scales[r];
   }
+}
+
+// The table features' share of the first layer, per factor-table entry: for an R entry
+// Σ_k W0'[15 + k]·R_k + W0'[21 + k]·rsqrt(R_k + 1e-8), for a C entry the same with features 18 and
+// 24. The same for every element sharing the entry, so the apply pass reads these four sums (one
+// float4) instead of the entry's twelve values and their weights. A thread per entry.
+#define VELO_CONTRIBUTION_THREADS 256
+extern "C" __global__ void __launch_bounds__(VELO_CONTRIBUTION_THREADS)
+velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors, const float* __restrict__ records,
+                         const float* __restrict__ row_table, const float* __restrict__ col_table, i64 total_row_entries,
+                         i64 total_col_entries, float4* __restrict__ row_contributions,
+                         float4* __restrict__ col_contributions) {
+  const i64 gid = static_cast<i64>(blockIdx.x) * VELO_CONTRIBUTION_THREADS + threadIdx.x;
+  const bool is_row = gid < total_row_entries;
+  const i64 entry = is_row ? gid : gid - total_row_entries;
+  if (!is_row && entry >= total_col_entries) return;
+  const int tensor = is_row ? find_row<LOPT_TENSORMETA_ROW_TABLE>(tensors, num_tensors, entry)
+                            : find_row<LOPT_TENSORMETA_COL_TABLE>(tensors, num_tensors, entry);
+  const float* w0 = records + static_cast<i64>(tensor) * VELO_RECORD_FLOATS + VELO_RECORD_W0;
+  const FactorEntry f = read_factor_entry(is_row ? row_table : col_table, entry);
+  const int acc_feature = is_row ? 15 : 18, rsqrt_feature = is_row ? 21 : 24;
+  float sums[VELO_FF] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < 3; ++k)
+#pragma unroll
+    for (int u = 0; u < VELO_FF; ++u) {
+      sums[u] = fmaf(w0[(acc_feature + k) * VELO_FF + u], f.acc[k], sums[u]);
+      sums[u] = fmaf(w0[(rsqrt_feature + k) * VELO_FF + u], f.rsqrt_acc[k], sums[u]);
+    }
+  (is_row ? row_contributions : col_contributions)[entry] = make_float4(sums[0], sums[1], sums[2], sums[3]);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -496,44 +521,47 @@ velo_heads(const VeloTensor* __restrict__ velo_tensors, const double* __restrict
 #endif
 
 // per_element_mlp, the direction and magnitude outputs: o = W2 relu(W1 relu(W0' x + b0) + b1) + b2.
-LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float* record) {
-  float h1[VELO_FF], h2[VELO_FF];
+// For a factored tensor the table features' share of the first layer comes precomputed per entry
+// (`table_share`, from velo_table_contributions) and features 15..26 are not read.
+template <bool Factored>
+LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float* record, float4 table_share) {
+  const float4* w0 = reinterpret_cast<const float4*>(record + VELO_RECORD_W0);
+  float h1[VELO_FF] = {table_share.x, table_share.y, table_share.z, table_share.w};
 #pragma unroll
-  for (int u = 0; u < VELO_FF; ++u) {
-    const float4* w = reinterpret_cast<const float4*>(record + VELO_RECORD_W0 + u * 32);
-    float acc = 0.f;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const float4 w4 = w[q];
-      acc = fmaf(w4.x, x[4 * q], acc);
-      acc = fmaf(w4.y, x[4 * q + 1], acc);
-      if (4 * q + 2 < VELO_NUM_FEATURES) acc = fmaf(w4.z, x[4 * q + 2], acc);
-      if (4 * q + 3 < VELO_NUM_FEATURES) acc = fmaf(w4.w, x[4 * q + 3], acc);
-    }
-    h1[u] = fmaxf(__fadd_rn(acc, record[VELO_RECORD_B0 + u]), 0.f);
+  for (int j = 0; j < VELO_NUM_FEATURES; ++j) {
+    if (Factored && is_table_feature(j)) continue;
+    const float4 w = w0[j];
+    h1[0] = fmaf(w.x, x[j], h1[0]);
+    h1[1] = fmaf(w.y, x[j], h1[1]);
+    h1[2] = fmaf(w.z, x[j], h1[2]);
+    h1[3] = fmaf(w.w, x[j], h1[3]);
   }
+  const float4 b0 = *reinterpret_cast<const float4*>(record + VELO_RECORD_B0);
+  h1[0] = fmaxf(__fadd_rn(h1[0], b0.x), 0.f);
+  h1[1] = fmaxf(__fadd_rn(h1[1], b0.y), 0.f);
+  h1[2] = fmaxf(__fadd_rn(h1[2], b0.z), 0.f);
+  h1[3] = fmaxf(__fadd_rn(h1[3], b0.w), 0.f);
+  float h2[VELO_FF];
 #pragma unroll
   for (int u = 0; u < VELO_FF; ++u) {
-    float acc = 0.f;
-#pragma unroll
-    for (int v = 0; v < VELO_FF; ++v) acc = fmaf(record[VELO_RECORD_W1 + u * VELO_FF + v], h1[v], acc);
+    const float4 w = *reinterpret_cast<const float4*>(record + VELO_RECORD_W1 + u * VELO_FF);
+    const float acc = fmaf(w.w, h1[3], fmaf(w.z, h1[2], fmaf(w.y, h1[1], w.x * h1[0])));
     h2[u] = fmaxf(__fadd_rn(acc, record[VELO_RECORD_B1 + u]), 0.f);
   }
   float out[2];
 #pragma unroll
   for (int o = 0; o < 2; ++o) {
-    float acc = 0.f;
-#pragma unroll
-    for (int v = 0; v < VELO_FF; ++v) acc = fmaf(record[VELO_RECORD_W2 + o * VELO_FF + v], h2[v], acc);
-    out[o] = __fadd_rn(acc, record[VELO_RECORD_B2 + o]);
+    const float4 w = *reinterpret_cast<const float4*>(record + VELO_RECORD_W2 + o * VELO_FF);
+    out[o] = __fadd_rn(fmaf(w.w, h2[3], fmaf(w.z, h2[2], fmaf(w.y, h2[1], w.x * h2[0]))), record[VELO_RECORD_B2 + o]);
   }
   return make_float2(out[0], out[1]);
 }
 
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
 velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups, int num_groups,
-           i64 total_chunks, const float* __restrict__ records, const float* __restrict__ row_table,
-           const float* __restrict__ col_table, const float* grad_scale, const float* found_inf, int* status,
+           i64 total_chunks, const float* __restrict__ records, const float4* __restrict__ row_factors,
+           const float4* __restrict__ col_factors, const float4* __restrict__ row_contributions,
+           const float4* __restrict__ col_contributions, const float* grad_scale, const float* found_inf, int* status,
            i64* skipped_steps, float* loss_means, float* loss_running_min, int* loss_count,
            const float* __restrict__ loss_decays, const void* loss_tensor, int loss_dtype, float loss_value,
            float loss_divisor) {
@@ -589,11 +617,20 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
     const bool factored = meta.factored != 0;
     update_accumulators(s, grad, decays, factored);
     store_element_state(meta, e, s);
-    FactorEntry row = {}, col = {};
-    if (factored) load_factor_entries<false>(meta, e, row_table, col_table, row, col);
     float x[VELO_NUM_FEATURES];
-    per_element_features(x, grad, param, s, factored, row, col);
-    const float2 output = per_element_mlp(x, record);
+    float2 output;
+    if (factored) {
+      FactorEntry row, col;
+      load_factors(meta, e, row_factors, col_factors, row, col);
+      per_element_features(x, grad, param, s, true, row, col);  // (features 15..26 left unused)
+      const FactorIndex f = factor_index(meta, e);
+      const float4 r = __ldg(row_contributions + meta.row_table + f.row), c = __ldg(col_contributions + meta.col_table + f.col);
+      output = per_element_mlp<true>(x, record, make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z),
+                                                           __fadd_rn(r.w, c.w)));
+    } else {
+      per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
+      output = per_element_mlp<false>(x, record, make_float4(0.f, 0.f, 0.f, 0.f));
+    }
     // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)); apply_update: p − lr·u, then weight decay.
     const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
                                    __fmul_rn(record[VELO_RECORD_PARAM_SCALE],

@@ -96,7 +96,7 @@ def test_every_launch_matches_its_kernel_declaration(name, source, recorded):
     names = [launch[0] for launch in recorded]
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
-    assert per_step == {"small_fc_lopt": 6, "velo": 9}[name]
+    assert per_step == {"small_fc_lopt": 6, "velo": 10}[name]
     for kernel, grid, block, args in recorded:
         types = declared[kernel]
         assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {len(types)} parameters"

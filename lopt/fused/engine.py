@@ -88,6 +88,8 @@ class Plan:
         self.axis_means = workspace(layout.total_axis_outputs, torch.float32)
         self.row_table = workspace(layout.total_row_entries * table_floats, torch.float32)
         self.col_table = workspace(layout.total_col_entries * table_floats, torch.float32)
+        self.row_factors = workspace(layout.total_row_entries * 4, torch.float32)  # compact copies (a float4 each)
+        self.col_factors = workspace(layout.total_col_entries * 4, torch.float32)
         self.status = torch.zeros(CONSTANTS["STATUS_INTS"], dtype=torch.int32, device=device)
         self.tensor_table = launcher.MetadataTable(device)
         self.axis_table = launcher.MetadataTable(device)
@@ -323,7 +325,7 @@ class FusedEngine:
         self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
                      np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
-                     ptr(plan.row_table), ptr(plan.col_table)))
+                     ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors)))
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""

@@ -61,7 +61,7 @@ class SmallFCLOptFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     ptr(plan.row_table), ptr(plan.col_table), *flags, ptr(plan.stats_partials)))
+                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
 
     def _control(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout

@@ -1,6 +1,6 @@
 """Fused VeLO: launches ``cuda_src/velo.cu`` for every tensor of every group.
 
-Mirrors ``lopt/reference/velo.py`` phase by phase; one step is nine launches, whatever the number
+Mirrors ``lopt/reference/velo.py`` phase by phase; one step is ten launches, whatever the number
 of tensors and groups:
 
 1–3. ``adafactor_axis_partials``, ``adafactor_finalize``, ``adafactor_factor_tables``  accumulate
@@ -13,7 +13,9 @@ of tensors and groups:
 7.   ``velo_lstm``            lstm_cell for all tensors (float64)
 8.   ``velo_heads``           controller_heads, generate_mlp_weights, the normalisation folded into the first
      layer; a kept step's LSTM state written
-9.   ``velo_apply``           update_accumulators, per_element_features, per_element_mlp, velo_update,
+9.   ``velo_table_contributions``  the factor-table features' share of the first layer, per table entry
+     (the same for every element sharing the entry)
+10.  ``velo_apply``           update_accumulators, per_element_features, per_element_mlp, velo_update,
      apply_update; the loss buffer and step counters advance (or a skipped step is counted)
 
 A step never synchronises with the host: the loss is read on the device (a CUDA tensor, or the
@@ -35,10 +37,11 @@ NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 LSTM_SUMS = 9
 STATS_PER_CHUNK = NUM_FEATURES + LSTM_SUMS  # VELO_STATS
 HIDDEN = reference.LSTM_HIDDEN_SIZE
-RECORD_FLOATS = 164  # VELO_RECORD_FLOATS
+RECORD_FLOATS = 156  # VELO_RECORD_FLOATS
 CONTROL_THREADS = 256
 LSTM_ROWS, LSTM_UNITS = 8, 32
 HEADS_THREADS = 256
+CONTRIBUTION_THREADS = 256
 APPLY_THREADS = 256
 RNN_TENSORS = ("mix_layer2.weight", "mix_layer2.bias", "final_mix_layer.weight", "final_mix_layer.bias",
                "lstm.linear.weight", "lstm.linear.bias", "rnn_to_controls.weight", "rnn_to_controls.bias",
@@ -56,7 +59,8 @@ class VeLOFused(FusedEngine):
     """The fused engine behind ``VeLO(backend="fused")``."""
 
     SOURCE = "velo.cu"
-    KERNELS = ("velo_statistics", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads", "velo_apply")
+    KERNELS = ("velo_statistics", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads",
+               "velo_table_contributions", "velo_apply")
     APPLY_CHUNK = APPLY_THREADS
     GRADIENT_CLIP = reference.GRADIENT_CLIP
 
@@ -78,6 +82,8 @@ class VeLOFused(FusedEngine):
         plan.hidden_new = plan.workspace(n * HIDDEN, torch.float64)
         plan.cell_new = plan.workspace(n * HIDDEN, torch.float64)
         plan.records = plan.workspace(n * RECORD_FLOATS, torch.float32)
+        plan.row_contributions = plan.workspace(layout.total_row_entries * 4, torch.float32)
+        plan.col_contributions = plan.workspace(layout.total_col_entries * 4, torch.float32)
         plan.loss = plan.workspace(1, torch.float32)  # a loss tensor of another dtype or device, converted
         rows = empty_rows("VeloTensor", n)
         for row, p in enumerate(plan.params):
@@ -116,7 +122,7 @@ class VeLOFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     ptr(plan.row_table), ptr(plan.col_table), *flags, ptr(plan.stats_partials)))
+                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
 
     def _step_arguments(self, plan: Plan, loss) -> tuple:
         return (self._loss_arguments(plan, loss),)
@@ -142,10 +148,17 @@ class VeLOFused(FusedEngine):
                      ptr(rnn["rnn_to_controls.weight"]), ptr(rnn["rnn_to_controls.bias"]), ptr(rnn["step_size.weight"]),
                      ptr(rnn["step_size.bias"]), ptr(self.candidates), ptr(plan.feature_scales), ptr(plan.param_scales),
                      *flags, *loss_arguments, ptr(plan.records)))
+        layout = plan.layout
+        entries = layout.total_row_entries + layout.total_col_entries
+        self.launch("velo_table_contributions", -(-entries // CONTRIBUTION_THREADS), CONTRIBUTION_THREADS,
+                    (ptr(plan.tensor_table.table), np.int32(n), ptr(plan.records), ptr(plan.row_table), ptr(plan.col_table),
+                     np.int64(layout.total_row_entries), np.int64(layout.total_col_entries), ptr(plan.row_contributions),
+                     ptr(plan.col_contributions)))
 
     def _apply(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
         self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), *self.group_arguments(plan),
-                     np.int64(layout.total_apply_chunks), ptr(plan.records), ptr(plan.row_table), ptr(plan.col_table),
-                     *flags, self.skipped_counter(), *self._loss_buffer_arguments(), *loss_arguments))
+                     np.int64(layout.total_apply_chunks), ptr(plan.records), ptr(plan.row_factors), ptr(plan.col_factors),
+                     ptr(plan.row_contributions), ptr(plan.col_contributions), *flags, self.skipped_counter(),
+                     *self._loss_buffer_arguments(), *loss_arguments))
