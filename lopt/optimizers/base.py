@@ -21,7 +21,10 @@ from typing import Iterable
 import torch
 from torch.optim import Optimizer
 
+from lopt import distributed
 from lopt import weights as weights_lib
+from lopt.distributed import SumPacket, is_dtensor, local_part
+from lopt.reference import accumulators
 from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,6 +58,39 @@ class StepInputs:
         for group, params in zip(groups, self.params):
             for p in params:
                 yield group, p
+
+
+@dataclass
+class NaiveTensor:
+    """One participating parameter as the naive phases see it: this process's part of it.
+
+    For a plain tensor that is the whole tensor; for a DTensor sharded on dim 0 (FSDP2) it is the
+    local rows (possibly none), and ``split`` says that sums over the elements or along axis 0
+    are partial until the reduce phase completes them. ``shape`` (the global shape, a 0-d
+    parameter as ``(1,)``), ``dims`` (factored axes, chosen from the global shape) and ``count``
+    (global number of elements) describe the whole tensor; ``value`` (float32, pre-update),
+    ``grad`` (float32, AMP-unscaled) and ``state`` (the accumulators) are local, in the work shape.
+    (A new one every step, and nothing keyed by its identity: a compiled step would recompile.)
+    """
+
+    group: dict
+    param: torch.Tensor
+    shape: tuple
+    dims: tuple | None
+    count: int
+    split: bool
+    value: torch.Tensor
+    grad: torch.Tensor
+    state: dict
+    # The gradient the accumulators and features use (after max_grad_norm's or VeLO's clipping), with a
+    # trailing axis of size 1: set by the optimizer before the accumulate phase.
+    step_grad: torch.Tensor | None = None
+    row_col_mean: torch.Tensor | None = None  # set by the accumulate phase where R's d1 axis is split
+
+    def write_back(self, new_value: torch.Tensor) -> None:
+        """Store the new float32 value (work shape) into the parameter's local part, in its dtype."""
+        local = local_part(self.param)
+        local.copy_(new_value.reshape(local.shape))
 
 
 def _is_real_number(value) -> bool:
@@ -94,7 +130,7 @@ class LearnedOptimizer(Optimizer):
     # inside the step and an overflowing step changes nothing, without a separate unscale pass.
     _step_supports_amp_scaling = True
     # Attributes that __getstate__ carries besides torch's (defaults, state, param_groups).
-    _PICKLED_ATTRIBUTES = ("meta_weights", "backend", "backend_reason", "nonfinite")
+    _PICKLED_ATTRIBUTES = ("meta_weights", "backend", "backend_reason", "nonfinite", "process_group")
 
     @staticmethod
     def accumulator_defaults(*, lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays,
@@ -104,7 +140,9 @@ class LearnedOptimizer(Optimizer):
                     momentum_decays=tuple(momentum_decays), rms_decays=tuple(rms_decays),
                     adafactor_decays=tuple(adafactor_decays))
 
-    def __init__(self, params, defaults: dict, *, weights, backend: str, nonfinite: str = "skip"):
+    def __init__(self, params, defaults: dict, *, weights, backend: str, nonfinite: str = "skip", process_group=None):
+        distributed.resolve_process_group(process_group)  # (validates the option's type)
+        self.process_group = process_group
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if nonfinite not in NONFINITE_POLICIES:
@@ -120,8 +158,22 @@ class LearnedOptimizer(Optimizer):
         for group in self.param_groups:
             group.setdefault("step", 0)
         self._init_caches()
+        self.reducer  # validates the parameters' layouts against the process group, before anything else
         self.backend, self.backend_reason = self._choose_backend(backend)
         self._start_fused_engine(strict=backend == "fused")
+        self._create_sharded_state()
+
+    @property
+    def has_sharded_parameters(self) -> bool:
+        """True when the parameters are DTensors sharded on dim 0 (FSDP2; then all of them are)."""
+        return any(is_dtensor(p) for p in self._all_params())
+
+    def _create_sharded_state(self) -> None:
+        """DTensor (FSDP2) parameters get their (zero) state at once: torch.distributed.checkpoint's
+        get/set_optimizer_state_dict would otherwise create it by running a step with zero gradients."""
+        for p in self._all_params():
+            if is_dtensor(p) and p.requires_grad:
+                self.ensure_state(p)
 
     def _init_caches(self) -> None:
         """Per-process caches (rebuilt after unpickling, never saved)."""
@@ -131,6 +183,19 @@ class LearnedOptimizer(Optimizer):
         # Host-side bookkeeping lives in a dict that step() mutates in place: inside a compiled step,
         # dynamo replays writes into containers, not attribute assignments on the optimizer.
         self._host = {"skipped_seen": 0}
+        self._reducer = None
+
+    @property
+    def reducer(self) -> distributed.Reducer:
+        """The reduce phase's :class:`lopt.distributed.Reducer` (the identity on one process).
+
+        Its group is ``process_group`` (by default the default group when torch.distributed is
+        initialized), or the device mesh's group of DTensor parameters (which must hold the same
+        processes). Built at construction and again after ``add_param_group`` (never inside a step).
+        """
+        if self._reducer is None:
+            self._reducer = distributed.reducer_for(self.process_group, self._all_params(), type(self).__name__)
+        return self._reducer
 
     def _start_fused_engine(self, strict: bool) -> None:
         if self.backend != "fused":
@@ -143,6 +208,24 @@ class LearnedOptimizer(Optimizer):
             warnings.warn(f"{type(self).__name__}: using the naive backend because the fused backend failed to "
                           f"start: {err}", RuntimeWarning, stacklevel=3)
             self.backend, self.backend_reason = "naive", str(err)
+
+    def _check_fused_processes_hold_the_same_tensors(self) -> None:
+        """First fused step in a multi-process run: refuse (before anything changes) if the processes'
+        optimizers hold different tensors, as under ZeroRedundancyOptimizer. The fused engines do not
+        take part in the reduce phase yet (VeLO's max over all tensors, the shared skip decision), so
+        they are exact only where every process holds every tensor (DDP). One small all-reduce, once."""
+        if self._host.get("fused_processes_checked") or self.reducer.is_identity:
+            return
+        shapes = tuple(tuple(p.shape) for p in self._all_params())
+        fingerprint = float(hash(shapes) % 2**52)  # (hashes of int tuples are the same in every process)
+        device = next(iter(self._param_devices()))
+        extremes = self.reducer.max_(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=device))
+        if float(extremes[0]) != -float(extremes[1]):
+            raise RuntimeError(
+                f"{type(self).__name__}(backend='fused'): the processes' optimizers hold different parameters (as "
+                f"under ZeroRedundancyOptimizer), and the fused backend does not take part in the reduce phase yet, "
+                f"so it would not step like one process; use backend='naive' (exact), or DDP. Nothing was changed")
+        self._host["fused_processes_checked"] = True
 
     # ------------------------------------------------------------------ groups
 
@@ -169,6 +252,9 @@ class LearnedOptimizer(Optimizer):
         for offset, p in enumerate(param_group["params"]):
             if isinstance(p, torch.Tensor):
                 self._check_parameter_dtype(p, f"parameter #{first_index + offset}")
+        distributed.check_supported_parameters(
+            list(self._all_params()) + [p for p in param_group["params"] if isinstance(p, torch.Tensor)],
+            type(self).__name__)
         candidate = dict(param_group)
         for name, default in self.defaults.items():
             candidate.setdefault(name, default)
@@ -178,6 +264,10 @@ class LearnedOptimizer(Optimizer):
                 param_group[name] = tuple(float(x) for x in param_group[name])
         super().add_param_group(param_group)
         self.param_groups[-1].setdefault("step", 0)
+        self._reducer = None
+        if hasattr(self, "meta_weights"):  # (not while torch's constructor adds the first groups)
+            self.reducer
+            self._create_sharded_state()
         if getattr(self, "_fused_engine", None) is not None:
             self._fused_engine.invalidate()
 
@@ -193,11 +283,10 @@ class LearnedOptimizer(Optimizer):
                 f"{type(self).__name__}: {what} has dtype {p.dtype}; supported are float32, bfloat16 and float16 "
                 f"(optimizer state and math are float32). Convert the model, e.g. model.float()"
             )
-        if _is_dtensor(p):
-            raise TypeError(
-                f"{type(self).__name__}: {what} is a DTensor (FSDP2 / tensor parallelism); lopt steps plain tensors "
-                f"only so far. Use DDP, or gather full parameters before stepping"
-            )
+        reason = distributed.unsupported_layout_reason(p) if is_dtensor(p) else None
+        if reason:
+            raise TypeError(f"{type(self).__name__}: {what} (shape {tuple(p.shape)}) is {reason}. "
+                            f"{distributed.SUPPORTED_LAYOUTS}")
 
     def _check_gradients(self) -> StepInputs:
         """Check phase, part 1: validate every gradient before touching any state, so a bad input changes
@@ -213,7 +302,7 @@ class LearnedOptimizer(Optimizer):
                 if g is not None:
                     # (the common case in one expression; _check_gradient says what is wrong)
                     if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
-                            and g.device == p.device):
+                            and g.device == p.device and not is_dtensor(p) and not is_dtensor(g)):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
@@ -238,47 +327,71 @@ class LearnedOptimizer(Optimizer):
             )
         if g.device != p.device:
             raise RuntimeError(f"{name}: gradient of parameter #{index} is on {g.device} but the parameter is on {p.device}")
+        if is_dtensor(p) and not (is_dtensor(g) and g.placements == p.placements
+                                              and g.device_mesh == p.device_mesh):
+            layout = (f"a DTensor with placements {tuple(g.placements)}" if is_dtensor(g)
+                      else "a plain tensor")
+            raise RuntimeError(f"{name}: gradient of parameter #{index} is {layout}, but the parameter is a DTensor "
+                               f"with placements {tuple(p.placements)}; the gradient must be sharded like the "
+                               f"parameter (as FSDP2 leaves it)")
 
-    def _unscaled_gradients(self, inputs: StepInputs) -> dict:
-        """Naive check phase, part 2: the gradients as the math uses them (float32, AMP-unscaled), by parameter."""
+    def _naive_tensors(self, inputs: StepInputs) -> list:
+        """Naive check phase, part 2: every participating parameter as a :class:`NaiveTensor` (this
+        process's part, the gradient float32 and AMP-unscaled), its state created on first use."""
         inverse_scale = None
         if inputs.grad_scale is not None:
             inverse_scale = inputs.grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ forms it
-        grads = {}
+        tensors = []
         for group, p in inputs.entries(self.param_groups):
-            g = p.grad
+            layout = distributed.shard_layout(p)
+            shape = layout.global_shape if layout.global_shape else (1,)  # a 0-d parameter: a 1-element vector
+            local_shape = (layout.rows,) + shape[1:]
+            grad = local_part(p.grad).to(torch.float32)
             if inverse_scale is not None:
-                g = g.to(torch.float32) * inverse_scale.to(g.device)
-            grads[p] = g
-        return grads
+                grad = grad * inverse_scale.to(grad.device)
+            state = self.ensure_state(p)
+            views = {}
+            for name in ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"):
+                buf = local_part(state[name])
+                views[name] = buf.view(local_shape + buf.shape[-1:]) if buf.numel() and p.dim() == 0 else buf
+            tensors.append(NaiveTensor(
+                group=group, param=p, shape=shape,
+                dims=self.reference.factored_dims(layout.global_shape), count=math.prod(shape), split=layout.split,
+                value=local_part(p).detach().to(torch.float32).reshape(local_shape), grad=grad.reshape(local_shape),
+                state=views))
+        return tensors
 
-    def _naive_step_allowed(self, inputs: StepInputs, grads: dict, loss=None) -> bool:
-        """Naive check phase, part 3 (one host read): False if the step must be skipped.
+    def _naive_step_allowed(self, tensors: list, inputs: StepInputs, loss=None, packet: SumPacket | None = None) -> bool:
+        """Naive check phase, part 3 (one reduce over the process group, one host read): False if the
+        step must be skipped. ``packet`` may hold sums a subclass wants completed in the same collective.
 
         An AMP overflow (GradScaler's ``found_inf``) skips silently: GradScaler expects it and
         lowers its scale. A non-finite or overflowing gradient (|g| >= 2^64), or a non-finite loss,
         raises under ``nonfinite="raise"``; else the step is skipped, counted and warned about.
+        The counts of such elements are summed over the processes, so that all of them decide alike.
         """
-        if inputs.found_inf is not None and bool(inputs.found_inf.detach().cpu().item() > 0):
+        packet = packet if packet is not None else SumPacket(self.reducer)
+        device = tensors[0].grad.device if tensors else self._param_devices().pop()
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        bad_counts = [_bad_element_count(t.grad) for t in tensors]
+        # What every process adds up, whichever tensors it holds: bad loss, bad elements of its whole
+        # tensors (per-tensor counts of split tensors are summed one by one below), GradScaler's flag.
+        shared = torch.stack([
+            (~torch.isfinite(loss)).to(device=device, dtype=torch.float64).reshape(()) if loss is not None else zero,
+            sum((c.to(device) for c, t in zip(bad_counts, tensors) if not t.split), zero),
+            inputs.found_inf.to(device=device, dtype=torch.float64).reshape(()) if inputs.found_inf is not None else zero,
+        ])
+        shared_handle = packet.add(shared)
+        count_handles = [packet.add(count, split=t.split) for count, t in zip(bad_counts, tensors)]
+        packet.reduce()
+        totals = torch.cat([packet[shared_handle]] + [packet[h].reshape(1).to(device) for h in count_handles]).cpu()
+        loss_total, whole_total, found_inf = (float(x) for x in totals[:3])
+        tensor_totals = [float(x) for x in totals[3:]]
+        if found_inf > 0:  # GradScaler's overflow
             return False
-        params = [p for _, p in inputs.entries(self.param_groups)]
-        if not params and loss is None:
+        if loss_total == 0 and whole_total == 0 and not any(tensor_totals):
             return True
-        peaks = [grads[p].detach().abs().amax().to(torch.float32) for p in params]
-        if loss is not None:
-            peaks.append(torch.where(torch.isfinite(loss), 0.0, math.inf).to(torch.float32).reshape(()))
-        devices = {t.device for t in peaks}
-        peaks = torch.stack([t.to("cpu") if len(devices) > 1 else t for t in peaks]).cpu()
-        bad = ~(peaks < GRADIENT_LIMIT)  # NaN compares False
-        if not bool(bad.any()):
-            return True
-        where = int(bad.nonzero()[0])
-        if where == len(params):
-            problem = f"the loss is not finite ({float(loss)})"
-        else:
-            index = next(i for i, p in enumerate(self._all_params()) if p is params[where])
-            problem = (f"the gradient of parameter #{index} (shape {tuple(params[where].shape)}) holds "
-                       f"{_describe_peak(float(peaks[where]))}")
+        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)
         if self.nonfinite == "raise":
             raise NonFiniteGradientError(f"{type(self).__name__}.step: {problem}; nothing was changed "
                                          f"(nonfinite='raise')")
@@ -289,6 +402,75 @@ class LearnedOptimizer(Optimizer):
                       f"are unchanged ({first['skipped_steps']} skipped so far; nonfinite='raise' stops instead)",
                       RuntimeWarning, stacklevel=4)
         return False
+
+    def _describe_problem(self, tensors, local_counts, totals, loss) -> str:
+        """What made the check fail, in the terms of this process (the first bad gradient, else the loss)."""
+        for t, local, total in zip(tensors, local_counts, totals):
+            if total > 0:
+                index = next(i for i, p in enumerate(self._all_params()) if p is t.param)
+                what = f"the gradient of parameter #{index} (shape {tuple(t.param.shape)})"
+                if float(local) > 0:
+                    return f"{what} holds {_describe_peak(float(t.grad.abs().amax()))}"
+                return f"{what} holds a non-finite or overflowing value in another process's shard"
+        if loss is not None and not bool(torch.isfinite(loss)):
+            return f"the loss is not finite ({float(loss)})"
+        return "a gradient or the loss of another process is not finite (or overflows)"
+
+    def _naive_accumulate(self, tensors: list) -> None:
+        """Accumulate phase (naive) for all tensors: momentum, rms and the Adafactor accumulators from
+        each tensor's ``step_grad``; the means along a split axis 0 complete in one reduce.
+
+        A factored tensor splits at most one of its factored axes: where that is d0, R's mean over
+        it needs the reduce; where it is d1, C's mean does, and so does the mean of R over d1 (the
+        row factor's normaliser), which is computed from the new R before the reduce.
+        """
+        packet = SumPacket(self.reducer)
+        pending = []
+        for t in tensors:
+            grad = t.step_grad
+            decays = self.decays(t.group, grad.device)
+            accumulators.update_momentum(t.state["mom"], grad, decays.momentum)
+            accumulators.update_rms(t.state["rms"], grad, decays.rms)
+            if t.dims is None:
+                accumulators.update_adafactor(t.state, grad, decays.adafactor, None)
+                continue
+            d1, d0 = t.dims
+            row_sum, col_sum = accumulators.adafactor_axis_sums(grad, t.dims)
+            handles = {"row": packet.add(row_sum, split=t.split and d0 == 0),
+                       "col": packet.add(col_sum, split=t.split and d1 == 0)}
+            if t.split and d1 == 0:
+                accumulators.ema_(t.state["fac_vec_row"], decays.adafactor,
+                                  accumulators.mean_from_sum(row_sum, t.shape[d0]))
+                handles["row_col"] = packet.add(accumulators.row_col_sum(t.state["fac_vec_row"], t.dims))
+            pending.append((t, decays, handles))
+        packet.reduce()
+        for t, decays, handles in pending:
+            d1, d0 = t.dims
+            if "row_col" not in handles:
+                accumulators.ema_(t.state["fac_vec_row"], decays.adafactor,
+                                  accumulators.mean_from_sum(packet[handles["row"]], t.shape[d0]))
+            else:
+                t.row_col_mean = accumulators.mean_from_sum(packet[handles["row_col"]], t.shape[d1])
+            accumulators.ema_(t.state["fac_vec_col"], decays.adafactor,
+                              accumulators.mean_from_sum(packet[handles["col"]], t.shape[d1]))
+
+    def _complete_sums(self, tensors: list, partial_sums: list) -> list:
+        """Each tensor's float64 ``partial_sums`` over its elements, completed across processes in one reduce."""
+        packet = SumPacket(self.reducer)
+        handles = [packet.add(sums, split=t.split) for t, sums in zip(tensors, partial_sums)]
+        packet.reduce()
+        return [packet[h] for h in handles]
+
+    def _naive_feature_square_sums(self, tensors: list) -> list:
+        """Statistics phase (naive): every tensor's per-feature Σ x² (float64) of ``self._features(t)``,
+        completed across processes in one reduce. The apply phase recomputes the features rather than
+        keeping them, so that no more than one tensor's features are alive at a time."""
+        return self._complete_sums(tensors, [accumulators.feature_square_sums(self._features(t)) for t in tensors])
+
+    def _features(self, t: NaiveTensor) -> torch.Tensor:
+        """The per-element features of a tensor (from the updated accumulators and the pre-update value)."""
+        return self.reference.per_element_features(t.step_grad, t.value.unsqueeze(-1), t.state, t.dims,
+                                                   t.row_col_mean)
 
     @property
     def skipped_steps(self) -> int:
@@ -317,6 +499,8 @@ class LearnedOptimizer(Optimizer):
         from lopt.fused import launcher
 
         reason = launcher.fused_unavailable_reason(self.architecture, self._param_devices())
+        if reason is None and any(is_dtensor(p) for p in self._all_params()):
+            reason = "the parameters are DTensors (FSDP2), which only the naive backend steps so far"
         if reason is None:
             reason = self._fused_unsupported_reason()
         if requested == "fused":
@@ -348,11 +532,28 @@ class LearnedOptimizer(Optimizer):
         return self._decays_cache[key]
 
     def ensure_state(self, p) -> dict:
-        """The parameter's state, created (zero accumulators, float32, on its device) on first use."""
+        """The parameter's state, created (zero accumulators, float32, on its device) on first use.
+
+        For a DTensor parameter (sharded on dim 0) each state tensor is a DTensor too: ``Shard(0)``
+        like the parameter where it keeps the parameter's axis 0, else ``Replicate()`` (the
+        Adafactor vector that averages over axis 0, identical on every process): so that
+        ``torch.distributed.checkpoint`` saves and loads it shard by shard.
+        """
         state = self.state[p]
-        if not state:
-            for name, buf in init_state(p.shape, self.reference.factored_dims(tuple(p.shape))).items():
+        if state:
+            return state
+        dims = self.reference.factored_dims(tuple(p.shape))
+        if not is_dtensor(p):
+            for name, buf in init_state(p.shape, dims).items():
                 state[name] = buf.to(p.device)
+            return state
+        local = local_part(p)
+        # R lacks axis d0 and C lacks axis d1: each keeps the parameter's axis 0 unless it is the one
+        # removed. The unused entries (shape (0,)) are whole on every process.
+        keeps_axis_0 = {"mom": True, "rms": True, "fac_vec_v": dims is None,
+                        "fac_vec_row": dims is not None and dims[1] != 0, "fac_vec_col": dims is not None and dims[0] != 0}
+        for name, buf in init_state(local.shape, dims).items():
+            state[name] = distributed.sharded_like(buf.to(local.device), p, keeps_axis_0[name])
         return state
 
     def weights_on(self, device, dtype=torch.float32) -> dict:
@@ -400,19 +601,32 @@ class LearnedOptimizer(Optimizer):
         missing = [key for key in self.GLOBAL_STATE_KEYS if key not in groups[0]]
         if missing:
             raise ValueError(f"{name}.load_state_dict: not a {name} state dict: its first param group lacks {missing}")
+        for index, (group, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(group["params"]) != len(saved.get("params", ())):
+                raise ValueError(f"{name}.load_state_dict: saved param group #{index} has "
+                                 f"{len(saved.get('params', ()))} parameters, this optimizer's {len(group['params'])}")
         params = [p for group in self.param_groups for p in group["params"]]
+        positions = _saved_positions(state_dict)
         for index, values in state_dict["state"].items():
             absent = [key for key in self.TENSOR_STATE_KEYS if key not in values]
             if absent:
                 raise ValueError(f"{name}.load_state_dict: not a {name} state dict: the state of parameter #{index} "
                                  f"lacks {absent}")
-            if not (isinstance(index, int) and 0 <= index < len(params)):
+            if index not in positions:
                 raise ValueError(f"{name}.load_state_dict: state for parameter #{index}, but the optimizer has "
                                  f"{len(params)} parameters")
-            expected = tuple(params[index].shape) + (3,)
+            param = params[positions[index]]
+            expected = tuple(param.shape) + (3,)
             if tuple(values["mom"].shape) != expected:
-                raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(params[index].shape)} "
+                raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(param.shape)} "
                                  f"but its saved momentum has shape {tuple(values['mom'].shape)} (expected {expected})")
+            if is_dtensor(param) != is_dtensor(values["mom"]):
+                raise ValueError(
+                    f"{name}.load_state_dict: parameter #{index} is "
+                    f"{'a DTensor' if is_dtensor(param) else 'a plain tensor'} but its saved state is "
+                    f"{'a DTensor' if is_dtensor(values['mom']) else 'plain tensors'}; save and load "
+                    f"sharded (FSDP2) optimizer state with torch.distributed.checkpoint's get_optimizer_state_dict "
+                    f"and set_optimizer_state_dict (full_state_dict=True converts between the two)")
         for index, group in enumerate(groups):
             candidate = dict(self.defaults)
             candidate.update({k: v for k, v in group.items() if k != "params"})
@@ -426,8 +640,9 @@ class LearnedOptimizer(Optimizer):
         # bfloat16 parameter); lopt's state is float32 for every parameter dtype, so restore the
         # saved float32 values (an independent copy on the parameter's device).
         params = [p for group in self.param_groups for p in group["params"]]
+        positions = _saved_positions(state_dict)
         for index, values in saved_state.items():
-            param = params[index]
+            param = params[positions[index]]
             for key, value in values.items():
                 if torch.is_tensor(value) and value.is_floating_point():
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
@@ -440,6 +655,9 @@ class LearnedOptimizer(Optimizer):
             self._fused_engine.invalidate()
 
     def __getstate__(self):
+        if self.process_group not in (None, distributed.LOCAL):
+            raise TypeError(f"{type(self).__name__} with an explicit process_group cannot be copied or pickled (a "
+                            f"ProcessGroup belongs to its processes); save opt.state_dict() instead")
         state = super().__getstate__()
         for name in self._PICKLED_ATTRIBUTES:
             state[name] = getattr(self, name)
@@ -448,6 +666,7 @@ class LearnedOptimizer(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._init_caches()
+        self.reducer
         self._restore_after_unpickling()
         self._start_fused_engine(strict=False)
 
@@ -470,12 +689,16 @@ def _validate_live_group(optimizer, group) -> None:
                              f"number >= 0 (or a 0-d tensor). Nothing was changed")
 
 
-def _is_dtensor(tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support has no DTensor
-        return False
-    return isinstance(tensor, DTensor)
+def _saved_positions(state_dict) -> dict:
+    """Position among the optimizer's parameters of each key of a saved state (indices, or the
+    parameter names torch.distributed.checkpoint uses), by the order of the saved groups' params."""
+    keys = (key for group in state_dict["param_groups"] for key in group.get("params", ()))
+    return {key: position for position, key in enumerate(keys)}
+
+
+def _bad_element_count(values: torch.Tensor) -> torch.Tensor:
+    """How many of ``values`` are non-finite or at least 2^64 in magnitude (float64, 0-d, on their device)."""
+    return torch.count_nonzero(~(values.detach().abs() < GRADIENT_LIMIT)).to(torch.float64)
 
 
 def _describe_peak(peak: float) -> str:

@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from lopt.distributed import SumPacket
 from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import small_fc_lopt as reference
 
@@ -78,12 +79,14 @@ class SmallFCLOpt(LearnedOptimizer):
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
         max_grad_norm: float | None = None,
         nonfinite: str = "skip",
+        process_group=None,
     ):
         defaults = self.accumulator_defaults(
             lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
             rms_decays=rms_decays, adafactor_decays=adafactor_decays)
         defaults["max_grad_norm"] = max_grad_norm
-        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite)
+        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
+                         process_group=process_group)
 
     def _validate_group(self, group: dict, where: str) -> None:
         super()._validate_group(group, where)
@@ -115,26 +118,36 @@ class SmallFCLOpt(LearnedOptimizer):
             if any(group["max_grad_norm"] is not None for group in self.param_groups):  # (a group added later)
                 raise RuntimeError("SmallFCLOpt: max_grad_norm is not supported by the fused backend yet; clip "
                                    "gradients before step() or use backend='naive'. Nothing was changed")
+            self._check_fused_processes_hold_the_same_tensors()
             self._fused_engine.step(inputs)
         else:
             self._naive_step(inputs)
         return loss
 
     def _naive_step(self, inputs) -> None:
-        grads = self._unscaled_gradients(inputs)
-        if not self._naive_step_allowed(inputs, grads):
+        """The naive backend, phase by phase over all tensors (``lopt/reference/small_fc_lopt.py`` per
+        tensor): check (with ``max_grad_norm``'s Σg²), accumulate, feature statistics, apply. Each
+        phase's sums over a tensor split among processes complete in one reduce for all tensors."""
+        tensors = self._naive_tensors(inputs)
+        check = SumPacket(self.reducer)
+        clipped = [t.group["max_grad_norm"] is not None for t in tensors]
+        norm_sums = [check.add(reference.gradient_square_sum(t.grad), split=t.split) if clip else None
+                     for t, clip in zip(tensors, clipped)]
+        if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
-        for group, params in zip(self.param_groups, inputs.params):
+        for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-            for p in params:
-                grad = grads[p]
-                if group["max_grad_norm"] is not None:
-                    grad = reference.clip_gradient_norm(grad, group["max_grad_norm"])
-                reference.small_fc_lopt_step(
-                    p, grad, self.ensure_state(p), group["step"], self.weights_on(p.device)["mlp"],
-                    self.decays(group, p.device), lr=group["lr"], weight_decay=group["weight_decay"],
-                    exp_mult=group["exp_mult"], step_mult=group["step_mult"],
-                )
+        for t, clip, handle in zip(tensors, clipped, norm_sums):
+            grad = reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[handle]) if clip else t.grad
+            t.step_grad = grad.unsqueeze(-1)
+        self._naive_accumulate(tensors)
+        square_sums = self._naive_feature_square_sums(tensors)
+        for t, sums in zip(tensors, square_sums):
+            group = t.group
+            update = reference.update_from_features(
+                self._features(t), sums, t.count, group["step"], self.weights_on(t.value.device)["mlp"],
+                exp_mult=group["exp_mult"], step_mult=group["step_mult"])
+            t.write_back(reference.apply_update(t.value, update, group["lr"], group["weight_decay"]))
 
 
 def _is_positive_number(value) -> bool:

@@ -99,6 +99,18 @@ class VeLO(LearnedOptimizer):
             2^64 changes nothing (parameters, state, loss buffer, step counters), is counted in
             :attr:`skipped_steps` and warned about; ``"raise"``: it raises
             :class:`lopt.NonFiniteGradientError`.
+        process_group: the processes this optimizer works with under ``torch.distributed``
+            (``docs/distributed.md``): ``None`` (default) is the default group when
+            torch.distributed is initialized, else none; ``"local"`` never communicates; or a
+            ``ProcessGroup``. With DDP, ZeroRedundancyOptimizer or FSDP2 it makes every process
+            step exactly like one process holding the whole model: the loss is averaged over the
+            group (see ``average_loss``), the skip decision for non-finite values is taken
+            together, the controller's max over tensors spans the processes' tensors (ZeRO), and
+            statistics of DTensor parameters sharded on dim 0 (FSDP2) span their shards.
+        average_loss: ``True`` (default): the loss VeLO sees is the mean of the processes' losses
+            (one all-reduce of a scalar on the device per step, no host synchronisation; the
+            mean over the data-parallel ranks is the loss of the global batch); ``False``: each
+            process uses its own loss, and DDP replicas then drift apart.
 
     ``step(loss)`` needs this step's training loss (a Python number, or a tensor with one element
     on any device) or a closure that returns it; loops that call ``step()`` themselves hand the
@@ -119,7 +131,8 @@ class VeLO(LearnedOptimizer):
     # it (group entries are saved and restored verbatim; ``add_param_group`` does not copy them).
     GLOBAL_STATE_KEYS = ("num_steps", "loss_means", "loss_running_min", "loss_count")
     TENSOR_STATE_KEYS = LearnedOptimizer.TENSOR_STATE_KEYS + ("lstm_hidden", "lstm_cell")
-    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum", "_losses")
+    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum", "_losses",
+                                                                 "average_loss")
 
     def __init__(
         self,
@@ -136,8 +149,13 @@ class VeLO(LearnedOptimizer):
         rms_decays=reference.RMS_DECAY_OFFSETS,
         adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
         nonfinite: str = "skip",
+        process_group=None,
+        average_loss: bool = True,
     ):
         num_steps = _validate_num_steps(num_steps)
+        if not isinstance(average_loss, bool):
+            raise TypeError(f"VeLO: average_loss must be True or False, got {average_loss!r}")
+        self.average_loss = average_loss
         if isinstance(params, torch.Tensor):
             raise TypeError("VeLO: params must be an iterable of tensors or param-group dicts, got a single tensor; "
                             "pass [tensor] or model.parameters()")
@@ -152,7 +170,8 @@ class VeLO(LearnedOptimizer):
         # ... and how many losses it holds (known on the host: no sync), in a dict step() mutates in place
         # (inside a compiled step dynamo replays container writes, not attribute assignments)
         self._losses = {"accumulated": 0}
-        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite)
+        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
+                         process_group=process_group)
 
         buffer = reference.init_loss_buffer(num_steps, self.controller_device)
         first = self.param_groups[0]
@@ -263,6 +282,14 @@ class VeLO(LearnedOptimizer):
             return StepLoss(tensor=value.detach().reshape(()))  # (a tensor: a compiled step does not specialise on it)
         return StepLoss(value=float(value))
 
+    def _averaged_loss(self, loss: StepLoss) -> StepLoss:
+        """The step's loss averaged over the process group (``average_loss``): one all-reduce of a
+        float32 scalar on the controller device, without synchronising with the host."""
+        if not self.average_loss or self.reducer.is_identity:
+            return loss
+        value = self._loss_on_controller(loss).clone()  # (never reduce the caller's tensor in place)
+        return StepLoss(tensor=self.reducer.mean_(value.reshape(1)).reshape(()))
+
     def _loss_on_controller(self, loss: StepLoss) -> torch.Tensor:
         """The step's loss as a float32 0-d tensor on the controller device (naive backend)."""
         device = self.controller_device
@@ -301,25 +328,22 @@ class VeLO(LearnedOptimizer):
                 returned = from_closure = closure()
         step_loss = self._step_loss(loss, from_closure)
         inputs = self._check_gradients()
+        step_loss = self._averaged_loss(step_loss)
         if self.backend == "fused":
+            self._check_fused_processes_hold_the_same_tensors()
             self._fused_engine.step(inputs, step_loss)
         else:
             self._naive_step(inputs, self._loss_on_controller(step_loss))
         return returned
 
-    def _work_view(self, p, state) -> dict:
-        """The tensor's shape for the math and its accumulators viewed in it (0-d → (1,))."""
-        shape = reference.work_shape(p.shape)
-        view = {"shape": shape}
-        for name in ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"):
-            buf = state[name]
-            view[name] = buf.view(shape + buf.shape[-1:]) if buf.numel() and p.dim() == 0 else buf
-        return view
-
     def _naive_step(self, inputs, loss: torch.Tensor) -> None:
-        """The naive backend: statistics, control (float64, batched over every tensor), apply."""
-        grads = self._unscaled_gradients(inputs)
-        if not self._naive_step_allowed(inputs, grads, loss):
+        """The naive backend, phase by phase over all tensors (``lopt/reference/velo.py``): check,
+        statistics (two passes), control (float64, batched over every tensor), accumulate, feature
+        statistics, apply. Each phase's sums over a tensor split among processes complete in one
+        reduce for all tensors; the controller's max over tensors in one reduce where the processes
+        hold different tensors (ZeRO)."""
+        tensors = self._naive_tensors(inputs)
+        if not self._naive_step_allowed(tensors, inputs, loss):
             return
         device = self.controller_device
         first = self.param_groups[0]
@@ -329,47 +353,60 @@ class VeLO(LearnedOptimizer):
         new_buffer = reference.update_loss_buffer(self.loss_buffer(), loss)
         loss_feats = reference.loss_features(new_buffer)
 
-        # Statistics: one LSTM input row per tensor, from the pre-update parameter and the old state.
-        entries = list(inputs.entries(self.param_groups))
-        constants = self._constants(device)
-        statistics, fractions, ranks, hiddens, cells = [], [], [], [], []
-        for group, p in entries:
-            state = self.ensure_state(p)
-            view = self._work_view(p, state)
-            param32 = p.detach().to(torch.float32).reshape(view["shape"])
-            statistics.append(reference.tensor_statistics(param32, view["mom"], view["rms"]))
-            fractions.append(reference.fraction_features(self._host_step(group), num_steps,
-                                                         constants["fraction_timescales"]))
-            ranks.append(constants["rank_one_hot"][min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)])
-            hiddens.append(state["lstm_hidden"].to(device))
-            cells.append(state["lstm_cell"].to(device))
+        # Statistics of the pre-update parameters and the old accumulators, in two passes.
+        first_pass = self._complete_sums(
+            tensors, [reference.moment_sums(t.value, t.state["mom"], t.state["rms"]) for t in tensors])
+        moments = [reference.tensor_moments(sums, t.count) for t, sums in zip(tensors, first_pass)]
+        second_pass = self._complete_sums(
+            tensors, [reference.centred_square_sums(t.state["mom"], t.state["rms"], m) for t, m in zip(tensors, moments)])
+        statistics = [reference.statistics_from_sums(m, sums, t.count)
+                      for t, m, sums in zip(tensors, moments, second_pass)]
 
-        if entries:
-            # Control: mixing, LSTM, heads and weight generation for every tensor at once, in float64.
-            rows = reference.lstm_input_features(torch.stack(fractions), loss_feats,
-                                                 torch.stack([s.lstm.to(device) for s in statistics]), torch.stack(ranks))
-            weights = self.weights_on(device, torch.float64)
-            controller = reference.controller_step(rows.double(), torch.stack(hiddens).double(),
-                                                   torch.stack(cells).double(), weights["rnn"])
+        # Control: one LSTM input row per tensor; mixing, LSTM, heads and weight generation for
+        # every tensor at once, in float64.
+        constants = self._constants(device)
+        weights = self.weights_on(device, torch.float64)
+        rows = torch.zeros((0, reference.NUM_LSTM_FEATURES), dtype=torch.float64, device=device)
+        if tensors:
+            rows = reference.lstm_input_features(
+                torch.stack([reference.fraction_features(self._host_step(t.group), num_steps,
+                                                         constants["fraction_timescales"]) for t in tensors]),
+                loss_feats, torch.stack([s.lstm.to(device) for s in statistics]),
+                torch.stack([constants["rank_one_hot"][min(reference.tensor_rank(t.param.shape),
+                                                           reference.NUM_RANK_CLASSES)] for t in tensors])).double()
+        shared = reference.mixing_max(rows, weights["rnn"])
+        if not self.has_sharded_parameters:
+            # Processes holding different tensors (ZeRO) take the max over all of them (a process
+            # without rows this step contributes zeros); where every process holds every tensor
+            # (DDP) this changes nothing. FSDP2's processes each have every tensor's row already.
+            self.reducer.max_(shared)
+        if tensors:
+            controller = reference.controller_step(
+                rows, torch.stack([self.state[t.param]["lstm_hidden"].to(device) for t in tensors]).double(),
+                torch.stack([self.state[t.param]["lstm_cell"].to(device) for t in tensors]).double(),
+                weights["rnn"], shared)
             mlps = reference.generate_mlp_weights(controller.controls, weights["mlp"]).to(torch.float32)
             lr_mult = controller.lr_mult.to(torch.float32)
 
-        # Apply, per tensor (the step counters advance first: PyLO's order).
+        # Accumulate, with the clipped gradient (the step counters advance first: PyLO's order).
         for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-        for index, ((group, p), stats) in enumerate(zip(entries, statistics)):
-            state = self.state[p]
-            view = self._work_view(p, state)
-            shape = view.pop("shape")
-            new_param = reference.apply_stage(
-                p.detach().to(torch.float32).reshape(shape), reference.clip_gradient(grads[p]).reshape(shape), view,
-                reference.factored_dims(tuple(p.shape)), self.decays(group, p.device), mlps.select(index, p.device),
-                lr_mult[index].to(p.device), reference.param_scale(stats.mean_square_param.to(p.device)),
-                lr=group["lr"], weight_decay=group["weight_decay"], exp_mult=group["exp_mult"],
+        for t in tensors:
+            t.step_grad = reference.clip_gradient(t.grad).unsqueeze(-1)
+        self._naive_accumulate(tensors)
+
+        # Feature statistics, then apply.
+        square_sums = self._naive_feature_square_sums(tensors)
+        for index, (t, stats, sums) in enumerate(zip(tensors, statistics, square_sums)):
+            at = t.value.device
+            group = t.group
+            update = reference.update_from_features(
+                self._features(t), sums, t.count, mlps.select(index, at), lr_mult[index].to(at),
+                reference.param_scale(stats.mean_square_param.to(at)), exp_mult=group["exp_mult"],
                 step_mult=group["step_mult"])
-            p.copy_(new_param.reshape(p.shape))
-            state["lstm_hidden"].copy_(controller.hidden[index])
-            state["lstm_cell"].copy_(controller.cell[index])
+            t.write_back(reference.apply_update(t.value, update, group["lr"], group["weight_decay"]))
+            self.state[t.param]["lstm_hidden"].copy_(controller.hidden[index])
+            self.state[t.param]["lstm_cell"].copy_(controller.cell[index])
         # New tensors rather than in-place writes: a state_dict taken earlier keeps its values.
         first["loss_means"], first["loss_running_min"], first["loss_count"] = (
             new_buffer.means, new_buffer.running_min, new_buffer.count)

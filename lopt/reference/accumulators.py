@@ -15,6 +15,7 @@ A 0-d parameter is handled as shape ``(1,)`` (the JAX definition); its state kee
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,26 +117,29 @@ def safe_rsqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.rsqrt(torch.clamp_min(x, SAFE_RSQRT_FLOOR))
 
 
-# Large finite gradients (up to 2^64, beyond which g² itself overflows float32 and the step is
-# skipped: lopt.optimizers.base.GRADIENT_LIMIT) give accumulators and features near float32's
-# largest value, whose sums would overflow. Means over a tensor's elements therefore divide the
-# values by a power of two first when the largest of them exceeds 2^SUM_SAFE_EXPONENT (2^80 ≈ 1e24;
-# 2^40 for sums of squares): exact, and the identity — so bit-identical to a plain float32 mean —
-# for every ordinary magnitude.
-SUM_SAFE_EXPONENT = 80
+# Means over a tensor's elements or along an axis are sums in float64 divided by the count. Gradients
+# up to 2^64 are stepped (beyond, g² overflows float32 and the step is skipped:
+# lopt.optimizers.base.GRADIENT_LIMIT), so accumulators and features reach float32's largest value:
+# their float64 sums, and sums of their squares, cannot overflow. A sum is also what one process
+# can compute for its part of a tensor: the reduce phase (lopt/distributed.py) adds the parts of
+# all processes before the division.
 
 
-def _power_of_two_divisor(peak: torch.Tensor, limit_exponent: int) -> torch.Tensor:
-    """1 where ``peak`` ≤ 2^limit_exponent, else the power of two that brings it there (float32)."""
-    exponent = torch.clamp(torch.ceil(torch.log2(peak)) - limit_exponent, min=0)
-    return torch.exp2(exponent)
+def float64_sum(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Σ of float32 values, accumulated in float64 (over ``dim``, or over everything)."""
+    if dim is None:
+        return torch.sum(x, dtype=torch.float64)
+    return torch.sum(x, dim=dim, keepdim=keepdim, dtype=torch.float64)
 
 
-def overflow_safe_mean(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
-    """``torch.mean(x, dim)`` of finite float32 values, without overflowing when they are huge."""
-    divisor = _power_of_two_divisor(torch.amax(torch.abs(x), dim=dim, keepdim=True), SUM_SAFE_EXPONENT)
-    mean = torch.mean(x / divisor, dim=dim, keepdim=True) * divisor
-    return mean if keepdim else mean.squeeze(dim)
+def mean_from_sum(total: torch.Tensor, count: int) -> torch.Tensor:
+    """The float32 mean of ``count`` values whose float64 sum is ``total``."""
+    return (total / count).to(torch.float32)
+
+
+def float64_mean(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """``torch.mean(x, dim)`` of float32 values, accumulated in float64 and rounded once to float32."""
+    return mean_from_sum(float64_sum(x, dim, keepdim), x.shape[dim])
 
 
 def update_momentum(mom: torch.Tensor, grad: torch.Tensor, decays: torch.Tensor) -> None:
@@ -148,45 +152,79 @@ def update_rms(rms: torch.Tensor, grad: torch.Tensor, decays: torch.Tensor) -> N
     rms.mul_(decays).add_((1 - decays) * (grad * grad))
 
 
+def ema_(accumulator: torch.Tensor, decays: torch.Tensor, value: torch.Tensor) -> None:
+    """accumulator <- β·accumulator + (1 − β)·value   (in place, written as PyLO writes it)."""
+    accumulator.copy_(decays * accumulator + (1 - decays) * value)
+
+
+def adafactor_square(grad: torch.Tensor) -> torch.Tensor:
+    """G = g² + 1e-30, what the Adafactor accumulators average."""
+    return grad * grad + ADAFACTOR_EPSILON
+
+
+def adafactor_axis_sums(grad: torch.Tensor, factored_dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ over axis d0 of G, Σ over axis d1 of G), float64: the sums behind R's and C's means.
+
+    ``grad`` has a trailing axis of size 1. For one process's part of a tensor split along an
+    axis, the sum over that axis is partial (completed by the reduce phase).
+    """
+    d1, d0 = factored_dims
+    grad_squared = adafactor_square(grad)
+    return float64_sum(grad_squared, d0), float64_sum(grad_squared, d1)
+
+
 def update_adafactor(state: dict, grad: torch.Tensor, decays: torch.Tensor, factored_dims) -> None:
     """Adafactor accumulators of G = g² + 1e-30 (in place).
 
     Factored: ``fac_vec_row`` tracks the mean of G over axis d0, ``fac_vec_col`` over axis d1.
     Non-factored: ``fac_vec_v`` tracks G itself. ``grad`` has a trailing axis of size 1.
     """
-    grad_squared = grad * grad + ADAFACTOR_EPSILON
-    mixing = 1 - decays
     if factored_dims is None:
-        state["fac_vec_v"].copy_(decays * state["fac_vec_v"] + mixing * grad_squared)
-    else:
-        d1, d0 = factored_dims
-        state["fac_vec_row"].copy_(decays * state["fac_vec_row"] + mixing * overflow_safe_mean(grad_squared, d0))
-        state["fac_vec_col"].copy_(decays * state["fac_vec_col"] + mixing * overflow_safe_mean(grad_squared, d1))
+        ema_(state["fac_vec_v"], decays, adafactor_square(grad))
+        return
+    d1, d0 = factored_dims
+    row_sum, col_sum = adafactor_axis_sums(grad, factored_dims)
+    ema_(state["fac_vec_row"], decays, mean_from_sum(row_sum, grad.shape[d0]))
+    ema_(state["fac_vec_col"], decays, mean_from_sum(col_sum, grad.shape[d1]))
 
 
-def adafactor_factors(state: dict, factored_dims) -> tuple[torch.Tensor, torch.Tensor]:
+def row_axis_of_d1(factored_dims) -> int:
+    """The index, inside R (which lacks axis d0), of the parameter's axis d1."""
+    d1, d0 = factored_dims
+    return d1 - 1 if d1 > d0 else d1
+
+
+def row_col_sum(row: torch.Tensor, factored_dims) -> torch.Tensor:
+    """Σ of R over the parameter's axis d1 (keeping it), float64: the sum behind ``row_col_mean``."""
+    return float64_sum(row, row_axis_of_d1(factored_dims), keepdim=True)
+
+
+def adafactor_factors(state: dict, factored_dims, row_col_mean: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_factor, col_factor) of a factored tensor, broadcastable against ``S + (3,)``.
 
-    row_factor = safe_rsqrt(R / (mean of R over the d1 axis + 1e-9)), col_factor = safe_rsqrt(C).
+    row_factor = safe_rsqrt(R / (row_col_mean + 1e-9)), col_factor = safe_rsqrt(C), with
+    ``row_col_mean`` the mean of R over the d1 axis: computed here from R unless given (the reduce
+    phase gives it when R's d1 axis is split among processes).
     """
     d1, d0 = factored_dims
     row, col = state["fac_vec_row"], state["fac_vec_col"]
-    d1_inside_row = d1 - 1 if d1 > d0 else d1  # R lacks axis d0
-    row_col_mean = overflow_safe_mean(row, d1_inside_row, keepdim=True)
+    if row_col_mean is None:
+        row_col_mean = mean_from_sum(row_col_sum(row, factored_dims), row.shape[row_axis_of_d1(factored_dims)])
     row_factor = safe_rsqrt(row / (row_col_mean + 1e-9)).unsqueeze(d0)
     col_factor = safe_rsqrt(col).unsqueeze(d1)
     return row_factor, col_factor
 
 
-def factored_gradient(grad: torch.Tensor, state: dict, factored_dims) -> torch.Tensor:
+def factored_gradient(grad: torch.Tensor, state: dict, factored_dims, row_col_mean=None) -> torch.Tensor:
     """fac_g_k: the gradient preconditioned by the updated Adafactor accumulators (``S + (3,)``)."""
     if factored_dims is None:
         return grad * safe_rsqrt(state["fac_vec_v"] + 1e-9)
-    row_factor, col_factor = adafactor_factors(state, factored_dims)
+    row_factor, col_factor = adafactor_factors(state, factored_dims, row_col_mean)
     return grad * row_factor * col_factor
 
 
-def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float) -> list:
+def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float, row_col_mean=None) -> list:
     """The 15 Adafactor features both optimizers end their feature list with (each ``S + (3,)``).
 
     Factored: row ``R_k``, col ``C_k`` (broadcast back), ``rsqrt(R_k + 1e-8)``, ``rsqrt(C_k + 1e-8)``,
@@ -198,23 +236,48 @@ def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float)
         d1, d0 = factored_dims
         row = state["fac_vec_row"].unsqueeze(d0).expand_as(mom)
         col = state["fac_vec_col"].unsqueeze(d1).expand_as(mom)
-        row_factor, col_factor = adafactor_factors(state, factored_dims)
+        row_factor, col_factor = adafactor_factors(state, factored_dims, row_col_mean)
         return [row, col, torch.rsqrt(row + 1e-8), torch.rsqrt(col + 1e-8), mom * row_factor * col_factor]
     full = state["fac_vec_v"]
     full_momentum = mom * torch.pow(full + full_momentum_epsilon if full_momentum_epsilon else full, -0.5)
     return [full, full, torch.rsqrt(full + 1e-8), torch.rsqrt(full + 1e-8), full_momentum]
 
 
-def second_moment_normalizer(features: torch.Tensor, axes, eps: float = 1e-5) -> torch.Tensor:
-    """x_j * rsqrt(eps + mean over ``axes`` of x_j²), separately for every feature column j.
+def float64_square_sum(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """Σ x² in float64 (over ``dim``, or over everything), formed as the square of the float64 2-norm:
+    torch upcasts element by element inside the reduction, without a float64 copy of ``x``."""
+    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64) ** 2
 
-    Computed as ``(x_j/s_j) * rsqrt(eps/s_j² + mean((x_j/s_j)²))`` with ``s_j`` a power of two that
-    is 1 (the plain formula, bit for bit) unless the column holds values above 2^40, whose squares
-    could overflow the float32 mean.
+
+def feature_square_sums(features: torch.Tensor) -> torch.Tensor:
+    """Σ x_j² over all elements, for every feature column j (the last axis), in float64."""
+    return float64_square_sum(features, dim=list(range(features.dim() - 1)))
+
+
+def normalise_by_square_sums(features: torch.Tensor, square_sums: torch.Tensor, count: int,
+                             eps: float = 1e-5) -> torch.Tensor:
+    """x_j · rsqrt(eps + Σx_j²/count) for every feature column j, in float32 (``square_sums`` float64).
+
+    The scale is formed in float64 and rounded to float32. Columns whose values reach ~2^63 have a
+    scale below float32's normal range: it is applied as (x·(s·2^64))·2^-64, exact powers of two,
+    so every ordinary column gets plain x·s.
     """
-    divisor = _power_of_two_divisor(torch.amax(torch.abs(features), dim=axes, keepdim=True), SUM_SAFE_EXPONENT // 2)
-    scaled = features / divisor
-    return scaled * torch.rsqrt(eps / (divisor * divisor) + torch.mean(scaled * scaled, dim=axes, keepdim=True))
+    scales = torch.rsqrt(eps + square_sums / count)
+    shift = torch.where(scales < 2.0**-60, 2.0**64, 1.0).to(torch.float64)
+    return features * (scales * shift).to(torch.float32) * (1 / shift).to(torch.float32)
+
+
+def second_moment_normalizer(features: torch.Tensor, axes=None, eps: float = 1e-5) -> torch.Tensor:
+    """x_j · rsqrt(eps + mean over the tensor's elements of x_j²), separately for every feature column j.
+
+    ``features`` is ``S + (F,)``; the mean runs over all axes of ``S`` (``axes``, if given, must be
+    those). The sums are float64 (:func:`feature_square_sums`), so huge values cannot overflow them.
+    """
+    element_axes = list(range(features.dim() - 1))
+    if axes is not None and sorted(axes) != element_axes:
+        raise ValueError(f"second_moment_normalizer normalises over all element axes {element_axes}, got {axes}")
+    count = math.prod(features.shape[:-1])
+    return normalise_by_square_sums(features, feature_square_sums(features), count, eps)
 
 
 def update_accumulators(state: dict, grad: torch.Tensor, decays: Decays, factored_dims) -> None:

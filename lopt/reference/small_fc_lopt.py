@@ -23,12 +23,14 @@ import torch.nn.functional as F
 
 from lopt.reference import accumulators
 from lopt.reference.accumulators import (  # the shared steps (update_accumulators, apply_update, ...)
-    apply_update,
-    update_accumulators,
     adafactor_features,
+    apply_update,
     factored_gradient,
+    feature_square_sums,
+    normalise_by_square_sums,
     second_moment_normalizer,
     stable_factored_dims,
+    update_accumulators,
 )
 
 NUM_ELEMENT_FEATURES = 28
@@ -65,21 +67,23 @@ def time_features(step: int) -> torch.Tensor:
 
 
 
-def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims) -> torch.Tensor:
+def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims,
+                         row_col_mean: torch.Tensor | None = None) -> torch.Tensor:
     """§3.5: the 28 features, ``S + (28,)``, from the updated accumulators and the pre-update param.
 
-    ``grad`` and ``param`` carry a trailing axis of size 1.
+    ``grad`` and ``param`` carry a trailing axis of size 1. ``row_col_mean`` (the mean of R over
+    axis d1) is computed from R unless given (see ``accumulators.adafactor_factors``).
     """
     mom, rms = state["mom"], state["rms"]
     rsqrt_rms = torch.rsqrt(rms + 1e-6)
-    features = [grad, param, mom, rms, mom * rsqrt_rms, rsqrt_rms, factored_gradient(grad, state, dims)]
-    features += adafactor_features(state, dims, full_momentum_epsilon=1e-6)
+    features = [grad, param, mom, rms, mom * rsqrt_rms, rsqrt_rms, factored_gradient(grad, state, dims, row_col_mean)]
+    features += adafactor_features(state, dims, full_momentum_epsilon=1e-6, row_col_mean=row_col_mean)
     return torch.cat(features, dim=-1)
 
 
 def normalise_features(features: torch.Tensor) -> torch.Tensor:
     """§3.6: every feature column divided by the root mean square over the tensor's elements."""
-    return second_moment_normalizer(features, axes=list(range(features.dim() - 1)))
+    return second_moment_normalizer(features)
 
 
 def mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +94,21 @@ def mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor
     return output[..., 0], output[..., 1]
 
 
-def clip_gradient_norm(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
+def gradient_square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """Σ g² over the tensor, in float64 (so that large finite gradients do not overflow it)."""
+    return accumulators.float64_square_sum(grad)
+
+
+def clip_gradient_norm(grad: torch.Tensor, max_norm: float, square_sum: torch.Tensor | None = None) -> torch.Tensor:
     """PyLO's per-tensor clipping (``max_grad_norm``): ``g · min(1, max_norm / (‖g‖₂ + 1e-6))`` in float32.
 
-    The norm is accumulated in float64, so that large finite gradients do not overflow it.
+    ``‖g‖₂ = sqrt(Σ g²)``, with the float64 sum computed here unless given (the reduce phase gives
+    it for a tensor split among processes), rounded to float32.
     """
     grad = grad.to(torch.float32)
-    norm = torch.linalg.vector_norm(grad, dtype=torch.float64).to(torch.float32)
+    if square_sum is None:
+        square_sum = gradient_square_sum(grad)
+    norm = torch.sqrt(square_sum).to(torch.float32)
     return grad * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
@@ -106,12 +118,24 @@ def update_from_mlp(direction: torch.Tensor, magnitude: torch.Tensor, exp_mult: 
 
 
 
+def update_from_features(features: torch.Tensor, square_sums: torch.Tensor, count: int, step: int, network: dict,
+                         *, exp_mult: float, step_mult: float) -> torch.Tensor:
+    """§3.6–§3.9 for one tensor: normalise the 28 features (``S + (28,)``) by the tensor's float64
+    ``square_sums`` over its ``count`` elements, append the time features, run the MLP; returns u (``S``)."""
+    features = normalise_by_square_sums(features, square_sums, count)
+    time = time_features(step).to(features.device).expand(features.shape[:-1] + (NUM_TIME_FEATURES,))
+    direction, magnitude = mlp(torch.cat([features, time], dim=-1), network)
+    return update_from_mlp(direction, magnitude, exp_mult, step_mult)
+
+
 def small_fc_lopt_step(param: torch.Tensor, grad: torch.Tensor, state: dict, step: int, network: dict,
                        decays: Decays, *, lr: float, weight_decay: float, exp_mult: float, step_mult: float) -> None:
     """One small_fc_lopt step for one tensor: updates ``state`` and ``param`` in place.
 
     ``param`` may be float32, bfloat16 or float16; the math is float32 and the result is written
     back in the parameter's dtype. ``step`` is the group's step count including this step.
+    (``lopt.SmallFCLOpt`` runs the same functions phase by phase over all its tensors, with the
+    sums over the elements of a tensor split among processes completed in between.)
     """
     shape = tuple(param.shape)
     dims = factored_dims(shape)
@@ -121,9 +145,8 @@ def small_fc_lopt_step(param: torch.Tensor, grad: torch.Tensor, state: dict, ste
     work_state = {name: (buf.view(work_shape + buf.shape[-1:]) if buf.numel() and not shape else buf) for name, buf in state.items()}
 
     update_accumulators(work_state, batch_grad, decays, dims)
-    features = normalise_features(per_element_features(batch_grad, batch_param, work_state, dims))
-    time = time_features(step).to(features.device).expand(work_shape + (NUM_TIME_FEATURES,))
-    direction, magnitude = mlp(torch.cat([features, time], dim=-1), network)
-    update = update_from_mlp(direction, magnitude, exp_mult, step_mult)
+    features = per_element_features(batch_grad, batch_param, work_state, dims)
+    update = update_from_features(features, feature_square_sums(features), batch_param.numel(), step, network,
+                                  exp_mult=exp_mult, step_mult=step_mult)
     new_param = apply_update(batch_param.squeeze(-1), update, lr, weight_decay)
     param.copy_(new_param.reshape(shape))

@@ -35,12 +35,16 @@ import torch.nn.functional as F
 
 from lopt.reference import accumulators
 from lopt.reference.accumulators import (  # the shared steps (update_accumulators, apply_update, ...)
-    apply_update,
-    update_accumulators,
     adafactor_features,
+    apply_update,
     factored_gradient,
+    feature_square_sums,
+    float64_square_sum,
+    float64_sum,
+    normalise_by_square_sums,
     second_moment_normalizer,
     stable_factored_dims,
+    update_accumulators,
 )
 
 LSTM_HIDDEN_SIZE = 512
@@ -203,6 +207,51 @@ class TensorStatistics:
     lstm: torch.Tensor
 
 
+@dataclass(frozen=True)
+class TensorMoments:
+    """The first pass of the statistics: ``mean_square_param`` (mean p², float32 0-d), ``norm_mult``
+    ν = rsqrt(max(mean p², 1e-9)) (float32 value, float64 0-d), and the float64 means of the scaled
+    accumulators ``mean_mom`` μ_m,k (3) and ``mean_rms`` μ_v (1)."""
+
+    mean_square_param: torch.Tensor
+    norm_mult: torch.Tensor
+    mean_mom: torch.Tensor
+    mean_rms: torch.Tensor
+
+
+def moment_sums(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
+    """First-pass sums over the tensor's elements, float64: ``[Σ p², Σ m_0, Σ m_1, Σ m_2, Σ v]``."""
+    axes = list(range(param.dim()))
+    square_param = float64_square_sum(param).reshape(1)
+    return torch.cat([square_param, float64_sum(mom, axes), float64_sum(rms, axes)])
+
+
+def tensor_moments(sums: torch.Tensor, count: int) -> TensorMoments:
+    """The :class:`TensorMoments` of a tensor of ``count`` elements from its :func:`moment_sums`.
+
+    ``μ_m,k = ν·Σm_k/n`` is the mean of ``m̃ = ν·m`` (ν, not ν²), and likewise ``μ_v``.
+    """
+    mean_square_param = (sums[0] / count).to(torch.float32)
+    norm_mult = torch.rsqrt(torch.clamp_min(mean_square_param, 1e-9)).to(torch.float64)
+    return TensorMoments(mean_square_param, norm_mult, norm_mult * sums[1:4] / count, norm_mult * sums[4:5] / count)
+
+
+def centred_square_sums(mom: torch.Tensor, rms: torch.Tensor, moments: TensorMoments) -> torch.Tensor:
+    """Second-pass sums, float64: ``[Σ (m̃_k − μ_m,k)² (3), Σ (ṽ − μ_m,k)² (3)]`` — ṽ around the
+    **momentum** means: the original's bug, kept."""
+    axes = list(range(mom.dim() - 1))
+    scaled_mom = mom.to(torch.float64) * moments.norm_mult
+    scaled_rms = rms.to(torch.float64) * moments.norm_mult
+    return torch.cat([float64_sum((scaled_mom - moments.mean_mom) ** 2, axes),
+                      float64_sum((scaled_rms - moments.mean_mom) ** 2, axes)])
+
+
+def statistics_from_sums(moments: TensorMoments, centred_sums: torch.Tensor, count: int) -> TensorStatistics:
+    """``var_m,k`` and ``var_v,k`` from the :func:`centred_square_sums`, with ``μ_v``: the float32 statistics."""
+    lstm = torch.cat([moments.mean_rms, centred_sums / count]).to(torch.float32)
+    return TensorStatistics(moments.mean_square_param, lstm)
+
+
 def tensor_statistics(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor) -> TensorStatistics:
     """Statistics of the pre-update ``param`` and the **old** accumulators, accumulated in float64.
 
@@ -210,19 +259,12 @@ def tensor_statistics(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor)
     ``m̃ = ν·m`` and ``ṽ = ν·v`` (ν, not ν²): ``μ_m,k = mean m̃_k``, ``var_m,k = mean (m̃_k − μ_m,k)²``,
     ``μ_v = mean ṽ``, ``var_v,k = mean (ṽ − μ_m,k)²`` (the momentum mean: the original's bug,
     kept), each two-pass in float64 and rounded to float32. ``param`` has the work shape (a 0-d
-    parameter as ``(1,)``), ``mom`` and ``rms`` a trailing decay axis.
+    parameter as ``(1,)``), ``mom`` and ``rms`` a trailing decay axis. (``lopt.VeLO`` runs the two
+    passes over all tensors at once, completing each pass's sums across processes in between.)
     """
-    axes = list(range(param.dim()))
-    param64 = param.to(torch.float64)
-    mean_square_param = torch.mean(param64 * param64).to(torch.float32)
-    norm_mult = torch.rsqrt(torch.clamp_min(mean_square_param, 1e-9)).to(torch.float64)
-    scaled_mom = mom.to(torch.float64) * norm_mult
-    scaled_rms = rms.to(torch.float64) * norm_mult
-    mean_mom = torch.mean(scaled_mom, dim=axes, keepdim=True)
-    var_mom = torch.mean((scaled_mom - mean_mom) ** 2, dim=axes)
-    mean_rms = torch.mean(scaled_rms, dim=axes)
-    var_rms = torch.mean((scaled_rms - mean_mom) ** 2, dim=axes)
-    return TensorStatistics(mean_square_param, torch.cat([mean_rms, var_mom, var_rms]).to(torch.float32))
+    count = param.numel()
+    moments = tensor_moments(moment_sums(param, mom, rms), count)
+    return statistics_from_sums(moments, centred_square_sums(mom, rms, moments), count)
 
 
 def clip_log_abs(x: torch.Tensor, scale: float = 10.0) -> torch.Tensor:
@@ -276,13 +318,26 @@ class ControllerOutput:
     cell: torch.Tensor  # N_t × 512, new LSTM c
 
 
-def mix_tensor_inputs(inputs: torch.Tensor, rnn: dict) -> torch.Tensor:
+def mixing_max(inputs: torch.Tensor, rnn: dict) -> torch.Tensor:
+    """``max_rows relu(X A2ᵀ + a2)`` (512): the only quantity through which tensors see each other.
+
+    With no rows it is zero, the identity of a max of ReLU outputs: a process holding some of the
+    tensors (ZeRO) computes the max of its rows, and the reduce phase takes the max over processes.
+    """
+    weight, bias = rnn["mix_layer2.weight"], rnn["mix_layer2.bias"]
+    if inputs.shape[0] == 0:
+        return torch.zeros(weight.shape[0], dtype=inputs.dtype, device=inputs.device)
+    return torch.max(F.relu(F.linear(inputs, weight, bias)), dim=0).values
+
+
+def mix_tensor_inputs(inputs: torch.Tensor, rnn: dict, shared: torch.Tensor | None = None) -> torch.Tensor:
     """``x̂ = X A3ᵀ + a3 + max_rows relu(X A2ᵀ + a2)``: every tensor sees the whole model through the max.
 
+    ``shared`` is the max over all tensors' rows (:func:`mixing_max` of ``inputs`` unless given).
     (The checkpoint's first mixing layer ``mix_layer1`` is computed and discarded by JAX; skipped.)
     """
-    mixed = F.relu(F.linear(inputs, rnn["mix_layer2.weight"], rnn["mix_layer2.bias"]))
-    shared = torch.max(mixed, dim=0, keepdim=True).values
+    if shared is None:
+        shared = mixing_max(inputs, rnn)
     return F.linear(inputs, rnn["final_mix_layer.weight"], rnn["final_mix_layer.bias"]) + shared
 
 
@@ -304,9 +359,11 @@ def controller_heads(hidden: torch.Tensor, rnn: dict) -> tuple[torch.Tensor, tor
     return controls, lr_mult
 
 
-def controller_step(inputs: torch.Tensor, hidden: torch.Tensor, cell: torch.Tensor, rnn: dict) -> ControllerOutput:
-    """Mixing, one LSTM step and the heads for all ``N_t`` tensors at once (``inputs`` ``N_t × 30``)."""
-    mixed = mix_tensor_inputs(inputs, rnn)
+def controller_step(inputs: torch.Tensor, hidden: torch.Tensor, cell: torch.Tensor, rnn: dict,
+                    shared: torch.Tensor | None = None) -> ControllerOutput:
+    """Mixing, one LSTM step and the heads for all ``N_t`` tensors at once (``inputs`` ``N_t × 30``;
+    ``shared``: the mixing max over every tensor of the model, when ``inputs`` holds only some)."""
+    mixed = mix_tensor_inputs(inputs, rnn, shared)
     new_hidden, new_cell = lstm_cell(mixed, hidden, cell, rnn["lstm.linear.weight"], rnn["lstm.linear.bias"])
     controls, lr_mult = controller_heads(new_hidden, rnn)
     return ControllerOutput(controls, lr_mult, new_hidden, new_cell)
@@ -357,27 +414,28 @@ def generate_mlp_weights(controls: torch.Tensor, mlp: dict) -> GeneratedMLP:
 
 
 
-def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims) -> torch.Tensor:
+def per_element_features(grad: torch.Tensor, param: torch.Tensor, state: dict, dims,
+                         row_col_mean: torch.Tensor | None = None) -> torch.Tensor:
     """§3.6: the 30 features ``S + (30,)`` (``ELEMENT_FEATURE_NAMES``) from the **updated**
     accumulators and the pre-update param; ``grad`` (clipped) and ``param`` carry a trailing axis of 1.
 
     ``ρ = rsqrt(v + 1e-6)``. Rank ≥ 2: row/col are ``R_k``/``C_k`` broadcast, features 27–29
     ``m_k·rf_k·cf_k``. Rank ≤ 1: ``V_k`` twice, features 27–29 ``m_k·V_k^(−1/2)`` (no epsilon,
-    unlike small_fc_lopt).
+    unlike small_fc_lopt). ``row_col_mean``: see ``accumulators.adafactor_factors``.
     """
     mom, rms = state["mom"], state["rms"]
     rsqrt_rms = torch.rsqrt(rms + 1e-6)
     features = [
         grad, torch.clamp(grad, -GRADIENT_FEATURE_CLIP, GRADIENT_FEATURE_CLIP), param, mom, rms, mom * rsqrt_rms,
-        rsqrt_rms, factored_gradient(grad, state, dims), grad * rsqrt_rms,
+        rsqrt_rms, factored_gradient(grad, state, dims, row_col_mean), grad * rsqrt_rms,
     ]
-    features += adafactor_features(state, dims, full_momentum_epsilon=0.0)
+    features += adafactor_features(state, dims, full_momentum_epsilon=0.0, row_col_mean=row_col_mean)
     return torch.cat(features, dim=-1)
 
 
 def normalise_features(features: torch.Tensor) -> torch.Tensor:
     """§3.7: each feature column times ``rsqrt(1e-5 + mean over the tensor's elements of x_j²)``."""
-    return second_moment_normalizer(features, axes=list(range(features.dim() - 1)))
+    return second_moment_normalizer(features)
 
 
 def per_element_mlp(features: torch.Tensor, mlp: GeneratedMLP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,6 +458,14 @@ def velo_update(direction: torch.Tensor, magnitude: torch.Tensor, lr_mult: torch
 
 
 
+def update_from_features(features: torch.Tensor, square_sums: torch.Tensor, count: int, mlp: GeneratedMLP,
+                         lr_mult: torch.Tensor, scale: torch.Tensor, *, exp_mult: float, step_mult: float) -> torch.Tensor:
+    """§3.7–§3.9 for one tensor: normalise the 30 features (``S + (30,)``) by the tensor's float64
+    ``square_sums`` over its ``count`` elements, run the generated MLP; returns u (``S``)."""
+    direction, magnitude = per_element_mlp(normalise_by_square_sums(features, square_sums, count), mlp)
+    return velo_update(direction, magnitude, lr_mult, scale, exp_mult, step_mult)
+
+
 def apply_stage(param: torch.Tensor, grad: torch.Tensor, state: dict, dims, decays: Decays, mlp: GeneratedMLP,
                 lr_mult: torch.Tensor, scale: torch.Tensor, *, lr, weight_decay, exp_mult: float,
                 step_mult: float) -> torch.Tensor:
@@ -408,13 +474,14 @@ def apply_stage(param: torch.Tensor, grad: torch.Tensor, state: dict, dims, deca
     ``param`` (float32, pre-update) and ``grad`` (float32, clipped) have the work shape (a 0-d
     parameter as ``(1,)``); ``state`` holds the accumulators in that shape and is updated in place;
     ``mlp`` and ``lr_mult`` are this tensor's controller outputs, ``scale`` its ``param_scale``.
+    (``lopt.VeLO`` runs these steps phase by phase over all its tensors.)
     """
     batch_grad = grad.unsqueeze(-1)
     batch_param = param.unsqueeze(-1)
     update_accumulators(state, batch_grad, decays, dims)
-    features = normalise_features(per_element_features(batch_grad, batch_param, state, dims))
-    direction, magnitude = per_element_mlp(features, mlp)
-    update = velo_update(direction, magnitude, lr_mult, scale, exp_mult, step_mult)
+    features = per_element_features(batch_grad, batch_param, state, dims)
+    update = update_from_features(features, feature_square_sums(features), param.numel(), mlp, lr_mult, scale,
+                                  exp_mult=exp_mult, step_mult=step_mult)
     return apply_update(param, update, lr, weight_decay)
 
 
