@@ -109,7 +109,8 @@ def _check_bench_options(args) -> None:
                 raise UsageError(f"--seq-len: {name} is not a language model (it takes images)")
             limit = spec.config.get("n_positions")
             if limit is not None and args.seq_len > limit:
-                raise UsageError(f"--seq-len {args.seq_len}: {name} has {limit} positions; use --seq-len {limit} or less")
+                raise UsageError(f"--seq-len {args.seq_len}: {name} has {limit} positions; "
+                                 f"use --seq-len {limit} or less")
     if args.weights is not None:
         if len(args.optimizers) != 1:
             raise UsageError("--weights needs one --optimizer (small_fc_lopt or velo): the weights are one optimizer's")
@@ -151,9 +152,9 @@ def _check_libraries(args) -> None:
     from lopt.bench.models import require_matplotlib, require_model_libraries
 
     if args.mode == "iteration":
-        require_model_libraries(args.param_sets, "lopt bench --mode iteration")
+        require_model_libraries(args.param_sets, "--mode iteration")
     if args.curves:
-        require_model_libraries([args.curves_model], "lopt bench --curves")
+        require_model_libraries([args.curves_model], "--curves")
     for option in ("plot", "curves"):
         if getattr(args, option):
             require_matplotlib("--" + option)
@@ -307,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     weights = sub.add_parser("weights", help="list, download or verify meta-weights")
     wsub = weights.add_subparsers(dest="weights_command", required=True)
     wsub.add_parser("list", help="registered weight sets and whether they are cached")
-    download = wsub.add_parser("download", help="download a registered weight set or a hub repo into the Hugging Face cache")
+    download = wsub.add_parser("download",
+                               help="download a registered weight set or a hub repo into the Hugging Face cache")
     download.add_argument("name", help="a registered name (lopt weights list) or a hub repo id owner/name[@revision]")
     download.add_argument("--force", action="store_true", help="download again even if cached")
     verify = wsub.add_parser("verify", help="check that a directory, file or name holds valid weights "
@@ -323,22 +325,24 @@ def build_parser() -> argparse.ArgumentParser:
                             "zero_grad + forward + backward + step of the real model")
     bench.add_argument("--optimizer", default="all", choices=sorted(OPTIMIZERS) + ["all"],
                        help="learned optimizer(s) to time (default: all)")
-    bench.add_argument("--params", default=None, type=_name_list(list(MODELS), "parameter set"),
+    bench.add_argument("--params", default=None, type=_name_list(list(MODELS), "parameter set"), metavar="SET[,SET]",
                        help=f"comma-separated parameter sets / models: {', '.join(MODELS)} "
                             f"(default: gpt2-medium on CUDA, tiny-lm on the CPU)")
-    bench.add_argument("--backends", default=None, type=_name_list(CONTENDERS, "contender"),
-                       help=f"comma-separated contenders: {', '.join(CONTENDERS)} (default: {','.join(DEFAULT_CONTENDERS)})")
-    bench.add_argument("--steps", type=_int_at_least(1, "a positive integer"), default=None,
-                       help="timed steps (or iterations) per contender, median reported (default: 10 on CUDA, 5 on the CPU)")
-    bench.add_argument("--warmup", type=_int_at_least(0, "an integer >= 0"), default=None,
+    bench.add_argument("--backends", default=None, type=_name_list(CONTENDERS, "contender"), metavar="C[,C]",
+                       help=f"comma-separated contenders: {', '.join(CONTENDERS)} "
+                            f"(default: {','.join(DEFAULT_CONTENDERS)})")
+    bench.add_argument("--steps", metavar="N", type=_int_at_least(1, "a positive integer"), default=None,
+                       help="timed steps (or iterations) per contender, median reported "
+                            "(default: 10 on CUDA, 5 on the CPU)")
+    bench.add_argument("--warmup", metavar="N", type=_int_at_least(0, "an integer >= 0"), default=None,
                        help="untimed steps first (default: 2 on CUDA, 1 on the CPU)")
     bench.add_argument("--same-grads", action="store_true",
                        help="step mode: reuse one set of gradient tensors (default: new .grad tensors every step)")
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="step mode: parameter dtype (default float32)")
-    bench.add_argument("--batch-size", type=_int_at_least(1, "a positive integer"), default=None,
+    bench.add_argument("--batch-size", metavar="N", type=_int_at_least(1, "a positive integer"), default=None,
                        help="iteration mode: batch size (default: the model's, e.g. 8 for GPT-2, 64 for ViT-B/16)")
-    bench.add_argument("--seq-len", type=_int_at_least(1, "a positive integer"), default=None,
+    bench.add_argument("--seq-len", metavar="N", type=_int_at_least(1, "a positive integer"), default=None,
                        help="iteration mode: tokens per sequence (default: the model's, 1024 for GPT-2)")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--weights", default=None, nargs="+", metavar="PATH",
@@ -351,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--curves", default=None, type=_png_path, metavar="FILE.png",
                        help="train a small GPT-2 with naive and fused (CPU: naive+compile) and draw the loss curves "
                             "beside the nudged-weights yardstick")
-    bench.add_argument("--curves-steps", type=_int_at_least(2, "an integer >= 2"), default=None, action=_Given,
+    bench.add_argument("--curves-steps", metavar="N", type=_int_at_least(2, "an integer >= 2"), default=None, action=_Given,
                        help="training steps per curve (default: 200 on CUDA, 60 on the CPU)")
     bench.add_argument("--curves-model", default=None, choices=list(MODELS), action=_Given,
                        help="model the curves train (default: gpt2-4x256 on CUDA, gpt2-1x64 on the CPU)")

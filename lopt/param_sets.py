@@ -89,7 +89,8 @@ def vit_shapes(embed_dim: int = 768, depth: int = 12, patch: int = 16, image: in
 
 
 def toy_lm_shapes(vocab_size: int, width: int) -> list:
-    return [("embedding.weight", (vocab_size, width)), ("head.weight", (vocab_size, width)), ("head.bias", (vocab_size,))]
+    return [("embedding.weight", (vocab_size, width)), ("head.weight", (vocab_size, width)),
+            ("head.bias", (vocab_size,))]
 
 
 _SHAPES_BY_FAMILY = {"gpt2": gpt2_shapes, "vit": vit_shapes, "toy-lm": toy_lm_shapes}

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from lopt.bench.contenders import make_adamw, make_contender, make_learned_optimizer
-from lopt.bench.measure import (MLP_MACS_PER_ELEMENT, BenchResult, StepWorkload, Unavailable, elapsed_ms,
-                                first_step_vs_naive, gradient_sets, make_gradients, measure)
+from lopt.bench.contenders import TIMING_NUM_STEPS, make_adamw, make_contender, make_learned_optimizer
+from lopt.bench.measure import (MLP_MACS_PER_ELEMENT, STEP_MODE_LOSS, BenchResult, StepWorkload, Unavailable,
+                                elapsed_ms, first_step_vs_naive, gradient_sets, make_gradients, measure_contender,
+                                mlp_gmacs_per_s)
 from lopt.bench.measure import count_launches as _count_launches_of
 from lopt.bench.report import environment, format_table
 from lopt.bench.runner import resolve_bench_weights
@@ -43,7 +44,7 @@ def time_steps(optimizer, steps: int, warmup: int, device: torch.device, progres
     None keeps the gradients the parameters already have.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    loss = torch.tensor(2.5, device=device)
+    loss = torch.tensor(STEP_MODE_LOSS, device=device)
     times = []
     for index in range(warmup + steps):
         if grad_sets:
@@ -61,7 +62,7 @@ def count_launches(optimizer_or_fn, device: torch.device) -> int | None:
     """Kernel launches of one step of an optimizer (or of one call of a function) on CUDA; None on the CPU."""
     if callable(optimizer_or_fn):
         return _count_launches_of(optimizer_or_fn, device)
-    loss = torch.tensor(2.5, device=device)
+    loss = torch.tensor(STEP_MODE_LOSS, device=device)
     return _count_launches_of(lambda: _step(optimizer_or_fn, loss), device)
 
 
@@ -74,10 +75,9 @@ def bench_one(optimizer_name: str, backend: str, param_set: str, weights, *, dev
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     contender_name = "adamw" if optimizer_name == "adamw" else backend
     contender = make_contender(optimizer_name, contender_name, params, weights, device)
-    result = measure(workload, contender, weights=weights, param_set=param_set, mode="step", steps=steps,
-                     warmup=warmup, baseline_bytes=baseline, progress=progress, num_steps=10_000)
-    if optimizer_name in MLP_MACS_PER_ELEMENT:
-        result.gmacs_per_s = MLP_MACS_PER_ELEMENT[optimizer_name] * param_set_numel(param_set) / (result.ms_per_step * 1e-3) / 1e9
+    result = measure_contender(workload, contender, weights=weights, param_set=param_set, mode="step", steps=steps,
+                               warmup=warmup, baseline_bytes=baseline, progress=progress, num_steps=TIMING_NUM_STEPS)
+    result.gmacs_per_s = mlp_gmacs_per_s(optimizer_name, param_set_numel(param_set), result.ms_per_step)
     return result
 
 
@@ -87,7 +87,8 @@ def update_relative_error(optimizer_name: str, weights, param_set: str, device, 
     for p, g in zip(params, make_gradients(params)):
         p.grad = g
     contender = make_contender(optimizer_name, "fused", params, weights, device)
-    error, _ = first_step_vs_naive(contender, params, weights, torch.tensor(2.5, device=device), num_steps=10_000)
+    loss = torch.tensor(STEP_MODE_LOSS, device=device)
+    error, _ = first_step_vs_naive(contender, params, weights, loss, num_steps=TIMING_NUM_STEPS)
     return error
 
 

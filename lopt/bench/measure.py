@@ -69,6 +69,13 @@ class Unavailable:
     reason: str
 
 
+def mlp_gmacs_per_s(optimizer_name: str, numel: int, ms_per_step: float) -> float | None:
+    """The per-element network's multiply-adds per second (10^9) at this step time; None for AdamW."""
+    if optimizer_name not in MLP_MACS_PER_ELEMENT:
+        return None
+    return MLP_MACS_PER_ELEMENT[optimizer_name] * numel / (ms_per_step * 1e-3) / 1e9
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -105,15 +112,13 @@ def make_gradients(params, seed: int = 1) -> list:
 
 
 def gradient_sets(params, count: int, seed: int = 1) -> list:
-    """``count`` distinct gradient sets, drawn on the parameters' device (fast for large sets on a GPU)."""
+    """``count`` distinct sets of N(0, 1e-3²) gradients, drawn on the parameters' device (fast for large sets)."""
+    device = params[0].device if params else torch.device("cpu")
     sets = []
     for index in range(count):
-        grads = []
-        for p in params:
-            generator = torch.Generator(device=p.device).manual_seed(seed + 1000 * index + len(grads))
-            grads.append(torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
-                         .mul_(GRADIENT_SCALE).to(p.dtype))
-        sets.append(grads)
+        generator = torch.Generator(device=device).manual_seed(seed + index)
+        sets.append([torch.randn(p.shape, generator=generator, device=device, dtype=torch.float32)
+                     .mul_(GRADIENT_SCALE).to(device=p.device, dtype=p.dtype) for p in params])
     return sets
 
 
@@ -137,7 +142,8 @@ def count_launches(fn, device: torch.device) -> int | None:
 
 
 def relative_update_error(params, before, reference_params) -> float:
-    """max over tensors of ‖u − u_ref‖ / ‖u_ref‖ (float64), u = params − before, u_ref = reference_params − before."""
+    """max over tensors of ‖u − u_ref‖ / ‖u_ref‖ in float64, where u = params − before and
+    u_ref = reference_params − before."""
     worst = 0.0
     for p, b, r in zip(params, before, reference_params):
         update = p.detach().double() - b.double()
@@ -219,7 +225,7 @@ class IterationWorkload:
         self.contender.step(self._forward_backward())
 
 
-def measure(workload, contender: Contender, *, weights, param_set: str, mode: str, steps: int, warmup: int,
+def measure_contender(workload, contender: Contender, *, weights, param_set: str, mode: str, steps: int, warmup: int,
             baseline_bytes: int | None, progress=None, num_steps: int) -> BenchResult:
     """Check (fused, compiled), warm up, time ``steps`` steps or iterations, count launches; one result row."""
     device = workload.device

@@ -141,7 +141,8 @@ def markdown(results: list, unavailable: list, mode: str, env: dict, weights_lin
     lines = [f"# lopt bench ({mode} mode)", "",
              f"{env['device']} · torch {env['torch']} · CuPy {env['cupy'] or '-'} · commit {env['commit'] or '-'} · "
              f"{env['date']}", "", f"Weights: {weights_line}", "",
-             "| " + " | ".join(header) + " |", "|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|"]
+             "| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     if notes:
         lines += [""] + [f"{note}  " for note in notes]

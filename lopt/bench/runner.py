@@ -9,8 +9,8 @@ import torch
 from lopt import weights as weights_lib
 from lopt.bench.contenders import (LEARNED_CONTENDERS, adamw_backend, availability, make_contender,
                                    short_reason, TIMING_NUM_STEPS)
-from lopt.bench.measure import (GRADIENT_SETS, MLP_MACS_PER_ELEMENT, BenchResult, IterationWorkload, StepWorkload,
-                                Unavailable, gradient_sets, measure, warmup_steps)
+from lopt.bench.measure import (GRADIENT_SETS, IterationWorkload, StepWorkload, Unavailable, gradient_sets,
+                                measure_contender, mlp_gmacs_per_s, warmup_steps)
 from lopt.bench.models import build_model
 from lopt.optimizers import OPTIMIZERS
 from lopt.param_sets import build_parameters, param_set_numel
@@ -128,7 +128,7 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
             bar = make_progress(plan.steps + warmup_steps(contender_name, plan.warmup), label)
             try:
                 contender = make_contender(optimizer_name, contender_name, params, weights, plan.device)
-                result = measure(workload, contender, weights=weights, param_set=param_set, mode=plan.mode,
+                result = measure_contender(workload, contender, weights=weights, param_set=param_set, mode=plan.mode,
                                  steps=plan.steps, warmup=plan.warmup, baseline_bytes=baseline, progress=bar,
                                  num_steps=TIMING_NUM_STEPS)
             except Exception as err:
@@ -143,9 +143,8 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
                 bar.close()
                 contender = workload = params = None
                 _free(plan.device)
-            if plan.mode == "step" and optimizer_name in MLP_MACS_PER_ELEMENT:
-                result.gmacs_per_s = (MLP_MACS_PER_ELEMENT[optimizer_name] * param_set_numel(param_set)
-                                      / (result.ms_per_step * 1e-3) / 1e9)
+            if plan.mode == "step":
+                result.gmacs_per_s = mlp_gmacs_per_s(optimizer_name, param_set_numel(param_set), result.ms_per_step)
             results.append(result)
     add_overheads(results)
     return results, unavailable
