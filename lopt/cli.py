@@ -167,8 +167,10 @@ def _loss_curves(args, weights: dict, device: torch.device) -> dict:
     from lopt.param_sets import model_spec
 
     contender, why = curves_contender(device, args.curves_contender)
+    slow = " (compiling the step once per optimizer takes minutes on a small CPU)" if contender == "naive+compile" \
+        and device.type == "cpu" else ""
     print(f"curves: training {args.curves_model} ({model_spec(args.curves_model).description}) for "
-          f"{args.curves_steps} steps per run; naive vs {contender}: {why}")
+          f"{args.curves_steps} steps per run; naive vs {contender}: {why}{slow}")
     unavailable = {name: contenders_lib.availability(name, [contender], weights[name], device)[contender]
                    for name in args.optimizers}
     return loss_curves(args.optimizers, weights, args.curves_model, steps=args.curves_steps, device=device,

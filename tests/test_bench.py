@@ -73,7 +73,7 @@ def test_json_schema_and_values(full_run):
     assert record["settings"]["steps"] == 3 and record["settings"]["same_grads"] is False
     assert record["weights"]["small_fc_lopt"]["pretrained"] is True
     rows = {r["contender"]: r for r in record["results"]}
-    assert list(rows) == ["adamw", "naive", "naive+compile"]
+    assert list(rows) == ["adamw", "naive", "naive+compile"], record["unavailable"]  # e.g. torch.compile failed
     for row in record["results"]:
         assert set(row) == RESULT_KEYS and row["mode"] == "step" and row["param_set"] == "toy-lm"
         assert len(row["ms_all"]) == 3 and all(t > 0 for t in row["ms_all"])
@@ -181,6 +181,20 @@ def test_iteration_workload_trains_with_fresh_gradients():
     assert all(p.grad is not g for p, g in zip(params, first_grads))
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert contender.optimizer.param_groups[0]["step"] == 2
+
+
+def test_iteration_mode_checks_a_contender_against_naive_on_real_gradients():
+    """The first-step check in iteration mode: a naive step under the name of a checked contender differs by 0."""
+    model = build_model("toy-lm", "cpu", batch_size=4, seq_len=12)
+    params = model.parameters()
+    weights = lopt.random_weights("velo", seed=3)
+    optimizer = contenders.make_learned_optimizer("velo", params, "naive", weights, num_steps=50)
+    disguised = contenders.Contender("velo", "fused", "fused", optimizer, contenders.step_function(optimizer))
+    workload = measure.IterationWorkload(model, model.random_batch(), torch.device("cpu"))
+    result = measure.measure_contender(workload, disguised, weights=weights, param_set="toy-lm", mode="iteration",
+                                       steps=2, warmup=0, baseline_bytes=None, num_steps=50)
+    assert result.max_rel_error_vs_naive == 0.0 and len(result.ms_all) == 2 and result.mode == "iteration"
+    assert optimizer.param_groups[0]["step"] == 3  # the checked first step, then two timed iterations
 
 
 # ---------------------------------------------------------------------------------------- step mode pieces

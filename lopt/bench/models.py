@@ -149,7 +149,9 @@ def build_model(name: str, device, *, batch_size: int | None = None, seq_len: in
     None keeps its default.
     """
     spec = model_spec(name)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    # Built and initialised on the device itself (GPT-2 medium's random init is slow on a CPU).
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         module, loss = _build_module(spec, attention)
     module = module.to(device=device, dtype=torch.float32).train()
