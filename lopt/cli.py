@@ -78,8 +78,9 @@ def _bench_defaults(args, device: torch.device) -> None:
     args.param_sets = args.params or ["gpt2-medium" if cuda else "tiny-lm"]
     args.steps = args.steps or (10 if cuda else 5)
     args.warmup = (2 if cuda else 1) if args.warmup is None else args.warmup
-    args.curves_model = args.curves_model or ("gpt2-4x256" if cuda else "gpt2-1x64")
-    args.curves_steps = args.curves_steps or (200 if cuda else 60)
+    if args.curves:  # without --curves the --curves-* options stay None (and are refused if given)
+        args.curves_model = args.curves_model or ("gpt2-4x256" if cuda else "gpt2-1x64")
+        args.curves_steps = args.curves_steps or (200 if cuda else 60)
 
 
 def _bench_device(args) -> torch.device:
@@ -94,7 +95,7 @@ def _bench_device(args) -> torch.device:
 
 def _check_bench_options(args) -> None:
     """Combinations argparse cannot check; each a one-line UsageError."""
-    from lopt.param_sets import model_spec
+    from lopt.param_sets import MODELS, model_spec
 
     if args.mode == "iteration" and args.dtype is not None:
         raise UsageError("--dtype applies to --mode step; iteration mode trains float32 parameters "
@@ -117,14 +118,15 @@ def _check_bench_options(args) -> None:
         if len(args.weights) > 2:
             raise UsageError(f"--weights takes one path, or two for VeLO (the RNN and the MLP directory), "
                              f"got {len(args.weights)}")
-    curves_options = {"--curves-steps": args.curves_steps_given, "--curves-model": args.curves_model_given,
-                      "--curves-contender": args.curves_contender is not None}
-    for option, given in curves_options.items():
-        if given and not args.curves:
+    curves_options = {"--curves-steps": args.curves_steps, "--curves-model": args.curves_model,
+                      "--curves-contender": args.curves_contender}
+    for option, value in curves_options.items():
+        if value is not None and not args.curves:
             raise UsageError(f"{option} applies only with --curves FILE.png")
     if args.curves and not model_spec(args.curves_model).is_language_model:
+        language_models = ", ".join(name for name, spec in MODELS.items() if spec.is_language_model)
         raise UsageError(f"--curves-model {args.curves_model}: the loss curves train a language model; "
-                         f"choose gpt2-4x256, gpt2-1x64, tiny-lm or toy-lm")
+                         f"choose one of {language_models}")
 
 
 def _check_output_paths(args) -> None:
@@ -288,14 +290,6 @@ def _png_path(text: str) -> str:
     return text
 
 
-class _Given(argparse.Action):
-    """Store the value and remember that the option was given (for options that need another one)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        setattr(namespace, self.dest + "_given", True)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from lopt.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS
     from lopt.optimizers import OPTIMIZERS
@@ -357,16 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--curves", default=None, type=_png_path, metavar="FILE.png",
                        help="train a small GPT-2 with naive and fused (CPU: naive+compile) and draw the loss curves "
                             "beside the nudged-weights yardstick")
-    bench.add_argument("--curves-steps", metavar="N", type=_int_at_least(2, "an integer >= 2"), default=None, action=_Given,
+    bench.add_argument("--curves-steps", metavar="N", type=_int_at_least(2, "an integer >= 2"), default=None,
                        help="training steps per curve (default: 200 on CUDA, 60 on the CPU)")
-    bench.add_argument("--curves-model", default=None, choices=list(MODELS), action=_Given,
+    bench.add_argument("--curves-model", default=None, choices=list(MODELS),
                        help="model the curves train (default: gpt2-4x256 on CUDA, gpt2-1x64 on the CPU)")
     bench.add_argument("--curves-contender", default=None, choices=["fused", "naive+compile"],
                        help="compared with naive in the curves (default: fused on CUDA, naive+compile on the CPU)")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (docs/bench.md)")
     bench.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a Markdown table")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench.set_defaults(curves_steps_given=False, curves_model_given=False)
     return parser
 
 

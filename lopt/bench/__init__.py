@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from lopt.bench.contenders import TIMING_NUM_STEPS, make_adamw, make_contender, make_learned_optimizer
+from lopt.bench.contenders import (TIMING_NUM_STEPS, make_adamw, make_contender, make_learned_optimizer,
+                                   step_function)
 from lopt.bench.measure import (MLP_MACS_PER_ELEMENT, STEP_MODE_LOSS, BenchResult, StepWorkload, Unavailable,
-                                elapsed_ms, first_step_vs_naive, gradient_sets, make_gradients, measure_contender,
+                                assign_gradients, elapsed_ms, first_step_vs_naive, gradient_sets, make_gradients, measure_contender,
                                 mlp_gmacs_per_s)
 from lopt.bench.measure import count_launches as _count_launches_of
 from lopt.bench.report import environment, format_table
@@ -30,13 +31,6 @@ def make_optimizer(optimizer_name: str, params, backend: str, weights):
     return make_learned_optimizer(optimizer_name, params, backend, weights)
 
 
-def _step(optimizer, loss):
-    if getattr(type(optimizer), "requires_loss", False):
-        optimizer.step(loss)
-    else:
-        optimizer.step()
-
-
 def time_steps(optimizer, steps: int, warmup: int, device: torch.device, progress=None, grad_sets=None) -> list:
     """Milliseconds of each of ``steps`` timed steps after ``warmup`` untimed ones.
 
@@ -45,12 +39,12 @@ def time_steps(optimizer, steps: int, warmup: int, device: torch.device, progres
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     loss = torch.tensor(STEP_MODE_LOSS, device=device)
+    step = step_function(optimizer)
     times = []
     for index in range(warmup + steps):
         if grad_sets:
-            for p, g in zip(params, grad_sets[index % len(grad_sets)]):
-                p.grad = g
-        elapsed = elapsed_ms(lambda: _step(optimizer, loss), device)
+            assign_gradients(params, grad_sets[index % len(grad_sets)])
+        elapsed = elapsed_ms(lambda: step(loss), device)
         if index >= warmup:
             times.append(elapsed)
             if progress is not None:
@@ -63,7 +57,7 @@ def count_launches(optimizer_or_fn, device: torch.device) -> int | None:
     if callable(optimizer_or_fn):
         return _count_launches_of(optimizer_or_fn, device)
     loss = torch.tensor(STEP_MODE_LOSS, device=device)
-    return _count_launches_of(lambda: _step(optimizer_or_fn, loss), device)
+    return _count_launches_of(lambda: step_function(optimizer_or_fn)(loss), device)
 
 
 def bench_one(optimizer_name: str, backend: str, param_set: str, weights, *, device, dtype=torch.float32, steps=20,

@@ -76,7 +76,8 @@ class Contender:
 def make_contender(optimizer_name: str, contender: str, params, weights, device, *,
                    num_steps: int = TIMING_NUM_STEPS) -> Contender:
     if contender == "adamw":
-        return Contender("adamw", "adamw", adamw_backend(device), opt := make_adamw(params, device), step_function(opt))
+        adamw = make_adamw(params, device)
+        return Contender("adamw", "adamw", adamw_backend(device), adamw, step_function(adamw))
     backend = "fused" if contender == "fused" else "naive"
     optimizer = make_learned_optimizer(optimizer_name, params, backend, weights, num_steps=num_steps)
     return Contender(optimizer_name, contender, contender, optimizer,
@@ -102,7 +103,7 @@ def fused_unavailable_reason(optimizer_name: str, weights, device: torch.device)
         if not torch.cuda.is_available():
             return "no CUDA device is available to PyTorch"
         return "the fused backend needs parameters on a CUDA device (this run is on the CPU: --device cpu)"
-    probe = [torch.nn.Parameter(torch.randn(8, 4, device=device))]
+    probe = [torch.nn.Parameter(torch.ones(8, 4, device=device))]
     try:
         make_learned_optimizer(optimizer_name, probe, "fused", weights)
     except Exception as err:
@@ -121,7 +122,6 @@ def availability(optimizer_name: str, contenders, weights, device) -> dict:
         else:
             reasons[contender] = None
     return reasons
-
 
 
 @contextlib.contextmanager

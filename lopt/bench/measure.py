@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lopt.bench.contenders import CHECKED_CONTENDERS, Contender, make_learned_optimizer
+from lopt.bench.contenders import CHECKED_CONTENDERS, Contender, make_learned_optimizer, step_function
 from lopt.bench.models import BenchModel
 
 # How many gradient sets step mode rotates (each step's .grad tensors differ from the previous step's).
@@ -163,12 +163,8 @@ def first_step_vs_naive(contender: Contender, params, weights, loss, *, num_step
     for copy, p in zip(copies, params):
         copy.grad = None if p.grad is None else p.grad.detach().clone()
     reference = make_learned_optimizer(contender.optimizer_name, copies, "naive", weights, num_steps=num_steps)
-    device = params[0].device
-    seconds = wall_seconds(lambda: contender.step(loss), device)
-    if getattr(type(reference), "requires_loss", False):
-        reference.step(loss)
-    else:
-        reference.step()
+    seconds = wall_seconds(lambda: contender.step(loss), params[0].device)
+    step_function(reference)(loss)
     error = relative_update_error(params, before, copies)
     del reference, copies, before
     return error, seconds
@@ -225,16 +221,16 @@ class IterationWorkload:
         self.contender.step(self._forward_backward())
 
 
-def measure_contender(workload, contender: Contender, *, weights, param_set: str, mode: str, steps: int, warmup: int,
-            baseline_bytes: int | None, progress=None, num_steps: int) -> BenchResult:
+def measure_contender(workload, contender: Contender, *, weights, param_set: str, mode: str, steps: int,
+                      warmup: int, baseline_bytes: int | None, progress=None, num_steps: int) -> BenchResult:
     """Check (fused, compiled), warm up, time ``steps`` steps or iterations, count launches; one result row."""
     device = workload.device
     workload.contender = contender
-    error, first_seconds, index = None, [], 0
-    if contender.name in CHECKED_CONTENDERS:
+    error, warm_seconds, index = None, [], 0
+    if contender.name in CHECKED_CONTENDERS:  # the check is the first (untimed) step
         loss = workload.gradients(0)
         error, seconds = first_step_vs_naive(contender, workload.params, weights, loss, num_steps=num_steps)
-        first_seconds.append(seconds)
+        warm_seconds.append(seconds)
         index = 1
         if progress is not None:
             progress.update(1)
@@ -242,7 +238,6 @@ def measure_contender(workload, contender: Contender, *, weights, param_set: str
             torch.cuda.empty_cache()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    warm_seconds = list(first_seconds)
     while index < warmup_steps(contender.name, warmup):
         workload.before_timed(index)
         warm_seconds.append(wall_seconds(lambda i=index: workload.timed(i), device))

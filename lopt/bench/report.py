@@ -75,10 +75,17 @@ def weights_status(weights_by_optimizer: dict) -> str:
     return "; ".join(parts)
 
 
+def _contender(row) -> str:
+    """The row's contender; rows made by scripts with BenchResult's positional fields name only the backend."""
+    return row.contender or row.backend
+
+
 def _row_key(row) -> tuple:
     """Rows (results or unavailable contenders) by parameter set (in first-seen order), AdamW first, then
-    each optimizer's contenders in the order of CONTENDERS."""
-    return (row.optimizer != "adamw", row.optimizer, CONTENDERS.index(row.contender))
+    each optimizer's contenders in the order of CONTENDERS (other names, e.g. scripts' variants, last)."""
+    contender = _contender(row)
+    rank = CONTENDERS.index(contender) if contender in CONTENDERS else len(CONTENDERS)
+    return (row.optimizer != "adamw", row.optimizer, rank, contender)
 
 
 def _order(rows: list) -> list:
@@ -87,8 +94,8 @@ def _order(rows: list) -> list:
 
 
 def _cells(r) -> list:
-    overhead = "-" if r.overhead_vs_adamw is None or r.contender == "adamw" else f"{r.overhead_vs_adamw:+.0f}%"
-    return [r.optimizer, r.contender if r.contender != "adamw" else f"adamw ({r.backend})", r.param_set,
+    overhead = "-" if r.overhead_vs_adamw is None or r.optimizer == "adamw" else f"{r.overhead_vs_adamw:+.0f}%"
+    return [r.optimizer, f"adamw ({r.backend})" if r.optimizer == "adamw" else _contender(r), r.param_set,
             f"{r.ms_per_step:.2f}", overhead,
             "-" if r.launches_per_step is None else str(r.launches_per_step),
             "-" if r.peak_extra_mib is None else f"{r.peak_extra_mib:.0f}",
@@ -198,9 +205,9 @@ def plot_times(path, results: list, unavailable: list, *, mode: str, env: dict, 
     """Bars of ms per step (or iteration) per contender and parameter set, log scale; n/a where one did not run."""
     rows = _order(list(results) + list(unavailable))
     param_sets = list(dict.fromkeys(r.param_set for r in rows))
-    series = sorted({(r.optimizer, r.contender): r for r in rows}.values(), key=_row_key)
-    series = [(r.optimizer, r.contender) for r in series]
-    times = {(r.param_set, r.optimizer, r.contender): r.ms_per_step for r in results}
+    series = sorted({(r.optimizer, _contender(r)): r for r in rows}.values(), key=_row_key)
+    series = [(r.optimizer, _contender(r)) for r in series]
+    times = {(r.param_set, r.optimizer, _contender(r)): r.ms_per_step for r in results}
     figure = _figure(max(7.5, 2.0 + 0.5 * len(series) * len(param_sets)), 5.5)
     axes = figure.add_subplot(1, 1, 1)
     width = 0.8 / max(len(series), 1)
@@ -217,7 +224,7 @@ def plot_times(path, results: list, unavailable: list, *, mode: str, env: dict, 
                 axes.text(position, lowest / 3, f"{label}: n/a", rotation=90, ha="center", va="bottom", fontsize=7,
                           color="#555555")
                 continue
-            axes.bar(position, value, width * 0.9, color=colours[contender], hatch=hatch, edgecolor="black",
+            axes.bar(position, value, width * 0.9, color=colours.get(contender, "#9467bd"), hatch=hatch, edgecolor="black",
                      linewidth=0.5, label=label if x == param_sets.index(param_set) and label not in
                      axes.get_legend_handles_labels()[1] else None)
             axes.text(position, value * 1.08, f"{value:.3g}", ha="center", va="bottom", fontsize=7, rotation=90)

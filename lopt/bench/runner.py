@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lopt import weights as weights_lib
-from lopt.bench.contenders import (LEARNED_CONTENDERS, adamw_backend, availability, make_contender,
-                                   short_reason, TIMING_NUM_STEPS)
+from lopt.bench.contenders import (LEARNED_CONTENDERS, TIMING_NUM_STEPS, adamw_backend, availability,
+                                   make_contender, short_reason)
 from lopt.bench.measure import (GRADIENT_SETS, IterationWorkload, StepWorkload, Unavailable, gradient_sets,
                                 measure_contender, mlp_gmacs_per_s, warmup_steps)
 from lopt.bench.models import build_model
@@ -128,14 +128,14 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
             bar = make_progress(plan.steps + warmup_steps(contender_name, plan.warmup), label)
             try:
                 contender = make_contender(optimizer_name, contender_name, params, weights, plan.device)
-                result = measure_contender(workload, contender, weights=weights, param_set=param_set, mode=plan.mode,
-                                 steps=plan.steps, warmup=plan.warmup, baseline_bytes=baseline, progress=bar,
-                                 num_steps=TIMING_NUM_STEPS)
+                result = measure_contender(workload, contender, weights=weights, param_set=param_set,
+                                           mode=plan.mode, steps=plan.steps, warmup=plan.warmup,
+                                           baseline_bytes=baseline, progress=bar, num_steps=TIMING_NUM_STEPS)
             except Exception as err:
                 if contender_name != "naive+compile":
                     raise
                 # torch.compile can fail on a platform (no compiler, unsupported Python): report, go on.
-                reason = f"torch.compile failed: {type(err).__name__}: {short_reason(err)}"
+                reason = f"failed under torch.compile: {type(err).__name__}: {short_reason(err)}"
                 unavailable.append(Unavailable(optimizer_name, contender_name, param_set, plan.mode, reason))
                 say(f"{label}: {reason}")
                 continue
@@ -152,7 +152,7 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
 
 def add_overheads(results: list) -> None:
     """``overhead_vs_adamw``: 100·(t / t_adamw − 1) against the AdamW row of the same parameter set and mode."""
-    adamw = {(r.param_set, r.mode): r.ms_per_step for r in results if r.contender == "adamw"}
+    adamw = {(r.param_set, r.mode): r.ms_per_step for r in results if r.optimizer == "adamw"}
     for r in results:
         reference = adamw.get((r.param_set, r.mode))
         if reference:
