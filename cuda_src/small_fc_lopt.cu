@@ -1,15 +1,18 @@
-// small_fc_lopt, fused: the same steps as lopt/reference/small_fc_lopt.py, for every tensor of a
+// small_fc_lopt, fused: the same phases as lopt/reference/small_fc_lopt.py for every tensor of every
 // parameter group in a constant number of launches (lopt/fused/small_fc_lopt.py drives them):
 //
-//   adafactor_axis_partials, adafactor_finalize, adafactor_factor_tables   (adafactor.cuh)
-//   small_fc_lopt_feature_stats   update_accumulators + per_element_features, sums of squares per chunk
-//   small_fc_lopt_fold            normalise_features and time_features folded into the first layer
-//   small_fc_lopt_apply           update_accumulators + per_element_features + mlp + apply_update
+//   accumulate   adafactor_axis_partials, adafactor_finalize, adafactor_factor_tables   (accumulators.cuh)
+//   statistics   small_fc_lopt_feature_stats   per_element_features of the updated accumulators -> sums of
+//                squares per chunk; the check phase's non-finite test of every gradient element
+//   control      small_fc_lopt_fold            normalise_features and time_features folded into the first
+//                layer; a kept step's new R and C written to the state
+//   apply        small_fc_lopt_apply           update_accumulators + per_element_features + mlp + apply_update
 //
 // The statistics pass recomputes the updated accumulators without storing them; the apply pass
 // recomputes them with the same code and stores them, so both passes see identical features.
-#include "lopt_common.cuh"
-#include "adafactor.cuh"
+// Nothing is written to parameters or state before the apply pass knows the step is kept.
+#include "common.cuh"
+#include "accumulators.cuh"
 #include "split_mma.cuh"
 
 #define SFC_NUM_FEATURES 28
@@ -17,14 +20,13 @@
 #define SFC_INPUTS 39
 #define SFC_HIDDEN 32
 
-// Constants buffer (lopt.fused.small_fc_lopt.pack_constants): decays, then the network.
-#define SFC_W1 LOPT_DECAYS_FLOATS                        // (32, 39) out x in
+// The network buffer (lopt.fused.small_fc_lopt.pack_network): W1, b1, W2, b2, W3, b3, PyTorch (out x in) layout.
+#define SFC_W1 0                                         // (32, 39)
 #define SFC_B1 (SFC_W1 + SFC_HIDDEN * SFC_INPUTS)        // (32,)
 #define SFC_W2 (SFC_B1 + SFC_HIDDEN)                     // (32, 32)
 #define SFC_B2 (SFC_W2 + SFC_HIDDEN * SFC_HIDDEN)        // (32,)
 #define SFC_W3 (SFC_B2 + SFC_HIDDEN)                     // (2, 32)
 #define SFC_B3 (SFC_W3 + 2 * SFC_HIDDEN)                 // (2,)
-#define SFC_CONSTANTS (SFC_B3 + 2)
 
 // The MLP's 32 x 32 layers run on tensor cores with float32 accuracy (split_mma.cuh: a TF32 product
 // plus one BF16 product for the correction terms); their weights are kept as B operands in the
@@ -42,65 +44,19 @@ constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a cons
 #ifndef LOPT_STATS_MIN_BLOCKS
 #define LOPT_STATS_MIN_BLOCKS 3  // bounds registers so 24 warps per SM keep loads in flight
 #endif
-// Per group, shared by all tensors: layer 2 as a B operand, its bias, and layer 3 (float32).
+// Shared by all tensors: layer 2 as a B operand, its bias, and layer 3 (float32).
 #define SFC_SHARED_L2 0
 #define SFC_SHARED_B2 SFC_OPERAND_32x32
 #define SFC_SHARED_W3 (SFC_SHARED_B2 + SFC_HIDDEN)
 #define SFC_SHARED_B3 (SFC_SHARED_W3 + 2 * SFC_HIDDEN)
 #define SFC_SHARED_FRAGS (SFC_SHARED_B3 + 2)
 
-#define LOPT_STATS_THREADS 256
-#define LOPT_STATS_PER_THREAD 32
-#define LOPT_STATS_CHUNK (LOPT_STATS_THREADS * LOPT_STATS_PER_THREAD)
 #define SFC_APPLY_WARPS 4
 #define SFC_APPLY_THREADS (32 * SFC_APPLY_WARPS)
 #define SFC_APPLY_CHUNK SFC_APPLY_THREADS  // one element per thread per chunk
 
 __constant__ float SFC_TIMESCALES[SFC_NUM_TIME_FEATURES] = {1.f, 3.f, 10.f, 30.f, 100.f, 300.f, 1000.f,
                                                           3000.f, 10000.f, 30000.f, 100000.f};
-
-// Per-element accumulator state, as loaded from and stored to the state tensors.
-struct ElementState {
-  float mom[3];
-  float rms;
-  float full[3];  // non-factored Adafactor accumulator V (unused for factored tensors)
-};
-
-LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
-  ElementState s;
-  const float* mom = reinterpret_cast<const float*>(t.mom) + e * 3;
-  s.mom[0] = mom[0]; s.mom[1] = mom[1]; s.mom[2] = mom[2];
-  s.rms = reinterpret_cast<const float*>(t.rms)[e];
-  if (!t.factored) {
-    const float* full = reinterpret_cast<const float*>(t.fac_full) + e * 3;
-    s.full[0] = full[0]; s.full[1] = full[1]; s.full[2] = full[2];
-  } else {
-    s.full[0] = s.full[1] = s.full[2] = 0.f;
-  }
-  return s;
-}
-
-LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
-  float* mom = reinterpret_cast<float*>(t.mom) + e * 3;
-  mom[0] = s.mom[0]; mom[1] = s.mom[1]; mom[2] = s.mom[2];
-  reinterpret_cast<float*>(t.rms)[e] = s.rms;
-  if (!t.factored) {
-    float* full = reinterpret_cast<float*>(t.fac_full) + e * 3;
-    full[0] = s.full[0]; full[1] = s.full[1]; full[2] = s.full[2];
-  }
-}
-
-// reference: update_accumulators (momentum, rms; V for non-factored tensors; R and C were
-// updated by adafactor_finalize).
-LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& d, bool factored) {
-#pragma unroll
-  for (int k = 0; k < 3; ++k) s.mom[k] = ema(s.mom[k], d.momentum[k], d.momentum_mix[k], grad);
-  s.rms = ema(s.rms, d.rms, d.rms_mix, __fmul_rn(grad, grad));
-  if (!factored) {
-#pragma unroll
-    for (int k = 0; k < 3; ++k) s.full[k] = ema(s.full[k], d.adafactor[k], d.adafactor_mix[k], adafactor_square(grad));
-  }
-}
 
 // reference: per_element_features (§3.5), the 28 features in input order.
 LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, float param, const ElementState& s,
@@ -115,96 +71,74 @@ LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, flo
   }
   x[5] = s.rms;
   x[9] = rsqrt_rms;
-  if (factored) {
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      x[10 + k] = __fmul_rn(__fmul_rn(grad, row.factor[k]), col.factor[k]);  // factored_grad
-      x[13 + k] = row.acc[k];
-      x[16 + k] = col.acc[k];
-      x[19 + k] = row.rsqrt_acc[k];
-      x[22 + k] = col.rsqrt_acc[k];
-      x[25 + k] = __fmul_rn(__fmul_rn(s.mom[k], row.factor[k]), col.factor[k]);  // factored_momentum
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      const float rsqrt_full = rsqrtf(__fadd_rn(s.full[k], 1e-8f));
-      x[10 + k] = __fmul_rn(grad, safe_rsqrt(__fadd_rn(s.full[k], 1e-9f)));
-      x[13 + k] = s.full[k];
-      x[16 + k] = s.full[k];
-      x[19 + k] = rsqrt_full;
-      x[22 + k] = rsqrt_full;
-      x[25 + k] = __fmul_rn(s.mom[k], rsqrtf(__fadd_rn(s.full[k], 1e-6f)));
-    }
-  }
+  factored_gradient(x + 10, grad, s, factored, row, col);
+  adafactor_features(x + 13, s, factored, row, col, 1e-6f);
 }
 
-// Features 13..24 of a factored tensor are its R and C entries' accumulators and their rsqrt: the
-// same value for every element sharing an entry, so the statistics pass sums their squares over the
-// factor tables (small_fc_lopt_fold) instead of over the elements.
+// Features 13..24 of a factored tensor are its factor-table features (accumulators.cuh): the
+// statistics pass leaves their sums of squares to the fold.
 #define SFC_TABLE_FEATURES_FIRST 13
-#define SFC_TABLE_FEATURES_END 25
+#define SFC_TABLE_FEATURES_END (SFC_TABLE_FEATURES_FIRST + LOPT_TABLE_FEATURES)
 LOPT_DEVICE constexpr bool is_table_feature(int k) { return k >= SFC_TABLE_FEATURES_FIRST && k < SFC_TABLE_FEATURES_END; }
 
 // Loads one element's inputs, updates its accumulators (in `s`) and computes its features
 // (FactorsOnly: of a factored tensor, all but the table features, which are left at zero).
 template <bool FactorsOnly = false>
-LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, const float* row_table,
-                                  const float* col_table, float x[SFC_NUM_FEATURES], ElementState& s, float& param) {
-  const float grad = load_as_float(reinterpret_cast<const void*>(t.grad), e, static_cast<int>(t.grad_dtype));
-  param = load_as_float(reinterpret_cast<const void*>(t.param), e, static_cast<int>(t.param_dtype));
+LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                  const float* row_table, const float* col_table, float x[SFC_NUM_FEATURES],
+                                  ElementState& s, float& grad, float& param) {
+  grad = load_gradient(t, e, inverse_scale);
+  param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
   s = load_element_state(t, e);
   const bool factored = t.factored != 0;
   update_accumulators(s, grad, decays, factored);
-  FactorEntry row, col;
-  if (factored) {
-    const FactorIndex f = factor_index(t, e);
-    row = FactorsOnly ? read_factor_entry_factors(row_table, t.row_table + f.row)
-                      : read_factor_entry(row_table, t.row_table + f.row);
-    col = FactorsOnly ? read_factor_entry_factors(col_table, t.col_table + f.col)
-                      : read_factor_entry(col_table, t.col_table + f.col);
-  }
+  FactorEntry row = {}, col = {};
+  if (factored) load_factor_entries<FactorsOnly>(t, e, row_table, col_table, row, col);
   per_element_features(x, grad, param, s, factored, row, col);
 }
 
 // ------------------------------------------------------------------------------------------
 // Statistics pass: per chunk of LOPT_STATS_CHUNK elements, the 28 sums of squared features
 // (float per thread, double across threads, fixed order); for factored tensors the table features'
-// sums are left at zero here and formed by the fold.
+// sums are left at zero here and formed by the fold. Also the check phase's test of every gradient.
 // ------------------------------------------------------------------------------------------
 template <bool Factored>
-LOPT_DEVICE void sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, const float* row_table,
-                                      const float* col_table, float squares[SFC_NUM_FEATURES]) {
+LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
+                                      const float* row_table, const float* col_table, float squares[SFC_NUM_FEATURES]) {
+  bool unusable = false;
   // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
 #pragma unroll STATS_UNROLL
   for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
     if (e < t.numel) {
-      float x[SFC_NUM_FEATURES], param;
+      float x[SFC_NUM_FEATURES], grad, param;
       ElementState s;
-      element_features<Factored>(t, e, decays, row_table, col_table, x, s, param);
+      element_features<Factored>(t, e, decays, inverse_scale, row_table, col_table, x, s, grad, param);
+      unusable |= gradient_unusable(grad);
 #pragma unroll
       for (int j = 0; j < SFC_NUM_FEATURES; ++j)
         if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
     }
   }
+  return unusable;
 }
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
-small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const float* __restrict__ constants,
+small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                             const float* __restrict__ row_table, const float* __restrict__ col_table,
+                            const float* grad_scale, const float* found_inf, int* status,
                             double* __restrict__ stats_partials) {
-  const TensorMeta t = tensors[find_row<LOPT_FIELD_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x)];
+  const StepFlags flags{grad_scale, found_inf, status};
+  const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x)];
   const i64 chunk = blockIdx.x - t.first_stats_chunk;
-  const Decays decays = read_decays(constants);
+  const Decays decays = group_decays(groups, t);
+  const float inverse_scale = inverse_grad_scale(flags);
   float squares[SFC_NUM_FEATURES];
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
-  if (t.factored) {
-    sum_squared_features<true>(t, chunk, decays, row_table, col_table, squares);
-  } else {
-    sum_squared_features<false>(t, chunk, decays, row_table, col_table, squares);
-  }
+  const bool unusable = t.factored ? sum_squared_features<true>(t, chunk, decays, inverse_scale, row_table, col_table, squares)
+                                   : sum_squared_features<false>(t, chunk, decays, inverse_scale, row_table, col_table, squares);
+  report_unusable_gradients(unusable, flags.status);
   __shared__ double warp_sums[LOPT_STATS_THREADS / 32][SFC_NUM_FEATURES];
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) {
@@ -227,32 +161,57 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
-// time features (constant over the tensor) into its bias: h1 = relu(W1' x_raw + b1').
-// One extra block lays out layers 2 and 3 for the tensor cores.
+// time features (constant over the tensor) into its bias: h1 = relu(W1' x_raw + b1'). A kept step's
+// new R and C go to the state here. One extra block lays out layers 2 and 3 for the tensor cores.
 // ------------------------------------------------------------------------------------------
 #define SFC_FOLD_THREADS 256
 #define SFC_FOLD_LANES 8  // partial sums per feature
+
+// Sums of squared features far beyond float32 (features above ~1e18, from gradients near 2^64)
+// overflow the statistics pass's per-thread float sums: the fold then sums that tensor again, in
+// float64 throughout (slow, and only ever for such a tensor).
+LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays& decays, float inverse_scale,
+                                              const float* row_table, const float* col_table,
+                                              double (*scratch)[SFC_NUM_FEATURES], double* sums) {
+  double partial[SFC_NUM_FEATURES] = {};
+  for (i64 e = threadIdx.x; e < t.numel; e += SFC_FOLD_THREADS) {
+    float x[SFC_NUM_FEATURES], grad, param;
+    ElementState s;
+    element_features(t, e, decays, inverse_scale, row_table, col_table, x, s, grad, param);
+#pragma unroll
+    for (int j = 0; j < SFC_NUM_FEATURES; ++j) partial[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+  }
+  block_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS>(partial, scratch, sums);
+}
+
 extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
-small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const double* __restrict__ stats_partials,
-                   const float* __restrict__ row_table,
-                   const float* __restrict__ col_table, const float* __restrict__ constants, const i64* __restrict__ step_counter, float* __restrict__ folded,
-                   float* __restrict__ shared_frags) {
+small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+                   const double* __restrict__ stats_partials, const float* __restrict__ row_table,
+                   const float* __restrict__ col_table, const float* __restrict__ network,
+                   const float* grad_scale, const float* found_inf, int* status,
+                   float* __restrict__ folded, float* __restrict__ shared_frags) {
+  const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
-  const float* w1 = constants + SFC_W1;
+  const float* w1 = network + SFC_W1;
   if (blockIdx.x == num_tensors) {
-    const float* w2 = constants + SFC_W2;
-    const float* w3 = constants + SFC_W3;
+    const float* w2 = network + SFC_W2;
+    const float* w3 = network + SFC_W3;
     write_split_operand(shared_frags + SFC_SHARED_L2,
                         [&](int k, int n) { return w2[n * SFC_HIDDEN + layer2_input_unit(k)]; }, tid, SFC_FOLD_THREADS);
     if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
-    if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = constants[SFC_B2 + tid];
-    if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = constants[SFC_B3 + tid];
+    if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = network[SFC_B2 + tid];
+    if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
     return;
   }
   const TensorMeta t = tensors[blockIdx.x];
+  const bool skipped = step_is_skipped(flags);
+  if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
+  __shared__ double sums[SFC_NUM_FEATURES];
+  __shared__ double scratch[SFC_FOLD_THREADS / 32][SFC_NUM_FEATURES];
   __shared__ float scale[SFC_NUM_FEATURES];
   __shared__ float time[SFC_NUM_TIME_FEATURES];
+  __shared__ int overflowed;
   if (tid < SFC_NUM_FEATURES * SFC_FOLD_LANES) {
     const int feature = tid / SFC_FOLD_LANES, lane = tid % SFC_FOLD_LANES;
     double s = 0.0;
@@ -260,46 +219,17 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
       s += stats_partials[(t.first_stats_chunk + c) * SFC_NUM_FEATURES + feature];
     lane_sums[feature][lane] = s;
   }
-  // Factored tensors: the table features' sums of squares, over the R and C entries, each entry
-  // counted once per element that uses it (an R entry by len(d0) elements, a C entry by len(d1)).
-  constexpr int kTableFeatures = SFC_TABLE_FEATURES_END - SFC_TABLE_FEATURES_FIRST;
-  __shared__ double table_sums[kTableFeatures];
+  __shared__ double table_sums[LOPT_TABLE_FEATURES];
   if (t.factored) {
-    double sums[kTableFeatures] = {};  // feature 13 + j: R acc (j < 3), C acc, R rsqrt, C rsqrt (j >= 9)
-    const i64 len_d0 = t.d0_is_a ? t.a : t.b, len_d1 = t.d0_is_a ? t.b : t.a;
-    for (i64 entry = tid; entry < t.numel / len_d0; entry += SFC_FOLD_THREADS) {
-      const FactorEntry r = read_factor_entry(row_table, t.row_table + entry);
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        sums[k] += static_cast<double>(__fmul_rn(r.acc[k], r.acc[k]));
-        sums[6 + k] += static_cast<double>(__fmul_rn(r.rsqrt_acc[k], r.rsqrt_acc[k]));
-      }
-    }
-    for (i64 entry = tid; entry < t.num_col_entries; entry += SFC_FOLD_THREADS) {
-      const FactorEntry c = read_factor_entry(col_table, t.col_table + entry);
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        sums[3 + k] += static_cast<double>(__fmul_rn(c.acc[k], c.acc[k]));
-        sums[9 + k] += static_cast<double>(__fmul_rn(c.rsqrt_acc[k], c.rsqrt_acc[k]));
-      }
-    }
-    __shared__ double warp_table_sums[SFC_FOLD_THREADS / 32][kTableFeatures];
-#pragma unroll
-    for (int j = 0; j < kTableFeatures; ++j) {
-      const double w = warp_sum(sums[j]);
-      if (tid % 32 == 0) warp_table_sums[tid / 32][j] = w;
-    }
-    __syncthreads();
-    if (tid < kTableFeatures) {
-      double total = 0.0;
-      for (int w = 0; w < SFC_FOLD_THREADS / 32; ++w) total += warp_table_sums[w][tid];
-      const bool row_entry = tid % 6 < 3;
-      table_sums[tid] = total * static_cast<double>(row_entry ? len_d0 : len_d1);
-    }
+    double partial[LOPT_TABLE_FEATURES];
+    table_feature_square_sums(t, row_table, col_table, tid, SFC_FOLD_THREADS, partial);
+    __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
+    block_sums<LOPT_TABLE_FEATURES, SFC_FOLD_THREADS>(partial, table_scratch, table_sums);
   }
+  if (tid == 0) overflowed = 0;
   if (tid < SFC_NUM_TIME_FEATURES) {
     // time_features: tanh(tau / T_i - 1), tau = steps taken before this one.
-    const float tau = static_cast<float>(*step_counter - 1);
+    const float tau = static_cast<float>(*pointer<const i64>(groups[t.group].step));
     time[tid] = tanhf(__fsub_rn(__fdiv_rn(tau, SFC_TIMESCALES[tid]), 1.0f));
   }
   __syncthreads();
@@ -307,8 +237,17 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     double s = 0.0;
     for (int lane = 0; lane < SFC_FOLD_LANES; ++lane) s += lane_sums[tid][lane];
     if (t.factored && is_table_feature(tid)) s += table_sums[tid - SFC_TABLE_FEATURES_FIRST];  // the pass left 0
-    const float mean_square = static_cast<float>(s / static_cast<double>(t.numel));
-    scale[tid] = rsqrtf(__fadd_rn(1e-5f, mean_square));
+    sums[tid] = s;
+    if (!is_finite(static_cast<float>(s / static_cast<double>(t.numel)))) atomicExch(&overflowed, 1);
+  }
+  __syncthreads();
+  if (overflowed && !skipped)
+    sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags), row_table, col_table, scratch, sums);
+  if (tid < SFC_NUM_FEATURES) {
+    const double mean = sums[tid] / static_cast<double>(t.numel);
+    const float mean_square = static_cast<float>(mean);
+    // rsqrt(1e-5 + mean x^2) in float32, as the reference; in float64 where the mean is beyond float32.
+    scale[tid] = is_finite(mean_square) ? rsqrtf(__fadd_rn(1e-5f, mean_square)) : static_cast<float>(1.0 / sqrt(1e-5 + mean));
   }
   __syncthreads();
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
@@ -316,7 +255,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     return k < SFC_NUM_FEATURES ? __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]) : 0.f;
   }, tid, SFC_FOLD_THREADS);
   if (tid < SFC_HIDDEN) {
-    float bias = constants[SFC_B1 + tid];
+    float bias = network[SFC_B1 + tid];
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) bias = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], bias);
     out[SFC_FOLDED_B1 + tid] = bias;
   }
@@ -420,18 +359,41 @@ LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, fl
   const float update = __fmul_rn(__fmul_rn(direction, expf(__fmul_rn(magnitude, exp_mult))), step_mult);
   float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
   if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
-  store_from_float(reinterpret_cast<void*>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
+  store_from_float(pointer<void>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
+}
+
+// What the apply pass needs of a tensor's group, read when a block reaches the tensor.
+struct ApplyGroup {
+  Decays decays;
+  float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
+};
+
+LOPT_DEVICE ApplyGroup read_apply_group(const GroupMeta& g) {
+  const float* values = pointer<const float>(g.values);
+  const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
+  ApplyGroup a;
+  a.decays = read_decays(values);
+  a.neg_lr = -lr;
+  a.neg_weight_decay_lr = -__fmul_rn(weight_decay, lr);
+  a.exp_mult = values[LOPT_GROUP_EXP_MULT];
+  a.step_mult = values[LOPT_GROUP_STEP_MULT];
+  return a;
 }
 
 #ifndef SFC_APPLY_MIN_BLOCKS
 #define SFC_APPLY_MIN_BLOCKS 4
 #endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
-small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64 total_chunks,
-                    const float* __restrict__ constants, const float* __restrict__ folded,
+small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+                    int num_groups, i64 total_chunks, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
-                    const float* __restrict__ col_table, float neg_lr, float neg_weight_decay_lr, float exp_mult,
-                    float step_mult) {
+                    const float* __restrict__ col_table, const float* grad_scale, const float* found_inf,
+                    int* status, i64* skipped_steps) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const bool skipped = step_is_skipped(flags);
+  // Every block has read the counters it needs (the fold read the time features before this launch).
+  if (blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
+  if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
   __shared__ __align__(16) float b1[SFC_HIDDEN];  // read as float2 pairs
@@ -440,13 +402,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
+  __shared__ ApplyGroup group;  // in shared memory, not ~20 registers held through the whole kernel
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
-  __shared__ Decays decays;  // in shared memory, not 16 registers held through the whole kernel
-  if (threadIdx.x == 0) decays = read_decays(constants);
-  __syncthreads();
+  const float inverse_scale = inverse_grad_scale(flags);
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
@@ -455,37 +416,32 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, i64
   i64 current_end = -1;  // first chunk after the current tensor's
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     if (chunk >= current_end) {
-      const int tensor = find_row<LOPT_FIELD_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+      const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
       if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
-      if (threadIdx.x == 0) meta = tensors[tensor];
+      if (threadIdx.x == 0) {
+        meta = tensors[tensor];
+        group = read_apply_group(groups[meta.group]);
+      }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
-    float x[SFC_NUM_FEATURES], param = 0.f;
-#ifdef SFC_PROFILE_NO_FEATURES  // timing experiments only: stand-in features, no loads, no state
-#pragma unroll
-    for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = static_cast<float>((index + k) & 15) - 7.5f;
-#else
+    float x[SFC_NUM_FEATURES], grad, param = 0.f;
     if (valid) {
       ElementState state;
-      element_features(meta, index, decays, row_table, col_table, x, state, param);
+      element_features(meta, index, group.decays, inverse_scale, row_table, col_table, x, state, grad, param);
       store_element_state(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
-#endif
-#ifdef SFC_PROFILE_NO_MLP  // timing experiments only: two features stand in for the MLP's outputs
-    const float2 mlp_output = make_float2(x[0], x[1]);
-#else
     const int warp = threadIdx.x / 32;
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, b3);
-#endif
-    if (valid) apply_update(meta, index, param, mlp_output, neg_lr, neg_weight_decay_lr, exp_mult, step_mult);
+    if (valid) apply_update(meta, index, param, mlp_output, group.neg_lr, group.neg_weight_decay_lr, group.exp_mult,
+                            group.step_mult);
   }
 }

@@ -16,7 +16,7 @@
 // per layer) from shared memory in "fragment order": one float4 per lane, k-step and n-tile.
 // (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: benchmarks/RESULTS.md.)
 #pragma once
-#include "lopt_common.cuh"
+#include "common.cuh"
 
 #define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)  // a 32 x 32 B operand
 

@@ -6,67 +6,45 @@ import numpy as np
 import pytest
 import torch
 
-from lopt.fused import launcher
-from lopt.fused.plan import AXIS_JOB_FIELDS, TENSOR_FIELDS, TENSOR_POINTER_FIELDS, GroupLayout, factored_geometry
+from lopt.fused import contract, launcher
+from lopt.fused.engine import arranged, memory_order
+from lopt.fused.plan import TENSOR_POINTER_FIELDS, GroupLayout
 from lopt.reference.small_fc_lopt import factored_dims
 
 SHAPES = [(4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (2, 3, 4), (8, 3, 3, 3), (16, 16, 3, 3), (3, 1, 5, 1), (2, 5, 1, 3, 4),
           (768, 3, 4, 4), (9, 2, 9)]
 
 
-def factor_indices(shape, dims):
-    """R and C entry of every element, computed as cuda_src/lopt_common.cuh's factor_index does."""
-    g = factored_geometry(shape, dims)
-    rows, cols = [], []
-    for e in range(math.prod(shape)):
-        i, rest = e % g.inner, e // g.inner
-        b, rest = rest % g.b, rest // g.b
-        m, rest = rest % g.mid, rest // g.mid
-        a, o = rest % g.a, rest // g.a
-        without_a = ((o * g.mid + m) * g.b + b) * g.inner + i
-        without_b = ((o * g.a + a) * g.mid + m) * g.inner + i
-        rows.append(without_a if g.d0_is_a else without_b)
-        cols.append(without_b if g.d0_is_a else without_a)
-    return torch.tensor(rows), torch.tensor(cols)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_factor_geometry_matches_axis_means(shape):
-    """Summing each element into its (row, col) entry reproduces the means over axes d0 and d1."""
-    dims = factored_dims(shape)
-    d1, d0 = dims
-    values = torch.rand(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.5
-    rows, cols = factor_indices(shape, dims)
-    row_sums = torch.zeros(math.prod(shape) // shape[d0], dtype=torch.float64).index_add_(0, rows, values.reshape(-1))
-    col_sums = torch.zeros(math.prod(shape) // shape[d1], dtype=torch.float64).index_add_(0, cols, values.reshape(-1))
-    torch.testing.assert_close(row_sums / shape[d0], values.mean(dim=d0).reshape(-1), rtol=1e-12, atol=0)
-    torch.testing.assert_close(col_sums / shape[d1], values.mean(dim=d1).reshape(-1), rtol=1e-12, atol=0)
-
-
 def test_axis_jobs_cover_each_accumulator_once():
     shapes = SHAPES + [(5,), (), (3,)]
     dims = [factored_dims(s) for s in shapes]
-    layout = GroupLayout(shapes, dims, stats_chunk=64, apply_chunk=16)
+    layout = GroupLayout(shapes, dims, [i % 2 for i in range(len(shapes))], stats_chunk=64, apply_chunk=16)
     jobs = layout.static_jobs
-    col = {name: i for i, name in enumerate(AXIS_JOB_FIELDS)}
+    col = contract.FIELD["AxisJob"]
+    t = contract.FIELD["TensorMeta"]
     assert len(jobs) == 2 * sum(d is not None for d in dims)
-    # Each job reduces q*x*i = numel elements into q*i outputs, and its ranges tile the launch.
-    for (tensor, dest), job in zip(layout.job_dest, jobs):
+    # Each job reduces q*x*i = numel elements into q*i outputs (the means of one accumulator, in its
+    # entry order), and its ranges tile the launch.
+    for tensor, job in zip(layout.job_tensor, jobs):
         shape, (d1, d0) = shapes[tensor], dims[tensor]
+        row = layout.static_rows[tensor]
         assert job[col["q"]] * job[col["x"]] * job[col["i"]] == math.prod(shape)
-        removed = d0 if dest == "fac_row" else d1
+        dest = "row_means" if job[col["first_output"]] == row[t["row_means"]] else "col_means"
+        assert job[col["first_output"]] == row[t[dest]]
+        removed = d0 if dest == "row_means" else d1
         assert job[col["x"]] == shape[removed] and job[col["num_outputs"]] == math.prod(shape) // shape[removed]
         assert job[col["mode"]] == int(job[col["i"]] == 1)
     starts = jobs[:, col["first_output"]]
     assert list(starts) == list(np.concatenate([[0], np.cumsum(jobs[:, col["num_outputs"]])[:-1]]))
     assert layout.total_axis_outputs == int(jobs[:, col["num_outputs"]].sum())
+    assert list(layout.static_rows[:, t["group"]]) == [i % 2 for i in range(len(shapes))]
 
 
 def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
     shapes = [(4, 6), (5,), (), (2, 3, 4), (1000, 3)]
     dims = [factored_dims(s) for s in shapes]
-    layout = GroupLayout(shapes, dims, stats_chunk=64, apply_chunk=128)
-    t = {name: i for i, name in enumerate(TENSOR_FIELDS)}
+    layout = GroupLayout(shapes, dims, [0] * len(shapes), stats_chunk=64, apply_chunk=128)
+    t = contract.FIELD["TensorMeta"]
     rows = layout.static_rows
     for first, count in (("first_stats_chunk", "num_stats_chunks"), ("first_apply_chunk", "num_apply_chunks"),
                          ("first_slab", "num_slabs"), ("first_col_entry", "num_col_entries")):
@@ -82,7 +60,7 @@ def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
 
 def test_fused_unavailable_reasons(monkeypatch):
     cpu = {torch.device("cpu")}
-    assert "no fused kernels for velo" in launcher.fused_unavailable_reason("velo", cpu)
+    assert "no fused kernels for adam" in launcher.fused_unavailable_reason("adam", cpu)
     assert launcher.fused_unavailable_reason("small_fc_lopt", set()) == "the optimizer has no parameters"
     assert "not all on a CUDA device" in launcher.fused_unavailable_reason("small_fc_lopt", cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -128,3 +106,42 @@ def test_auto_warns_once_and_uses_naive_when_fused_cannot_start(monkeypatch):
     with pytest.warns(RuntimeWarning, match="using the naive backend because CuPy is not installed"):
         opt = lopt.SmallFCLOpt(params, weights=lopt.random_weights("small_fc_lopt"))
     assert opt.backend == "naive" and "CuPy" in opt.backend_reason
+
+
+def test_contract_header_declares_every_struct_and_constant():
+    header = contract.cuda_header()
+    for struct, fields in contract.STRUCTS.items():
+        assert f"struct {struct} {{" in header and f"sizeof({struct}) == {8 * len(fields)}" in header
+        for index, field in enumerate(fields):
+            assert f"#define LOPT_{struct.upper()}_{field.upper()} {index}\n" in header
+    for name, value in contract.CONSTANTS.items():
+        assert f"#define LOPT_{name} {value}\n" in header
+    assert contract.CONSTANTS["STATS_CHUNK"] == contract.CONSTANTS["STATS_THREADS"] * contract.CONSTANTS["STATS_PER_THREAD"]
+
+
+@pytest.mark.parametrize("make, order", [
+    (lambda: torch.randn(2, 3, 4, 5), (0, 1, 2, 3)),
+    (lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), (0, 2, 3, 1)),
+    (lambda: torch.randn(5, 7).t(), (1, 0)),
+    (lambda: torch.randn(3, 1, 4).permute(2, 0, 1), (0, 1, 2)),  # size-1 axes: any stride
+    (lambda: torch.randn(()), ()),
+])
+def test_memory_order_of_dense_layouts(make, order):
+    t = make()
+    got = memory_order(t)
+    assert t.permute(got).is_contiguous()
+    if t.dim() and 1 not in t.shape:
+        assert got == order
+
+
+def test_views_with_gaps_are_not_dense():
+    assert memory_order(torch.randn(6, 8)[:, ::2]) is None
+    assert memory_order(torch.randn(4, 4)[1:3, 1:3]) is None
+    assert memory_order(torch.randn(4, 1).expand(4, 3)) is None  # overlapping
+
+
+def test_arranged_keeps_values_and_takes_the_memory_order():
+    t = torch.randn(2, 3, 4, 5)
+    out = arranged(t, (0, 2, 3, 1))
+    assert torch.equal(out, t) and out.permute(0, 2, 3, 1).is_contiguous() and out.shape == t.shape
+    assert arranged(out, (0, 2, 3, 1)) is out  # already in that order: no copy

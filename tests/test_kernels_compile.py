@@ -23,20 +23,38 @@ def nvcc():
 
 
 def test_there_are_kernel_sources():
-    assert "small_fc_lopt.cu" in SOURCES
+    assert {"small_fc_lopt.cu", "velo.cu"} <= set(SOURCES)
+
+
+def compile_unit(text, arch, tmp_path, extra=()):
+    unit = tmp_path / "unit.cu"
+    unit.write_text(text)
+    options = [o for o in launcher.NVRTC_OPTIONS if not o.startswith("--std")]
+    return subprocess.run([nvcc(), f"-arch={arch}", "-cubin", "-std=c++17", *options, *extra, str(unit), "-o",
+                           str(tmp_path / "out.cubin")], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("source", SOURCES)
 def test_kernel_compiles(source, arch, tmp_path):
-    # The exact text NVRTC gets at run time (headers inlined), with the same exactness options.
-    unit = tmp_path / source
-    unit.write_text(launcher.kernel_source(source))
-    options = [o for o in launcher.NVRTC_OPTIONS if not o.startswith("--std")]
-    result = subprocess.run([nvcc(), f"-arch={arch}", "-cubin", "-std=c++17", *options, "-Werror", "all-warnings",
-                             str(unit), "-o", str(tmp_path / "out.cubin")], capture_output=True, text=True, timeout=300)
+    # The exact text NVRTC gets at run time (headers inlined, the contract generated from Python),
+    # with the same exactness options.
+    result = compile_unit(launcher.kernel_source(source), arch, tmp_path, ("-Werror", "all-warnings"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out.cubin").stat().st_size > 0
+
+
+@pytest.mark.parametrize("source, struct, field", [("velo.cu", "VeloTensor", "rank_class"),
+                                                   ("small_fc_lopt.cu", "TensorMeta", "row_means"),
+                                                   ("velo.cu", "GroupMeta", "weight_decay")])
+def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monkeypatch):
+    """The kernels compile against the structs Python writes: a field Python no longer writes (or
+    renames) is a compile error in CI, not a wrong read on a GPU."""
+    from lopt.fused import contract
+
+    monkeypatch.setitem(contract.STRUCTS, struct, tuple(f for f in contract.STRUCTS[struct] if f != field))
+    result = compile_unit(launcher.kernel_source(source), "sm_90", tmp_path)
+    assert result.returncode != 0 and field in result.stderr
 
 
 def test_mlp_layers_are_one_tf32_and_one_bf16_product_per_k_step(tmp_path):
@@ -55,3 +73,47 @@ def test_kernel_source_inlines_each_header_once():
     text = launcher.kernel_source("small_fc_lopt.cu")
     assert '#include "' not in text
     assert text.count("struct TensorMeta {") == 1
+
+
+def nvrtc_library():
+    """NVRTC from the nvidia-cuda-nvrtc wheel (the test extra installs it), loaded with ctypes: the
+    run-time compiler itself, which needs no GPU."""
+    import ctypes
+
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    libraries = [os.path.join(path, "cu13", "lib") for path in getattr(nvidia, "__path__", [])]
+    directory = next((d for d in libraries if os.path.exists(os.path.join(d, "libnvrtc.so.13"))), None)
+    if directory is None:
+        if os.environ.get("CI"):
+            pytest.fail("the nvidia-cuda-nvrtc wheel is not installed: CI must compile every kernel with NVRTC")
+        pytest.skip("nvidia-cuda-nvrtc is not installed")
+    builtins = sorted(f for f in os.listdir(directory) if f.startswith("libnvrtc-builtins.so"))[0]
+    ctypes.CDLL(os.path.join(directory, builtins), mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(os.path.join(directory, "libnvrtc.so.13"))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernel_compiles_with_nvrtc(source, arch):
+    """What lopt does at run time (launcher._nvrtc_compile): NVRTC, lopt's options, the device's sm_XY."""
+    import ctypes
+
+    nvrtc = nvrtc_library()
+    program = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), launcher.kernel_source(source).encode(), source.encode(),
+                                    0, None, None) == 0
+    try:
+        options = [o.encode() for o in launcher.NVRTC_OPTIONS] + [f"--gpu-architecture={arch}".encode()]
+        status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(program, log)
+        assert status == 0, log.value.decode()
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size))
+        assert size.value > 0
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(program))

@@ -636,35 +636,20 @@ def test_a_small_training_run_is_deterministic_and_finite(meta):
 
 
 @pytest.mark.cuda
-def test_cuda_matches_cpu_and_never_synchronises(meta):
+def test_naive_on_cuda_matches_cpu(meta):
+    """The naive backend on a GPU computes what it computes on the CPU (the fused backend is tested
+    against it in tests/test_fused.py)."""
     shapes = [(32, 16), (16,), (), (4, 4, 3, 3)]
     cpu_params = make_params(shapes, seed=22)
     gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
     opt_cpu = VeLO(cpu_params, num_steps=10, weights=meta)
-    with pytest.warns(RuntimeWarning, match="using the naive backend"):
-        opt_gpu = VeLO(gpu_params, num_steps=10, weights=meta)
+    opt_gpu = VeLO(gpu_params, num_steps=10, weights=meta, backend="naive")
     for step in range(4):
         grads = random_grads(shapes, seed=80 + step)
         set_grads(cpu_params, grads)
         set_grads(gpu_params, [g.cuda() for g in grads])
         loss = torch.tensor(1.0 - 0.1 * step)
         opt_cpu.step(loss)
-        gpu_loss = loss.cuda()  # (a host-to-device copy synchronises; the step must not)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            opt_gpu.step(gpu_loss)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        opt_gpu.step(loss.cuda())
     for a, b in zip(cpu_params, gpu_params):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        opt_gpu.step(0.5)  # a Python float reaches the device without a copy
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    with pytest.raises(ValueError, match="non-finite loss"):
-        opt_gpu.step(float("nan"))  # host values are checked on the host
-    before = [p.detach().clone() for p in gpu_params]
-    opt_gpu.step(torch.tensor(float("nan"), device="cuda"))
-    assert all(torch.equal(p, b) for p, b in zip(gpu_params, before))
-    assert int(opt_gpu.param_groups[0]["skipped_steps"]) == 1

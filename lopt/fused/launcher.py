@@ -1,16 +1,18 @@
 """Kernel launch plumbing shared by every fused optimizer, written once.
 
 * :func:`fused_unavailable_reason` — can the fused backend run here, and if not, why.
-* :func:`kernel_source` — a ``cuda_src/`` file with its ``#include "…"`` lines inlined, so the
-  on-disk cache (keyed by the source text and options) sees every header change.
+* :func:`kernel_source` — a ``cuda_src/`` file with its ``#include "…"`` lines inlined (the
+  contract header ``lopt_contract.cuh`` generated from :mod:`lopt.fused.contract`), so the on-disk
+  cache (keyed by the source text and options) sees every header change.
 * :func:`get_module` — compile once per process per (source, device architecture, options) with
   NVRTC, and keep the binary on disk across processes (:func:`kernel_cache_dir`).
 * :func:`launch` — launch on PyTorch's current stream of the tensors' device (so it composes with
   user streams and CUDA graph capture) and check for launch errors; with ``LOPT_CUDA_SYNC_CHECK=1``
   every launch is also synchronised and checked (for debugging).
-* :class:`MetadataTable` — a table of int64 fields per row (apex ``multi_tensor_apply`` style: one
-  launch covers many tensors) kept in device memory and re-uploaded only when its content changes,
-  through a reused pinned staging buffer, so steady-state steps allocate nothing.
+* :class:`MetadataTable` — a table of int64 (or float32) fields per row (apex
+  ``multi_tensor_apply`` style: one launch covers many tensors) kept in device memory and
+  re-uploaded only when its content changes, through a reused pinned staging buffer, so
+  steady-state steps allocate nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FUSED_ARCHITECTURES: tuple = ("small_fc_lopt",)
+FUSED_ARCHITECTURES: tuple = ("small_fc_lopt", "velo")
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the MLPs run on TF32 and BF16 tensor cores (mma.sync)
 
@@ -32,7 +34,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Options for exactness: IEEE division and square root, denormals kept, no fast-math intrinsics.
 NVRTC_OPTIONS = ("--std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)".*$', re.MULTILINE)
 
 
 def cuda_source_dir() -> Path:
@@ -42,20 +44,30 @@ def cuda_source_dir() -> Path:
     return installed if installed.is_dir() else package.parent / "cuda_src"
 
 
-def kernel_source(filename: str) -> str:
-    """The text of ``cuda_src/filename`` with local includes inlined (each header once)."""
+def expand_includes(text: str) -> str:
+    """``text`` with its ``#include "…"`` lines replaced by the ``cuda_src/`` headers (each once; the
+    contract header generated from :mod:`lopt.fused.contract`)."""
+    from lopt.fused import contract
+
     directory = cuda_source_dir()
     seen: set = set()
 
-    def expand(name: str) -> str:
-        if name in seen:
-            return ""
-        seen.add(name)
-        text = (directory / name).read_text()
-        text = text.replace("#pragma once", "")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+    def expand(text: str) -> str:
+        def header(match) -> str:
+            name = match.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            return expand(contract.cuda_header() if name == contract.HEADER_NAME else (directory / name).read_text())
 
-    return expand(filename)
+        return _INCLUDE.sub(header, text.replace("#pragma once", ""))
+
+    return expand(text)
+
+
+def kernel_source(filename: str) -> str:
+    """The text of ``cuda_src/filename`` with local includes inlined (each header once)."""
+    return expand_includes((cuda_source_dir() / filename).read_text())
 
 
 def cupy_or_none():
@@ -118,45 +130,85 @@ def _nvrtc_compile(source: str, options: tuple, architecture: str) -> bytes:
         nvrtc.destroyProgram(program)
 
 
-@lru_cache(maxsize=None)
-def _compiled(filename: str, device_index: int, defines: tuple):
-    """Compile for the device with NVRTC and cache the cubin on disk."""
+def _load_module(binary: bytes):
+    module = cupy_or_none().cuda.function.Module()
+    module.load(binary)
+    return module
+
+
+# A cached binary is stored behind a header (magic, sha256 of the binary): the driver does not reject
+# a truncated or corrupt image reliably (it can crash the process), so lopt checks it before loading.
+_CACHE_MAGIC = b"LOPTBIN1"
+
+
+def _cache_record(binary: bytes) -> bytes:
     import hashlib
+
+    return _CACHE_MAGIC + hashlib.sha256(binary).digest() + binary
+
+
+def _cached_binary(record: bytes) -> bytes | None:
+    """The binary of a cache record, or None if the record is not whole."""
+    import hashlib
+
+    header = len(_CACHE_MAGIC) + 32
+    if len(record) <= header or not record.startswith(_CACHE_MAGIC):
+        return None
+    binary = record[header:]
+    return binary if hashlib.sha256(binary).digest() == record[len(_CACHE_MAGIC):header] else None
+
+
+@lru_cache(maxsize=None)
+def _compiled(source: str, name: str, device_index: int, defines: tuple):
+    """Compile for the device with NVRTC and cache the binary on disk; a cached binary that is not whole
+    (truncated, corrupt) or does not load (stale) is rebuilt, with a warning."""
+    import hashlib
+    import warnings
 
     cupy = cupy_or_none()
     from cupy.cuda import compiler
 
-    source = kernel_source(filename)
     options = NVRTC_OPTIONS + tuple(d if d.startswith("-") else f"-D{d}" for d in defines)
     with cupy.cuda.Device(device_index):
         architecture = nvrtc_architecture(torch.cuda.get_device_capability(device_index),
                                           int(compiler._get_max_compute_capability()))
         key = hashlib.sha256("\0".join([source, *options, architecture, str(compiler._get_nvrtc_version()),
                                         cupy.__version__]).encode()).hexdigest()
-        path = kernel_cache_dir() / f"{Path(filename).stem}-{architecture}-{key[:24]}.cubin"
+        path = kernel_cache_dir() / f"{name}-{architecture}-{key[:24]}.cubin"
         if path.is_file():
-            cubin = path.read_bytes()
-        else:
-            cubin = _nvrtc_compile(source, options, architecture)
-            try:  # write-then-rename, so concurrent processes never read a partial file
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.tmp")
-                partial.write_bytes(cubin)
-                partial.replace(path)
-            except OSError:
-                pass  # an unwritable cache only costs a recompile next time
-        module = cupy.cuda.function.Module()
-        module.load(cubin)
+            binary = _cached_binary(path.read_bytes())
+            problem = "it is truncated or corrupt" if binary is None else None
+            if binary is not None:
+                try:
+                    return _load_module(binary)
+                except Exception as err:  # a whole image the driver refuses: stale
+                    problem = f"the driver refused it ({err})"
+            warnings.warn(f"lopt: the cached kernel binary {path} could not be used ({problem}); it is rebuilt",
+                          RuntimeWarning, stacklevel=4)
+        binary = _nvrtc_compile(source, options, architecture)
+        module = _load_module(binary)
+        try:  # write-then-rename, so concurrent processes never read a partial file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(_cache_record(binary))
+            partial.replace(path)
+        except OSError:
+            pass  # an unwritable cache only costs a recompile next time
     return module
+
+
+def module_from_source(source: str, device: torch.device, defines=(), name: str = "lopt_kernels"):
+    """The compiled module of CUDA ``source`` (includes already expanded) for ``device``."""
+    try:
+        return _compiled(source, name, device.index if device.index is not None else torch.cuda.current_device(),
+                         tuple(defines))
+    except Exception as err:
+        raise RuntimeError(f"compiling {name} for {device} failed: {err}") from err
 
 
 def get_module(filename: str, device: torch.device, defines=()):
     """The compiled ``cuda_src/filename`` for ``device`` (compiled on first use, then cached)."""
-    try:
-        return _compiled(filename, device.index if device.index is not None else torch.cuda.current_device(),
-                         tuple(defines))
-    except Exception as err:
-        raise RuntimeError(f"compiling cuda_src/{filename} for {device} failed: {err}") from err
+    return module_from_source(kernel_source(filename), device, defines, name=Path(filename).stem)
 
 
 def kernel_attribute(kernel, name: str) -> int:
@@ -180,13 +232,15 @@ def _external_stream(handle: int, device_index: int):
         return cupy_or_none().cuda.ExternalStream(handle, device_index)  # wraps, never owns, torch's stream
 
 
-def launch(kernel, grid: int, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
-    """Launch ``kernel`` on PyTorch's current stream of ``device``."""
-    if grid <= 0:
+def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
+    """Launch ``kernel`` on PyTorch's current stream of ``device`` (``grid``: blocks, or a tuple of up to 3;
+    an empty grid launches nothing)."""
+    grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,))) + (1, 1)
+    if min(grid[:3]) <= 0:
         return
     stream = torch.cuda.current_stream(device)
     cupy_stream = _external_stream(stream.cuda_stream, device.index)
-    kernel((int(grid), 1, 1), (int(block), 1, 1), args, shared_mem=shared_mem, stream=cupy_stream)
+    kernel(grid[:3], (int(block), 1, 1), args, shared_mem=shared_mem, stream=cupy_stream)
     if _SYNC_CHECK:
         stream.synchronize()
         cupy_or_none().cuda.runtime.getLastError()
@@ -197,37 +251,47 @@ def pointer(tensor) -> np.uint64:
 
 
 class MetadataTable:
-    """Rows of int64 fields in device memory, re-uploaded only when they change.
+    """Rows of int64 (or float32) fields in device memory, re-uploaded only when they change.
 
-    ``update(rows)`` takes a 2-d int64 numpy array. A change of shape reallocates; a change of
-    content reuses the device buffer and a pinned staging buffer (the previous upload is waited
-    for before the staging buffer is overwritten), so steady-state steps allocate nothing and
-    the upload is a plain asynchronous copy (also inside CUDA graph capture).
+    ``update(rows)`` takes a 2-d numpy array. A change of shape reallocates; a change of content
+    reuses the device buffer and uploads through a ring of pinned staging buffers (one is reused
+    only once its previous upload has run, which with :data:`STAGING_RING` of them is long done), so
+    steady-state steps allocate nothing, never wait for the device, and the upload is a plain
+    asynchronous copy (also inside CUDA graph capture, where replays re-read that staging buffer).
     """
 
-    def __init__(self, device: torch.device):
+    STAGING_RING = 4
+
+    def __init__(self, device: torch.device, dtype=np.int64):
         self.device = device
+        self.dtype = np.dtype(dtype)
         self.host = None
-        self.staging = None
         self.table = None
-        self.uploaded = None
+        self.staging = []  # (pinned buffer, event of its last upload or None)
+        self.next_staging = 0
 
     def update(self, rows: np.ndarray) -> torch.Tensor:
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        rows = np.ascontiguousarray(rows, dtype=self.dtype)
         if self.table is not None and self.host.shape == rows.shape and np.array_equal(self.host, rows):
             return self.table
+        torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}[self.dtype]
         if self.table is None or self.host.shape != rows.shape:
-            self.table = torch.empty(rows.shape, dtype=torch.int64, device=self.device)
-            self.staging = torch.empty(rows.shape, dtype=torch.int64, pin_memory=True)
-            self.uploaded = None
-        if self.uploaded is not None:
-            self.uploaded.synchronize()  # the staging buffer may still be in flight
-        self.staging.numpy()[...] = rows
-        self.table.copy_(self.staging, non_blocking=True)
-        if torch.cuda.is_current_stream_capturing():
-            self.uploaded = None  # captured as a graph node; replays re-read the staging buffer
+            self.table = torch.empty(rows.shape, dtype=torch_dtype, device=self.device)
+            self.staging = []
+        if len(self.staging) < self.STAGING_RING:
+            self.staging.append([torch.empty(rows.shape, dtype=torch_dtype, pin_memory=True), None])
+            slot = self.staging[-1]
         else:
-            self.uploaded = torch.cuda.Event()
-            self.uploaded.record(torch.cuda.current_stream(self.device))
+            slot = self.staging[self.next_staging]
+            self.next_staging = (self.next_staging + 1) % self.STAGING_RING
+            if slot[1] is not None and not slot[1].query():
+                slot[1].synchronize()  # (uploaded STAGING_RING updates ago: in practice done, never waited for)
+        slot[0].numpy()[...] = rows
+        self.table.copy_(slot[0], non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            slot[1] = None  # captured as a graph node; replays re-read this staging buffer
+        else:
+            slot[1] = torch.cuda.Event()
+            slot[1].record(torch.cuda.current_stream(self.device))
         self.host = rows.copy()
         return self.table

@@ -1,10 +1,10 @@
-"""Work layout of a fused step over a parameter group, shared by the fused optimizers.
+"""Work layout of a fused step over the tensors of every parameter group, shared by the fused optimizers.
 
-Everything here depends only on the tensors' shapes: per-tensor metadata rows (geometry of the
-factored axes, chunk ranges of each pass, offsets into the workspaces) and the Adafactor reduction
-jobs. Pointers are filled in per step (:meth:`GroupLayout.tensor_rows`, :meth:`GroupLayout.axis_rows`).
-The field lists mirror the structs ``TensorMeta`` (``cuda_src/lopt_common.cuh``) and ``AxisJob``
-(``cuda_src/adafactor.cuh``) field for field.
+Everything here depends only on the tensors' shapes (in memory order), their factored axes and their
+groups: per-tensor metadata rows (geometry of the factored axes, chunk ranges of each pass, offsets
+into the workspaces) and the Adafactor reduction jobs. Pointers are filled in per step
+(:meth:`GroupLayout.tensor_rows`, :meth:`GroupLayout.axis_rows`). Field names and block sizes come
+from :mod:`lopt.fused.contract`, the one description both sides compile against.
 """
 
 from __future__ import annotations
@@ -14,24 +14,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TENSOR_FIELDS = (
-    "param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full",
-    "numel", "outer", "a", "mid", "b", "inner", "d0_is_a", "factored", "param_dtype", "grad_dtype",
-    "first_stats_chunk", "num_stats_chunks", "first_slab", "num_slabs", "first_col_entry", "num_col_entries",
-    "row_table", "col_table", "first_apply_chunk", "num_apply_chunks",
-)
-AXIS_JOB_FIELDS = (
-    "src", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset", "dest",
-    "num_outputs", "first_output", "num_col_blocks",
-)
-TENSOR_POINTER_FIELDS = ("param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full", "param_dtype", "grad_dtype")
-_T = {name: i for i, name in enumerate(TENSOR_FIELDS)}
-_J = {name: i for i, name in enumerate(AXIS_JOB_FIELDS)}
+from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
 
-AXIS_THREADS = 256          # adafactor_axis_partials block size
-STRIDED_XCHUNK = 64         # rows summed per thread in the strided mode
-CONTIGUOUS_XCHUNK = 2048    # elements summed per warp in the contiguous mode
-TABLE_THREADS = 256         # adafactor_factor_tables block size
+_T = FIELD["TensorMeta"]
+_J = FIELD["AxisJob"]
+TENSOR_POINTER_FIELDS = ("param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full", "param_dtype", "grad_dtype")
+
+AXIS_THREADS = CONSTANTS["AXIS_THREADS"]
+STRIDED_XCHUNK = CONSTANTS["STRIDED_XCHUNK"]
+CONTIGUOUS_XCHUNK = CONSTANTS["CONTIGUOUS_XCHUNK"]
+TABLE_THREADS = CONSTANTS["TABLE_THREADS"]
+STATS_CHUNK = CONSTANTS["STATS_CHUNK"]
 
 
 @dataclass(frozen=True)
@@ -58,22 +51,24 @@ def factored_geometry(shape, dims) -> FactoredGeometry:
 class GroupLayout:
     """The shape-dependent part of a fused step for a list of tensors.
 
-    ``shapes[i]`` and ``dims[i]`` (``(d1, d0)`` or ``None``) describe tensor ``i``; ``stats_chunk``
-    and ``apply_chunk`` are the elements per block of the statistics and apply passes.
+    ``shapes[i]`` (in memory order), ``dims[i]`` (``(d1, d0)`` in the same order, or ``None``) and
+    ``groups[i]`` (the row of its parameter group) describe tensor ``i``; ``apply_chunk`` is the
+    number of elements per block-iteration of the optimizer's apply pass.
     """
 
-    def __init__(self, shapes, dims, *, stats_chunk: int, apply_chunk: int):
+    def __init__(self, shapes, dims, groups, *, apply_chunk: int, stats_chunk: int = STATS_CHUNK):
         self.shapes = [tuple(s) for s in shapes]
         self.num_tensors = len(self.shapes)
-        rows = np.zeros((self.num_tensors, len(TENSOR_FIELDS)), dtype=np.int64)
+        rows = empty_rows("TensorMeta", self.num_tensors)
         jobs = []
         stats_chunks = slabs = col_entries = row_entries = apply_chunks = 0
         partials = outputs = blocks = 0
-        self.job_dest = []  # (tensor index, "fac_row" | "fac_col") per axis job
-        for index, (shape, dim) in enumerate(zip(self.shapes, dims)):
+        self.job_tensor = []  # the tensor of each axis job
+        for index, (shape, dim, group) in enumerate(zip(self.shapes, dims, groups)):
             row = rows[index]
             numel = math.prod(shape)
             row[_T["numel"]] = numel
+            row[_T["group"]] = group
             row[_T["first_stats_chunk"]] = stats_chunks
             row[_T["num_stats_chunks"]] = -(-numel // stats_chunk)
             stats_chunks += row[_T["num_stats_chunks"]]
@@ -101,11 +96,13 @@ class GroupLayout:
             slabs += row[_T["num_slabs"]]
             col_entries += num_col_entries
             row_entries += num_row_entries
-            # Two reductions of g^2: over axis a (output indexed without a) and over axis b.
-            sum_over_a = (g.outer, g.a, g.mid * g.b * g.inner, "fac_row" if g.d0_is_a else "fac_col")
-            sum_over_b = (g.outer * g.a * g.mid, g.b, g.inner, "fac_col" if g.d0_is_a else "fac_row")
-            for q, x, i, dest in (sum_over_a, sum_over_b):
-                job = np.zeros(len(AXIS_JOB_FIELDS), dtype=np.int64)
+            # Two reductions of G: over axis a (output indexed without a) and over axis b. Their
+            # outputs (the means of G) are R's and C's entries in order, so a job's first output is
+            # where its accumulator's means start.
+            sum_over_a = (g.outer, g.a, g.mid * g.b * g.inner, "row_means" if g.d0_is_a else "col_means")
+            sum_over_b = (g.outer * g.a * g.mid, g.b, g.inner, "col_means" if g.d0_is_a else "row_means")
+            for q, x, i, means in (sum_over_a, sum_over_b):
+                job = np.zeros(len(_J), dtype=np.int64)
                 contiguous = i == 1
                 xchunk = CONTIGUOUS_XCHUNK if contiguous else STRIDED_XCHUNK
                 num_xchunks = -(-x // xchunk)
@@ -121,13 +118,14 @@ class GroupLayout:
                                     ("num_outputs", num_outputs), ("first_output", outputs),
                                     ("num_col_blocks", num_col_blocks)):
                     job[_J[name]] = value
+                row[_T[means]] = outputs
                 jobs.append(job)
-                self.job_dest.append((index, dest))
+                self.job_tensor.append(index)
                 blocks += num_blocks
                 partials += num_xchunks * num_outputs
                 outputs += num_outputs
         self.static_rows = rows
-        self.static_jobs = np.stack(jobs) if jobs else np.zeros((0, len(AXIS_JOB_FIELDS)), dtype=np.int64)
+        self.static_jobs = np.stack(jobs) if jobs else empty_rows("AxisJob", 0)
         self.total_stats_chunks = int(stats_chunks)
         self.total_apply_chunks = int(apply_chunks)
         self.total_slabs = int(slabs)
@@ -149,10 +147,10 @@ class GroupLayout:
         return rows
 
     def axis_rows(self, pointers: np.ndarray) -> np.ndarray:
-        """Reduction jobs with source (gradient), its dtype and destination (R or C) pointers filled in."""
+        """Reduction jobs with their source (the gradient) and its dtype filled in."""
         jobs = self.static_jobs.copy()
-        for j, (tensor, dest) in enumerate(self.job_dest):
-            jobs[j, _J["src"]] = pointers[tensor, TENSOR_POINTER_FIELDS.index("grad")]
-            jobs[j, _J["dtype"]] = pointers[tensor, TENSOR_POINTER_FIELDS.index("grad_dtype")]
-            jobs[j, _J["dest"]] = pointers[tensor, TENSOR_POINTER_FIELDS.index(dest)]
+        if len(jobs):
+            tensors = np.asarray(self.job_tensor)
+            jobs[:, _J["src"]] = pointers[tensors, TENSOR_POINTER_FIELDS.index("grad")]
+            jobs[:, _J["dtype"]] = pointers[tensors, TENSOR_POINTER_FIELDS.index("grad_dtype")]
         return jobs

@@ -128,7 +128,9 @@ class LearnedOptimizer(Optimizer):
         self._weights_by_device: dict = {}
         self._decays_cache: dict = {}
         self._fused_engine = None
-        self._skipped_seen = 0
+        # Host-side bookkeeping lives in a dict that step() mutates in place: inside a compiled step,
+        # dynamo replays writes into containers, not attribute assignments on the optimizer.
+        self._host = {"skipped_seen": 0}
 
     def _start_fused_engine(self, strict: bool) -> None:
         if self.backend != "fused":
@@ -202,13 +204,17 @@ class LearnedOptimizer(Optimizer):
         nothing; returns the participating parameters and GradScaler's tensors."""
         participating = []
         index = 0
+        strided, supported = torch.strided, SUPPORTED_DTYPES
         for group in self.param_groups:
             _validate_live_group(self, group)
             params = []
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    self._check_gradient(index, p, g)
+                    # (the common case in one expression; _check_gradient says what is wrong)
+                    if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
+                            and g.device == p.device):
+                        self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
                 index += 1
@@ -278,7 +284,7 @@ class LearnedOptimizer(Optimizer):
                                          f"(nonfinite='raise')")
         first = self.param_groups[0]
         first["skipped_steps"] = int(first["skipped_steps"]) + 1
-        self._skipped_seen = first["skipped_steps"]
+        self._host["skipped_seen"] = first["skipped_steps"]
         warnings.warn(f"{type(self).__name__}: step skipped because {problem}; parameters, state and step counters "
                       f"are unchanged ({first['skipped_steps']} skipped so far; nonfinite='raise' stops instead)",
                       RuntimeWarning, stacklevel=4)
@@ -292,11 +298,12 @@ class LearnedOptimizer(Optimizer):
         synchronises and warns if steps were skipped since it was last read.
         """
         count = int(self.param_groups[0]["skipped_steps"])
-        if count > self._skipped_seen:
-            warnings.warn(f"{type(self).__name__}: {count - self._skipped_seen} step(s) were skipped since the last "
+        seen = self._host["skipped_seen"]
+        if count > seen:
+            warnings.warn(f"{type(self).__name__}: {count - seen} step(s) were skipped since the last "
                           f"check because a gradient or the loss was not finite ({count} in total)", RuntimeWarning,
                           stacklevel=2)
-        self._skipped_seen = count
+        self._host["skipped_seen"] = count
         return count
 
     # ------------------------------------------------------------------ backends
@@ -324,8 +331,10 @@ class LearnedOptimizer(Optimizer):
         return "naive", reason
 
     def _fused_unsupported_reason(self) -> str | None:
-        """Why this optimizer's settings rule out the fused backend (None if they do not)."""
-        return None
+        """Why this optimizer's settings or parameters rule out the fused backend (None if they do not)."""
+        from lopt.fused.engine import non_dense_parameter
+
+        return non_dense_parameter(self._all_params())
 
     def _make_fused_engine(self):
         raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
@@ -426,7 +435,7 @@ class LearnedOptimizer(Optimizer):
             for name in ("momentum_decays", "rms_decays", "adafactor_decays"):
                 group[name] = tuple(float(x) for x in group[name])
         self.param_groups[0].setdefault("skipped_steps", 0)  # (state dicts of lopt 0.1 lack it)
-        self._skipped_seen = int(self.param_groups[0]["skipped_steps"])
+        self._host["skipped_seen"] = int(self.param_groups[0]["skipped_steps"])
         if self._fused_engine is not None:
             self._fused_engine.invalidate()
 
@@ -478,12 +487,14 @@ def _describe_peak(peak: float) -> str:
 
 
 def _foreign_optimizer(state_dict, optimizer) -> str | None:
-    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s."""
+    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s kind."""
+    from lopt.optimizers.velo import VeLO
+
     first = state_dict["param_groups"][0] if state_dict["param_groups"] else {}
-    own = type(optimizer).__name__
-    if "num_steps" in first and "loss_means" in first and own != "VeLO":
+    is_velo = isinstance(optimizer, VeLO)
+    if "num_steps" in first and "loss_means" in first and not is_velo:
         return "lopt.VeLO"
-    if own == "VeLO" and "num_steps" not in first and any("mom" in v for v in state_dict["state"].values()):
+    if is_velo and "num_steps" not in first and any("mom" in v for v in state_dict["state"].values()):
         return "lopt.SmallFCLOpt"
     for values in state_dict["state"].values():
         keys = set(values)

@@ -92,6 +92,12 @@ class SmallFCLOpt(LearnedOptimizer):
             raise ValueError(f"{type(self).__name__}: invalid {where}: max_grad_norm must be a finite number > 0 "
                              f"or None, got {max_grad_norm!r}")
 
+    def _fused_unsupported_reason(self) -> str | None:
+        if any(group["max_grad_norm"] is not None for group in self.param_groups):
+            return ("max_grad_norm is not supported by the fused backend yet; clip gradients before step() "
+                    "(torch.nn.utils.clip_grad_norm_) or use backend='naive'")
+        return super()._fused_unsupported_reason()
+
     def _make_fused_engine(self):
         from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
@@ -106,6 +112,9 @@ class SmallFCLOpt(LearnedOptimizer):
                 loss = closure()
         inputs = self._check_gradients()
         if self.backend == "fused":
+            if any(group["max_grad_norm"] is not None for group in self.param_groups):  # (a group added later)
+                raise RuntimeError("SmallFCLOpt: max_grad_norm is not supported by the fused backend yet; clip "
+                                   "gradients before step() or use backend='naive'. Nothing was changed")
             self._fused_engine.step(inputs)
         else:
             self._naive_step(inputs)

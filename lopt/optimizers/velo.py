@@ -119,8 +119,7 @@ class VeLO(LearnedOptimizer):
     # it (group entries are saved and restored verbatim; ``add_param_group`` does not copy them).
     GLOBAL_STATE_KEYS = ("num_steps", "loss_means", "loss_running_min", "loss_count")
     TENSOR_STATE_KEYS = LearnedOptimizer.TENSOR_STATE_KEYS + ("lstm_hidden", "lstm_cell")
-    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum",
-                                                                 "_accumulated_losses")
+    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("controller_device", "_loss_sum", "_losses")
 
     def __init__(
         self,
@@ -150,7 +149,9 @@ class VeLO(LearnedOptimizer):
         # The loss buffer and the batched controller live on the first parameter's device.
         self.controller_device = _first_param_device(params)
         self._loss_sum = None  # accumulate_loss: running sum on the controller device
-        self._accumulated_losses = 0  # ... and how many losses it holds (known on the host: no sync)
+        # ... and how many losses it holds (known on the host: no sync), in a dict step() mutates in place
+        # (inside a compiled step dynamo replays container writes, not attribute assignments)
+        self._losses = {"accumulated": 0}
         super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite)
 
         buffer = reference.init_loss_buffer(num_steps, self.controller_device)
@@ -236,29 +237,30 @@ class VeLO(LearnedOptimizer):
             value = float(value.item()) if value.device.type == "cpu" else value.detach().reshape(())
         if self._loss_sum is None:
             self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.controller_device)
-        if self._accumulated_losses == 0:
+        if self._losses["accumulated"] == 0:
             self._loss_sum.fill_(value)  # (a 0-d tensor on the device is read there: no synchronisation)
         else:
             self._loss_sum.add_(value)
-        self._accumulated_losses += 1
+        self._losses["accumulated"] += 1
 
     def _step_loss(self, explicit, from_closure) -> StepLoss:
         """The loss this step uses (validated; raises before anything changes)."""
-        if self._accumulated_losses:
+        count = self._losses["accumulated"]
+        if count:
             if explicit is not None:
                 raise ValueError(
-                    f"VeLO.step got a loss, but {self._accumulated_losses} loss(es) were handed over with "
+                    f"VeLO.step got a loss, but {count} loss(es) were handed over with "
                     f"accumulate_loss() since the last step: use one way or the other")
-            count, self._accumulated_losses = self._accumulated_losses, 0
+            self._losses["accumulated"] = 0
             return StepLoss(tensor=self._loss_sum, count=count)
         loss = explicit if explicit is not None else from_closure
         if loss is None:
             raise TypeError(_MISSING_LOSS)
         value = _validated_loss(loss)
         if isinstance(value, torch.Tensor):
-            if value.device.type == "cpu" or self.controller_device.type == "cpu":
-                return StepLoss(value=float(value.detach().float().item()))
-            return StepLoss(tensor=value.detach().reshape(()))
+            if value.device.type == "cpu" and self.controller_device.type != "cpu":
+                return StepLoss(value=float(value.detach().float().item()))  # (reading a CPU tensor costs nothing)
+            return StepLoss(tensor=value.detach().reshape(()))  # (a tensor: a compiled step does not specialise on it)
         return StepLoss(value=float(value))
 
     def _loss_on_controller(self, loss: StepLoss) -> torch.Tensor:

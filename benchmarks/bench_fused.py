@@ -1,0 +1,208 @@
+"""GPU benchmark of the fused optimizer steps, in one process beside fused AdamW.
+
+    PYTHONPATH=. python benchmarks/bench_fused.py --out $OUT/bench.json [--optimizers small_fc_lopt,velo]
+
+For each parameter set (GPT-2 medium, ViT-B/16; float32 parameters, random gradients × 1e-3, a
+fresh set of gradient tensors every step): median step time after warm-up (CUDA events), kernel
+launches per step (torch.profiler), peak memory beyond parameters and gradients, the time per
+kernel, achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
+update error (one step from identical state). The device-to-device copy bandwidth is measured in the
+same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros), for tuning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+
+import lopt
+from lopt.param_sets import build_parameters, param_set_shapes
+
+ENGINES = {"small_fc_lopt": ("lopt.fused.small_fc_lopt", "SmallFCLOptFused"), "velo": ("lopt.fused.velo", "VeLOFused")}
+
+
+def environment() -> dict:
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "lopt": lopt.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(0)}
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+    except ImportError:
+        info["cupy"] = None
+    info["commit"] = os.environ.get("LOPT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    return info
+
+
+def copy_bandwidth_tb_s() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return 2 * src.numel() / (statistics.median(times) * 1e-3) / 1e12
+
+
+def gradient_sets(params, count=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(p.shape, generator=g) * 1e-3).to("cuda") for p in params] for _ in range(count)]
+
+
+def make(name, params, backend, weights, defines=()):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if name == "velo":
+        opt = lopt.VeLO(params, num_steps=10_000, weights=weights, backend=backend)
+    else:
+        opt = lopt.SmallFCLOpt(params, weights=weights, backend=backend)
+    if defines:
+        module, cls = ENGINES[name]
+        opt._fused_engine = getattr(__import__(module, fromlist=[cls]), cls)(opt, defines=defines)
+    return opt
+
+
+def do_step(opt, loss):
+    opt.step(loss) if getattr(opt, "requires_loss", False) else opt.step()
+
+
+def time_steps(opt, params, grad_sets, steps, warmup):
+    """Median ms of ``steps`` steps after ``warmup``; each step gets a different set of gradient tensors."""
+    loss = torch.tensor(2.5, device="cuda")
+    times = []
+    for i in range(warmup + steps):
+        for p, g in zip(params, grad_sets[i % len(grad_sets)]):
+            p.grad = g
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        do_step(opt, loss)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
+def profile_step(opt, params, grads) -> tuple:
+    """(kernel launches, {kernel: ms}) of one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p, g in zip(params, grads):
+        p.grad = g
+    loss = torch.tensor(2.5, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        do_step(opt, loss)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    split = {}
+    for e in kernels:
+        split[e.name] = round(split.get(e.name, 0.0) + e.device_time_total / 1e3, 4)
+    return len(kernels), split
+
+
+def update_error(name, param_set, weights) -> float:
+    """max over tensors of ‖u_fused − u_naive‖ / ‖u_naive‖ for one step from identical state."""
+    updates = {}
+    for backend in ("naive", "fused"):
+        params = build_parameters(param_set, "cuda")
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, gradient_sets(params, 1)[0]):
+            p.grad = g
+        do_step(make(name, params, backend, weights), torch.tensor(2.5, device="cuda"))
+        updates[backend] = [(p.detach() - b).double() for p, b in zip(params, before)]
+        del params, before
+        torch.cuda.empty_cache()
+    return max(float((f - n).norm() / n.norm().clamp_min(1e-30)) for f, n in zip(updates["fused"], updates["naive"]))
+
+
+def measure(name, backend, param_set, weights, steps, warmup, defines=()) -> dict:
+    params = build_parameters(param_set, "cuda")
+    grad_sets = gradient_sets(params)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    opt = make(name, params, backend, weights, defines)
+    times = time_steps(opt, params, grad_sets, steps, warmup)
+    peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20
+    launches, split = profile_step(opt, params, grad_sets[0])
+    label = backend + (f"[{','.join(defines)}]" if defines else "")
+    row = {"optimizer": name, "backend": label, "param_set": param_set, "mode": "step",
+           "ms_per_step": round(statistics.median(times), 4), "ms_all": [round(t, 4) for t in times],
+           "launches_per_step": launches, "peak_extra_mib": round(peak, 1), "kernel_ms": split}
+    del opt, params, grad_sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--optimizers", default="small_fc_lopt,velo")
+    parser.add_argument("--param-sets", default="gpt2-medium,vit-b16")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--naive-steps", type=int, default=3, help="0: skip the naive rows")
+    parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros "
+                                                       "(prefix a list with 'velo:' or 'small_fc_lopt:')")
+    args = parser.parse_args()
+
+    env = environment()
+    env["copy_bandwidth_tb_s"] = round(copy_bandwidth_tb_s(), 3)
+    weights = {name: lopt.random_weights(name, seed=0) for name in ("small_fc_lopt", "velo")}  # time only
+    optimizers = args.optimizers.split(",")
+    variants = [v.split(":", 1) for v in args.variants.split(";") if v]
+    rows = []
+    for param_set in args.param_sets.split(","):
+        numel = sum(math.prod(s) for _, s in param_set_shapes(param_set))
+        adamw = measure("adamw", "fused", param_set, None, args.steps, args.warmup)
+        rows.append(adamw)
+        for name in optimizers:
+            fused = measure(name, "fused", param_set, weights[name], args.steps, args.warmup)
+            fused["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name])
+            rows.append(fused)
+            for target, macros in variants:
+                if target == name:
+                    rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup,
+                                        tuple(macros.split(","))))
+            if args.naive_steps:
+                rows.append(measure(name, "naive", param_set, weights[name], args.naive_steps, 1))
+        for row in rows:
+            if row["param_set"] == param_set:
+                row["overhead_vs_adamw"] = round(row["ms_per_step"] / adamw["ms_per_step"], 3)
+                row["numel"] = numel
+        print(f"\n{param_set} ({numel / 1e6:.1f} M parameters), copy bandwidth {env['copy_bandwidth_tb_s']} TB/s")
+        print(f"{'optimizer':<14}{'backend':<34}{'ms/step':>10}{'x AdamW':>9}{'launches':>10}{'peak MiB':>10}{'rel.err':>10}")
+        for row in rows:
+            if row["param_set"] == param_set:
+                error = row.get("max_rel_error_vs_naive")
+                print(f"{row['optimizer']:<14}{row['backend']:<34}{row['ms_per_step']:>10.3f}{row['overhead_vs_adamw']:>9.2f}"
+                      f"{row['launches_per_step']:>10}{row['peak_extra_mib']:>10.0f}{'' if error is None else f'{error:.1e}':>10}")
+                if row["backend"].startswith("fused") and row["optimizer"] != "adamw":
+                    print("    " + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(row["kernel_ms"].items(), key=lambda kv: -kv[1])))
+        sys.stdout.flush()
+    with open(args.out, "w") as f:
+        json.dump({"environment": env, "weights": "random (timing only)", "results": rows}, f, indent=2)
+    print(json.dumps(env))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

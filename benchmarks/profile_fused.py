@@ -1,0 +1,25 @@
+"""A fused step on a parameter set after warm-up, for Nsight Compute:
+
+    ncu -k velo_apply -c 1 --section SpeedOfLight python benchmarks/profile_fused.py velo vit-b16 [MACROS]
+
+MACROS (optional): ','-separated NAME=VALUE kernel macros of a variant, as bench_fused.py --variants takes.
+"""
+
+import sys
+
+import torch
+
+from benchmarks.bench_fused import do_step, gradient_sets, make
+from lopt.param_sets import build_parameters
+from lopt.weights import random_weights
+
+name = sys.argv[1] if len(sys.argv) > 1 else "velo"
+params = build_parameters(sys.argv[2] if len(sys.argv) > 2 else "vit-b16", "cuda")
+for p, g in zip(params, gradient_sets(params, 1)[0]):
+    p.grad = g
+defines = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else ()
+optimizer = make(name, params, "fused", random_weights(name), defines)
+for _ in range(3):
+    do_step(optimizer, torch.tensor(2.5, device="cuda"))
+torch.cuda.synchronize()
+print("profiled step done")

@@ -1,0 +1,27 @@
+"""A few small fused steps of both optimizers, for compute-sanitizer (memcheck, racecheck) on the device:
+
+    compute-sanitizer --tool memcheck python benchmarks/sanitize_fused.py
+"""
+
+import torch
+
+import lopt
+
+# Every rank, small tensors and one of 78,000 elements (many blocks of each pass), two dtypes, two groups.
+shapes = [(), (5,), (33, 17), (4, 4), (2, 3, 5), (6, 2, 3, 3), (1, 9), (300,), (300, 260)]
+for name in ("small_fc_lopt", "velo"):
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    params.append(torch.nn.Parameter(torch.randn(7, 5, device="cuda", dtype=torch.bfloat16)))
+    groups = [{"params": params[:5]}, {"params": params[5:], "weight_decay": 0.01}]
+    weights = lopt.random_weights(name)
+    if name == "velo":
+        optimizer = lopt.VeLO(groups, num_steps=100, weights=weights, backend="fused")
+    else:
+        optimizer = lopt.SmallFCLOpt(groups, weights=weights, backend="fused")
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-2
+        optimizer.step(torch.tensor(2.0 - 0.1 * step, device="cuda")) if name == "velo" else optimizer.step()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p).all() for p in params), name
+print("sanitize run ok")

@@ -1,0 +1,348 @@
+// Per-element accumulators shared by small_fc_lopt and VeLO (reference: lopt/reference/accumulators.py):
+// the momentum and rms EMAs, Adafactor's row/column (or full) second moments and their factors, and
+// the features both optimizers build from them.
+//
+// Adafactor of factored tensors takes three launches for every tensor of a step, deterministic
+// (fixed-order two-level sums, no atomics), and writes no state: the new R and C live in the factor
+// tables until the step is known to be kept (commit_factored_accumulators, in the control phase).
+//   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis)
+//   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags
+//   adafactor_factor_tables  R and C updated (EMAs), row_col_mean per slab of R, the per-entry tables
+#pragma once
+#include "common.cuh"
+
+// Decays and their complements, computed once on the host in float32 exactly as the reference
+// does, at the start of each group's value block (lopt.fused.engine.pack_decays).
+struct Decays {
+  float momentum[3], momentum_mix[3];
+  float rms, rms_mix;
+  float adafactor[3], adafactor_mix[3];
+};
+static_assert(sizeof(Decays) == 14 * 4 && LOPT_DECAYS_FLOATS >= 14, "Decays fits its slots");
+
+LOPT_DEVICE Decays read_decays(const float* values) {
+  Decays d;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    d.momentum[k] = values[LOPT_GROUP_DECAYS + k];
+    d.momentum_mix[k] = values[LOPT_GROUP_DECAYS + 3 + k];
+    d.adafactor[k] = values[LOPT_GROUP_DECAYS + 8 + k];
+    d.adafactor_mix[k] = values[LOPT_GROUP_DECAYS + 11 + k];
+  }
+  d.rms = values[LOPT_GROUP_DECAYS + 6];
+  d.rms_mix = values[LOPT_GROUP_DECAYS + 7];
+  return d;
+}
+
+LOPT_DEVICE Decays group_decays(const GroupMeta* groups, const TensorMeta& t) {
+  return read_decays(pointer<const float>(groups[t.group].values));
+}
+
+LOPT_DEVICE float safe_rsqrt(float x) { return rsqrtf(fmaxf(x, 1e-9f)); }
+
+// beta * acc + (1 - beta) * x, rounded op by op as torch's acc.mul_(beta).add_((1 - beta) * x).
+LOPT_DEVICE float ema(float acc, float beta, float one_minus_beta, float x) {
+  return __fadd_rn(__fmul_rn(acc, beta), __fmul_rn(one_minus_beta, x));
+}
+
+LOPT_DEVICE float adafactor_square(float g) { return __fadd_rn(__fmul_rn(g, g), 1e-30f); }
+
+// ------------------------------------------------------------------------------------------
+// Per-element state: momentum (3), rms, and the full Adafactor accumulator V of non-factored tensors
+// ------------------------------------------------------------------------------------------
+struct ElementState {
+  float mom[3];
+  float rms;
+  float full[3];  // V (unused for factored tensors)
+};
+
+LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
+  ElementState s;
+  const float* mom = pointer<const float>(t.mom) + e * 3;
+  s.mom[0] = mom[0]; s.mom[1] = mom[1]; s.mom[2] = mom[2];
+  s.rms = pointer<const float>(t.rms)[e];
+  if (!t.factored) {
+    const float* full = pointer<const float>(t.fac_full) + e * 3;
+    s.full[0] = full[0]; s.full[1] = full[1]; s.full[2] = full[2];
+  } else {
+    s.full[0] = s.full[1] = s.full[2] = 0.f;
+  }
+  return s;
+}
+
+LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
+  float* mom = pointer<float>(t.mom) + e * 3;
+  mom[0] = s.mom[0]; mom[1] = s.mom[1]; mom[2] = s.mom[2];
+  pointer<float>(t.rms)[e] = s.rms;
+  if (!t.factored) {
+    float* full = pointer<float>(t.fac_full) + e * 3;
+    full[0] = s.full[0]; full[1] = s.full[1]; full[2] = s.full[2];
+  }
+}
+
+// reference: update_accumulators (momentum, rms; V for non-factored tensors — R and C come from
+// the factor tables).
+LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& d, bool factored) {
+#pragma unroll
+  for (int k = 0; k < 3; ++k) s.mom[k] = ema(s.mom[k], d.momentum[k], d.momentum_mix[k], grad);
+  s.rms = ema(s.rms, d.rms, d.rms_mix, __fmul_rn(grad, grad));
+  if (!factored) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) s.full[k] = ema(s.full[k], d.adafactor[k], d.adafactor_mix[k], adafactor_square(grad));
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Factor tables: per R entry {R_k, row_factor_k, rsqrt(R_k + 1e-8)}, per C entry {C_k, col_factor_k,
+// rsqrt(C_k + 1e-8)}, each padded to three float4s.
+// ------------------------------------------------------------------------------------------
+struct FactorEntry { float acc[3], factor[3], rsqrt_acc[3]; };
+
+LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
+  const float4* p = reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS);
+  float4 x = __ldg(p), y = __ldg(p + 1), z = __ldg(p + 2);
+  FactorEntry f;
+  f.acc[0] = x.x; f.acc[1] = x.y; f.acc[2] = x.z;
+  f.factor[0] = y.x; f.factor[1] = y.y; f.factor[2] = y.z;
+  f.rsqrt_acc[0] = z.x; f.rsqrt_acc[1] = z.y; f.rsqrt_acc[2] = z.z;
+  return f;
+}
+
+// Only the factors of an entry (acc and rsqrt_acc left at zero): one float4 load instead of three.
+LOPT_DEVICE FactorEntry read_factor_entry_factors(const float* table, i64 entry) {
+  const float4 y = __ldg(reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS) + 1);
+  FactorEntry f = {};
+  f.factor[0] = y.x; f.factor[1] = y.y; f.factor[2] = y.z;
+  return f;
+}
+
+LOPT_DEVICE void write_factor_entry(float* table, i64 entry, const float acc[3], const float factor[3]) {
+  float4* p = reinterpret_cast<float4*>(table + entry * LOPT_TABLE_FLOATS);
+  p[0] = make_float4(acc[0], acc[1], acc[2], 0.f);
+  p[1] = make_float4(factor[0], factor[1], factor[2], 0.f);
+  p[2] = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)), rsqrtf(__fadd_rn(acc[2], 1e-8f)), 0.f);
+}
+
+// An element's R and C table entries (FactorsOnly: only their factors).
+template <bool FactorsOnly>
+LOPT_DEVICE void load_factor_entries(const TensorMeta& t, i64 e, const float* row_table, const float* col_table,
+                                     FactorEntry& row, FactorEntry& col) {
+  const FactorIndex f = factor_index(t, e);
+  row = FactorsOnly ? read_factor_entry_factors(row_table, t.row_table + f.row) : read_factor_entry(row_table, t.row_table + f.row);
+  col = FactorsOnly ? read_factor_entry_factors(col_table, t.col_table + f.col) : read_factor_entry(col_table, t.col_table + f.col);
+}
+
+// ------------------------------------------------------------------------------------------
+// Features both optimizers build from the accumulators (same order as the reference)
+// ------------------------------------------------------------------------------------------
+
+// reference: factored_gradient — g preconditioned by the updated Adafactor accumulators (3 values).
+LOPT_DEVICE void factored_gradient(float* x, float grad, const ElementState& s, bool factored, const FactorEntry& row,
+                                   const FactorEntry& col) {
+#pragma unroll
+  for (int k = 0; k < 3; ++k)
+    x[k] = factored ? __fmul_rn(__fmul_rn(grad, row.factor[k]), col.factor[k])
+                    : __fmul_rn(grad, safe_rsqrt(__fadd_rn(s.full[k], 1e-9f)));
+}
+
+// reference: adafactor_features — the 15 features both optimizers end with: R_k, C_k, rsqrt(R_k + 1e-8),
+// rsqrt(C_k + 1e-8), m_k·rf_k·cf_k (non-factored: V_k twice, rsqrt(V_k + 1e-8) twice,
+// m_k·(V_k + full_momentum_epsilon)^(-1/2)).
+LOPT_DEVICE void adafactor_features(float* x, const ElementState& s, bool factored, const FactorEntry& row,
+                                    const FactorEntry& col, float full_momentum_epsilon) {
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    if (factored) {
+      x[k] = row.acc[k];
+      x[3 + k] = col.acc[k];
+      x[6 + k] = row.rsqrt_acc[k];
+      x[9 + k] = col.rsqrt_acc[k];
+      x[12 + k] = __fmul_rn(__fmul_rn(s.mom[k], row.factor[k]), col.factor[k]);
+    } else {
+      const float rsqrt_full = rsqrtf(__fadd_rn(s.full[k], 1e-8f));
+      x[k] = s.full[k];
+      x[3 + k] = s.full[k];
+      x[6 + k] = rsqrt_full;
+      x[9 + k] = rsqrt_full;
+      const float base = full_momentum_epsilon != 0.f ? __fadd_rn(s.full[k], full_momentum_epsilon) : s.full[k];
+      x[12 + k] = __fmul_rn(s.mom[k], rsqrtf(base));
+    }
+  }
+}
+
+// The first 12 Adafactor features of a factored tensor are its R and C entries' accumulators and their
+// rsqrt: the same value for every element sharing an entry, so the statistics pass leaves their sums of
+// squares out and the control phase sums them over the factor tables, each entry counted once per
+// element that uses it (an R entry by len(d0) elements, a C entry by len(d1)). This thread's share
+// (entries tid, tid + threads, ...), feature order R (3), C (3), rsqrt R (3), rsqrt C (3).
+#define LOPT_TABLE_FEATURES 12
+LOPT_DEVICE void table_feature_square_sums(const TensorMeta& t, const float* row_table, const float* col_table,
+                                           int tid, int threads, double sums[LOPT_TABLE_FEATURES]) {
+  const i64 len_d0 = t.d0_is_a ? t.a : t.b, len_d1 = t.d0_is_a ? t.b : t.a;
+  double row_sums[6] = {}, col_sums[6] = {};
+  for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
+    const FactorEntry r = read_factor_entry(row_table, t.row_table + entry);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      row_sums[k] += static_cast<double>(__fmul_rn(r.acc[k], r.acc[k]));
+      row_sums[3 + k] += static_cast<double>(__fmul_rn(r.rsqrt_acc[k], r.rsqrt_acc[k]));
+    }
+  }
+  for (i64 entry = tid; entry < t.num_col_entries; entry += threads) {
+    const FactorEntry c = read_factor_entry(col_table, t.col_table + entry);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      col_sums[k] += static_cast<double>(__fmul_rn(c.acc[k], c.acc[k]));
+      col_sums[3 + k] += static_cast<double>(__fmul_rn(c.rsqrt_acc[k], c.rsqrt_acc[k]));
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    sums[k] = row_sums[k] * static_cast<double>(len_d0);
+    sums[3 + k] = col_sums[k] * static_cast<double>(len_d1);
+    sums[6 + k] = row_sums[3 + k] * static_cast<double>(len_d0);
+    sums[9 + k] = col_sums[3 + k] * static_cast<double>(len_d1);
+  }
+}
+
+// The control phase of a kept step writes the tensor's new R and C from the factor tables to its state.
+LOPT_DEVICE void commit_factored_accumulators(const TensorMeta& t, const float* row_table, const float* col_table,
+                                              int tid, int threads) {
+  if (!t.factored) return;
+  const i64 len_d0 = t.d0_is_a ? t.a : t.b;
+  float* row = pointer<float>(t.fac_row);
+  float* col = pointer<float>(t.fac_col);
+  for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
+    const float4 acc = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];
+    row[entry * 3] = acc.x; row[entry * 3 + 1] = acc.y; row[entry * 3 + 2] = acc.z;
+  }
+  for (i64 entry = tid; entry < t.num_col_entries; entry += threads) {
+    const float4 acc = reinterpret_cast<const float4*>(col_table + (t.col_table + entry) * LOPT_TABLE_FLOATS)[0];
+    col[entry * 3] = acc.x; col[entry * 3 + 1] = acc.y; col[entry * 3 + 2] = acc.z;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Adafactor kernels
+// ------------------------------------------------------------------------------------------
+
+// The gradient as Adafactor sees it: unscaled, then (VeLO) clipped to ±gradient_clip (0: no clip).
+LOPT_DEVICE float adafactor_gradient(const void* src, i64 index, int dtype, float inverse_scale, float gradient_clip) {
+  float g = load_as_float(src, index, dtype);
+  if (inverse_scale != 1.0f) g = __fmul_rn(g, inverse_scale);
+  return gradient_clip > 0.f ? fminf(fmaxf(g, -gradient_clip), gradient_clip) : g;
+}
+
+// Partial sums of G in float64 (large finite gradients make G approach float32's largest value).
+extern "C" __global__ void __launch_bounds__(LOPT_AXIS_THREADS)
+adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, double* __restrict__ partials,
+                        const float* grad_scale, float gradient_clip) {
+  const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_BLOCK>(jobs, num_jobs, blockIdx.x)];
+  const i64 local_block = blockIdx.x - job.first_block;
+  const void* src = pointer<const void>(job.src);
+  const int dtype = static_cast<int>(job.dtype);
+  const float inverse_scale = grad_scale != nullptr ? __frcp_rn(*grad_scale) : 1.0f;
+  if (job.mode == 0) {
+    const i64 col_block = local_block % job.num_col_blocks, chunk = local_block / job.num_col_blocks;
+    const i64 out = col_block * LOPT_AXIS_THREADS + threadIdx.x;
+    if (out >= job.num_outputs) return;
+    const i64 q = out / job.i, i = out - q * job.i;
+    const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
+    double sum = 0.0;
+    for (i64 x = x0; x < x1; ++x)
+      sum += adafactor_square(adafactor_gradient(src, (q * job.x + x) * job.i + i, dtype, inverse_scale, gradient_clip));
+    partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
+  } else {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const i64 item = local_block * (LOPT_AXIS_THREADS / 32) + warp;
+    if (item >= job.q * job.num_xchunks) return;
+    const i64 q = item / job.num_xchunks, chunk = item - q * job.num_xchunks;
+    const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
+    double sum = 0.0;
+    for (i64 x = x0 + lane; x < x1; x += 32)
+      sum += adafactor_square(adafactor_gradient(src, q * job.x + x, dtype, inverse_scale, gradient_clip));
+    sum = warp_sum(sum);
+    if (lane == 0) partials[job.partial_offset + chunk * job.num_outputs + q] = sum;
+  }
+}
+
+// A thread per R or C entry: the mean of G (its partials summed in chunk order, / X), rounded to
+// float32 as the reference's mean is. Thread 0 also resets the step's status flags: this launch
+// comes before the statistics pass, the only one that sets them.
+extern "C" __global__ void __launch_bounds__(LOPT_FINALIZE_THREADS)
+adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_outputs,
+                   const double* __restrict__ partials, float* __restrict__ axis_means, int* status) {
+  const i64 gid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (gid == 0) {
+#pragma unroll
+    for (int k = 0; k < LOPT_STATUS_INTS; ++k) status[k] = 0;
+  }
+  if (gid >= total_outputs || num_jobs == 0) return;
+  const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_OUTPUT>(jobs, num_jobs, gid)];
+  const i64 out = gid - job.first_output;
+  double sum = 0.0;
+  for (i64 c = 0; c < job.num_xchunks; ++c) sum += partials[job.partial_offset + c * job.num_outputs + out];
+  axis_means[gid] = static_cast<float>(sum / static_cast<double>(job.x));
+}
+
+// Blocks [0, total_slabs): one slab of R each (the entries sharing everything but the d1
+// coordinate): R updated, row_col_mean_k over the slab (float64), then the slab's row-table entries.
+// Blocks after that: a thread per C entry: C updated, the column-table entries.
+extern "C" __global__ void __launch_bounds__(LOPT_TABLE_THREADS)
+adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+                        i64 total_slabs, i64 total_col_entries, const float* __restrict__ axis_means,
+                        float* __restrict__ row_table, float* __restrict__ col_table) {
+  if (blockIdx.x < total_slabs) {
+    const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_SLAB>(tensors, num_tensors, blockIdx.x)];
+    const Decays decays = group_decays(groups, t);
+    const i64 slab = blockIdx.x - t.first_slab;
+    // R as (Q', X', I') with X' the d1 axis: d0 = A leaves (o, m, b, i); d0 = B leaves (o, a, m, i).
+    const i64 x_len = t.d0_is_a ? t.b : t.a;
+    const i64 i_len = t.d0_is_a ? t.inner : t.mid * t.inner;
+    const i64 q = slab / i_len, i = slab - q * i_len;
+    const float* old_row = pointer<const float>(t.fac_row);
+    double partial[3] = {0.0, 0.0, 0.0};
+    for (i64 x = threadIdx.x; x < x_len; x += LOPT_TABLE_THREADS) {
+      const i64 entry = (q * x_len + x) * i_len + i;
+      const float mean = axis_means[t.row_means + entry];
+      float acc[3];
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        acc[k] = ema(old_row[entry * 3 + k], decays.adafactor[k], decays.adafactor_mix[k], mean);
+        partial[k] += acc[k];
+      }
+      float4* slot = reinterpret_cast<float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS);
+      slot[0] = make_float4(acc[0], acc[1], acc[2], 0.f);  // read back below by the same thread
+    }
+    __shared__ double warp_sums[LOPT_TABLE_THREADS / 32][3];
+    __shared__ double slab_sums[3];
+    block_sums<3, LOPT_TABLE_THREADS>(partial, warp_sums, slab_sums);
+    float row_col_mean[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) row_col_mean[k] = static_cast<float>(slab_sums[k] / static_cast<double>(x_len));
+    for (i64 x = threadIdx.x; x < x_len; x += LOPT_TABLE_THREADS) {
+      const i64 entry = (q * x_len + x) * i_len + i;
+      const float4 stored = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];
+      const float acc[3] = {stored.x, stored.y, stored.z};
+      float factor[3];
+#pragma unroll
+      for (int k = 0; k < 3; ++k) factor[k] = safe_rsqrt(__fdiv_rn(acc[k], __fadd_rn(row_col_mean[k], 1e-9f)));
+      write_factor_entry(row_table, t.row_table + entry, acc, factor);
+    }
+  } else {
+    const i64 gid = (static_cast<i64>(blockIdx.x) - total_slabs) * LOPT_TABLE_THREADS + threadIdx.x;
+    if (gid >= total_col_entries) return;
+    const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_COL_ENTRY>(tensors, num_tensors, gid)];
+    const Decays decays = group_decays(groups, t);
+    const i64 entry = gid - t.first_col_entry;
+    const float mean = axis_means[t.col_means + entry];
+    const float* old_col = pointer<const float>(t.fac_col);
+    float acc[3], factor[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      acc[k] = ema(old_col[entry * 3 + k], decays.adafactor[k], decays.adafactor_mix[k], mean);
+      factor[k] = safe_rsqrt(acc[k]);
+    }
+    write_factor_entry(col_table, t.col_table + entry, acc, factor);
+  }
+}

@@ -1,0 +1,192 @@
+// Shared device code of lopt's fused learned optimizers: the metadata tables, loads and stores by
+// dtype, the gradient as the math sees it (AMP-unscaled), the step's skip decision, fixed-order sums.
+//
+// Compiled at run time by NVRTC and, in the CPU tests, by nvcc: no standard headers, no fast-math
+// intrinsics. Every floating-point step that mirrors a PyTorch op of the reference uses the
+// explicitly rounded intrinsics (__fmul_rn, __fadd_rn, ...) so that the compiler cannot contract it
+// into an FMA with a different rounding from the reference.
+#pragma once
+#include "lopt_contract.cuh"  // TensorMeta, AxisJob, GroupMeta and the block sizes (lopt/fused/contract.py)
+
+typedef long long i64;
+
+#define LOPT_DEVICE __device__ __forceinline__
+
+// Parameter and gradient dtypes (lopt.fused.launcher.DTYPE_CODES).
+enum LoptDType { LOPT_F32 = 0, LOPT_BF16 = 1, LOPT_F16 = 2 };
+
+LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
+  if (dtype == LOPT_F32) return static_cast<const float*>(base)[index];
+  unsigned short bits = static_cast<const unsigned short*>(base)[index];
+  if (dtype == LOPT_BF16) return __uint_as_float(static_cast<unsigned int>(bits) << 16);
+  float value;
+  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(value) : "h"(bits));
+  return value;
+}
+
+// Round to nearest even, as torch's .to(bfloat16 / float16) does.
+LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
+  if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
+  unsigned short bits;
+  if (dtype == LOPT_BF16) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  } else {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  }
+  static_cast<unsigned short*>(base)[index] = bits;
+}
+
+template <typename T>
+LOPT_DEVICE T* pointer(i64 address) { return reinterpret_cast<T*>(address); }
+
+// Finite (not NaN, not ±inf), without math.h (NVRTC has none).
+LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
+#define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)
+
+// ------------------------------------------------------------------------------------------
+// The step's inputs from GradScaler and the skip decision
+// ------------------------------------------------------------------------------------------
+
+// What every pass of a step needs besides its tables: GradScaler's scale and overflow flag (null
+// when it does not drive the step) and the step's status flags (LOPT_STATUS_*). Kernels take the
+// three pointers as arguments (grad_scale, found_inf, status) and build this.
+struct StepFlags {
+  const float* grad_scale;
+  const float* found_inf;
+  int* status;
+};
+
+// 1 / grad_scale as GradScaler's unscale_ forms it (exact for its power-of-two scales), else 1.
+LOPT_DEVICE float inverse_grad_scale(const StepFlags& flags) {
+  return flags.grad_scale != nullptr ? __frcp_rn(*flags.grad_scale) : 1.0f;
+}
+
+// A gradient element as the reference's check phase hands it to the math: loaded in float32 and
+// unscaled (g * (1/scale), as GradScaler.unscale_ computes it).
+LOPT_DEVICE float load_gradient(const TensorMeta& t, i64 e, float inverse_scale) {
+  const float g = load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype));
+  return inverse_scale == 1.0f ? g : __fmul_rn(g, inverse_scale);
+}
+
+// The check phase's test of one gradient element: NaN, ±inf, or |g| >= 2^64 (its square overflows
+// float32, which the second-moment state cannot hold) makes the whole step a no-op.
+LOPT_DEVICE bool gradient_unusable(float g) { return !(fabsf(g) < 18446744073709551616.0f); }
+
+// Called by every thread of a warp that checked gradients; one store per warp that saw a bad element.
+LOPT_DEVICE void report_unusable_gradients(bool unusable, int* status) {
+  if (__any_sync(0xffffffffu, unusable) && (threadIdx.x & 31) == 0)
+    atomicExch(status + LOPT_STATUS_NONFINITE, 1);
+}
+
+// GradScaler saw an overflow (its step to skip and count, not lopt's).
+LOPT_DEVICE bool amp_overflow(const StepFlags& flags) { return flags.found_inf != nullptr && *flags.found_inf != 0.0f; }
+
+// The statistics pass saw an unusable gradient. Valid in every launch after the statistics pass.
+LOPT_DEVICE bool unusable_gradients(const StepFlags& flags) {
+  return *(volatile const int*)(flags.status + LOPT_STATUS_NONFINITE) != 0;
+}
+
+// The step leaves everything untouched when a gradient was unusable or GradScaler saw an overflow.
+LOPT_DEVICE bool step_is_skipped(const StepFlags& flags) { return amp_overflow(flags) || unusable_gradients(flags); }
+
+// The last launch of a step: advances every group's step counter, or, for a skipped step, counts it
+// in skipped_steps (unless GradScaler's overflow explains it). One thread calls it.
+LOPT_DEVICE void finish_step(const GroupMeta* groups, int num_groups, bool skipped, const StepFlags& flags,
+                             i64* skipped_steps) {
+  if (skipped) {
+    if (!amp_overflow(flags)) *skipped_steps += 1;
+    return;
+  }
+  for (int g = 0; g < num_groups; ++g) *pointer<i64>(groups[g].step) += 1;
+}
+
+// ------------------------------------------------------------------------------------------
+// Table lookups
+// ------------------------------------------------------------------------------------------
+
+// The row of a metadata table whose range starting at int64 field `FirstField` holds `index`
+// (rows are sorted by that field; a binary search, so one launch covers any number of tensors).
+template <int FirstField, typename Row>
+LOPT_DEVICE int find_row(const Row* rows, int num_rows, i64 index) {
+  int lo = 0, hi = num_rows - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    i64 first = reinterpret_cast<const i64*>(rows + mid)[FirstField];
+    if (first <= index) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Indices of an element's Adafactor row (R) and column (C) accumulator entries.
+struct FactorIndex { i64 row, col; };
+
+// Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever
+// the tensor's element count allows.
+template <typename I>
+LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& without_a, i64& without_b) {
+  const I e = static_cast<I>(element);
+  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
+    const I a = e / static_cast<I>(t.b);
+    without_a = static_cast<i64>(e - a * static_cast<I>(t.b));
+    without_b = static_cast<i64>(a);
+    return;
+  }
+  const I inner = static_cast<I>(t.inner), len_b = static_cast<I>(t.b), mid = static_cast<I>(t.mid),
+          len_a = static_cast<I>(t.a);
+  I rest = e / inner;
+  const I i = e - rest * inner;
+  I next = rest / len_b;
+  const I b = rest - next * len_b;
+  rest = next / mid;
+  const I m = next - rest * mid;
+  const I o = rest / len_a;
+  const I a = rest - o * len_a;
+  without_a = static_cast<i64>(((o * mid + m) * len_b + b) * inner + i);
+  without_b = static_cast<i64>(((o * len_a + a) * mid + m) * inner + i);
+}
+
+LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, i64 e) {
+  i64 without_a, without_b;
+  if (t.numel <= 0xffffffffLL) {
+    split_factored_index<unsigned int>(t, e, without_a, without_b);
+  } else {
+    split_factored_index<unsigned long long>(t, e, without_a, without_b);
+  }
+  FactorIndex f;
+  // R drops axis d0, C drops axis d1.
+  f.row = t.d0_is_a ? without_a : without_b;
+  f.col = t.d0_is_a ? without_b : without_a;
+  return f;
+}
+
+// ------------------------------------------------------------------------------------------
+// Deterministic sums (fixed xor butterfly within a warp; callers combine warps in a fixed order)
+// ------------------------------------------------------------------------------------------
+LOPT_DEVICE double warp_sum(double x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+LOPT_DEVICE float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Sums `Count` per-thread values over a block of `Threads` threads, in a fixed order; the result is
+// valid in `out` (shared) after the call for every thread. `scratch` holds Threads/32 x Count doubles.
+template <int Count, int Threads>
+LOPT_DEVICE void block_sums(const double (&values)[Count], double (*scratch)[Count], double* out) {
+#pragma unroll
+  for (int j = 0; j < Count; ++j) {
+    const double s = warp_sum(values[j]);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5][j] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < Count) {
+    double s = 0.0;
+    for (int w = 0; w < Threads / 32; ++w) s += scratch[w][threadIdx.x];
+    out[threadIdx.x] = s;
+  }
+  __syncthreads();
+}

@@ -1,0 +1,605 @@
+// VeLO, fused: the same phases as lopt/reference/velo.py for every tensor of every parameter group in a
+// constant number of launches (lopt/fused/velo.py drives them):
+//
+//   accumulate   adafactor_axis_partials, adafactor_finalize, adafactor_factor_tables   (accumulators.cuh;
+//                VeLO's gradient clipped to ±1000)
+//   statistics   velo_statistics      per chunk: the 30 feature sums of squares (updated accumulators) and the
+//                                     LSTM sums of the pre-update parameter and the old momentum and rms;
+//                                     the check phase's test of every gradient element
+//   control      velo_tensor_control  per tensor: normalisation scales, the 30 LSTM inputs (loss buffer,
+//                                     fraction of training, statistics, rank); a kept step's new R and C
+//                velo_mix             mixing layers: the max over every tensor's row couples them
+//                velo_lstm            one LSTM step for all tensors (float64, gates fused into the product)
+//                velo_heads           control vector, step multiplier λ, weight generation, the tensor's MLP
+//                                     with its normalisation folded into the first layer; a kept step's LSTM state
+//   apply        velo_apply           update_accumulators + per_element_features + per_element_mlp + update
+//
+// As in the reference, the controller runs in float64 (its products are exact, its sums do not depend
+// on the order) and its outputs are rounded to float32; the per-element work is float32.
+#include "common.cuh"
+#include "accumulators.cuh"
+
+#define VELO_NUM_FEATURES 30
+#define VELO_TABLE_FEATURES_FIRST 15  // features 15..26: R, C, rsqrt R, rsqrt C (accumulators.cuh)
+#define VELO_GRADIENT_CLIP 1000.0f
+#define VELO_GRADIENT_FEATURE_CLIP 0.1f
+#define VELO_LSTM_INPUTS 30
+#define VELO_HIDDEN 512
+#define VELO_CONTROLS 256
+#define VELO_LOSS_TIMESCALES 10
+#define VELO_LOSS_FEATURES 9
+#define VELO_FRACTION_FEATURES 9
+#define VELO_RANK_CLASSES 5
+#define VELO_FF 4  // hidden units of the generated MLP
+
+// Statistics partials per chunk: the 30 feature sums of squares, then the LSTM sums of the old state
+// (shifted by the tensor's first element s, so that variances do not cancel): Σp², Σ(m_k − s_k),
+// Σ(m_k − s_k)², Σ(v − s_v), Σ(v − s_v)².
+#define VELO_LSTM_SUMS 9
+#define VELO_STATS (VELO_NUM_FEATURES + VELO_LSTM_SUMS)
+
+// The generated MLP, as weight generation writes it (role order of lopt.reference.velo.MLP_CANDIDATE_TENSORS).
+#define VELO_GEN_W0 0     // (4, 30)
+#define VELO_GEN_B0 120   // (4,)
+#define VELO_GEN_W1 124   // (4, 4)
+#define VELO_GEN_B1 140   // (4,)
+#define VELO_GEN_W2 144   // (3, 4)
+#define VELO_GEN_B2 156   // (3,)
+#define VELO_GEN_WEIGHTS 159
+
+// A tensor's record for the apply pass (float32): the first layer with the normalisation folded in,
+// rows padded to 32 (float4 reads), the other layers (direction and magnitude outputs only), λ and
+// param_scale.
+#define VELO_RECORD_W0 0      // (4, 32)
+#define VELO_RECORD_B0 128
+#define VELO_RECORD_W1 132    // (4, 4)
+#define VELO_RECORD_B1 148
+#define VELO_RECORD_W2 152    // (2, 4)
+#define VELO_RECORD_B2 160    // (2,)
+#define VELO_RECORD_LR_MULT 162
+#define VELO_RECORD_PARAM_SCALE 163
+#define VELO_RECORD_FLOATS 164
+
+__constant__ float VELO_FRACTION_TIMESCALES[VELO_FRACTION_FEATURES] = {0.03f, 0.1f, 0.2f, 0.4f, 0.6f, 0.8f, 0.9f, 1.0f, 1.1f};
+
+// ------------------------------------------------------------------------------------------
+// The loss and the loss buffer (reference: update_loss_buffer, loss_features)
+// ------------------------------------------------------------------------------------------
+
+// This step's loss: a value passed by the host, or read on the device (a user's loss tensor, or the
+// sum of the losses handed to accumulate_loss, divided by their count).
+struct StepLoss {
+  const void* tensor;
+  int dtype;
+  float value, count;
+};
+
+LOPT_DEVICE float step_loss(const StepLoss& loss) {
+  return loss.tensor != nullptr ? __fdiv_rn(load_as_float(loss.tensor, 0, loss.dtype), loss.count) : loss.value;
+}
+
+// The loss buffer after this step's loss (means, running minima; the count becomes count + 1).
+struct LossBuffer {
+  float means[VELO_LOSS_TIMESCALES], running_min[VELO_LOSS_TIMESCALES];
+  int count;
+};
+
+LOPT_DEVICE LossBuffer update_loss_buffer(const float* means, const float* running_min, const int* count,
+                                          const float* decays, float loss) {
+  LossBuffer updated;
+  const int n = *count;
+  float bias_correction[VELO_LOSS_TIMESCALES];
+  float approx_max = LOPT_NEGATIVE_INFINITY;
+#pragma unroll
+  for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j) {
+    bias_correction[j] = __fsub_rn(1.0f, powf(decays[j], static_cast<float>(n + 1)));
+    approx_max = fmaxf(approx_max, __fdiv_rn(means[j], bias_correction[j]));
+  }
+  if (n == 0) approx_max = loss;
+  const float clipped_loss = fminf(__fmul_rn(fabsf(approx_max), 2.0f), loss);  // spikes clipped from above
+#pragma unroll
+  for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j) {
+    updated.means[j] = __fadd_rn(__fmul_rn(means[j], decays[j]), __fmul_rn(clipped_loss, __fsub_rn(1.0f, decays[j])));
+    updated.running_min[j] = fminf(running_min[j], __fdiv_rn(updated.means[j], bias_correction[j]));
+  }
+  updated.count = n + 1;
+  return updated;
+}
+
+// f_j = clip((a_j − ρ_j) / max(1e-8, a_{j+1} − ρ_j) − 1, −1, 1), a = bias-corrected means; zero while n <= 2.
+LOPT_DEVICE void loss_features(const LossBuffer& buffer, const float* decays, float features[VELO_LOSS_FEATURES]) {
+  float corrected[VELO_LOSS_TIMESCALES];
+#pragma unroll
+  for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j)
+    corrected[j] = __fdiv_rn(buffer.means[j], __fsub_rn(1.0f, powf(decays[j], static_cast<float>(buffer.count))));
+#pragma unroll
+  for (int j = 0; j < VELO_LOSS_FEATURES; ++j) {
+    const float spread = fmaxf(__fsub_rn(corrected[j + 1], buffer.running_min[j]), 1e-8f);
+    const float f = __fsub_rn(__fdiv_rn(__fsub_rn(corrected[j], buffer.running_min[j]), spread), 1.0f);
+    features[j] = buffer.count <= 2 ? 0.0f : fminf(fmaxf(f, -1.0f), 1.0f);
+  }
+}
+
+// VeLO's step is also skipped for a non-finite loss.
+LOPT_DEVICE bool velo_step_is_skipped(const StepFlags& flags, float loss) {
+  return step_is_skipped(flags) || !is_finite(loss);
+}
+
+// ------------------------------------------------------------------------------------------
+// Per-element features (reference: per_element_features), the 30 in input order
+// ------------------------------------------------------------------------------------------
+LOPT_DEVICE void per_element_features(float x[VELO_NUM_FEATURES], float grad, float param, const ElementState& s,
+                                      bool factored, const FactorEntry& row, const FactorEntry& col) {
+  const float rsqrt_rms = rsqrtf(__fadd_rn(s.rms, 1e-6f));
+  x[0] = grad;
+  x[1] = fminf(fmaxf(grad, -VELO_GRADIENT_FEATURE_CLIP), VELO_GRADIENT_FEATURE_CLIP);
+  x[2] = param;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    x[3 + k] = s.mom[k];
+    x[7 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
+  }
+  x[6] = s.rms;
+  x[10] = rsqrt_rms;
+  factored_gradient(x + 11, grad, s, factored, row, col);
+  x[14] = __fmul_rn(grad, rsqrt_rms);
+  adafactor_features(x + VELO_TABLE_FEATURES_FIRST, s, factored, row, col, 0.0f);  // no epsilon (unlike small_fc)
+}
+
+LOPT_DEVICE constexpr bool is_table_feature(int k) {
+  return k >= VELO_TABLE_FEATURES_FIRST && k < VELO_TABLE_FEATURES_FIRST + LOPT_TABLE_FEATURES;
+}
+
+// clip_gradient: ĝ = clip(g, −1000, 1000), the only gradient VeLO looks at.
+LOPT_DEVICE float clip_gradient(float g) { return fminf(fmaxf(g, -VELO_GRADIENT_CLIP), VELO_GRADIENT_CLIP); }
+
+// ------------------------------------------------------------------------------------------
+// Statistics pass
+// ------------------------------------------------------------------------------------------
+#ifndef VELO_STATS_MIN_BLOCKS
+#define VELO_STATS_MIN_BLOCKS 3  // 80 registers: 24 warps per SM keep loads in flight (measured 6.2 -> 4.6 ms, GPT-2 medium)
+#endif
+#ifndef VELO_STATS_UNROLL
+#define VELO_STATS_UNROLL 1
+#endif
+constexpr int STATS_UNROLL = VELO_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
+
+// Per thread, sums in float32 (over at most LOPT_STATS_PER_THREAD elements; the block adds them in
+// float64). The old momentum and rms enter shifted by the tensor's first element's, so that their
+// variances (E[d²] − E[d]² of the shifted values) do not cancel, and are exactly zero for a constant tensor.
+template <bool Factored>
+LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
+                           const float* row_table, const float* col_table, float squares[VELO_NUM_FEATURES],
+                           float lstm[VELO_LSTM_SUMS]) {
+  const float* mom0 = pointer<const float>(t.mom);
+  const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
+  const float shift_rms = pointer<const float>(t.rms)[0];
+  bool unusable = false;
+#pragma unroll STATS_UNROLL
+  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+    if (e < t.numel) {
+      const float raw_grad = load_gradient(t, e, inverse_scale);
+      unusable |= gradient_unusable(raw_grad);
+      const float grad = clip_gradient(raw_grad);
+      const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+      ElementState s = load_element_state(t, e);
+      // tensor_statistics: the pre-update parameter and the old accumulators.
+      lstm[0] = fmaf(param, param, lstm[0]);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const float d = __fsub_rn(s.mom[k], shift_mom[k]);
+        lstm[1 + k] += d;
+        lstm[4 + k] = fmaf(d, d, lstm[4 + k]);
+      }
+      const float d = __fsub_rn(s.rms, shift_rms);
+      lstm[7] += d;
+      lstm[8] = fmaf(d, d, lstm[8]);
+      // per_element_features: the updated accumulators.
+      update_accumulators(s, grad, decays, Factored);
+      FactorEntry row = {}, col = {};
+      if (Factored) load_factor_entries<true>(t, e, row_table, col_table, row, col);
+      float x[VELO_NUM_FEATURES];
+      per_element_features(x, grad, param, s, Factored, row, col);
+#pragma unroll
+      for (int j = 0; j < VELO_NUM_FEATURES; ++j)
+        if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+    }
+  }
+  return unusable;
+}
+
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, VELO_STATS_MIN_BLOCKS)
+velo_statistics(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+                const float* __restrict__ row_table, const float* __restrict__ col_table, const float* grad_scale,
+                const float* found_inf, int* status, double* __restrict__ stats_partials) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x)];
+  const i64 chunk = blockIdx.x - t.first_stats_chunk;
+  const Decays decays = group_decays(groups, t);
+  const float inverse_scale = inverse_grad_scale(flags);
+  float squares[VELO_NUM_FEATURES], lstm[VELO_LSTM_SUMS];
+#pragma unroll
+  for (int j = 0; j < VELO_NUM_FEATURES; ++j) squares[j] = 0.f;
+#pragma unroll
+  for (int j = 0; j < VELO_LSTM_SUMS; ++j) lstm[j] = 0.f;
+  const bool unusable = t.factored ? sum_chunk<true>(t, chunk, decays, inverse_scale, row_table, col_table, squares, lstm)
+                                   : sum_chunk<false>(t, chunk, decays, inverse_scale, row_table, col_table, squares, lstm);
+  report_unusable_gradients(unusable, flags.status);
+  double values[VELO_STATS];
+#pragma unroll
+  for (int j = 0; j < VELO_NUM_FEATURES; ++j) values[j] = squares[j];
+#pragma unroll
+  for (int j = 0; j < VELO_LSTM_SUMS; ++j) values[VELO_NUM_FEATURES + j] = lstm[j];
+  __shared__ double scratch[LOPT_STATS_THREADS / 32][VELO_STATS];
+  __shared__ double sums[VELO_STATS];
+  block_sums<VELO_STATS, LOPT_STATS_THREADS>(values, scratch, sums);
+  if (threadIdx.x < VELO_STATS) stats_partials[static_cast<i64>(blockIdx.x) * VELO_STATS + threadIdx.x] = sums[threadIdx.x];
+}
+
+// ------------------------------------------------------------------------------------------
+// Control phase, per tensor: normalisation scales and the LSTM input row (reference: tensor_statistics,
+// clip_log_abs, fraction_features, lstm_input_features)
+// ------------------------------------------------------------------------------------------
+#define VELO_CONTROL_THREADS 256
+#define VELO_CONTROL_LANES 6  // partial sums per statistic (39 x 6 <= 256 threads)
+
+// L(x) = 0.5 · clip(ln(1e-8 + |10·x|), −5, 5)
+LOPT_DEVICE float clip_log_abs(float x) {
+  return __fmul_rn(fminf(fmaxf(logf(__fadd_rn(1e-8f, fabsf(__fmul_rn(x, 10.0f)))), -5.0f), 5.0f), 0.5f);
+}
+
+extern "C" __global__ void __launch_bounds__(VELO_CONTROL_THREADS)
+velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __restrict__ velo_tensors,
+                    int num_tensors, const GroupMeta* __restrict__ groups, const double* __restrict__ stats_partials,
+                    const float* __restrict__ row_table, const float* __restrict__ col_table, const float* grad_scale,
+                    const float* found_inf, int* status, const float* __restrict__ loss_means,
+                    const float* __restrict__ loss_running_min, const int* __restrict__ loss_count,
+                    const float* __restrict__ loss_decays, const void* loss_tensor, int loss_dtype, float loss_value,
+                    float loss_divisor, i64 num_steps, float* __restrict__ feature_scales,
+                    double* __restrict__ lstm_inputs, float* __restrict__ param_scales,
+                    unsigned long long* __restrict__ mixed_max) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const int tid = threadIdx.x;
+  const int r = blockIdx.x;
+  const TensorMeta t = tensors[r];
+  const float loss = step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor});
+  const bool skipped = velo_step_is_skipped(flags, loss);
+  if (r == 0)
+    for (int j = tid; j < VELO_HIDDEN; j += VELO_CONTROL_THREADS) mixed_max[j] = 0ull;  // +0.0: velo_mix maxes into it
+  if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, VELO_CONTROL_THREADS);
+
+  __shared__ double lane_sums[VELO_STATS][VELO_CONTROL_LANES];
+  __shared__ double sums[VELO_STATS];
+  if (tid < VELO_STATS * VELO_CONTROL_LANES) {
+    const int stat = tid / VELO_CONTROL_LANES, lane = tid % VELO_CONTROL_LANES;
+    double s = 0.0;
+    for (i64 c = lane; c < t.num_stats_chunks; c += VELO_CONTROL_LANES)
+      s += stats_partials[(t.first_stats_chunk + c) * VELO_STATS + stat];
+    lane_sums[stat][lane] = s;
+  }
+  __shared__ double table_sums[LOPT_TABLE_FEATURES];
+  if (t.factored) {
+    double partial[LOPT_TABLE_FEATURES];
+    table_feature_square_sums(t, row_table, col_table, tid, VELO_CONTROL_THREADS, partial);
+    __shared__ double table_scratch[VELO_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
+    block_sums<LOPT_TABLE_FEATURES, VELO_CONTROL_THREADS>(partial, table_scratch, table_sums);
+  }
+  __syncthreads();
+  if (tid < VELO_STATS) {
+    double s = 0.0;
+    for (int lane = 0; lane < VELO_CONTROL_LANES; ++lane) s += lane_sums[tid][lane];
+    if (t.factored && tid < VELO_NUM_FEATURES && is_table_feature(tid)) s += table_sums[tid - VELO_TABLE_FEATURES_FIRST];
+    sums[tid] = s;
+  }
+  __syncthreads();
+  const double n = static_cast<double>(t.numel);
+  if (tid < VELO_NUM_FEATURES) {  // normalise_features: rsqrt(1e-5 + mean x_j²)
+    const double mean = sums[tid] / n;
+    const float mean_square = static_cast<float>(mean);
+    feature_scales[static_cast<i64>(r) * VELO_NUM_FEATURES + tid] =
+        is_finite(mean_square) ? rsqrtf(__fadd_rn(1e-5f, mean_square)) : static_cast<float>(1.0 / sqrt(1e-5 + mean));
+  }
+  if (tid != 0) return;
+  // One thread: the tensor's statistics and LSTM input row.
+  const double* lstm = sums + VELO_NUM_FEATURES;
+  const float mean_square_param = static_cast<float>(lstm[0] / n);
+  param_scales[r] = sqrtf(__fadd_rn(mean_square_param, 1e-9f));
+  const double nu = rsqrtf(fmaxf(mean_square_param, 1e-9f));  // ν, float32 as in the reference
+  const float* mom0 = pointer<const float>(t.mom);  // the statistics pass's shifts
+  const double shift_rms = pointer<const float>(t.rms)[0];
+  const double rms_offset = lstm[7] / n, rms_square = lstm[8] / n;
+  float statistics[7];  // μ_v, var_m (3), var_v (3)
+  statistics[0] = static_cast<float>(nu * (shift_rms + rms_offset));
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const double offset = lstm[1 + k] / n;  // mean of m_k − s_k
+    const double mean_mom = nu * (static_cast<double>(mom0[k]) + offset);  // μ_m,k of m̃ = ν·m
+    statistics[1 + k] = static_cast<float>(fmax(nu * nu * (lstm[4 + k] / n - offset * offset), 0.0));
+    // var_v,k = mean (ν·v − μ_m,k)² = ν²·E[(v − s_v)²] + 2ν·c·E[v − s_v] + c², c = ν·s_v − μ_m,k
+    const double c = nu * shift_rms - mean_mom;
+    statistics[4 + k] = static_cast<float>(fmax(nu * nu * rms_square + 2.0 * nu * c * rms_offset + c * c, 0.0));
+  }
+  const LossBuffer buffer = update_loss_buffer(loss_means, loss_running_min, loss_count, loss_decays, loss);
+  float loss_feats[VELO_LOSS_FEATURES];
+  loss_features(buffer, loss_decays, loss_feats);
+  // fraction_features: tanh(10·(t/N − s_i)), t/N divided in float64 (as the reference's Python division)
+  const float fraction = static_cast<float>(static_cast<double>(*pointer<const i64>(groups[t.group].step)) /
+                                            static_cast<double>(num_steps));
+  double* row = lstm_inputs + static_cast<i64>(r) * VELO_LSTM_INPUTS;  // order of LSTM_FEATURE_NAMES
+  for (int i = 0; i < VELO_FRACTION_FEATURES; ++i)
+    row[i] = tanhf(__fmul_rn(__fsub_rn(fraction, VELO_FRACTION_TIMESCALES[i]), 10.0f));
+  for (int j = 0; j < VELO_LOSS_FEATURES; ++j) row[9 + j] = loss_feats[j];
+  row[18] = clip_log_abs(statistics[0]);
+  const int rank_class = static_cast<int>(velo_tensors[r].rank_class);
+  for (int k = 0; k < VELO_RANK_CLASSES; ++k) row[19 + k] = k == rank_class ? 1.0 : 0.0;
+  for (int k = 0; k < 6; ++k) row[24 + k] = clip_log_abs(statistics[1 + k]);
+}
+
+// ------------------------------------------------------------------------------------------
+// Control phase, batched over tensors (float64): mixing, LSTM, heads and weight generation
+// (reference: mix_tensor_inputs, lstm_cell, controller_heads, generate_mlp_weights)
+// ------------------------------------------------------------------------------------------
+
+// A block per tensor row, a thread per unit: U = relu(X A2ᵀ + a2), maxed over every row into
+// mixed_max (non-negative doubles order as their bit patterns: the max is exact and order-free);
+// and X A3ᵀ + a3, to which velo_lstm adds the max.
+extern "C" __global__ void __launch_bounds__(VELO_HIDDEN)
+velo_mix(const double* __restrict__ lstm_inputs, const float* __restrict__ mix_weight, const float* __restrict__ mix_bias,
+         const float* __restrict__ final_weight, const float* __restrict__ final_bias,
+         unsigned long long* __restrict__ mixed_max, double* __restrict__ mix_partial) {
+  __shared__ double x[VELO_LSTM_INPUTS];
+  const int r = blockIdx.x, j = threadIdx.x;
+  if (j < VELO_LSTM_INPUTS) x[j] = lstm_inputs[static_cast<i64>(r) * VELO_LSTM_INPUTS + j];
+  __syncthreads();
+  double mixed = 0.0, final_mix = 0.0;
+  for (int i = 0; i < VELO_LSTM_INPUTS; ++i) {
+    mixed += x[i] * static_cast<double>(mix_weight[j * VELO_LSTM_INPUTS + i]);
+    final_mix += x[i] * static_cast<double>(final_weight[j * VELO_LSTM_INPUTS + i]);
+  }
+  mixed += static_cast<double>(mix_bias[j]);
+  const double relu = mixed > 0.0 ? mixed : 0.0;  // (+0.0, never -0.0)
+  atomicMax(mixed_max + j, static_cast<unsigned long long>(__double_as_longlong(relu)));
+  mix_partial[static_cast<i64>(r) * VELO_HIDDEN + j] = final_mix + static_cast<double>(final_bias[j]);
+}
+
+// z = [x̂, h] Wᵀ + b for all tensors (x̂ = mix_partial + max), gates i, g, f, o; c' = σ(z_f + 1)·c +
+// σ(z_i)·tanh(z_g), h' = σ(z_o)·tanh(c'). A block computes 8 rows x 32 units (all four gates of
+// each unit), over k in shared-memory tiles of 32.
+#define VELO_LSTM_ROWS 8
+#define VELO_LSTM_UNITS 32
+#define VELO_LSTM_K 32
+
+LOPT_DEVICE double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+extern "C" __global__ void __launch_bounds__(VELO_LSTM_ROWS * VELO_LSTM_UNITS)
+velo_lstm(const VeloTensor* __restrict__ velo_tensors, int num_tensors, const double* __restrict__ mix_partial,
+          const unsigned long long* __restrict__ mixed_max, const float* __restrict__ lstm_weight,
+          const float* __restrict__ lstm_bias, double* __restrict__ hidden_new, double* __restrict__ cell_new) {
+  __shared__ double inputs[VELO_LSTM_ROWS][VELO_LSTM_K];
+  __shared__ float weights[4][VELO_LSTM_UNITS][VELO_LSTM_K + 1];  // +1: conflict-free column reads
+  const int tid = threadIdx.x, row = tid / VELO_LSTM_UNITS, unit = tid % VELO_LSTM_UNITS;
+  const int r = blockIdx.x * VELO_LSTM_ROWS + row, j = blockIdx.y * VELO_LSTM_UNITS + unit;
+  const bool valid = r < num_tensors;
+  const float* hidden = valid ? pointer<const float>(velo_tensors[r].lstm_hidden) : nullptr;
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int k0 = 0; k0 < 2 * VELO_HIDDEN; k0 += VELO_LSTM_K) {
+    {  // this thread's input value: row `row`, k = k0 + unit
+      const int k = k0 + unit;
+      double value = 0.0;
+      if (valid)
+        value = k < VELO_HIDDEN ? mix_partial[static_cast<i64>(r) * VELO_HIDDEN + k] + __longlong_as_double(mixed_max[k])
+                                : static_cast<double>(hidden[k - VELO_HIDDEN]);
+      inputs[row][unit] = value;
+    }
+    for (int slot = tid; slot < 4 * VELO_LSTM_UNITS * VELO_LSTM_K; slot += VELO_LSTM_ROWS * VELO_LSTM_UNITS) {
+      const int gate = slot / (VELO_LSTM_UNITS * VELO_LSTM_K), rest = slot % (VELO_LSTM_UNITS * VELO_LSTM_K);
+      const int u = rest / VELO_LSTM_K, k = rest % VELO_LSTM_K;
+      weights[gate][u][k] = lstm_weight[static_cast<i64>(gate * VELO_HIDDEN + blockIdx.y * VELO_LSTM_UNITS + u) *
+                                        (2 * VELO_HIDDEN) + k0 + k];
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int k = 0; k < VELO_LSTM_K; ++k) {
+      const double x = inputs[row][k];
+#pragma unroll
+      for (int gate = 0; gate < 4; ++gate) acc[gate] += x * static_cast<double>(weights[gate][unit][k]);
+    }
+    __syncthreads();
+  }
+  if (!valid) return;
+  const double z_input = acc[0] + lstm_bias[j], z_candidate = acc[1] + lstm_bias[VELO_HIDDEN + j];
+  const double z_forget = acc[2] + lstm_bias[2 * VELO_HIDDEN + j], z_output = acc[3] + lstm_bias[3 * VELO_HIDDEN + j];
+  const double cell = pointer<const float>(velo_tensors[r].lstm_cell)[j];
+  const double new_cell = sigmoid(z_forget + 1.0) * cell + sigmoid(z_input) * tanh(z_candidate);
+  cell_new[static_cast<i64>(r) * VELO_HIDDEN + j] = new_cell;
+  hidden_new[static_cast<i64>(r) * VELO_HIDDEN + j] = sigmoid(z_output) * tanh(new_cell);
+}
+
+// A block per tensor: controls = h' Wcᵀ + bc (256), λ = h' wsᵀ + bs, the generated MLP
+// W = 100 · (1/256) Σ_k c_k W^(k) (float64, then float32), and the tensor's apply record with the
+// normalisation scales folded into the first layer. A kept step's LSTM state is written here.
+#define VELO_HEADS_THREADS 256
+extern "C" __global__ void __launch_bounds__(VELO_HEADS_THREADS)
+velo_heads(const VeloTensor* __restrict__ velo_tensors, const double* __restrict__ hidden_new,
+           const double* __restrict__ cell_new, const float* __restrict__ controls_weight,
+           const float* __restrict__ controls_bias, const float* __restrict__ step_size_weight,
+           const float* __restrict__ step_size_bias, const float* __restrict__ candidates,
+           const float* __restrict__ feature_scales, const float* __restrict__ param_scales, const float* grad_scale,
+           const float* found_inf, int* status, const void* loss_tensor, int loss_dtype, float loss_value,
+           float loss_divisor, float* __restrict__ records) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  __shared__ double h[VELO_HIDDEN];
+  __shared__ double controls[VELO_CONTROLS];
+  __shared__ double lr_mult;
+  __shared__ float generated[VELO_GEN_WEIGHTS];
+  const int r = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int k = tid; k < VELO_HIDDEN; k += VELO_HEADS_THREADS) h[k] = hidden_new[static_cast<i64>(r) * VELO_HIDDEN + k];
+  __syncthreads();
+  // Heads: a warp per output, lanes over k (coalesced rows), fixed-order warp sums.
+  for (int c = warp; c <= VELO_CONTROLS; c += VELO_HEADS_THREADS / 32) {
+    const float* w = c < VELO_CONTROLS ? controls_weight + static_cast<i64>(c) * VELO_HIDDEN : step_size_weight;
+    double s = 0.0;
+    for (int k = lane; k < VELO_HIDDEN; k += 32) s += h[k] * static_cast<double>(w[k]);
+    s = warp_sum(s);
+    if (lane == 0) {
+      if (c < VELO_CONTROLS) controls[c] = s + static_cast<double>(controls_bias[c]);
+      else lr_mult = s + static_cast<double>(step_size_bias[0]);
+    }
+  }
+  __syncthreads();
+  // Weight generation: the mean over the candidates, then x100.
+  if (tid < VELO_GEN_WEIGHTS) {
+    double s = 0.0;
+    for (int c = 0; c < VELO_CONTROLS; ++c) s += controls[c] * static_cast<double>(candidates[c * VELO_GEN_WEIGHTS + tid]);
+    generated[tid] = static_cast<float>(s / VELO_CONTROLS * 100.0);
+  }
+  const float loss = step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor});
+  if (!velo_step_is_skipped(flags, loss)) {
+    float* hidden_state = pointer<float>(velo_tensors[r].lstm_hidden);
+    float* cell_state = pointer<float>(velo_tensors[r].lstm_cell);
+    for (int k = tid; k < VELO_HIDDEN; k += VELO_HEADS_THREADS) {
+      hidden_state[k] = static_cast<float>(h[k]);
+      cell_state[k] = static_cast<float>(cell_new[static_cast<i64>(r) * VELO_HIDDEN + k]);
+    }
+  }
+  __syncthreads();
+  float* record = records + static_cast<i64>(r) * VELO_RECORD_FLOATS;
+  const float* scales = feature_scales + static_cast<i64>(r) * VELO_NUM_FEATURES;
+  if (tid < VELO_FF * 32) {  // first layer, normalisation folded in: W0'[u][j] = W0[u][j] · scale_j (rows padded to 32)
+    const int u = tid / 32, j = tid % 32;
+    record[VELO_RECORD_W0 + tid] = j < VELO_NUM_FEATURES ? __fmul_rn(generated[VELO_GEN_W0 + u * VELO_NUM_FEATURES + j], scales[j]) : 0.f;
+  } else if (tid < VELO_FF * 32 + 4) {
+    record[VELO_RECORD_B0 + tid - VELO_FF * 32] = generated[VELO_GEN_B0 + tid - VELO_FF * 32];
+  } else if (tid < VELO_FF * 32 + 20) {
+    record[VELO_RECORD_W1 + tid - VELO_FF * 32 - 4] = generated[VELO_GEN_W1 + tid - VELO_FF * 32 - 4];
+  } else if (tid < VELO_FF * 32 + 24) {
+    record[VELO_RECORD_B1 + tid - VELO_FF * 32 - 20] = generated[VELO_GEN_B1 + tid - VELO_FF * 32 - 20];
+  } else if (tid < VELO_FF * 32 + 32) {  // output rows 0 (direction) and 1 (magnitude); row 2 is unused
+    record[VELO_RECORD_W2 + tid - VELO_FF * 32 - 24] = generated[VELO_GEN_W2 + tid - VELO_FF * 32 - 24];
+  } else if (tid < VELO_FF * 32 + 34) {
+    record[VELO_RECORD_B2 + tid - VELO_FF * 32 - 32] = generated[VELO_GEN_B2 + tid - VELO_FF * 32 - 32];
+  } else if (tid == VELO_FF * 32 + 34) {
+    record[VELO_RECORD_LR_MULT] = static_cast<float>(lr_mult);
+    record[VELO_RECORD_PARAM_SCALE] = param_scales[r];
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Apply pass (reference: apply_stage): a block takes 256 elements at a time, one per thread; blocks
+// take contiguous ranges of chunks and reload the tensor's record only when the tensor changes.
+// ------------------------------------------------------------------------------------------
+#define VELO_APPLY_THREADS 256
+#define VELO_APPLY_CHUNK VELO_APPLY_THREADS
+#ifndef VELO_APPLY_MIN_BLOCKS
+#define VELO_APPLY_MIN_BLOCKS 4
+#endif
+
+// per_element_mlp, the direction and magnitude outputs: o = W2 relu(W1 relu(W0' x + b0) + b1) + b2.
+LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float* record) {
+  float h1[VELO_FF], h2[VELO_FF];
+#pragma unroll
+  for (int u = 0; u < VELO_FF; ++u) {
+    const float4* w = reinterpret_cast<const float4*>(record + VELO_RECORD_W0 + u * 32);
+    float acc = 0.f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float4 w4 = w[q];
+      acc = fmaf(w4.x, x[4 * q], acc);
+      acc = fmaf(w4.y, x[4 * q + 1], acc);
+      if (4 * q + 2 < VELO_NUM_FEATURES) acc = fmaf(w4.z, x[4 * q + 2], acc);
+      if (4 * q + 3 < VELO_NUM_FEATURES) acc = fmaf(w4.w, x[4 * q + 3], acc);
+    }
+    h1[u] = fmaxf(__fadd_rn(acc, record[VELO_RECORD_B0 + u]), 0.f);
+  }
+#pragma unroll
+  for (int u = 0; u < VELO_FF; ++u) {
+    float acc = 0.f;
+#pragma unroll
+    for (int v = 0; v < VELO_FF; ++v) acc = fmaf(record[VELO_RECORD_W1 + u * VELO_FF + v], h1[v], acc);
+    h2[u] = fmaxf(__fadd_rn(acc, record[VELO_RECORD_B1 + u]), 0.f);
+  }
+  float out[2];
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {
+    float acc = 0.f;
+#pragma unroll
+    for (int v = 0; v < VELO_FF; ++v) acc = fmaf(record[VELO_RECORD_W2 + o * VELO_FF + v], h2[v], acc);
+    out[o] = __fadd_rn(acc, record[VELO_RECORD_B2 + o]);
+  }
+  return make_float2(out[0], out[1]);
+}
+
+extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
+velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups, int num_groups,
+           i64 total_chunks, const float* __restrict__ records, const float* __restrict__ row_table,
+           const float* __restrict__ col_table, const float* grad_scale, const float* found_inf, int* status,
+           i64* skipped_steps, float* loss_means, float* loss_running_min, int* loss_count,
+           const float* __restrict__ loss_decays, const void* loss_tensor, int loss_dtype, float loss_value,
+           float loss_divisor) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const float loss = step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor});
+  const bool skipped = velo_step_is_skipped(flags, loss);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    // Every earlier launch has read the counters and the loss buffer; now they advance (or count the skip).
+    if (!skipped) {
+      const LossBuffer buffer = update_loss_buffer(loss_means, loss_running_min, loss_count, loss_decays, loss);
+      for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j) {
+        loss_means[j] = buffer.means[j];
+        loss_running_min[j] = buffer.running_min[j];
+      }
+      *loss_count = buffer.count;
+    }
+    finish_step(groups, num_groups, skipped, flags, skipped_steps);
+  }
+  if (skipped) return;  // nothing is written
+  __shared__ __align__(16) float record[VELO_RECORD_FLOATS];
+  __shared__ TensorMeta meta;
+  __shared__ Decays decays;
+  __shared__ float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
+  const float inverse_scale = inverse_grad_scale(flags);
+  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
+  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  i64 current_end = -1;  // first chunk after the current tensor's
+  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    if (chunk >= current_end) {
+      const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+      __syncthreads();  // everyone is done with the previous tensor's record and metadata
+      for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
+        record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
+      if (threadIdx.x == 0) {
+        meta = tensors[tensor];
+        const GroupMeta g = groups[meta.group];
+        const float* values = pointer<const float>(g.values);
+        const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
+        decays = read_decays(values);
+        neg_lr = -lr;
+        neg_weight_decay_lr = -__fmul_rn(weight_decay, lr);
+        exp_mult = values[LOPT_GROUP_EXP_MULT];
+        step_mult = values[LOPT_GROUP_STEP_MULT];
+      }
+      __syncthreads();
+      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
+    }
+    const i64 e = (chunk - meta.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
+    if (e >= meta.numel) continue;
+    const float grad = clip_gradient(load_gradient(meta, e, inverse_scale));
+    const float param = load_as_float(pointer<const void>(meta.param), e, static_cast<int>(meta.param_dtype));
+    ElementState s = load_element_state(meta, e);
+    const bool factored = meta.factored != 0;
+    update_accumulators(s, grad, decays, factored);
+    store_element_state(meta, e, s);
+    FactorEntry row = {}, col = {};
+    if (factored) load_factor_entries<false>(meta, e, row_table, col_table, row, col);
+    float x[VELO_NUM_FEATURES];
+    per_element_features(x, grad, param, s, factored, row, col);
+    const float2 output = per_element_mlp(x, record);
+    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)); apply_update: p − lr·u, then weight decay.
+    const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
+                                   __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
+                                             __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, exp_mult))), step_mult)));
+    float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
+    if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
+    store_from_float(pointer<void>(meta.param), e, static_cast<int>(meta.param_dtype), new_param);
+  }
+}

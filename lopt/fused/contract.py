@@ -1,0 +1,111 @@
+"""The Python↔CUDA contract of the fused backends, written once.
+
+The kernels read per-tensor, per-job and per-group metadata as rows of int64 fields (apex
+``multi_tensor_apply`` style: one launch covers every tensor). This module is the only place that
+lists those fields and their order, and the block sizes and buffer widths both sides depend on:
+
+* :data:`STRUCTS` — each struct's fields, in order (all int64);
+* :data:`CONSTANTS` — block sizes, chunk lengths, table widths;
+* :func:`cuda_header` — the C++ text of both, which the launcher hands to the compiler as the
+  header ``lopt_contract.cuh`` (NVRTC at run time; nvcc in the CPU tests), so a field the kernels
+  read that Python does not write (or the reverse, in a different order) cannot compile or drift.
+
+``python -m lopt.fused.contract`` prints the header.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HEADER_NAME = "lopt_contract.cuh"
+
+STRUCTS: dict = {
+    # One row per tensor of a fused step (all parameter groups together). A factored tensor (rank
+    # >= 2) is viewed as (outer, a, mid, b, inner), a and b its two factored axes in memory order;
+    # d0 (the larger) is a when d0_is_a.
+    "TensorMeta": (
+        "param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full",  # device pointers
+        "numel", "outer", "a", "mid", "b", "inner", "d0_is_a", "factored", "param_dtype", "grad_dtype",
+        "group",  # row of the GroupMeta table
+        "first_stats_chunk", "num_stats_chunks",  # statistics pass: chunks of LOPT_STATS_CHUNK elements
+        "first_slab", "num_slabs",  # factor tables: slabs of R (one row_col_mean each)
+        "first_col_entry", "num_col_entries",  # factor tables: entries of C
+        "row_table", "col_table",  # first entry of the tensor's R / C in the factor tables
+        "row_means", "col_means",  # first entry of its R / C means in the axis-means workspace
+        "first_apply_chunk", "num_apply_chunks",  # apply pass: chunks of the optimizer's apply chunk
+    ),
+    # One Adafactor reduction: means[first_output + q*i_len + i] = mean_x G[(q*X + x)*I + i], G = g² + 1e-30.
+    # mode 0 ("strided", I > 1): a thread per output column, a block covers 256 columns x one x-chunk;
+    # mode 1 ("contiguous", I == 1): a warp per (q, x-chunk), 8 per block.
+    "AxisJob": (
+        "src", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
+        "num_outputs", "first_output", "num_col_blocks",
+    ),
+    # VeLO's per-tensor extras, one row per TensorMeta row: the tensor's LSTM state (float32, 512 each)
+    # and its rank class (0..4: axes longer than 1; 5: five or more, the all-zero one-hot).
+    "VeloTensor": ("lstm_hidden", "lstm_cell", "rank_class"),
+    # One row per parameter group (also groups without a tensor in this step: their counters advance).
+    "GroupMeta": (
+        "values",  # float block of GROUP_VALUE_FLOATS (decays, exp_mult, step_mult, host lr/weight decay)
+        "lr", "weight_decay",  # pointers to float32: a user's CUDA tensor, or the block's slot
+        "step",  # int64 step counter (steps taken so far)
+    ),
+}
+
+# Float slots of a group's value block.
+GROUP_VALUES = {
+    "decays": 0,  # 16 floats: the Decays struct of accumulators.cuh
+    "exp_mult": 16, "step_mult": 17, "lr": 18, "weight_decay": 19, "max_grad_norm": 20,
+}
+GROUP_VALUE_FLOATS = 24
+
+CONSTANTS: dict = {
+    "STATS_THREADS": 256,
+    "STATS_PER_THREAD": 32,
+    "AXIS_THREADS": 256,
+    "STRIDED_XCHUNK": 64,  # rows summed per thread in the strided mode
+    "CONTIGUOUS_XCHUNK": 2048,  # elements summed per warp in the contiguous mode
+    "TABLE_THREADS": 256,
+    "TABLE_FLOATS": 12,  # per factor-table entry: {acc[3], pad}, {factor[3], pad}, {rsqrt(acc + 1e-8)[3], pad}
+    "DECAYS_FLOATS": 16,
+    "GROUP_VALUE_FLOATS": GROUP_VALUE_FLOATS,
+    "FINALIZE_THREADS": 256,
+    # Step status flags (int32): a non-finite or overflowing gradient was seen in this step.
+    "STATUS_INTS": 4,
+    "STATUS_NONFINITE": 0,
+}
+CONSTANTS["STATS_CHUNK"] = CONSTANTS["STATS_THREADS"] * CONSTANTS["STATS_PER_THREAD"]
+
+FIELD = {name: {field: index for index, field in enumerate(fields)} for name, fields in STRUCTS.items()}
+
+
+def empty_rows(struct: str, count: int) -> np.ndarray:
+    """``count`` zeroed int64 rows of ``struct``."""
+    return np.zeros((count, len(STRUCTS[struct])), dtype=np.int64)
+
+
+def column(struct: str, field: str) -> int:
+    return FIELD[struct][field]
+
+
+def cuda_header() -> str:
+    """The C++ definitions of :data:`STRUCTS` and :data:`CONSTANTS` (``lopt_contract.cuh``)."""
+    lines = ["// Generated from lopt/fused/contract.py: edit that file, not this text.", "#pragma once", ""]
+    for name, value in CONSTANTS.items():
+        lines.append(f"#define LOPT_{name} {value}")
+    for name, slot in GROUP_VALUES.items():
+        lines.append(f"#define LOPT_GROUP_{name.upper()} {slot}")
+    lines.append("")
+    for struct, fields in STRUCTS.items():
+        lines.append(f"struct {struct} {{")
+        lines.append("  long long " + ", ".join(fields) + ";")
+        lines.append("};")
+        lines.append(f"static_assert(sizeof({struct}) == {8 * len(fields)}, \"{struct} must be {len(fields)} int64 fields\");")
+        for index, field in enumerate(fields):
+            lines.append(f"#define LOPT_{struct.upper()}_{field.upper()} {index}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(cuda_header())

@@ -1,0 +1,367 @@
+"""What every fused engine shares: one plan for all the tensors of a step, its device tables, the
+per-step refresh of pointers and hyper-parameters, and the accumulate phase's launches.
+
+A fused step is the reference's phases as kernel launches (``docs/design.md``):
+
+* **accumulate** — ``adafactor_axis_partials``, ``adafactor_finalize``, ``adafactor_factor_tables``
+  (shared by both optimizers, :meth:`FusedEngine._accumulate`);
+* **statistics**, **control**, **apply** — each optimizer's own kernels (:meth:`_statistics`,
+  :meth:`_control`, :meth:`_apply` of the subclasses).
+
+The check phase's non-finite test runs inside the statistics pass and sets a device flag; the
+control and apply kernels read it, so a skipped step writes nothing and nothing synchronises. A step
+allocates nothing and uploads only what changed (pointers of fresh gradient tensors, scheduled
+learning rates), so it can be captured in a CUDA graph.
+
+Parameters of any dense layout (contiguous, ``channels_last``, any permutation of axes) are stepped
+in place in their own memory order; their optimizer state is kept in the same order (its logical
+shapes are unchanged, so state dicts interchange with the naive backend). Gradients whose strides
+differ from their parameter's are copied into a buffer of the parameter's layout first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lopt.fused import launcher
+from lopt.fused.contract import CONSTANTS, FIELD, GROUP_VALUE_FLOATS, GROUP_VALUES, empty_rows
+from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, GroupLayout
+
+FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
+STATS_THREADS = CONSTANTS["STATS_THREADS"]
+_G = FIELD["GroupMeta"]
+STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[2:7]
+assert TENSOR_POINTER_FIELDS[2:7] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
+assert TENSOR_POINTER_FIELDS[:2] == ("param", "grad") and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
+
+
+def memory_order(t: torch.Tensor) -> tuple | None:
+    """The axes of ``t`` from outermost to innermost in memory, if ``t`` is dense (no gaps, no overlap); else None."""
+    if t.is_contiguous():
+        return tuple(range(t.dim()))
+    order = tuple(sorted(range(t.dim()), key=lambda axis: (-t.stride(axis), axis)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def dense_layout_problem(t: torch.Tensor) -> str | None:
+    """Why the fused kernels cannot step ``t`` in place (None if they can)."""
+    if memory_order(t) is None:
+        return (f"a parameter of shape {tuple(t.shape)} and strides {t.stride()} is not dense (a view with gaps or "
+                f"overlaps); the fused kernels step parameters in place in their own memory order")
+    return None
+
+
+def arranged(t: torch.Tensor, order: tuple) -> torch.Tensor:
+    """``t`` (same logical shape and values) laid out with its axes in memory order ``order``."""
+    if t.numel() == 0 or t.permute(order).is_contiguous():
+        return t
+    inverse = tuple(int(i) for i in np.argsort(order))
+    out = torch.empty([t.shape[a] for a in order], dtype=t.dtype, device=t.device).permute(inverse)
+    out.copy_(t)
+    return out
+
+
+def pack_decays(decays) -> torch.Tensor:
+    """The ``Decays`` struct of accumulators.cuh: each decay and its float32 complement, as the reference forms them."""
+    momentum, rms, adafactor = decays.momentum.cpu(), decays.rms.cpu(), decays.adafactor.cpu()
+    return torch.cat([momentum, 1 - momentum, rms, 1 - rms, adafactor, 1 - adafactor, torch.zeros(2)])
+
+
+class Plan:
+    """The shape-dependent part of a step: the layout, the workspaces and the device tables."""
+
+    def __init__(self, key, params, groups, layout: GroupLayout, memory_orders, device):
+        self.key = key
+        self.params = params
+        self.groups = groups  # group row of each tensor
+        self.layout = layout
+        self.memory_orders = memory_orders
+        self.device = device
+
+        def workspace(n, dtype):
+            return torch.empty(max(int(n), 1), dtype=dtype, device=device)
+
+        self.workspace = workspace
+        table_floats = CONSTANTS["TABLE_FLOATS"]
+        self.axis_partials = workspace(layout.total_axis_partials, torch.float64)
+        self.axis_means = workspace(layout.total_axis_outputs, torch.float32)
+        self.row_table = workspace(layout.total_row_entries * table_floats, torch.float32)
+        self.col_table = workspace(layout.total_col_entries * table_floats, torch.float32)
+        self.status = torch.zeros(CONSTANTS["STATUS_INTS"], dtype=torch.int32, device=device)
+        self.tensor_table = launcher.MetadataTable(device)
+        self.axis_table = launcher.MetadataTable(device)
+        self.group_values = launcher.MetadataTable(device, dtype=np.float32)
+        self.group_table = launcher.MetadataTable(device)
+        self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
+        self.pointers = None  # last uploaded pointer rows
+
+
+class FusedEngine:
+    """Base of the fused engines: subclasses name their kernel source and kernels and implement the
+    statistics, control and apply phases."""
+
+    SOURCE = ""
+    KERNELS: tuple = ()
+    APPLY_CHUNK = 128
+    GRADIENT_CLIP = 0.0  # Adafactor's gradient clip (VeLO: 1000); 0 = none
+
+    def __init__(self, optimizer, defines: tuple = ()):
+        """``defines`` (``"NAME=VALUE"`` strings) override the kernels' tuning macros, for benchmarks."""
+        self.optimizer = optimizer
+        devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+        if len(devices) != 1:
+            raise RuntimeError(f"the fused backend needs all parameters on one CUDA device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.module = launcher.get_module(self.SOURCE, self.device, defines=tuple(defines))
+        names = ("adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables") + self.KERNELS
+        self.kernels = {name: self.module.get_function(name) for name in names}
+        self.plan: Plan | None = None
+
+    # ------------------------------------------------------------------ plan
+
+    def invalidate(self) -> None:
+        """Forget the plan (after load_state_dict or add_param_group replaced state or groups)."""
+        self.plan = None
+
+    def persistent_grid(self, kernel_name: str, threads: int) -> int:
+        """As many blocks of ``kernel_name`` as fit on the device at once (a persistent grid)."""
+        properties = torch.cuda.get_device_properties(self.device)
+        kernel = self.kernels[kernel_name]
+        registers = launcher.kernel_attribute(kernel, "num_regs")
+        shared = launcher.kernel_attribute(kernel, "shared_size_bytes") + 1024  # + the per-block reservation
+        by_registers = 65536 // max(registers * threads, 1)
+        by_shared_memory = properties.shared_memory_per_multiprocessor // shared
+        per_sm = max(1, min(by_registers, by_shared_memory, 2048 // threads))
+        return properties.multi_processor_count * per_sm
+
+    def _plan_for(self, inputs) -> Plan:
+        """The plan for this step's tensors: the last one while the same parameters (by identity, with
+        the same storage or at least the same shape and strides) take part, else a new one."""
+        params = [p for group_params in inputs.params for p in group_params]
+        key = (tuple(map(id, params)), tuple(map(len, inputs.params)))
+        plan = self.plan
+        if plan is not None and plan.key == key:
+            param_pointers = [p.data_ptr() for p in params]
+            if param_pointers == plan.param_pointers or all(
+                    (tuple(p.shape), p.stride()) == geometry for p, geometry in zip(params, plan.geometries)):
+                plan.param_pointers = param_pointers
+                return plan
+        entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
+        groups, shapes, dims, orders = [], [], [], []
+        for g, p in entries:
+            if p.device != self.device:
+                raise RuntimeError(f"the fused backend needs all parameters on {self.device}; one is on {p.device}")
+            order = memory_order(p)
+            if order is None:  # (refused at construction; a parameter re-strided since)
+                raise RuntimeError(dense_layout_problem(p))
+            logical_dims = self.optimizer.reference.factored_dims(tuple(p.shape))
+            self._arrange_state(p, order, logical_dims)
+            groups.append(g)
+            orders.append(order)
+            shapes.append(tuple(p.shape[a] for a in order) if p.dim() else (1,))
+            dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
+        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK)
+        plan = Plan(key, params, groups, layout, orders, self.device)
+        plan.param_pointers = [p.data_ptr() for p in params]
+        plan.geometries = [(tuple(p.shape), p.stride()) for p in params]
+        plan.strided_rows = {row for row, p in enumerate(params) if not p.is_contiguous()}
+        state = self.optimizer.state
+        plan.state_pointers = np.array([[state[p][name].data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
+                                       dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
+        plan.param_dtypes = np.array([launcher.DTYPE_CODES[p.dtype] for p in params], dtype=np.int64)
+        self._allocate(plan)
+        self.plan = plan
+        return plan
+
+    def _arrange_state(self, p, order, dims) -> None:
+        """Create the parameter's state if needed and lay it out in the parameter's memory order."""
+        state = self.optimizer.ensure_state(p)
+        n = p.dim()
+        axes = {"mom": tuple(range(n)), "rms": tuple(range(n)), "fac_vec_v": tuple(range(n))}
+        if dims is not None:
+            d1, d0 = dims
+            axes["fac_vec_row"] = tuple(a for a in range(n) if a != d0)
+            axes["fac_vec_col"] = tuple(a for a in range(n) if a != d1)
+        for name, logical_axes in axes.items():
+            buf = state[name]
+            if buf.dtype != torch.float32:
+                buf = buf.to(torch.float32)
+            if buf.numel() and n:
+                # this buffer's axes in the parameter's memory order, then the decay axis
+                buf_order = tuple(sorted(range(len(logical_axes)), key=lambda i: order.index(logical_axes[i])))
+                buf = arranged(buf, buf_order + (len(logical_axes),))
+            state[name] = buf
+
+    def _allocate(self, plan: Plan) -> None:
+        """Subclass hook: the optimizer's own workspaces and tables (called once per plan)."""
+
+    # ------------------------------------------------------------------ per step
+
+    def _refresh(self, plan: Plan, inputs) -> None:
+        """Point the device tables at this step's gradients and hyper-parameters (uploads only changes).
+
+        Per tensor only its parameter and gradient pointers and the gradient's dtype are read (the
+        state's pointers are fixed for the plan), so the host's share of a step stays small whether or
+        not the gradients are new tensors every step."""
+        layout, params = plan.layout, plan.params
+        grads = [p.grad for p in params]
+        # A gradient laid out differently from its parameter is copied into the parameter's layout.
+        for row, p in enumerate(params):
+            if row in plan.strided_rows and grads[row].stride() != p.stride() or \
+                    row not in plan.strided_rows and not grads[row].is_contiguous():
+                copy = plan.grad_copies.get(row)
+                if copy is None or copy.dtype != grads[row].dtype:
+                    copy = plan.grad_copies[row] = torch.empty_like(p, dtype=grads[row].dtype)  # p's layout
+                copy.copy_(grads[row])
+                grads[row] = copy
+        pointers = np.empty((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
+        pointers[:, 0] = plan.param_pointers
+        pointers[:, 1] = [g.data_ptr() for g in grads]
+        pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = plan.state_pointers
+        pointers[:, -2] = plan.param_dtypes
+        pointers[:, -1] = [launcher.DTYPE_CODES[g.dtype] for g in grads]
+        if plan.pointers is None or not np.array_equal(plan.pointers, pointers):
+            plan.tensor_table.update(layout.tensor_rows(pointers))
+            if layout.num_axis_jobs:
+                plan.axis_table.update(layout.axis_rows(pointers))
+            plan.pointers = pointers
+        self._refresh_groups(plan)
+
+    def _refresh_groups(self, plan: Plan) -> None:
+        groups = self.optimizer.param_groups
+        values = np.zeros((len(groups), GROUP_VALUE_FLOATS), dtype=np.float32)
+        device_scalars = {}
+        for g, group in enumerate(groups):
+            row = values[g]
+            row[GROUP_VALUES["decays"]:GROUP_VALUES["decays"] + CONSTANTS["DECAYS_FLOATS"]] = \
+                self._packed_decays(group).numpy()
+            row[GROUP_VALUES["exp_mult"]] = group["exp_mult"]
+            row[GROUP_VALUES["step_mult"]] = group["step_mult"]
+            row[GROUP_VALUES["max_grad_norm"]] = group.get("max_grad_norm") or 0.0
+            for name in ("lr", "weight_decay"):
+                value = group[name]
+                if torch.is_tensor(value) and value.device == self.device and value.dtype == torch.float32:
+                    device_scalars[g, name] = value  # read on the device: schedulers update it in place
+                else:
+                    row[GROUP_VALUES[name]] = float(value)
+            group["step"] = self._device_counter(group.get("step", 0))
+        first = groups[0]
+        first["skipped_steps"] = self._device_counter(first.get("skipped_steps", 0))
+        values_table = plan.group_values.update(values)
+        slot = values_table.element_size()
+        rows = empty_rows("GroupMeta", len(groups))
+        for g, group in enumerate(groups):
+            base = values_table.data_ptr() + g * GROUP_VALUE_FLOATS * slot
+            rows[g, _G["values"]] = base
+            for name in ("lr", "weight_decay"):
+                scalar = device_scalars.get((g, name))
+                rows[g, _G[name]] = scalar.data_ptr() if scalar is not None else base + GROUP_VALUES[name] * slot
+            rows[g, _G["step"]] = group["step"].data_ptr()
+        plan.group_table.update(rows)
+
+    def _packed_decays(self, group) -> torch.Tensor:
+        key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"])
+        cache = self.__dict__.setdefault("_decays_cache", {})
+        if key not in cache:
+            cache[key] = pack_decays(self.optimizer.decays(group))
+        return cache[key]
+
+    def _device_counter(self, value) -> torch.Tensor:
+        if torch.is_tensor(value) and value.device == self.device and value.dtype == torch.int64 and value.dim() == 0:
+            return value
+        return torch.tensor(int(value), dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def pointer(tensor) -> np.uint64:
+        return launcher.pointer(tensor)
+
+    def flags(self, plan: Plan, inputs) -> tuple:
+        """(grad_scale, found_inf, status) kernel arguments."""
+        return (launcher.pointer(self._on_device(inputs.grad_scale)), launcher.pointer(self._on_device(inputs.found_inf)),
+                launcher.pointer(plan.status))
+
+    def _on_device(self, tensor):
+        if tensor is None:
+            return None
+        if tensor.device != self.device or tensor.dtype != torch.float32:
+            raise RuntimeError(f"the fused backend needs GradScaler's tensors as float32 on {self.device}, got "
+                               f"{tensor.dtype} on {tensor.device}")
+        return tensor
+
+    # ------------------------------------------------------------------ phases
+
+    def step(self, inputs, *args) -> None:
+        """One step: ``inputs`` from the optimizer's check phase, ``args`` what the optimizer's own
+        phases need (VeLO: the loss)."""
+        plan = self._plan_for(inputs)
+        self._refresh(plan, inputs)
+        flags = self.flags(plan, inputs)
+        extra = self._step_arguments(plan, *args)
+        self._accumulate(plan, inputs)
+        self._statistics(plan, flags)
+        if self.optimizer.nonfinite == "raise":
+            self._raise_if_unusable(plan, inputs)
+        self._control(plan, flags, *extra)
+        self._apply(plan, flags, *extra)
+
+    def _step_arguments(self, plan: Plan, *args) -> tuple:
+        """Subclass hook: the kernel arguments of ``args`` (computed once per step)."""
+        return args
+
+    def _accumulate(self, plan: Plan, inputs) -> None:
+        layout, k, ptr = plan.layout, self.kernels, launcher.pointer
+        axis_table = plan.axis_table.table if layout.num_axis_jobs else None
+        jobs = np.int32(layout.num_axis_jobs)
+        self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
+                    (ptr(axis_table), jobs, ptr(plan.axis_partials), ptr(self._on_device(inputs.grad_scale)),
+                     np.float32(self.GRADIENT_CLIP)))
+        self.launch("adafactor_finalize", max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS)), FINALIZE_THREADS,
+                    (ptr(axis_table), jobs, np.int64(layout.total_axis_outputs), ptr(plan.axis_partials),
+                     ptr(plan.axis_means), ptr(plan.status)))
+        table_blocks = layout.total_slabs + -(-layout.total_col_entries // TABLE_THREADS)
+        self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
+                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
+                     np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
+                     ptr(plan.row_table), ptr(plan.col_table)))
+
+    def _raise_if_unusable(self, plan: Plan, inputs) -> None:
+        """nonfinite='raise': one read of the device flag; nothing has been written yet."""
+        from lopt.optimizers.base import NonFiniteGradientError
+
+        if inputs.found_inf is not None and float(inputs.found_inf) != 0:
+            return  # GradScaler's overflow: it skips the step itself
+        if int(plan.status[CONSTANTS["STATUS_NONFINITE"]]) == 0:
+            return
+        index = next(i for i, p in enumerate(self.optimizer._all_params())
+                     if p.grad is not None and not bool((p.grad.float().abs() < 2.0**64).all()))
+        raise NonFiniteGradientError(f"{type(self.optimizer).__name__}.step: the gradient of parameter #{index} holds "
+                                     f"NaN, an infinite value or a value of magnitude >= 2^64; nothing was changed "
+                                     f"(nonfinite='raise')")
+
+    def _statistics(self, plan: Plan, flags: tuple) -> None:
+        raise NotImplementedError
+
+    def _control(self, plan: Plan, flags: tuple, *args) -> None:
+        raise NotImplementedError
+
+    def _apply(self, plan: Plan, flags: tuple, *args) -> None:
+        raise NotImplementedError
+
+    def launch(self, name: str, grid: int, block: int, args: tuple, shared_mem: int = 0) -> None:
+        launcher.launch(self.kernels[name], grid, block, args, self.device, shared_mem)
+
+    def group_arguments(self, plan: Plan) -> tuple:
+        return (launcher.pointer(plan.group_table.table), np.int32(len(self.optimizer.param_groups)))
+
+    def skipped_counter(self) -> np.uint64:
+        return launcher.pointer(self.optimizer.param_groups[0]["skipped_steps"])
+
+
+def non_dense_parameter(params) -> str | None:
+    """Why the fused backend cannot take ``params`` (None if every one is dense)."""
+    for index, p in enumerate(params):
+        problem = dense_layout_problem(p)
+        if problem:
+            return f"parameter #{index}: {problem}"
+    return None

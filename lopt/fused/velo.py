@@ -1,0 +1,151 @@
+"""Fused VeLO: launches ``cuda_src/velo.cu`` for every tensor of every group.
+
+Mirrors ``lopt/reference/velo.py`` phase by phase; one step is nine launches, whatever the number
+of tensors and groups:
+
+1–3. ``adafactor_axis_partials``, ``adafactor_finalize``, ``adafactor_factor_tables``  accumulate
+     (the gradient clipped to ±1000, as clip_gradient)
+4.   ``velo_statistics``      per_element_features → sums of squares, and tensor_statistics' sums of the
+     pre-update parameter and the old accumulators; the non-finite test of every gradient element
+5.   ``velo_tensor_control``  normalise_features' scales, the loss buffer and loss_features, fraction_features,
+     lstm_input_features; a kept step's R and C written to the state
+6.   ``velo_mix``             mix_tensor_inputs (the max over every tensor's row)
+7.   ``velo_lstm``            lstm_cell for all tensors (float64)
+8.   ``velo_heads``           controller_heads, generate_mlp_weights, the normalisation folded into the first
+     layer; a kept step's LSTM state written
+9.   ``velo_apply``           update_accumulators, per_element_features, per_element_mlp, velo_update,
+     apply_update; the loss buffer and step counters advance (or a skipped step is counted)
+
+A step never synchronises with the host: the loss is read on the device (a CUDA tensor, or the
+losses handed to ``accumulate_loss``), or passed by value (a Python number), and a non-finite loss
+or gradient turns every write into a no-op on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lopt.fused import launcher
+from lopt.fused.contract import FIELD, empty_rows
+from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan
+from lopt.reference import velo as reference
+
+NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
+LSTM_SUMS = 9
+STATS_PER_CHUNK = NUM_FEATURES + LSTM_SUMS  # VELO_STATS
+HIDDEN = reference.LSTM_HIDDEN_SIZE
+RECORD_FLOATS = 164  # VELO_RECORD_FLOATS
+CONTROL_THREADS = 256
+LSTM_ROWS, LSTM_UNITS = 8, 32
+HEADS_THREADS = 256
+APPLY_THREADS = 256
+RNN_TENSORS = ("mix_layer2.weight", "mix_layer2.bias", "final_mix_layer.weight", "final_mix_layer.bias",
+               "lstm.linear.weight", "lstm.linear.bias", "rnn_to_controls.weight", "rnn_to_controls.bias",
+               "step_size.weight", "step_size.bias")
+_V = FIELD["VeloTensor"]
+
+
+def pack_candidates(mlp: dict) -> torch.Tensor:
+    """The 256 candidate MLPs as one (256, 159) float32 matrix, roles in MLP_CANDIDATE_TENSORS order."""
+    stacks = [mlp[name].detach().to(torch.float32) for name in reference.MLP_CANDIDATE_TENSORS.values()]
+    return torch.cat([s.reshape(s.shape[0], -1) for s in stacks], dim=1).contiguous()
+
+
+class VeLOFused(FusedEngine):
+    """The fused engine behind ``VeLO(backend="fused")``."""
+
+    SOURCE = "velo.cu"
+    KERNELS = ("velo_statistics", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads", "velo_apply")
+    APPLY_CHUNK = APPLY_THREADS
+    GRADIENT_CLIP = reference.GRADIENT_CLIP
+
+    def __init__(self, optimizer, defines: tuple = ()):
+        super().__init__(optimizer, defines)
+        weights = optimizer.meta_weights.tensors
+        self.rnn = {name: weights["rnn"][name].detach().to(self.device, torch.float32).contiguous() for name in RNN_TENSORS}
+        self.candidates = pack_candidates(weights["mlp"]).to(self.device)
+        self.apply_grid = self.persistent_grid("velo_apply", APPLY_THREADS)
+
+    def _allocate(self, plan: Plan) -> None:
+        layout, n = plan.layout, plan.layout.num_tensors
+        plan.stats_partials = plan.workspace(layout.total_stats_chunks * STATS_PER_CHUNK, torch.float64)
+        plan.feature_scales = plan.workspace(n * NUM_FEATURES, torch.float32)
+        plan.lstm_inputs = plan.workspace(n * reference.NUM_LSTM_FEATURES, torch.float64)
+        plan.param_scales = plan.workspace(n, torch.float32)
+        plan.mixed_max = plan.workspace(HIDDEN, torch.int64)
+        plan.mix_partial = plan.workspace(n * HIDDEN, torch.float64)
+        plan.hidden_new = plan.workspace(n * HIDDEN, torch.float64)
+        plan.cell_new = plan.workspace(n * HIDDEN, torch.float64)
+        plan.records = plan.workspace(n * RECORD_FLOATS, torch.float32)
+        plan.loss = plan.workspace(1, torch.float32)  # a loss tensor of another dtype or device, converted
+        rows = empty_rows("VeloTensor", n)
+        for row, p in enumerate(plan.params):
+            state = self.optimizer.state[p]
+            for name in ("lstm_hidden", "lstm_cell"):
+                if not state[name].is_contiguous() or state[name].dtype != torch.float32:
+                    state[name] = state[name].to(torch.float32).contiguous()
+            rows[row, _V["lstm_hidden"]] = state["lstm_hidden"].data_ptr()
+            rows[row, _V["lstm_cell"]] = state["lstm_cell"].data_ptr()
+            rows[row, _V["rank_class"]] = min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)
+        plan.velo_table = launcher.MetadataTable(self.device)
+        plan.velo_table.update(rows)
+
+    def _loss_arguments(self, plan: Plan, loss) -> tuple:
+        """(loss tensor pointer, dtype code, value, divisor) for the kernels (lopt.optimizers.velo.StepLoss)."""
+        if loss.tensor is None:
+            return (np.uint64(0), np.int32(0), np.float32(loss.value), np.float32(1.0))
+        tensor = loss.tensor
+        if tensor.device != self.device or tensor.dtype not in launcher.DTYPE_CODES:
+            plan.loss.copy_(tensor.reshape(1))  # float64, another GPU: one conversion
+            tensor = plan.loss
+        return (launcher.pointer(tensor), np.int32(launcher.DTYPE_CODES[tensor.dtype]), np.float32(0.0),
+                np.float32(loss.count))
+
+    def _loss_buffer_arguments(self) -> tuple:
+        first = self.optimizer.param_groups[0]
+        ptr = launcher.pointer
+        for key, dtype in (("loss_means", torch.float32), ("loss_running_min", torch.float32), ("loss_count", torch.int32)):
+            value = first[key]
+            if not (value.device == self.device and value.dtype == dtype and value.is_contiguous()):
+                first[key] = value.to(device=self.device, dtype=dtype).contiguous()
+        decays = self.optimizer.loss_buffer().decays
+        return (ptr(first["loss_means"]), ptr(first["loss_running_min"]), ptr(first["loss_count"]), ptr(decays))
+
+    def _statistics(self, plan: Plan, flags: tuple) -> None:
+        ptr, layout = launcher.pointer, plan.layout
+        self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
+                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
+                     ptr(plan.row_table), ptr(plan.col_table), *flags, ptr(plan.stats_partials)))
+
+    def _step_arguments(self, plan: Plan, loss) -> tuple:
+        return (self._loss_arguments(plan, loss),)
+
+    def _control(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
+        ptr, n = launcher.pointer, plan.layout.num_tensors
+        self.launch("velo_tensor_control", n, CONTROL_THREADS,
+                    (ptr(plan.tensor_table.table), ptr(plan.velo_table.table), np.int32(n), ptr(plan.group_table.table),
+                     ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), *flags,
+                     *self._loss_buffer_arguments(), *loss_arguments, np.int64(self.optimizer.num_steps),
+                     ptr(plan.feature_scales), ptr(plan.lstm_inputs), ptr(plan.param_scales), ptr(plan.mixed_max)))
+        rnn = self.rnn
+        self.launch("velo_mix", n, HIDDEN,
+                    (ptr(plan.lstm_inputs), ptr(rnn["mix_layer2.weight"]), ptr(rnn["mix_layer2.bias"]),
+                     ptr(rnn["final_mix_layer.weight"]), ptr(rnn["final_mix_layer.bias"]), ptr(plan.mixed_max),
+                     ptr(plan.mix_partial)))
+        self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS), LSTM_ROWS * LSTM_UNITS,
+                    (ptr(plan.velo_table.table), np.int32(n), ptr(plan.mix_partial), ptr(plan.mixed_max),
+                     ptr(rnn["lstm.linear.weight"]), ptr(rnn["lstm.linear.bias"]), ptr(plan.hidden_new),
+                     ptr(plan.cell_new)))
+        self.launch("velo_heads", n, HEADS_THREADS,
+                    (ptr(plan.velo_table.table), ptr(plan.hidden_new), ptr(plan.cell_new),
+                     ptr(rnn["rnn_to_controls.weight"]), ptr(rnn["rnn_to_controls.bias"]), ptr(rnn["step_size.weight"]),
+                     ptr(rnn["step_size.bias"]), ptr(self.candidates), ptr(plan.feature_scales), ptr(plan.param_scales),
+                     *flags, *loss_arguments, ptr(plan.records)))
+
+    def _apply(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
+        ptr, layout = launcher.pointer, plan.layout
+        self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
+                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), *self.group_arguments(plan),
+                     np.int64(layout.total_apply_chunks), ptr(plan.records), ptr(plan.row_table), ptr(plan.col_table),
+                     *flags, self.skipped_counter(), *self._loss_buffer_arguments(), *loss_arguments))

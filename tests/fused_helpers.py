@@ -1,0 +1,79 @@
+"""What the CUDA tests of both fused optimizers share: inputs, error measures, launch counting."""
+
+from __future__ import annotations
+
+import torch
+
+import lopt
+
+# Every rank, tiny tensors and ones that fill many blocks; size-1 axes; ties between axis sizes.
+SHAPES = [(), (1,), (37,), (4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (300, 129), (2, 3, 4), (8, 3, 3, 3), (16, 16, 3, 3),
+          (3, 1, 5, 1), (2, 5, 1, 3, 4), (1000, 3), (64, 64, 3, 3)]
+LARGE_SHAPES = [(70001,), (300, 260), (1, 70000), (64, 32, 36), (16, 16, 17, 17), (4, 4, 4, 33, 33)]
+ALL_SHAPES = SHAPES + LARGE_SHAPES
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_params(shapes, dtype=torch.float32, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(device=device, dtype=dtype)) for s in shapes]
+
+
+def random_grads(params, seed, scale=1e-2):
+    """A different gradient scale per tensor, all drawn from one seeded generator (never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(p.shape, generator=g) * scale * (1 + torch.rand((), generator=g).item())).to(p.device, p.dtype)
+            for p in params]
+
+
+def set_grads(params, grads):
+    for p, grad in zip(params, grads):
+        p.grad = grad.clone()  # a fresh tensor every step, as autograd makes them
+
+
+def relative_error(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+def step(opt, loss=1.0):
+    return opt.step(loss) if opt.requires_loss else opt.step()
+
+
+def sync_into(dst_opt, dst_params, src_opt, src_params):
+    """Give dst exactly src's parameters, state and step counts."""
+    for d, s in zip(dst_params, src_params):
+        d.data.copy_(s.data)
+    dst_opt.load_state_dict(src_opt.state_dict())
+
+
+def kernel_launches(fn) -> int:
+    """Kernels (not copies) the CUDA runtime saw while ``fn`` ran (torch.profiler, CUPTI: CuPy's launches too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
+def low_precision_excess(fused: torch.Tensor, naive: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """How far a bfloat16/float16 fused result is from the naive one beyond what the same float32 math
+    rounded once can explain: one ulp of the result plus 1e-5 of the step's update (where p − lr·u
+    cancels, a 1e-6 difference of u is many ulps of the small result). <= 0 where they agree."""
+    f32, n32 = fused.detach().float(), naive.detach().float()
+    info = torch.finfo(fused.dtype)
+    one_ulp = info.eps * n32.abs().clamp_min(info.tiny)
+    return (f32 - n32).abs() - (one_ulp + 1e-5 * (n32 - before).abs())
+
+
+def make_optimizer(name, params, backend, weights, **kwargs):
+    if name == "velo":
+        return lopt.VeLO(params, num_steps=kwargs.pop("num_steps", 300), weights=weights, backend=backend, **kwargs)
+    return lopt.SmallFCLOpt(params, weights=weights, backend=backend, **kwargs)

@@ -1,0 +1,576 @@
+"""Both fused backends against their naive backends on the GPU (pytest -m cuda; skipped without CUDA + CuPy).
+
+Each test runs for small_fc_lopt and VeLO: the same inputs through ``backend="fused"`` and
+``backend="naive"`` on the same device, every parameter rank and dtype, and the properties a fused
+step promises (bit-identical reruns, graph capture, constant launches, no synchronisation, nothing
+written on a skipped step, state dicts that interchange).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lopt
+from fused_helpers import (ALL_SHAPES, DTYPES, SHAPES, flat, kernel_launches, make_optimizer, make_params,
+                           low_precision_excess, random_grads, relative_error, set_grads, step, sync_into)
+
+pytestmark = pytest.mark.cuda
+OPTIMIZERS = ["small_fc_lopt", "velo"]
+LAUNCHES = {"small_fc_lopt": 6, "velo": 9}
+
+# Per-step relative update error allowed between fused and naive (float32). Tensors of a handful of
+# elements get a looser per-tensor bound: their update is one or two MLP outputs, and where the
+# output layer cancels (|output| much smaller than its terms), float32 rounding in another summation
+# order alone moves it by more than 1e-5. The step as a whole is held to 1e-5.
+STEP_TOLERANCE = 1e-5
+TINY_TENSOR_NUMEL = 64
+TINY_TENSOR_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return {"small_fc_lopt": lopt.random_weights("small_fc_lopt", seed=7), "velo": lopt.random_weights("velo", seed=8)}
+
+
+def loss_of(step_index: int) -> torch.Tensor:
+    """A varying loss, as a CUDA tensor (VeLO reads it on the device)."""
+    return torch.tensor(2.0 + 0.5 * torch.sin(torch.tensor(step_index * 0.7)).item() - 0.003 * step_index, device="cuda")
+
+
+def twin_optimizers(name, weights, shapes=ALL_SHAPES, dtype=torch.float32, seed=0, **kwargs):
+    fused_params, naive_params = make_params(shapes, dtype, seed), make_params(shapes, dtype, seed)
+    fused = make_optimizer(name, fused_params, "fused", weights[name], **kwargs)
+    naive = make_optimizer(name, naive_params, "naive", weights[name], **kwargs)
+    assert fused.backend == "fused" and naive.backend == "naive"
+    return fused, fused_params, naive, naive_params
+
+
+# ------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
+    """Each step from the same state. float32 (200 steps): updates within 1e-5. bfloat16/float16
+    parameters (20 steps, lr large enough that updates span many of their ulps): each element of the
+    fused result is the naive one to within one ulp of the result plus 1e-5 of its update (where
+    p − lr·u cancels, a 1e-6 difference of u is many ulps of the small result); an update off by a
+    few percent would break that for most elements."""
+    # (VeLO's step is ~1e-4 of the parameter at lr 1: a large lr makes it span many low-precision ulps;
+    # weight decay scaled to keep weight_decay·lr = 0.007)
+    lr = 0.7 if dtype == torch.float32 else {"small_fc_lopt": 50.0, "velo": 1000.0}[name]
+    fused, fused_params, naive, naive_params = twin_optimizers(name, weights, dtype=dtype, lr=lr,
+                                                               weight_decay=0.007 / lr)
+    steps = 200 if dtype == torch.float32 else 20
+    worst_step = worst_tensor = 0.0
+    mismatched = total = 0
+    for index in range(steps):
+        grads = random_grads(fused_params, seed=index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().float().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        fused_updates = [f.detach().float() - b for f, b in zip(fused_params, before)]
+        naive_updates = [n.detach().float() - b for n, b in zip(naive_params, before)]
+        if dtype == torch.float32:
+            step_error = relative_error(flat(fused_updates), flat(naive_updates))
+            worst_step = max(worst_step, step_error)
+            assert step_error <= STEP_TOLERANCE, f"step {index}: relative update error {step_error:.2e}"
+            for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
+                error = relative_error(uf, un)
+                if uf.numel() >= TINY_TENSOR_NUMEL:
+                    worst_tensor = max(worst_tensor, error)
+                tolerance = TINY_TENSOR_TOLERANCE if uf.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
+                assert error <= tolerance, f"step {index} shape {shape}: relative update error {error:.2e}"
+        else:
+            for f, n, b, shape in zip(fused_params, naive_params, before, ALL_SHAPES):
+                excess = low_precision_excess(f, n, b)
+                where = int(excess.reshape(-1).argmax())
+                assert float(excess.max()) <= 0, (f"step {index} shape {shape}: fused {f.reshape(-1)[where].item()}, "
+                                                  f"naive {n.reshape(-1)[where].item()}")
+                mismatched += int((f != n).sum())
+                total += f.numel()
+            worst_step = max(worst_step, relative_error(flat(fused_updates), flat(naive_updates)))
+        sync_into(naive, naive_params, fused, fused_params)
+    if dtype != torch.float32:
+        assert mismatched <= 0.01 * total, f"{mismatched} of {total} elements differ"
+    print(f"\n[{name} {dtype}] per-step relative update error, worst: {worst_step:.2e}"
+          + (f"; per tensor (>= 64 elements): {worst_tensor:.2e}" if dtype == torch.float32
+             else f"; elements that differ: {mismatched}/{total}"))
+    assert int(fused.state_dict()["param_groups"][0]["step"]) == steps
+
+
+def test_velo_fused_and_naive_against_the_float64_definition(weights):
+    """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
+    large multipliers so that updates are far above parameter rounding: the fused backend is as
+    close to the definition as the naive one (both evaluate the controller in float64)."""
+    import spec_velo as S
+
+    shapes = [(7,), (4, 6), (5, 5), (2, 3, 4), (8, 3, 3, 3), (300, 129)]
+    multipliers = {"exp_mult": 0.3, "step_mult": 0.5}
+    errors = {}
+    for backend in ("fused", "naive"):
+        params = make_params(shapes, seed=3)
+        opt = lopt.VeLO(params, num_steps=20, weights=weights["velo"], backend=backend, **multipliers)
+        oracle = S.SpecVeLO([dict(params=[p.detach().double().cpu() for p in params], lr=1.0, weight_decay=0.0,
+                                  **multipliers)], num_steps=20, weights=weights["velo"].tensors)
+        worst = 0.0
+        for index in range(6):
+            grads = random_grads(params, seed=40 + index)
+            loss = 3.0 - 0.2 * index
+            before = [p.detach().double().clone() for p in params]
+            oracle_before = [x.clone() for x in oracle.groups[0]["params"]]
+            set_grads(params, grads)
+            opt.step(torch.tensor(loss, device="cuda"))
+            oracle.step([g.cpu() for g in grads], S.as_float32(loss))
+            for p, b, oa, ob in zip(params, before, oracle.groups[0]["params"], oracle_before):
+                worst = max(worst, relative_error((p.detach().double() - b).cpu(), oa - ob))
+        errors[backend] = worst
+    print(f"\n[velo vs float64 definition] worst per-tensor relative update error: fused {errors['fused']:.2e}, "
+          f"naive {errors['naive']:.2e}")
+    assert errors["fused"] <= 1e-4 and errors["naive"] <= 1e-4
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_bit_identical_reruns(name, weights):
+    results = []
+    for _ in range(2):
+        params = make_params(ALL_SHAPES, seed=3)
+        opt = make_optimizer(name, params, "fused", weights[name])
+        for index in range(5):
+            set_grads(params, random_grads(params, seed=100 + index))
+            step(opt, loss_of(index))
+        results.append([p.detach().clone() for p in params] + [opt.state[p]["mom"].clone() for p in params])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_cuda_graph_replay_equals_eager(name, weights):
+    """lr as a CUDA tensor and the loss as a static CUDA tensor: the graph follows a scheduler."""
+    shapes = [(64, 48), (48,), (3, 5, 7), (300, 260), ()]
+    eager_params, graph_params = make_params(shapes, seed=5), make_params(shapes, seed=5)
+    eager = make_optimizer(name, eager_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"))
+    graphed = make_optimizer(name, graph_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"))
+    schedulers = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9) for o in (eager, graphed)]
+    for p in graph_params:
+        p.grad = torch.empty_like(p)
+    static_grads = [p.grad for p in graph_params]
+    static_loss = torch.zeros((), device="cuda")
+
+    def load(index):
+        grads = random_grads(eager_params, seed=index)
+        set_grads(eager_params, grads)
+        for s, g in zip(static_grads, grads):
+            s.copy_(g)
+        static_loss.copy_(loss_of(index))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for index in range(3):  # warm-up (builds the tables) outside the graph
+            load(index)
+            step(eager, loss_of(index))
+            step(graphed, static_loss)
+            for scheduler in schedulers:
+                scheduler.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graphed, static_loss)
+    for index in range(3, 10):
+        load(index)
+        step(eager, loss_of(index))
+        graph.replay()
+        for scheduler in schedulers:
+            scheduler.step()
+    torch.cuda.synchronize()
+    for a, b in zip(eager_params, graph_params):
+        assert torch.equal(a, b)
+    # The capture itself ran no step: counters agree after 3 eager + 7 replays.
+    assert int(graphed.state_dict()["param_groups"][0]["step"]) == 10 == int(eager.state_dict()["param_groups"][0]["step"])
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("direction", ["fused_to_naive", "naive_to_fused"])
+def test_state_dict_interchange(name, direction, weights, tmp_path):
+    first, second = ("fused", "naive") if direction == "fused_to_naive" else ("naive", "fused")
+    params = make_params(ALL_SHAPES, seed=11)
+    opt = make_optimizer(name, params, first, weights[name])
+    for index in range(4):
+        set_grads(params, random_grads(params, index))
+        step(opt, loss_of(index))
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    reference = [p.detach().clone() for p in params]
+    for index in range(4, 8):
+        set_grads(params, random_grads(params, index))
+        step(opt, loss_of(index))
+    reference_after = [p.detach().clone() for p in params]
+
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed_params = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    resumed = make_optimizer(name, resumed_params, second, weights[name])
+    resumed.load_state_dict(saved["opt"])
+    for index in range(4, 8):
+        set_grads(resumed_params, random_grads(resumed_params, index))
+        step(resumed, loss_of(index))
+    assert relative_error(flat([b.detach() - r for b, r in zip(resumed_params, reference)]),
+                          flat([a - r for a, r in zip(reference_after, reference)])) <= 1e-5
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_poisoned_workspaces_are_overwritten(name, weights):
+    params, clean = make_params(ALL_SHAPES, seed=13), make_params(ALL_SHAPES, seed=13)
+    opt = make_optimizer(name, params, "fused", weights[name])
+    reference = make_optimizer(name, clean, "fused", weights[name])
+    for index in range(3):
+        grads = random_grads(params, index)
+        set_grads(params, grads)
+        set_grads(clean, grads)
+        plan = opt._fused_engine.plan
+        if plan is not None:
+            for value in vars(plan).values():
+                if torch.is_tensor(value) and value.is_floating_point() and value.is_cuda:
+                    value.fill_(float("nan"))
+        step(opt, loss_of(index))
+        step(reference, loss_of(index))
+    for a, b in zip(params, clean):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ launches, syncs, memory
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_constant_launches_and_no_allocation_or_sync_after_the_first_step(name, weights):
+    """Kernel launches counted by the CUDA profiler: the same for 6 and 120 tensors in two groups; with
+    fresh gradient tensors every step, a step allocates nothing and never synchronises."""
+    for n_tensors in (3, 60):
+        params = make_params([(17, 9)] * n_tensors + [(5,)] * n_tensors, seed=1)
+        opt = make_optimizer(name, [{"params": params[::2]}, {"params": params[1::2], "lr": 0.5}], "fused",
+                             weights[name])
+        set_grads(params, random_grads(params, 0))
+        step(opt, loss_of(0))
+        set_grads(params, random_grads(params, 1))
+        loss = loss_of(1)
+        assert kernel_launches(lambda: step(opt, loss)) == LAUNCHES[name]
+        grads = [random_grads(params, 2 + i) for i in range(3)]
+        losses = [loss_of(2 + i) for i in range(3)]
+        torch.cuda.synchronize()
+        allocations = torch.cuda.memory_stats()["allocation.all.allocated"]  # (a count of allocations made)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for g, l in zip(grads, losses):
+                for p, grad in zip(params, g):
+                    p.grad = grad  # new gradient objects each step
+                step(opt, l)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+
+# ------------------------------------------------------------------------------------ layouts, dtypes, refusals
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_strided_parameters_keep_their_layout_and_match_naive(name, weights):
+    """channels_last and transposed parameters are stepped in place in their own memory order."""
+    def build():
+        g = torch.Generator().manual_seed(2)
+        conv = torch.randn(8, 3, 5, 5, generator=g).cuda().to(memory_format=torch.channels_last)
+        return [torch.nn.Parameter(conv), torch.nn.Parameter(torch.randn(12, 10, generator=g).cuda().t()),
+                torch.nn.Parameter(torch.randn(9, generator=g).cuda())]
+
+    fused_params, naive_params = build(), build()
+    strides = [p.stride() for p in fused_params]
+    initial = [p.detach().clone() for p in fused_params]
+    fused = make_optimizer(name, fused_params, "fused", weights[name])
+    naive = make_optimizer(name, naive_params, "naive", weights[name])
+    for index in range(5):
+        grads = random_grads(fused_params, index)
+        for p, q, g in zip(fused_params, naive_params, grads):
+            p.grad = torch.empty_like(p).copy_(g)  # (gradients in the parameter's layout, as autograd makes them)
+            q.grad = torch.empty_like(q).copy_(g)
+        fused_params[1].grad = fused_params[1].grad.contiguous()  # and one whose layout differs
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+    assert [p.stride() for p in fused_params] == strides
+    assert fused_params[0].is_contiguous(memory_format=torch.channels_last)
+    for f, n, p0 in zip(fused_params, naive_params, initial):
+        assert relative_error(f.detach() - p0, n.detach() - p0) <= 1e-5
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_views_with_gaps_are_refused_at_construction(name, weights):
+    gapped = torch.nn.Parameter(torch.randn(6, 8, device="cuda")[:, ::2])
+    with pytest.raises(RuntimeError, match=r"cannot run: parameter #0: a parameter of shape \(6, 4\).*is not dense"):
+        make_optimizer(name, [gapped], "fused", weights[name])
+    with pytest.warns(RuntimeWarning, match="using the naive backend because parameter #0"):
+        assert make_optimizer(name, [gapped], "auto", weights[name]).backend == "naive"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_mixed_dtypes_and_tensors_without_gradient(name, weights):
+    def build():
+        g = torch.Generator().manual_seed(4)
+        return [torch.nn.Parameter(torch.randn(12, 10, generator=g).cuda()),
+                torch.nn.Parameter(torch.randn(9, generator=g).to("cuda", torch.bfloat16)),
+                torch.nn.Parameter(torch.randn(4, 4, generator=g).to("cuda", torch.float16)),
+                torch.nn.Parameter(torch.randn(3, generator=g).cuda())]
+
+    fused_params, naive_params = build(), build()
+    initial = [p.detach().float().clone() for p in fused_params]
+    lr = {"small_fc_lopt": 30.0, "velo": 1000.0}[name]
+    fused = make_optimizer(name, fused_params, "fused", weights[name], lr=lr)
+    naive = make_optimizer(name, naive_params, "naive", weights[name], lr=lr)
+    for index in range(3):
+        grads = random_grads(fused_params, index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        fused_params[3].grad = naive_params[3].grad = None
+        before = [p.detach().float().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        for f, n, b in zip(fused_params[1:3], naive_params[1:3], before[1:3]):
+            assert float(low_precision_excess(f, n, b).max()) <= 0
+        sync_into(naive, naive_params, fused, fused_params)
+    if name == "velo":  # (VeLO creates state eagerly, SmallFCLOpt at a parameter's first gradient)
+        assert torch.equal(fused.state[fused_params[3]]["mom"], naive.state[naive_params[3]]["mom"])  # untouched
+    else:
+        assert fused_params[3] not in fused.state and naive_params[3] not in naive.state
+    assert relative_error(fused_params[0].detach() - initial[0], naive_params[0].detach() - initial[0]) <= 1e-5
+
+
+def test_small_fc_fused_refuses_max_grad_norm_and_auto_falls_back(weights):
+    p = [torch.nn.Parameter(torch.randn(4, 4, device="cuda"))]
+    with pytest.raises(RuntimeError, match="max_grad_norm is not supported by the fused backend"):
+        lopt.SmallFCLOpt(p, weights=weights["small_fc_lopt"], backend="fused", max_grad_norm=1.0)
+    with pytest.warns(RuntimeWarning, match="naive backend"):
+        opt = lopt.SmallFCLOpt(p, weights=weights["small_fc_lopt"], backend="auto", max_grad_norm=1.0)
+    assert opt.backend == "naive"
+    assert lopt.SmallFCLOpt(p, weights=weights["small_fc_lopt"]).backend == "fused"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_element_parameters_take_no_part(name, weights):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 0)).cuda()
+    opt = make_optimizer(name, model.parameters(), "fused", weights[name])
+    twin = torch.nn.Linear(4, 8).cuda()
+    twin.load_state_dict(model[0].state_dict())
+    twin_opt = make_optimizer(name, twin.parameters(), "fused", weights[name])
+    for index in range(3):
+        grads = random_grads(list(twin.parameters()), index)
+        model[0].weight.grad, model[0].bias.grad = (g.clone() for g in grads)
+        model[1].weight.grad, model[1].bias.grad = torch.zeros(0, 8, device="cuda"), torch.zeros(0, device="cuda")
+        twin.weight.grad, twin.bias.grad = grads
+        step(opt, loss_of(index))
+        step(twin_opt, loss_of(index))
+    assert torch.equal(model[0].weight, twin.weight) and torch.isfinite(model[0].weight).all()
+
+
+# ------------------------------------------------------------------------------------ skipped steps, AMP
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_non_finite_gradient_skips_the_step_on_the_device(name, weights):
+    """Detected inside the statistics pass: parameters, state and counters untouched, no synchronisation;
+    the count surfaces (with a warning) when skipped_steps is read."""
+    params = make_params(SHAPES, seed=6)
+    opt = make_optimizer(name, params, "fused", weights[name])
+    set_grads(params, random_grads(params, 0))
+    step(opt, loss_of(0))
+    grads = random_grads(params, 1)
+    grads[8][100, 3] = float("nan")
+    set_grads(params, grads)
+    before = [p.detach().clone() for p in params]
+    state_before = {k: v.clone() for k, v in opt.state[params[8]].items()}
+    loss = loss_of(1)  # (made before: a host-to-device copy synchronises)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(opt, loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(torch.equal(opt.state[params[8]][k], v) for k, v in state_before.items())
+    with pytest.warns(RuntimeWarning, match=r"1 step\(s\) were skipped since the last check"):
+        assert opt.skipped_steps == 1
+    assert int(opt.state_dict()["param_groups"][0]["step"]) == 1
+    set_grads(params, random_grads(params, 2))
+    step(opt, loss_of(2))
+    assert int(opt.state_dict()["param_groups"][0]["step"]) == 2 and all(torch.isfinite(p).all() for p in params)
+
+
+def test_velo_fused_non_finite_loss_skips_without_synchronising(weights):
+    params = make_params(SHAPES, seed=7)
+    opt = lopt.VeLO(params, num_steps=100, weights=weights["velo"], backend="fused")
+    set_grads(params, random_grads(params, 0))
+    opt.step(loss_of(0))
+    set_grads(params, random_grads(params, 1))
+    before = [p.detach().clone() for p in params]
+    buffer_before = opt.loss_buffer().means.clone()
+    infinite = torch.tensor(float("inf"), device="cuda")  # (made before: a host-to-device copy synchronises)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step(infinite)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert torch.equal(opt.loss_buffer().means, buffer_before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert opt.skipped_steps == 1
+
+
+def test_velo_fused_accumulated_and_host_losses(weights):
+    """Losses handed to accumulate_loss (averaged on the device) and Python numbers give the naive steps."""
+    fused, fused_params, naive, naive_params = twin_optimizers("velo", weights, shapes=SHAPES, seed=9)
+    for index in range(4):
+        grads = random_grads(fused_params, index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        micro = [loss_of(index) + 0.1 * k for k in range(3)]
+        if index % 2:
+            for m in micro:
+                fused.accumulate_loss(m)
+                naive.accumulate_loss(m)
+            fused.step()
+            naive.step()
+        else:
+            fused.step(float(micro[0]))
+            naive.step(float(micro[0]))
+        assert relative_error(flat(fused_params), flat(naive_params)) <= 1e-6
+    assert torch.equal(fused.loss_buffer().count.cpu(), naive.loss_buffer().count.cpu())
+    torch.testing.assert_close(fused.loss_buffer().means, naive.loss_buffer().means, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_grad_scaler_is_handled_inside_the_fused_step(name, weights):
+    """GradScaler's scale and overflow flag reach the kernels: the result equals an unscaled run that
+    skips the same step, and GradScaler's own bookkeeping still works."""
+    params, twins = make_params(SHAPES, seed=8), make_params(SHAPES, seed=8)
+    opt = make_optimizer(name, params, "fused", weights[name])
+    twin = make_optimizer(name, twins, "fused", weights[name])
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=1)
+    for index in range(5):
+        grads = random_grads(params, 20 + index)
+        scaler.scale(torch.ones((), device="cuda"))
+        for p, t, g in zip(params, twins, grads):
+            p.grad = g * scaler.get_scale()
+            t.grad = g.clone()
+        if index == 2:
+            params[0].grad.view(-1)[0] = float("inf")
+        scaler.step(opt, loss_of(index)) if opt.requires_loss else scaler.step(opt)
+        scaler.update()
+        if index != 2:
+            step(twin, loss_of(index))
+    for p, t in zip(params, twins):
+        assert relative_error(p.detach(), t.detach()) <= 1e-6
+    assert opt.skipped_steps == 0
+
+
+# ------------------------------------------------------------------------------------ kernels and the cache
+
+
+def test_factor_index_of_the_kernels_matches_the_axis_means():
+    """factor_index (cuda_src/common.cuh), run on the GPU for every element: summing each element into
+    its (row, col) entry reproduces the means over the factored axes d0 and d1."""
+    import numpy as np
+
+    from lopt.fused import contract, launcher
+    from lopt.fused.plan import GroupLayout
+    from lopt.reference.small_fc_lopt import factored_dims
+
+    probe = launcher.module_from_source(launcher.expand_includes('''
+#include "common.cuh"
+extern "C" __global__ void probe(const TensorMeta* t, long long* rows, long long* cols) {
+  const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= t->numel) return;
+  const FactorIndex f = factor_index(*t, e);
+  rows[e] = f.row;
+  cols[e] = f.col;
+}'''), torch.device("cuda"), name="factor_index_probe").get_function("probe")
+    for shape in [(4, 6), (6, 4), (5, 5), (1, 7), (2, 3, 4), (8, 3, 3, 3), (16, 16, 3, 3), (3, 1, 5, 1),
+                  (2, 5, 1, 3, 4), (768, 3, 4, 4), (9, 2, 9)]:
+        dims = factored_dims(shape)
+        d1, d0 = dims
+        layout = GroupLayout([shape], [dims], [0], apply_chunk=128)
+        meta = torch.from_numpy(layout.static_rows.astype(np.int64)).cuda()
+        n = math_prod(shape)
+        rows, cols = torch.full((n,), -1, dtype=torch.int64, device="cuda"), torch.full((n,), -1, dtype=torch.int64, device="cuda")
+        launcher.launch(probe, -(-n // 128), 128, (launcher.pointer(meta), launcher.pointer(rows), launcher.pointer(cols)),
+                        torch.device("cuda"))
+        values = torch.rand(shape, dtype=torch.float64, device="cuda") + 0.5
+        row_sums = torch.zeros(n // shape[d0], dtype=torch.float64, device="cuda").index_add_(0, rows, values.reshape(-1))
+        col_sums = torch.zeros(n // shape[d1], dtype=torch.float64, device="cuda").index_add_(0, cols, values.reshape(-1))
+        torch.testing.assert_close(row_sums / shape[d0], values.mean(dim=d0).reshape(-1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(col_sums / shape[d1], values.mean(dim=d1).reshape(-1), rtol=1e-12, atol=0)
+    assert contract.FIELD["TensorMeta"]["numel"] == 7
+
+
+def math_prod(shape):
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def test_a_corrupt_cached_kernel_is_rebuilt(tmp_path, monkeypatch, weights):
+    from lopt.fused import launcher
+
+    monkeypatch.setenv("LOPT_KERNEL_CACHE", str(tmp_path))
+    launcher._compiled.cache_clear()
+    params = [torch.nn.Parameter(torch.randn(5, 3, device="cuda"))]
+    lopt.SmallFCLOpt(params, weights=weights["small_fc_lopt"], backend="fused")  # fills the cache
+    cached = list(tmp_path.glob("small_fc_lopt-*.cubin"))
+    assert len(cached) == 1
+    cached[0].write_bytes(cached[0].read_bytes()[:1000])  # truncated
+    launcher._compiled.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"cached kernel binary .* could not be used \(it is truncated or corrupt\); it is rebuilt"):
+        opt = lopt.SmallFCLOpt(params, weights=weights["small_fc_lopt"], backend="auto")
+    assert opt.backend == "fused"
+    assert cached[0].stat().st_size > 1000  # rewritten whole
+    launcher._compiled.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lopt.SmallFCLOpt(params, weights=weights["small_fc_lopt"], backend="fused")
+
+
+# ------------------------------------------------------------------------------------ 64-bit indexing
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_tensor_beyond_2_pow_31_elements(name, weights):
+    """64-bit indexing: a (2^25 + 1, 64) tensor (2^31 + 64 elements) whose rows are all equal steps
+    like a (65, 64) tensor with the same row (row/column means, statistics and factored axes are the
+    same, up to summation order), so rows on both sides of element 2^31 are checked against it."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 64 * 2**30:
+        pytest.skip("needs about 60 GiB of free GPU memory")
+    cols, rows = 64, 2**25 + 1
+    g = torch.Generator().manual_seed(21)
+    row_param = torch.randn(cols, generator=g).cuda()
+    row_grads = [torch.randn(cols, generator=g).cuda() * 1e-2 for _ in range(2)]
+    big = torch.nn.Parameter(row_param.expand(rows, cols).contiguous())
+    small = torch.nn.Parameter(row_param.expand(cols + 1, cols).contiguous())
+    assert big.numel() > 2**31
+    big_opt = make_optimizer(name, [big], "fused", weights[name])
+    small_opt = make_optimizer(name, [small], "fused", weights[name])
+    for index, grad in enumerate(row_grads):
+        big.grad = grad.expand(rows, cols).contiguous()
+        small.grad = grad.expand(cols + 1, cols).contiguous()
+        step(big_opt, loss_of(index))
+        step(small_opt, loss_of(index))
+        big.grad = None
+    expected = small[-1].detach() - row_param
+    for index in (0, 2**31 // cols - 1, 2**31 // cols, rows - 1):  # first row, both sides of 2^31, last row
+        assert relative_error(big[index].detach() - row_param, expected) <= 1e-5, index
+    assert relative_error(big_opt.state[big]["mom"][-1], small_opt.state[small]["mom"][-1]) <= 1e-6
+    del big, big_opt
+    torch.cuda.empty_cache()

@@ -1,0 +1,117 @@
+"""The fused engines' launches against the kernels' declarations, on the CPU.
+
+CuPy passes kernel arguments by their numpy types, and a mismatch (an int64 where the kernel takes
+an int, a float where it takes a pointer) is not an error on the GPU but a wrong read. Here each
+engine runs whole steps with its kernels replaced by recorders (no GPU), and every launch's
+arguments are checked against the parameter list its kernel declares in cuda_src/.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import lopt
+from lopt.fused import launcher
+from lopt.fused.engine import FusedEngine
+
+_KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
+# numpy type each C parameter type must be passed as
+C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64}
+
+
+def declared_kernels(source_file: str) -> dict:
+    """{kernel: [C type of each parameter]} of a cuda_src file (headers included)."""
+    kernels = {}
+    for name, params in _KERNEL.findall(launcher.kernel_source(source_file)):
+        types = []
+        for param in params.split(","):
+            words = param.replace("__restrict__", "").replace("const", "").split()
+            types.append("pointer" if "*" in param else " ".join(words[:-1]))
+        kernels[name] = types
+    return kernels
+
+
+class Recorder:
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+
+class FakeModule:
+    def __init__(self, launches):
+        self.launches = launches
+
+    def get_function(self, name):
+        return Recorder(name, self.launches)
+
+
+class CpuTable(launcher.MetadataTable):
+    def update(self, rows):
+        rows = np.ascontiguousarray(rows, dtype=self.dtype)
+        self.table = torch.from_numpy(rows.copy())
+        self.host = rows
+        return self.table
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    launches = []
+    monkeypatch.setattr(launcher, "get_module", lambda *a, **k: FakeModule(launches))
+    monkeypatch.setattr(launcher, "MetadataTable", CpuTable)
+    monkeypatch.setattr("lopt.fused.engine.launcher.MetadataTable", CpuTable)
+    monkeypatch.setattr(FusedEngine, "persistent_grid", lambda self, name, threads: 264)
+    monkeypatch.setattr(launcher, "launch", lambda kernel, grid, block, args, device, shared_mem=0:
+                        launches.append((kernel.name, grid, block, args)))
+    return launches
+
+
+def engine_for(name, params):
+    weights = lopt.random_weights(name, seed=1)
+    if name == "velo":
+        opt = lopt.VeLO(params, num_steps=10, weights=weights, backend="naive")
+        from lopt.fused.velo import VeLOFused as Engine
+    else:
+        opt = lopt.SmallFCLOpt(params, weights=weights, backend="naive")
+        from lopt.fused.small_fc_lopt import SmallFCLOptFused as Engine
+    opt.backend, opt._fused_engine = "fused", Engine(opt)  # the CPU tensors stand in for device memory
+    return opt
+
+
+@pytest.mark.parametrize("name, source", [("small_fc_lopt", "small_fc_lopt.cu"), ("velo", "velo.cu")])
+def test_every_launch_matches_its_kernel_declaration(name, source, recorded):
+    declared = declared_kernels(source)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(), (5,), (6, 4), (2, 3, 4), (8, 3, 3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    params[2] = torch.nn.Parameter(torch.randn(4, 6, generator=g).t())  # a transposed parameter
+    opt = engine_for(name, [{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.5)}])
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+    assert recorded, "no launches recorded"
+    names = [launch[0] for launch in recorded]
+    per_step = len(names) // 2
+    assert names[:per_step] == names[per_step:]
+    assert per_step == {"small_fc_lopt": 6, "velo": 9}[name]
+    for kernel, grid, block, args in recorded:
+        types = declared[kernel]
+        assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {len(types)} parameters"
+        for index, (arg, c_type) in enumerate(zip(args, types)):
+            expected = np.uint64 if c_type == "pointer" else C_TYPES[c_type]
+            assert type(arg) is expected, f"{kernel} argument #{index}: {type(arg).__name__} for a {c_type}"
+        assert all(g > 0 for g in (grid if isinstance(grid, tuple) else (grid,))) and 0 < block <= 1024
+    # The state was laid out in each parameter's own memory order, with unchanged logical shapes.
+    state = opt.state[params[2]]
+    assert state["mom"].shape == (6, 4, 3) and state["mom"].permute(1, 0, 2).is_contiguous()
+    assert params[2].stride() == (1, 6)
+
+
+def test_kernels_are_declared_once_with_known_parameter_types():
+    for source in ("small_fc_lopt.cu", "velo.cu"):
+        for kernel, types in declared_kernels(source).items():
+            unknown = [t for t in types if t != "pointer" and t not in C_TYPES]
+            assert not unknown, f"{source} {kernel}: parameter types {unknown}"
