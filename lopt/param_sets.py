@@ -1,18 +1,59 @@
-"""Parameter shapes of real models, for benchmarks (no model code or download needed).
+"""Real models for the benchmarks: their parameter shapes (no model code needed) and how to build them.
 
-Each set lists ``(name, shape)`` in the models' own parameter order, derived from their configs:
-GPT-2 as ``transformers.GPT2LMHeadModel`` builds it (Conv1D weights are ``(in, out)``; the LM
-head is tied to ``wte``), ViT-B/16 as ``timm``'s ``vit_base_patch16_224``.
+Each entry of :data:`MODELS` describes one model. ``lopt bench --mode step`` needs only its
+parameter shapes, listed here as ``(name, shape)`` in the model's own parameter order and derived
+from its config: GPT-2 as ``transformers.GPT2LMHeadModel`` builds it (Conv1D weights are
+``(in, out)``; the LM head is tied to ``wte``), ViT-B/16 as ``timm``'s ``vit_base_patch16_224``.
+``lopt bench --mode iteration`` and ``--curves`` build the model itself (``lopt.bench.models``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 
-def gpt2_shapes(n_embd: int, n_layer: int, vocab_size: int = 50257, n_positions: int = 1024) -> list:
+@dataclass(frozen=True)
+class ModelSpec:
+    """A benchmark model: its family (``gpt2``, ``vit`` or ``toy-lm``), hyperparameters and default batch."""
+
+    family: str
+    config: dict = field(default_factory=dict)
+    batch_size: int = 8
+    seq_len: int | None = None  # language models: tokens per sequence (≤ n_positions)
+    description: str = ""
+
+    @property
+    def is_language_model(self) -> bool:
+        return self.family in ("gpt2", "toy-lm")
+
+
+def gpt2_config(n_embd: int, n_layer: int, n_head: int, vocab_size: int = 50257, n_positions: int = 1024) -> dict:
+    return dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions)
+
+
+MODELS = {
+    "gpt2-small": ModelSpec("gpt2", gpt2_config(768, 12, 12), 8, 1024, "GPT-2 small (124 M)"),
+    "gpt2-medium": ModelSpec("gpt2", gpt2_config(1024, 24, 16), 8, 1024, "GPT-2 medium (355 M)"),
+    "vit-b16": ModelSpec("vit", dict(timm_name="vit_base_patch16_224", embed_dim=768, depth=12, patch=16, image=224,
+                                     num_classes=1000), 64, None, "ViT-B/16 at 224x224 (86.6 M)"),
+    # GPT-2's layout at a size a 2-core CPU steps in well under a second (the CPU default).
+    "tiny-lm": ModelSpec("gpt2", gpt2_config(128, 2, 4, vocab_size=1024, n_positions=256), 8, 128,
+                         "2-layer 128-wide GPT-2 (0.6 M)"),
+    # The loss-curve models: a few-layer GPT-2 (CUDA default) and a one-layer one (CPU default).
+    "gpt2-4x256": ModelSpec("gpt2", gpt2_config(256, 4, 4, vocab_size=4096, n_positions=256), 16, 256,
+                            "4-layer 256-wide GPT-2 (4.3 M)"),
+    "gpt2-1x64": ModelSpec("gpt2", gpt2_config(64, 1, 2, vocab_size=256, n_positions=64), 8, 64,
+                           "1-layer 64-wide GPT-2 (70 k)"),
+    # Three tensors (embedding, output projection, bias): a bigram language model in plain torch,
+    # for tests of the compiled contender, whose compile time grows with the number of tensors.
+    "toy-lm": ModelSpec("toy-lm", dict(vocab_size=256, width=32), 8, 32, "bigram LM, 3 tensors (16 k)"),
+}
+
+
+def gpt2_shapes(n_embd: int, n_layer: int, vocab_size: int = 50257, n_positions: int = 1024, **_) -> list:
     shapes = [("transformer.wte.weight", (vocab_size, n_embd)), ("transformer.wpe.weight", (n_positions, n_embd))]
     for layer in range(n_layer):
         prefix = f"transformer.h.{layer}."
@@ -28,7 +69,7 @@ def gpt2_shapes(n_embd: int, n_layer: int, vocab_size: int = 50257, n_positions:
 
 
 def vit_shapes(embed_dim: int = 768, depth: int = 12, patch: int = 16, image: int = 224, num_classes: int = 1000,
-               mlp_ratio: int = 4) -> list:
+               mlp_ratio: int = 4, **_) -> list:
     tokens = (image // patch) ** 2 + 1
     shapes = [("cls_token", (1, 1, embed_dim)), ("pos_embed", (1, tokens, embed_dim)),
               ("patch_embed.proj.weight", (embed_dim, 3, patch, patch)), ("patch_embed.proj.bias", (embed_dim,))]
@@ -47,20 +88,27 @@ def vit_shapes(embed_dim: int = 768, depth: int = 12, patch: int = 16, image: in
                      ("head.weight", (num_classes, embed_dim)), ("head.bias", (num_classes,))]
 
 
-PARAM_SETS = {
-    "gpt2-small": lambda: gpt2_shapes(768, 12),
-    "gpt2-medium": lambda: gpt2_shapes(1024, 24),
-    "vit-b16": vit_shapes,
-    # GPT-2's layout at a size a 2-core CPU steps in well under a second (the CPU default).
-    "tiny-lm": lambda: gpt2_shapes(128, 2, vocab_size=1024, n_positions=256),
-}
+def toy_lm_shapes(vocab_size: int, width: int) -> list:
+    return [("embedding.weight", (vocab_size, width)), ("head.weight", (vocab_size, width)),
+            ("head.bias", (vocab_size,))]
+
+
+_SHAPES_BY_FAMILY = {"gpt2": gpt2_shapes, "vit": vit_shapes, "toy-lm": toy_lm_shapes}
+
+# Parameter sets by name (a callable returning the shapes, as before ModelSpec existed).
+PARAM_SETS = {name: (lambda spec=spec: _SHAPES_BY_FAMILY[spec.family](**spec.config)) for name, spec in MODELS.items()}
+
+
+def model_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown parameter set {name!r}; known: {', '.join(MODELS)}") from None
 
 
 def param_set_shapes(name: str) -> list:
-    try:
-        return PARAM_SETS[name]()
-    except KeyError:
-        raise ValueError(f"unknown parameter set {name!r}; known: {sorted(PARAM_SETS)}") from None
+    spec = model_spec(name)
+    return _SHAPES_BY_FAMILY[spec.family](**spec.config)
 
 
 def param_set_numel(name: str) -> int:

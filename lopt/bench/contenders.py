@@ -1,0 +1,140 @@
+"""The contenders ``lopt bench`` times, how each is built, and why one cannot run here.
+
+* ``adamw``: ``torch.optim.AdamW`` (``fused=True`` on CUDA, ``foreach=True`` on the CPU), the yardstick.
+* ``naive``: the learned optimizer's plain-PyTorch backend.
+* ``naive+compile``: the naive backend with ``step`` under ``torch.compile`` (compile time reported apart).
+* ``fused``: the fused backend. Whether it runs is asked of the optimizer itself: constructing it
+  with ``backend="fused"`` either works or raises with the reason, which is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lopt.optimizers import OPTIMIZERS
+
+CONTENDERS = ("adamw", "naive", "naive+compile", "fused")
+DEFAULT_CONTENDERS = ("adamw", "naive", "fused")
+LEARNED_CONTENDERS = ("naive", "naive+compile", "fused")
+# Contenders whose first step is checked against the naive backend's (one step from identical state).
+CHECKED_CONTENDERS = ("naive+compile", "fused")
+
+NOT_SELECTED_COMPILE = ("not selected: compiling the naive step takes minutes on large parameter sets (the graph "
+                        "unrolls every tensor); add it with --backends ...,naive+compile")
+
+# The planned training length VeLO is constructed with when only the step time matters.
+TIMING_NUM_STEPS = 10_000
+
+
+def adamw_backend(device: torch.device) -> str:
+    return "fused" if device.type == "cuda" else "foreach"
+
+
+def make_learned_optimizer(optimizer_name: str, params, backend: str, weights, *, num_steps: int = TIMING_NUM_STEPS):
+    """``lopt.<Optimizer>(params, weights=weights, backend=backend)`` (VeLO also gets ``num_steps``)."""
+    cls = OPTIMIZERS[optimizer_name]
+    kwargs = {"num_steps": num_steps} if "num_steps" in inspect.signature(cls).parameters else {}
+    return cls(params, weights=weights, backend=backend, **kwargs)
+
+
+def make_adamw(params, device: torch.device) -> torch.optim.Optimizer:
+    backend = adamw_backend(device)
+    return torch.optim.AdamW(params, lr=1e-3, fused=backend == "fused", foreach=backend == "foreach")
+
+
+def step_function(optimizer, compiled: bool = False) -> Callable:
+    """``step(loss)``: one optimizer step, passing the loss only to optimizers that need it (VeLO).
+
+    ``compiled``: the optimizer's ``step`` under ``torch.compile``. ``dynamic=True`` because the
+    step counter is a Python int that changes every step (static compilation would recompile for
+    each value until dynamo's recompile limit, then fall back to eager).
+    """
+    step = torch.compile(optimizer.step, dynamic=True) if compiled else optimizer.step
+    if getattr(type(optimizer), "requires_loss", False):
+        return lambda loss: step(loss)
+    return lambda loss: step()
+
+
+@dataclass
+class Contender:
+    """One contender set up on some parameters: its optimizer and its step function."""
+
+    optimizer_name: str  # small_fc_lopt, velo, or adamw
+    name: str  # adamw, naive, naive+compile, fused
+    backend: str  # what ran: the lopt backend, or AdamW's fused/foreach
+    optimizer: object
+    step: Callable
+
+
+def make_contender(optimizer_name: str, contender: str, params, weights, device, *,
+                   num_steps: int = TIMING_NUM_STEPS) -> Contender:
+    if contender == "adamw":
+        adamw = make_adamw(params, device)
+        return Contender("adamw", "adamw", adamw_backend(device), adamw, step_function(adamw))
+    backend = "fused" if contender == "fused" else "naive"
+    optimizer = make_learned_optimizer(optimizer_name, params, backend, weights, num_steps=num_steps)
+    return Contender(optimizer_name, contender, contender, optimizer,
+                     step_function(optimizer, compiled=contender == "naive+compile"))
+
+
+_FUSED_PREFIX = re.compile(r"^\w+\(backend='fused'\) cannot run: ")
+
+
+def short_reason(err: BaseException) -> str:
+    """An exception as one line, without the constructor's ``X(backend='fused') cannot run:`` preamble."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return _FUSED_PREFIX.sub("", text)
+
+
+def fused_unavailable_reason(optimizer_name: str, weights, device: torch.device) -> str | None:
+    """Why the fused backend of ``optimizer_name`` cannot run on ``device`` (None: it can).
+
+    On CUDA the optimizer is constructed on a small probe tensor with ``backend="fused"`` and the
+    error it raises, if any, is the reason; so a fused backend that lands later is picked up as is.
+    """
+    if device.type != "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is available to PyTorch"
+        return "the fused backend needs parameters on a CUDA device (this run is on the CPU: --device cpu)"
+    probe = [torch.nn.Parameter(torch.ones(8, 4, device=device))]
+    try:
+        make_learned_optimizer(optimizer_name, probe, "fused", weights)
+    except Exception as err:
+        return short_reason(err)
+    return None
+
+
+def availability(optimizer_name: str, contenders, weights, device) -> dict:
+    """``{contender: None or the reason it cannot run}`` for the learned optimizer's contenders."""
+    reasons = {}
+    for contender in LEARNED_CONTENDERS:
+        if contender not in contenders:
+            reasons[contender] = NOT_SELECTED_COMPILE if contender == "naive+compile" else "not selected (--backends)"
+        elif contender == "fused":
+            reasons[contender] = fused_unavailable_reason(optimizer_name, weights, device)
+        else:
+            reasons[contender] = None
+    return reasons
+
+
+@contextlib.contextmanager
+def quiet_graph_breaks():
+    """Silence dynamo's graph-break warnings while compiled contenders run (restored afterwards).
+
+    lopt's naive step breaks the graph by design: it reads on the host whether every gradient
+    is finite before it changes anything.
+    """
+    logger = logging.getLogger("torch._dynamo")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
