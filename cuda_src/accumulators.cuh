@@ -228,6 +228,72 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta& t, const float* 
 }
 
 // ------------------------------------------------------------------------------------------
+// What every control and apply kernel shares
+// ------------------------------------------------------------------------------------------
+
+// A tensor's per-chunk partial sums of `Count` statistics (the statistics pass writes `Count` per chunk),
+// added up in a fixed order by `Lanes` lanes per statistic, plus, for a factored tensor, the table
+// features' sums (table_feature_square_sums) at [table_first, table_first + LOPT_TABLE_FEATURES). The
+// result is in `sums` (shared) for every thread after the call. `lane_sums` and `table_scratch` are
+// the caller's shared scratch.
+template <int Count, int Threads, int Lanes>
+LOPT_DEVICE void tensor_statistics_sums(const TensorMeta& t, const double* partials, const float* row_table,
+                                        const float* col_table, int table_first, double (*lane_sums)[Lanes],
+                                        double (*table_scratch)[LOPT_TABLE_FEATURES], double* table_sums,
+                                        double* sums) {
+  static_assert(Count * Lanes <= Threads, "a thread per (statistic, lane)");
+  const int tid = threadIdx.x;
+  if (tid < Count * Lanes) {
+    const int stat = tid / Lanes, lane = tid % Lanes;
+    double s = 0.0;
+    for (i64 c = lane; c < t.num_stats_chunks; c += Lanes) s += partials[(t.first_stats_chunk + c) * Count + stat];
+    lane_sums[stat][lane] = s;
+  }
+  if (t.factored) {
+    double partial[LOPT_TABLE_FEATURES];
+    table_feature_square_sums(t, row_table, col_table, tid, Threads, partial);
+    block_sums<LOPT_TABLE_FEATURES, Threads>(partial, table_scratch, table_sums);  // (synchronises)
+  }
+  __syncthreads();
+  if (tid < Count) {
+    double s = 0.0;
+    for (int lane = 0; lane < Lanes; ++lane) s += lane_sums[tid][lane];
+    if (t.factored && tid >= table_first && tid < table_first + LOPT_TABLE_FEATURES) s += table_sums[tid - table_first];
+    sums[tid] = s;
+  }
+  __syncthreads();
+}
+
+// normalise_features' scale of one feature: rsqrt(1e-5 + mean x²) in float32, as the reference; in
+// float64 where the mean is beyond float32 (features of gradients near 2^64).
+LOPT_DEVICE float normaliser_scale(double square_sum, i64 count) {
+  const double mean = square_sum / static_cast<double>(count);
+  const float mean_square = static_cast<float>(mean);
+  return is_finite(mean_square) ? rsqrtf(__fadd_rn(1e-5f, mean_square)) : static_cast<float>(1.0 / sqrt(1e-5 + mean));
+}
+
+// What the apply pass needs of a tensor's group, read once per tensor a block reaches.
+struct ApplyScalars {
+  Decays decays;
+  float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
+};
+
+LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
+  const float* values = pointer<const float>(g.values);
+  const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
+  return ApplyScalars{read_decays(values), -lr, -__fmul_rn(weight_decay, lr), values[LOPT_GROUP_EXP_MULT],
+                      values[LOPT_GROUP_STEP_MULT]};
+}
+
+// reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
+// in the parameter's dtype.
+LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
+  float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
+  if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
+  store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
+}
+
+// ------------------------------------------------------------------------------------------
 // Adafactor kernels
 // ------------------------------------------------------------------------------------------
 

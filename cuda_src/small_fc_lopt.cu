@@ -220,48 +220,27 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   const bool skipped = step_is_skipped(flags);
   if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
+  __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
+  __shared__ double table_sums[LOPT_TABLE_FEATURES];
   __shared__ double sums[SFC_NUM_FEATURES];
   __shared__ double scratch[SFC_FOLD_THREADS / 32][SFC_NUM_FEATURES];
   __shared__ float scale[SFC_NUM_FEATURES];
   __shared__ float time[SFC_NUM_TIME_FEATURES];
   __shared__ int overflowed;
-  if (tid < SFC_NUM_FEATURES * SFC_FOLD_LANES) {
-    const int feature = tid / SFC_FOLD_LANES, lane = tid % SFC_FOLD_LANES;
-    double s = 0.0;
-    for (i64 c = lane; c < t.num_stats_chunks; c += SFC_FOLD_LANES)
-      s += stats_partials[(t.first_stats_chunk + c) * SFC_NUM_FEATURES + feature];
-    lane_sums[feature][lane] = s;
-  }
-  __shared__ double table_sums[LOPT_TABLE_FEATURES];
-  if (t.factored) {
-    double partial[LOPT_TABLE_FEATURES];
-    table_feature_square_sums(t, row_table, col_table, tid, SFC_FOLD_THREADS, partial);
-    __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
-    block_sums<LOPT_TABLE_FEATURES, SFC_FOLD_THREADS>(partial, table_scratch, table_sums);
-  }
   if (tid == 0) overflowed = 0;
   if (tid < SFC_NUM_TIME_FEATURES) {
     // time_features: tanh(tau / T_i - 1), tau = steps taken before this one.
     const float tau = static_cast<float>(*pointer<const i64>(groups[t.group].step));
     time[tid] = tanhf(__fsub_rn(__fdiv_rn(tau, SFC_TIMESCALES[tid]), 1.0f));
   }
-  __syncthreads();
-  if (tid < SFC_NUM_FEATURES) {
-    double s = 0.0;
-    for (int lane = 0; lane < SFC_FOLD_LANES; ++lane) s += lane_sums[tid][lane];
-    if (t.factored && is_table_feature(tid)) s += table_sums[tid - SFC_TABLE_FEATURES_FIRST];  // the pass left 0
-    sums[tid] = s;
-    if (!is_finite(static_cast<float>(s / static_cast<double>(t.numel)))) atomicExch(&overflowed, 1);
-  }
+  tensor_statistics_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS, SFC_FOLD_LANES>(
+      t, stats_partials, row_table, col_table, SFC_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
+  if (tid < SFC_NUM_FEATURES && !is_finite(static_cast<float>(sums[tid] / static_cast<double>(t.numel))))
+    atomicExch(&overflowed, 1);
   __syncthreads();
   if (overflowed && !skipped)
     sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags), row_table, col_table, scratch, sums);
-  if (tid < SFC_NUM_FEATURES) {
-    const double mean = sums[tid] / static_cast<double>(t.numel);
-    const float mean_square = static_cast<float>(mean);
-    // rsqrt(1e-5 + mean x^2) in float32, as the reference; in float64 where the mean is beyond float32.
-    scale[tid] = is_finite(mean_square) ? rsqrtf(__fadd_rn(1e-5f, mean_square)) : static_cast<float>(1.0 / sqrt(1e-5 + mean));
-  }
+  if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.numel);
   __syncthreads();
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
   write_split_operand(out, [&](int k, int n) {
@@ -365,32 +344,9 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   return outputs[lane];
 }
 
-// update_from_mlp and apply_update for one element.
-LOPT_DEVICE void apply_update(const TensorMeta& meta, i64 index, float param, float2 mlp_output, float neg_lr,
-                              float neg_weight_decay_lr, float exp_mult, float step_mult) {
-  const float direction = mlp_output.x, magnitude = mlp_output.y;
-  const float update = __fmul_rn(__fmul_rn(direction, expf(__fmul_rn(magnitude, exp_mult))), step_mult);
-  float new_param = __fadd_rn(param, __fmul_rn(neg_lr, update));
-  if (neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(neg_weight_decay_lr, new_param));
-  store_from_float(pointer<void>(meta.param), index, static_cast<int>(meta.param_dtype), new_param);
-}
-
-// What the apply pass needs of a tensor's group, read when a block reaches the tensor.
-struct ApplyGroup {
-  Decays decays;
-  float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
-};
-
-LOPT_DEVICE ApplyGroup read_apply_group(const GroupMeta& g) {
-  const float* values = pointer<const float>(g.values);
-  const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
-  ApplyGroup a;
-  a.decays = read_decays(values);
-  a.neg_lr = -lr;
-  a.neg_weight_decay_lr = -__fmul_rn(weight_decay, lr);
-  a.exp_mult = values[LOPT_GROUP_EXP_MULT];
-  a.step_mult = values[LOPT_GROUP_STEP_MULT];
-  return a;
+// update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
+LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
+  return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
 }
 
 #ifndef SFC_APPLY_MIN_BLOCKS
@@ -415,7 +371,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
-  __shared__ ApplyGroup group;  // in shared memory, not ~20 registers held through the whole kernel
+  __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
@@ -436,7 +392,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) {
         meta = tensors[tensor];
-        group = read_apply_group(groups[meta.group]);
+        group = read_apply_scalars(groups[meta.group]);
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
@@ -455,7 +411,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
     }
     const int warp = threadIdx.x / 32;
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, b3);
-    if (valid) apply_update(meta, index, param, mlp_output, group.neg_lr, group.neg_weight_decay_lr, group.exp_mult,
-                            group.step_mult);
+    if (valid) apply_update(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

@@ -271,36 +271,14 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, VELO_CONTROL_THREADS);
 
   __shared__ double lane_sums[VELO_STATS][VELO_CONTROL_LANES];
-  __shared__ double sums[VELO_STATS];
-  if (tid < VELO_STATS * VELO_CONTROL_LANES) {
-    const int stat = tid / VELO_CONTROL_LANES, lane = tid % VELO_CONTROL_LANES;
-    double s = 0.0;
-    for (i64 c = lane; c < t.num_stats_chunks; c += VELO_CONTROL_LANES)
-      s += stats_partials[(t.first_stats_chunk + c) * VELO_STATS + stat];
-    lane_sums[stat][lane] = s;
-  }
+  __shared__ double table_scratch[VELO_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
   __shared__ double table_sums[LOPT_TABLE_FEATURES];
-  if (t.factored) {
-    double partial[LOPT_TABLE_FEATURES];
-    table_feature_square_sums(t, row_table, col_table, tid, VELO_CONTROL_THREADS, partial);
-    __shared__ double table_scratch[VELO_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
-    block_sums<LOPT_TABLE_FEATURES, VELO_CONTROL_THREADS>(partial, table_scratch, table_sums);
-  }
-  __syncthreads();
-  if (tid < VELO_STATS) {
-    double s = 0.0;
-    for (int lane = 0; lane < VELO_CONTROL_LANES; ++lane) s += lane_sums[tid][lane];
-    if (t.factored && tid < VELO_NUM_FEATURES && is_table_feature(tid)) s += table_sums[tid - VELO_TABLE_FEATURES_FIRST];
-    sums[tid] = s;
-  }
-  __syncthreads();
+  __shared__ double sums[VELO_STATS];
+  tensor_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
+      t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
   const double n = static_cast<double>(t.numel);
-  if (tid < VELO_NUM_FEATURES) {  // normalise_features: rsqrt(1e-5 + mean x_j²)
-    const double mean = sums[tid] / n;
-    const float mean_square = static_cast<float>(mean);
-    feature_scales[static_cast<i64>(r) * VELO_NUM_FEATURES + tid] =
-        is_finite(mean_square) ? rsqrtf(__fadd_rn(1e-5f, mean_square)) : static_cast<float>(1.0 / sqrt(1e-5 + mean));
-  }
+  if (tid < VELO_NUM_FEATURES)  // normalise_features
+    feature_scales[static_cast<i64>(r) * VELO_NUM_FEATURES + tid] = normaliser_scale(sums[tid], t.numel);
   if (tid != 0) return;
   // One thread: the tensor's statistics and LSTM input row.
   const double* lstm = sums + VELO_NUM_FEATURES;
@@ -557,19 +535,6 @@ LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float
   return make_float2(out[0], out[1]);
 }
 
-// What the apply pass needs of a tensor's group, read once per tensor a block reaches.
-struct ApplyScalars {
-  Decays decays;
-  float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
-};
-
-LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
-  const float* values = pointer<const float>(g.values);
-  const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
-  return ApplyScalars{read_decays(values), -lr, -__fmul_rn(weight_decay, lr), values[LOPT_GROUP_EXP_MULT],
-                      values[LOPT_GROUP_STEP_MULT]};
-}
-
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
 // they stay in registers through the loop instead of being re-read (from shared memory) per element.
 template <bool Factored>
@@ -597,13 +562,11 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
     }
     per_element_features(x, grad, param, s, Factored, row, col);  // (factored: features 15..26 unused)
     const float2 output = per_element_mlp<Factored>(x, record, table_share);
-    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)); apply_update: p − lr·u, then weight decay.
+    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)), then apply_update.
     const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
                                    __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
                                              __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, a.exp_mult))), a.step_mult)));
-    float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
-    if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
-    store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
+    apply_update(t, e, param, update, a);
   }
 }
 
