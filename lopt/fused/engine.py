@@ -312,7 +312,7 @@ class FusedEngine:
         return args
 
     def _accumulate(self, plan: Plan, inputs) -> None:
-        layout, k, ptr = plan.layout, self.kernels, launcher.pointer
+        layout, ptr = plan.layout, launcher.pointer
         axis_table = plan.axis_table.table if layout.num_axis_jobs else None
         jobs = np.int32(layout.num_axis_jobs)
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
@@ -329,7 +329,7 @@ class FusedEngine:
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""
-        from lopt.optimizers.base import NonFiniteGradientError
+        from lopt.optimizers.naive import NonFiniteGradientError
 
         if inputs.found_inf is not None and float(inputs.found_inf) != 0:
             return  # GradScaler's overflow: it skips the step itself

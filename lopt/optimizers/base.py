@@ -1,13 +1,13 @@
-"""What every lopt optimizer shares: groups and their validation, the step's check phase (gradient
-validation, AMP unscaling, the non-finite policy), backend choice, state dicts and copies.
+"""What every lopt optimizer shares: groups and their validation, the check phase's validation of
+every gradient, backend choice, state dicts and copies.
 
 A step runs in phases that both backends share (``docs/design.md``):
 
-1. **check** — here: every gradient is validated before anything changes; the naive backend also
-   unscales AMP gradients and applies the non-finite policy on the host, the fused backend does
-   both on the device inside its statistics pass;
-2. **accumulate**, 3. **statistics**, 4. **reduce**, 5. **control**, 6. **apply** — in the
-   optimizer's reference module (naive) or its fused engine.
+1. **check** — here: every gradient is validated before anything changes; the naive backend then
+   unscales AMP gradients and applies the non-finite policy on the host (``naive.py``), the fused
+   backend does both on the device inside its statistics pass;
+2. **accumulate**, 3. **statistics**, 4. **reduce**, 5. **control**, 6. **apply** — ``naive.py`` and
+   the optimizer's reference module (naive), or its fused engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -23,74 +22,13 @@ from torch.optim import Optimizer
 
 from lopt import distributed
 from lopt import weights as weights_lib
-from lopt.distributed import SumPacket, is_dtensor, local_part
-from lopt.reference import accumulators
+from lopt.distributed import is_dtensor, local_part
+from lopt.optimizers.naive import NaivePhases, NonFiniteGradientError, StepInputs  # noqa: F401  (public here too)
 from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "naive", "fused")
 NONFINITE_POLICIES = ("skip", "raise")
-# A gradient element at or beyond 2^64 in magnitude has a square that overflows float32, which the
-# optimizer's float32 second-moment state cannot hold: it is treated like a non-finite element.
-GRADIENT_LIMIT = 2.0**64
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A step saw a non-finite (or overflowing) gradient or loss under ``nonfinite="raise"``; nothing changed."""
-
-
-@dataclass
-class StepInputs:
-    """What the check phase hands to a backend.
-
-    ``params[g]`` lists group ``g``'s parameters that take part in this step (a gradient and at
-    least one element). ``grad_scale`` and ``found_inf`` are GradScaler's device tensors when it
-    drives the step (``_step_supports_amp_scaling``), else None.
-    """
-
-    params: list
-    grad_scale: torch.Tensor | None = None
-    found_inf: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
-
-    def entries(self, groups):
-        """(group, param) for every participating parameter, in group order."""
-        for group, params in zip(groups, self.params):
-            for p in params:
-                yield group, p
-
-
-@dataclass
-class NaiveTensor:
-    """One participating parameter as the naive phases see it: this process's part of it.
-
-    For a plain tensor that is the whole tensor; for a DTensor sharded on dim 0 (FSDP2) it is the
-    local rows (possibly none), and ``split`` says that sums over the elements or along axis 0
-    are partial until the reduce phase completes them. ``shape`` (the global shape, a 0-d
-    parameter as ``(1,)``), ``dims`` (factored axes, chosen from the global shape) and ``count``
-    (global number of elements) describe the whole tensor; ``value`` (float32, pre-update),
-    ``grad`` (float32, AMP-unscaled) and ``state`` (the accumulators) are local, in the work shape.
-    (A new one every step, and nothing keyed by its identity: a compiled step would recompile.)
-    """
-
-    group: dict
-    param: torch.Tensor
-    shape: tuple
-    dims: tuple | None
-    count: int
-    split: bool
-    value: torch.Tensor
-    grad: torch.Tensor
-    state: dict
-    # The gradient the accumulators and features use (after max_grad_norm's or VeLO's clipping), with a
-    # trailing axis of size 1: set by the optimizer before the accumulate phase.
-    step_grad: torch.Tensor | None = None
-    row_col_mean: torch.Tensor | None = None  # set by the accumulate phase where R's d1 axis is split
-
-    def write_back(self, new_value: torch.Tensor) -> None:
-        """Store the new float32 value (work shape) into the parameter's local part, in its dtype."""
-        local = local_part(self.param)
-        local.copy_(new_value.reshape(local.shape))
 
 
 def _is_real_number(value) -> bool:
@@ -115,7 +53,7 @@ def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = Fals
         raise ValueError(f"{name} must be a finite number {bound}, got {number!r}")
 
 
-class LearnedOptimizer(Optimizer):
+class LearnedOptimizer(NaivePhases, Optimizer):
     """Base class: a ``torch.optim.Optimizer`` driven by frozen meta-weights.
 
     Subclasses set ``architecture`` (a registry architecture name) and ``reference`` (their
@@ -334,143 +272,6 @@ class LearnedOptimizer(Optimizer):
             raise RuntimeError(f"{name}: gradient of parameter #{index} is {layout}, but the parameter is a DTensor "
                                f"with placements {tuple(p.placements)}; the gradient must be sharded like the "
                                f"parameter (as FSDP2 leaves it)")
-
-    def _naive_tensors(self, inputs: StepInputs) -> list:
-        """Naive check phase, part 2: every participating parameter as a :class:`NaiveTensor` (this
-        process's part, the gradient float32 and AMP-unscaled), its state created on first use."""
-        inverse_scale = None
-        if inputs.grad_scale is not None:
-            inverse_scale = inputs.grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ forms it
-        tensors = []
-        for group, p in inputs.entries(self.param_groups):
-            layout = distributed.shard_layout(p)
-            shape = layout.global_shape if layout.global_shape else (1,)  # a 0-d parameter: a 1-element vector
-            local_shape = (layout.rows,) + shape[1:]
-            grad = local_part(p.grad).to(torch.float32)
-            if inverse_scale is not None:
-                grad = grad * inverse_scale.to(grad.device)
-            state = self.ensure_state(p)
-            views = {}
-            for name in ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"):
-                buf = local_part(state[name])
-                views[name] = buf.view(local_shape + buf.shape[-1:]) if buf.numel() and p.dim() == 0 else buf
-            tensors.append(NaiveTensor(
-                group=group, param=p, shape=shape,
-                dims=self.reference.factored_dims(layout.global_shape), count=math.prod(shape), split=layout.split,
-                value=local_part(p).detach().to(torch.float32).reshape(local_shape), grad=grad.reshape(local_shape),
-                state=views))
-        return tensors
-
-    def _naive_step_allowed(self, tensors: list, inputs: StepInputs, loss=None, packet: SumPacket | None = None) -> bool:
-        """Naive check phase, part 3 (one reduce over the process group, one host read): False if the
-        step must be skipped. ``packet`` may hold sums a subclass wants completed in the same collective.
-
-        An AMP overflow (GradScaler's ``found_inf``) skips silently: GradScaler expects it and
-        lowers its scale. A non-finite or overflowing gradient (|g| >= 2^64), or a non-finite loss,
-        raises under ``nonfinite="raise"``; else the step is skipped, counted and warned about.
-        The counts of such elements are summed over the processes, so that all of them decide alike.
-        """
-        packet = packet if packet is not None else SumPacket(self.reducer)
-        device = tensors[0].grad.device if tensors else self._param_devices().pop()
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        bad_counts = [_bad_element_count(t.grad) for t in tensors]
-        # What every process adds up, whichever tensors it holds: bad loss, bad elements of its whole
-        # tensors (per-tensor counts of split tensors are summed one by one below), GradScaler's flag.
-        shared = torch.stack([
-            (~torch.isfinite(loss)).to(device=device, dtype=torch.float64).reshape(()) if loss is not None else zero,
-            sum((c.to(device) for c, t in zip(bad_counts, tensors) if not t.split), zero),
-            inputs.found_inf.to(device=device, dtype=torch.float64).reshape(()) if inputs.found_inf is not None else zero,
-        ])
-        shared_handle = packet.add(shared)
-        count_handles = [packet.add(count, split=t.split) for count, t in zip(bad_counts, tensors)]
-        packet.reduce()
-        totals = torch.cat([packet[shared_handle]] + [packet[h].reshape(1).to(device) for h in count_handles]).cpu()
-        loss_total, whole_total, found_inf = (float(x) for x in totals[:3])
-        tensor_totals = [float(x) for x in totals[3:]]
-        if found_inf > 0:  # GradScaler's overflow
-            return False
-        if loss_total == 0 and whole_total == 0 and not any(tensor_totals):
-            return True
-        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)
-        if self.nonfinite == "raise":
-            raise NonFiniteGradientError(f"{type(self).__name__}.step: {problem}; nothing was changed "
-                                         f"(nonfinite='raise')")
-        first = self.param_groups[0]
-        first["skipped_steps"] = int(first["skipped_steps"]) + 1
-        self._host["skipped_seen"] = first["skipped_steps"]
-        warnings.warn(f"{type(self).__name__}: step skipped because {problem}; parameters, state and step counters "
-                      f"are unchanged ({first['skipped_steps']} skipped so far; nonfinite='raise' stops instead)",
-                      RuntimeWarning, stacklevel=4)
-        return False
-
-    def _describe_problem(self, tensors, local_counts, totals, loss) -> str:
-        """What made the check fail, in the terms of this process (the first bad gradient, else the loss)."""
-        for t, local, total in zip(tensors, local_counts, totals):
-            if total > 0:
-                index = next(i for i, p in enumerate(self._all_params()) if p is t.param)
-                what = f"the gradient of parameter #{index} (shape {tuple(t.param.shape)})"
-                if float(local) > 0:
-                    return f"{what} holds {_describe_peak(float(t.grad.abs().amax()))}"
-                return f"{what} holds a non-finite or overflowing value in another process's shard"
-        if loss is not None and not bool(torch.isfinite(loss)):
-            return f"the loss is not finite ({float(loss)})"
-        return "a gradient or the loss of another process is not finite (or overflows)"
-
-    def _naive_accumulate(self, tensors: list) -> None:
-        """Accumulate phase (naive) for all tensors: momentum, rms and the Adafactor accumulators from
-        each tensor's ``step_grad``; the means along a split axis 0 complete in one reduce.
-
-        A factored tensor splits at most one of its factored axes: where that is d0, R's mean over
-        it needs the reduce; where it is d1, C's mean does, and so does the mean of R over d1 (the
-        row factor's normaliser), which is computed from the new R before the reduce.
-        """
-        packet = SumPacket(self.reducer)
-        pending = []
-        for t in tensors:
-            grad = t.step_grad
-            decays = self.decays(t.group, grad.device)
-            accumulators.update_momentum(t.state["mom"], grad, decays.momentum)
-            accumulators.update_rms(t.state["rms"], grad, decays.rms)
-            if t.dims is None:
-                accumulators.update_adafactor(t.state, grad, decays.adafactor, None)
-                continue
-            d1, d0 = t.dims
-            row_sum, col_sum = accumulators.adafactor_axis_sums(grad, t.dims)
-            handles = {"row": packet.add(row_sum, split=t.split and d0 == 0),
-                       "col": packet.add(col_sum, split=t.split and d1 == 0)}
-            if t.split and d1 == 0:
-                accumulators.ema_(t.state["fac_vec_row"], decays.adafactor,
-                                  accumulators.mean_from_sum(row_sum, t.shape[d0]))
-                handles["row_col"] = packet.add(accumulators.row_col_sum(t.state["fac_vec_row"], t.dims))
-            pending.append((t, decays, handles))
-        packet.reduce()
-        for t, decays, handles in pending:
-            d1, d0 = t.dims
-            if "row_col" not in handles:
-                accumulators.ema_(t.state["fac_vec_row"], decays.adafactor,
-                                  accumulators.mean_from_sum(packet[handles["row"]], t.shape[d0]))
-            else:
-                t.row_col_mean = accumulators.mean_from_sum(packet[handles["row_col"]], t.shape[d1])
-            accumulators.ema_(t.state["fac_vec_col"], decays.adafactor,
-                              accumulators.mean_from_sum(packet[handles["col"]], t.shape[d1]))
-
-    def _complete_sums(self, tensors: list, partial_sums: list) -> list:
-        """Each tensor's float64 ``partial_sums`` over its elements, completed across processes in one reduce."""
-        packet = SumPacket(self.reducer)
-        handles = [packet.add(sums, split=t.split) for t, sums in zip(tensors, partial_sums)]
-        packet.reduce()
-        return [packet[h] for h in handles]
-
-    def _naive_feature_square_sums(self, tensors: list) -> list:
-        """Statistics phase (naive): every tensor's per-feature Σ x² (float64) of ``self._features(t)``,
-        completed across processes in one reduce. The apply phase recomputes the features rather than
-        keeping them, so that no more than one tensor's features are alive at a time."""
-        return self._complete_sums(tensors, [accumulators.feature_square_sums(self._features(t)) for t in tensors])
-
-    def _features(self, t: NaiveTensor) -> torch.Tensor:
-        """The per-element features of a tensor (from the updated accumulators and the pre-update value)."""
-        return self.reference.per_element_features(t.step_grad, t.value.unsqueeze(-1), t.state, t.dims,
-                                                   t.row_col_mean)
 
     @property
     def skipped_steps(self) -> int:
@@ -694,19 +495,6 @@ def _saved_positions(state_dict) -> dict:
     parameter names torch.distributed.checkpoint uses), by the order of the saved groups' params."""
     keys = (key for group in state_dict["param_groups"] for key in group.get("params", ()))
     return {key: position for position, key in enumerate(keys)}
-
-
-def _bad_element_count(values: torch.Tensor) -> torch.Tensor:
-    """How many of ``values`` are non-finite or at least 2^64 in magnitude (float64, 0-d, on their device)."""
-    return torch.count_nonzero(~(values.detach().abs() < GRADIENT_LIMIT)).to(torch.float64)
-
-
-def _describe_peak(peak: float) -> str:
-    if math.isnan(peak):
-        return "NaN"
-    if math.isinf(peak):
-        return "an infinite value"
-    return f"a value of magnitude {peak:.3g}, whose square overflows float32 (|g| >= 2^64)"
 
 
 def _foreign_optimizer(state_dict, optimizer) -> str | None:

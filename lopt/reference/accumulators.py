@@ -119,7 +119,7 @@ def safe_rsqrt(x: torch.Tensor) -> torch.Tensor:
 
 # Means over a tensor's elements or along an axis are sums in float64 divided by the count. Gradients
 # up to 2^64 are stepped (beyond, g² overflows float32 and the step is skipped:
-# lopt.optimizers.base.GRADIENT_LIMIT), so accumulators and features reach float32's largest value:
+# lopt.optimizers.naive.GRADIENT_LIMIT), so accumulators and features reach float32's largest value:
 # their float64 sums, and sums of their squares, cannot overflow. A sum is also what one process
 # can compute for its part of a tensor: the reduce phase (lopt/distributed.py) adds the parts of
 # all processes before the division.
