@@ -1,5 +1,5 @@
-"""The glue's multi-process rule: every process's VeLO gets the loss averaged over the processes, so
-the processes stay in step (two CPU processes, gloo)."""
+"""The glue under several processes: it hands each micro-batch's loss over as it is, VeLO averages
+the step's loss over the processes, so the processes stay in step (two CPU processes, gloo)."""
 
 from __future__ import annotations
 

@@ -36,22 +36,9 @@ def feed_loss(velo: VeLO, loss: torch.Tensor, *, multiplier: float = 1) -> None:
     """Hand one micro-batch's loss to ``velo.accumulate_loss``.
 
     ``multiplier`` undoes a framework's division of the loss by the number of micro-batches, so
-    that the mean VeLO forms is the mean of the micro-batch losses. In a multi-process run the loss
-    is first averaged over the processes (one scalar all-reduce), because VeLO's state depends on
-    the loss: processes that fed different losses would drift apart.
+    that the mean VeLO forms is the mean of the micro-batch losses. Nothing is communicated here:
+    in a multi-process run VeLO itself averages the step's loss over the processes, once per step
+    (its ``average_loss``, on by default).
     """
     loss = loss.detach().reshape(()).to(torch.float32)
-    if multiplier != 1:
-        loss = loss * multiplier
-    world = _world_size()
-    if world > 1:
-        loss = loss.clone()
-        torch.distributed.all_reduce(loss)  # SUM (gloo has no AVG)
-        loss = loss / world
-    velo.accumulate_loss(loss)
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1
+    velo.accumulate_loss(loss * multiplier if multiplier != 1 else loss)
