@@ -65,13 +65,13 @@ def gradient_sets(params, count=3, seed=1):
     return [[(torch.randn(p.shape, generator=g) * 1e-3).to("cuda") for p in params] for _ in range(count)]
 
 
-def make(name, params, backend, weights, defines=()):
+def make(name, params, backend, weights, defines=(), options=None):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     if name == "velo":
-        opt = lopt.VeLO(params, num_steps=10_000, weights=weights, backend=backend)
+        opt = lopt.VeLO(params, num_steps=10_000, weights=weights, backend=backend, **(options or {}))
     else:
-        opt = lopt.SmallFCLOpt(params, weights=weights, backend=backend)
+        opt = lopt.SmallFCLOpt(params, weights=weights, backend=backend, **(options or {}))
     if defines:
         module, cls = ENGINES[name]
         opt._fused_engine = getattr(__import__(module, fromlist=[cls]), cls)(opt, defines=defines)
@@ -118,32 +118,35 @@ def profile_step(opt, params, grads) -> tuple:
     return len(kernels), split
 
 
-def update_error(name, param_set, weights) -> float:
-    """max over tensors of ‖u_fused − u_naive‖ / ‖u_naive‖ for one step from identical state."""
+def update_error(name, param_set, weights, defines=(), options=None) -> float:
+    """max over tensors of ‖u_fused − u_naive‖ / ‖u_naive‖ for one step from identical state
+    (``defines``: the fused kernels' build; ``options``: the optimizer's, for both backends)."""
     updates = {}
     for backend in ("naive", "fused"):
         params = build_parameters(param_set, "cuda")
         before = [p.detach().clone() for p in params]
         for p, g in zip(params, gradient_sets(params, 1)[0]):
             p.grad = g
-        do_step(make(name, params, backend, weights), torch.tensor(2.5, device="cuda"))
+        opt = make(name, params, backend, weights, defines if backend == "fused" else (), options)
+        do_step(opt, torch.tensor(2.5, device="cuda"))
         updates[backend] = [(p.detach() - b).double() for p, b in zip(params, before)]
         del params, before
         torch.cuda.empty_cache()
     return max(float((f - n).norm() / n.norm().clamp_min(1e-30)) for f, n in zip(updates["fused"], updates["naive"]))
 
 
-def measure(name, backend, param_set, weights, steps, warmup, defines=()) -> dict:
+def measure(name, backend, param_set, weights, steps, warmup, defines=(), options=None) -> dict:
     params = build_parameters(param_set, "cuda")
     grad_sets = gradient_sets(params)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    opt = make(name, params, backend, weights, defines)
+    opt = make(name, params, backend, weights, defines, options)
     times = time_steps(opt, params, grad_sets, steps, warmup)
     peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20
     launches, split = profile_step(opt, params, grad_sets[0])
     label = backend + (f"[{','.join(defines)}]" if defines else "")
+    label += "".join(f"+{key}={value}" for key, value in (options or {}).items())
     row = {"optimizer": name, "backend": label, "param_set": param_set, "mode": "step",
            "ms_per_step": round(statistics.median(times), 4), "ms_all": [round(t, 4) for t in times],
            "launches_per_step": launches, "peak_extra_mib": round(peak, 1), "kernel_ms": split}
@@ -162,6 +165,8 @@ def main() -> int:
     parser.add_argument("--naive-steps", type=int, default=3, help="0: skip the naive rows")
     parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros "
                                                        "(prefix a list with 'velo:' or 'small_fc_lopt:')")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="also time small_fc_lopt fused with this max_grad_norm (gradients are ~1e-3 x sqrt(numel))")
     args = parser.parse_args()
 
     env = environment()
@@ -180,8 +185,13 @@ def main() -> int:
             rows.append(fused)
             for target, macros in variants:
                 if target == name:
-                    rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup,
-                                        tuple(macros.split(","))))
+                    defines = tuple(macros.split(","))
+                    rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines))
+                    rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines)
+            if name == "small_fc_lopt" and args.max_grad_norm is not None:
+                options = {"max_grad_norm": args.max_grad_norm}
+                rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
+                rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
             if args.naive_steps:
                 rows.append(measure(name, "naive", param_set, weights[name], args.naive_steps, 1))
         for row in rows:

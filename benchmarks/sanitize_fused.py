@@ -7,12 +7,15 @@ import torch
 
 import lopt
 
-# Every rank, small tensors and one of 78,000 elements (many blocks of each pass), two dtypes, two groups.
+# Every rank, small tensors and one of 78,000 elements (many blocks of each pass), two dtypes, two groups;
+# small_fc_lopt a second time with max_grad_norm in one group (norm jobs and clip factors).
 shapes = [(), (5,), (33, 17), (4, 4), (2, 3, 5), (6, 2, 3, 3), (1, 9), (300,), (300, 260)]
-for name in ("small_fc_lopt", "velo"):
+for name, max_grad_norm in (("small_fc_lopt", None), ("small_fc_lopt", 0.1), ("velo", None)):
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(7, 5, device="cuda", dtype=torch.bfloat16)))
     groups = [{"params": params[:5]}, {"params": params[5:], "weight_decay": 0.01}]
+    if max_grad_norm is not None:
+        groups[1]["max_grad_norm"] = max_grad_norm
     weights = lopt.random_weights(name)
     if name == "velo":
         optimizer = lopt.VeLO(groups, num_steps=100, weights=weights, backend="fused")

@@ -6,7 +6,9 @@
 // (fixed-order two-level sums, no atomics), and writes no state: the new R and C live in the factor
 // tables until the step is known to be kept (commit_factored_accumulators, in the control phase).
 //   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis)
-//   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags
+//   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags;
+//                            max_grad_norm's clip factors (from the same partials, plus a sum over each
+//                            clipped tensor that is not factored)
 //   adafactor_factor_tables  R and C updated (EMAs), row_col_mean per slab of R, the per-entry tables (and
 //                            compact copies of the factors, for the passes that read only those)
 #pragma once
@@ -337,12 +339,57 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, double* 
   }
 }
 
-// A thread per R or C entry: the mean of G (its partials summed in chunk order, / X), rounded to
-// float32 as the reference's mean is. Thread 0 also resets the step's status flags: this launch
-// comes before the statistics pass, the only one that sets them.
+// Blocks of adafactor_finalize that compute means (at least one: it also resets the status flags);
+// the blocks after them are max_grad_norm's, one per NormJob.
+LOPT_DEVICE i64 finalize_mean_blocks(i64 total_outputs) {
+  return total_outputs > 0 ? (total_outputs + LOPT_FINALIZE_THREADS - 1) / LOPT_FINALIZE_THREADS : 1;
+}
+
+// max_grad_norm's clip factor of a tensor (reference: clip_gradient_norm), from Σ g² in float64:
+// min(1, (1 / (‖g‖ + 1e-6)) · max_norm) in float32, with ‖g‖ = sqrt(Σ g²) rounded to float32.
+LOPT_DEVICE float gradient_clip_factor(double square_sum, float max_norm) {
+  const float norm = static_cast<float>(__dsqrt_rn(fmax(square_sum, 0.0)));
+  return fminf(__fmul_rn(__frcp_rn(__fadd_rn(norm, 1e-6f)), max_norm), 1.0f);
+}
+
+// The mean of G = (c·g)² + 1e-30 from the mean of g² + 1e-30, for a tensor whose gradient is clipped by
+// c < 1 (c == 1: unchanged, bit for bit).
+LOPT_DEVICE float clipped_square_mean(float mean, float clip_factor) {
+  if (clip_factor == 1.0f) return mean;
+  return __fadd_rn(__fmul_rn(__fmul_rn(clip_factor, clip_factor), __fsub_rn(mean, 1e-30f)), 1e-30f);
+}
+
+// The clip factor of tensor `tensor` (1 where no tensor is clipped).
+LOPT_DEVICE float tensor_clip_factor(const float* clip_factors, int tensor) {
+  return clip_factors != nullptr ? clip_factors[tensor] : 1.0f;
+}
+
+// Mean blocks: a thread per R or C entry: the mean of G (its partials summed in chunk order, / X),
+// rounded to float32 as the reference's mean is. Thread 0 also resets the step's status flags: this
+// launch comes before the statistics pass, the only one that sets them.
+// Norm blocks (max_grad_norm), one per clipped tensor: its Σ g² (the job's partials in a fixed
+// order, less the 1e-30 each element's G carries), and from it the tensor's clip factor.
 extern "C" __global__ void __launch_bounds__(LOPT_FINALIZE_THREADS)
 adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_outputs,
-                   const double* __restrict__ partials, float* __restrict__ axis_means, int* status) {
+                   const double* __restrict__ partials, float* __restrict__ axis_means, int* status,
+                   const NormJob* __restrict__ norm_jobs, const TensorMeta* __restrict__ tensors,
+                   const GroupMeta* __restrict__ groups, float* __restrict__ clip_factors) {
+  const i64 mean_blocks = finalize_mean_blocks(total_outputs);
+  if (blockIdx.x >= mean_blocks) {
+    const NormJob job = norm_jobs[blockIdx.x - mean_blocks];
+    double partial[1] = {0.0};
+    for (i64 k = threadIdx.x; k < job.num_partials; k += LOPT_FINALIZE_THREADS) partial[0] += partials[job.partial_offset + k];
+    __shared__ double scratch[LOPT_FINALIZE_THREADS / 32][1];
+    __shared__ double square_sum[1];
+    block_sums<1, LOPT_FINALIZE_THREADS>(partial, scratch, square_sum);
+    if (threadIdx.x == 0) {
+      const TensorMeta t = tensors[job.tensor];
+      const float max_norm = pointer<const float>(groups[t.group].values)[LOPT_GROUP_MAX_GRAD_NORM];
+      const double sum_of_tiny_terms = static_cast<double>(t.numel) * static_cast<double>(1e-30f);
+      clip_factors[job.tensor] = gradient_clip_factor(square_sum[0] - sum_of_tiny_terms, max_norm);
+    }
+    return;
+  }
   const i64 gid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (gid == 0) {
 #pragma unroll
@@ -363,9 +410,11 @@ extern "C" __global__ void __launch_bounds__(LOPT_TABLE_THREADS)
 adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                         i64 total_slabs, i64 total_col_entries, const float* __restrict__ axis_means,
                         float* __restrict__ row_table, float* __restrict__ col_table, float4* __restrict__ row_factors,
-                        float4* __restrict__ col_factors) {
+                        float4* __restrict__ col_factors, const float* __restrict__ clip_factors) {
   if (blockIdx.x < total_slabs) {
-    const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_SLAB>(tensors, num_tensors, blockIdx.x)];
+    const int tensor = find_row<LOPT_TENSORMETA_FIRST_SLAB>(tensors, num_tensors, blockIdx.x);
+    const TensorMeta t = tensors[tensor];
+    const float clip_factor = tensor_clip_factor(clip_factors, tensor);
     const Decays decays = group_decays(groups, t);
     const i64 slab = blockIdx.x - t.first_slab;
     // R as (Q', X', I') with X' the d1 axis: d0 = A leaves (o, m, b, i); d0 = B leaves (o, a, m, i).
@@ -376,7 +425,7 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
     double partial[3] = {0.0, 0.0, 0.0};
     for (i64 x = threadIdx.x; x < x_len; x += LOPT_TABLE_THREADS) {
       const i64 entry = (q * x_len + x) * i_len + i;
-      const float mean = axis_means[t.row_means + entry];
+      const float mean = clipped_square_mean(axis_means[t.row_means + entry], clip_factor);
       float acc[3];
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
@@ -404,10 +453,11 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
   } else {
     const i64 gid = (static_cast<i64>(blockIdx.x) - total_slabs) * LOPT_TABLE_THREADS + threadIdx.x;
     if (gid >= total_col_entries) return;
-    const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_COL_ENTRY>(tensors, num_tensors, gid)];
+    const int tensor = find_row<LOPT_TENSORMETA_FIRST_COL_ENTRY>(tensors, num_tensors, gid);
+    const TensorMeta t = tensors[tensor];
     const Decays decays = group_decays(groups, t);
     const i64 entry = gid - t.first_col_entry;
-    const float mean = axis_means[t.col_means + entry];
+    const float mean = clipped_square_mean(axis_means[t.col_means + entry], tensor_clip_factor(clip_factors, tensor));
     const float* old_col = pointer<const float>(t.fac_col);
     float acc[3], factor[3];
 #pragma unroll

@@ -91,12 +91,15 @@ struct TableInputs {
 };
 
 // Loads one element's inputs, updates its accumulators (in `s`) and computes its features
-// (FactorsOnly: of a factored tensor, all but the table features, which are left at zero).
+// (FactorsOnly: of a factored tensor, all but the table features, which are left at zero). `grad` is
+// the gradient the math uses: unscaled, then clipped by the tensor's max_grad_norm factor (1: none);
+// returns the unclipped one, which the check phase tests.
 template <bool FactorsOnly = false>
-LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                  const TableInputs& tables, float x[SFC_NUM_FEATURES], ElementState& s, float& grad,
-                                  float& param) {
-  grad = load_gradient(t, e, inverse_scale);
+LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                   float clip_factor, const TableInputs& tables, float x[SFC_NUM_FEATURES],
+                                   ElementState& s, float& grad, float& param) {
+  const float unclipped_grad = load_gradient(t, e, inverse_scale);
+  grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
   param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
   s = load_element_state(t, e);
   const bool factored = t.factored != 0;
@@ -107,6 +110,7 @@ LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& deca
     else load_factor_entries(t, e, tables.row_table, tables.col_table, row, col);
   }
   per_element_features(x, grad, param, s, factored, row, col);
+  return unclipped_grad;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -116,7 +120,7 @@ LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, const Decays& deca
 // ------------------------------------------------------------------------------------------
 template <bool Factored>
 LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
-                                      const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
+                                      float clip_factor, const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
   bool unusable = false;
   // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
 #pragma unroll STATS_UNROLL
@@ -125,8 +129,8 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
     if (e < t.numel) {
       float x[SFC_NUM_FEATURES], grad, param;
       ElementState s;
-      element_features<Factored>(t, e, decays, inverse_scale, tables, x, s, grad, param);
-      unusable |= gradient_unusable(grad);
+      unusable |= gradient_unusable(element_features<Factored>(t, e, decays, inverse_scale, clip_factor, tables, x, s,
+                                                               grad, param));
 #pragma unroll
       for (int j = 0; j < SFC_NUM_FEATURES; ++j)
         if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
@@ -138,10 +142,12 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                             const float4* __restrict__ row_factors, const float4* __restrict__ col_factors,
-                            const float* grad_scale, const float* found_inf, int* status,
-                            double* __restrict__ stats_partials) {
+                            const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
+                            int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x)];
+  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x);
+  const TensorMeta t = tensors[tensor];
+  const float clip_factor = tensor_clip_factor(clip_factors, tensor);
   const i64 chunk = blockIdx.x - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
   const float inverse_scale = inverse_grad_scale(flags);
@@ -149,8 +155,9 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
 #pragma unroll
   for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
   const TableInputs tables{nullptr, nullptr, row_factors, col_factors};
-  const bool unusable = t.factored ? sum_squared_features<true>(t, chunk, decays, inverse_scale, tables, squares)
-                                   : sum_squared_features<false>(t, chunk, decays, inverse_scale, tables, squares);
+  const bool unusable =
+      t.factored ? sum_squared_features<true>(t, chunk, decays, inverse_scale, clip_factor, tables, squares)
+                 : sum_squared_features<false>(t, chunk, decays, inverse_scale, clip_factor, tables, squares);
   report_unusable_gradients(unusable, flags.status);
   __shared__ double warp_sums[LOPT_STATS_THREADS / 32][SFC_NUM_FEATURES];
 #pragma unroll
@@ -184,13 +191,14 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 // overflow the statistics pass's per-thread float sums: the fold then sums that tensor again, in
 // float64 throughout (slow, and only ever for such a tensor).
 LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays& decays, float inverse_scale,
-                                              const float* row_table, const float* col_table,
+                                              float clip_factor, const float* row_table, const float* col_table,
                                               double (*scratch)[SFC_NUM_FEATURES], double* sums) {
   double partial[SFC_NUM_FEATURES] = {};
   for (i64 e = threadIdx.x; e < t.numel; e += SFC_FOLD_THREADS) {
     float x[SFC_NUM_FEATURES], grad, param;
     ElementState s;
-    element_features(t, e, decays, inverse_scale, TableInputs{row_table, col_table, nullptr, nullptr}, x, s, grad, param);
+    element_features(t, e, decays, inverse_scale, clip_factor, TableInputs{row_table, col_table, nullptr, nullptr}, x, s,
+                     grad, param);
 #pragma unroll
     for (int j = 0; j < SFC_NUM_FEATURES; ++j) partial[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
   }
@@ -201,8 +209,8 @@ extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
 small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                    const double* __restrict__ stats_partials, const float* __restrict__ row_table,
                    const float* __restrict__ col_table, const float* __restrict__ network,
-                   const float* grad_scale, const float* found_inf, int* status,
-                   float* __restrict__ folded, float* __restrict__ shared_frags) {
+                   const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
+                   int* status, float* __restrict__ folded, float* __restrict__ shared_frags) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
@@ -239,7 +247,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     atomicExch(&overflowed, 1);
   __syncthreads();
   if (overflowed && !skipped)
-    sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags), row_table, col_table, scratch, sums);
+    sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags),
+                                 tensor_clip_factor(clip_factors, blockIdx.x), row_table, col_table, scratch, sums);
   if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.numel);
   __syncthreads();
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
@@ -356,8 +365,8 @@ extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BL
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
-                    const float* __restrict__ col_table, const float* grad_scale, const float* found_inf,
-                    int* status, i64* skipped_steps) {
+                    const float* __restrict__ col_table, const float* __restrict__ clip_factors,
+                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
   const StepFlags flags{grad_scale, found_inf, status};
   const bool skipped = step_is_skipped(flags);
   // Every block has read the counters it needs (the fold read the time features before this launch).
@@ -372,6 +381,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
+  __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
@@ -393,6 +403,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       if (threadIdx.x == 0) {
         meta = tensors[tensor];
         group = read_apply_scalars(groups[meta.group]);
+        clip_factor = tensor_clip_factor(clip_factors, tensor);
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
@@ -402,8 +413,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
     if (valid) {
       ElementState state;
-      element_features(meta, index, group.decays, inverse_scale, TableInputs{row_table, col_table, nullptr, nullptr},
-                       x, state, grad, param);
+      element_features(meta, index, group.decays, inverse_scale, clip_factor,
+                       TableInputs{row_table, col_table, nullptr, nullptr}, x, state, grad, param);
       store_element_state(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll

@@ -20,6 +20,13 @@
 
 #define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)  // a 32 x 32 B operand
 
+// How split_layer_32x32 multiplies: 0 the float32-accurate split above (the default); cheaper and
+// less accurate, for measurements: 1 the TF32 product alone, 2 one BF16 product (a_hi, b_hi rounded
+// to BF16, 16 k per instruction).
+#ifndef LOPT_SPLIT_MODE
+#define LOPT_SPLIT_MODE 0
+#endif
+
 // x rounded to TF32 (10 explicit mantissa bits), to nearest with ties away from zero: what
 // cvt.rna.tf32.f32 computes for every |x| < 2^128 (1 - 2^-12), in two integer instructions instead of
 // that instruction's four (it also guards the overflow to infinity, which no input here comes near).
@@ -98,6 +105,34 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 template <typename LoadA>
 LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, const float* bias, int lane) {
   const int t = lane % 4;
+#if LOPT_SPLIT_MODE == 2
+  // k-steps j and j + 1 as one 16-deep BF16 product: columns 2t, 2t + 1 of the fragment are k-step
+  // j's (k = 8j + t, 8j + t + 4), columns 2t + 8, 2t + 9 k-step j + 1's; the B operand's packed b_hi
+  // (.z) of each k-step is in that order already.
+#pragma unroll
+  for (int j = 0; j < 4; j += 2) {
+    float a0[2][4], a1[2][4];
+    load_a(j, a0);
+    load_a(j + 1, a1);
+    unsigned f[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      f[m][0] = pack_bf16x2(a0[m][0], a0[m][2]);  // row g
+      f[m][1] = pack_bf16x2(a0[m][1], a0[m][3]);  // row g + 8
+      f[m][2] = pack_bf16x2(a1[m][0], a1[m][2]);
+      f[m][3] = pack_bf16x2(a1[m][1], a1[m][3]);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const unsigned b0 = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane].z;
+      const unsigned b1 = reinterpret_cast<const uint4*>(operand)[((j + 1) * 4 + c) * 32 + lane].z;
+      const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
+      const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
+#pragma unroll
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b0, b1, j == 0 ? bias_fragment : acc[m][c]);
+    }
+  }
+#else
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float a[2][4];
@@ -112,9 +147,14 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
       const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
+#if LOPT_SPLIT_MODE == 0
         mma_bf16_m16n8k16(acc[m][c], f[m].correction, b.z, b.w, j == 0 ? bias_fragment : acc[m][c]);  // small terms first
         mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, acc[m][c]);
+#else
+        mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, j == 0 ? bias_fragment : acc[m][c]);
+#endif
       }
     }
   }
+#endif
 }

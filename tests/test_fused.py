@@ -149,13 +149,15 @@ def test_bit_identical_reruns(name, weights):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_cuda_graph_replay_equals_eager(name, weights):
+@pytest.mark.parametrize("name, options", [("small_fc_lopt", {}), ("small_fc_lopt", {"max_grad_norm": 0.3}),
+                                           ("velo", {})])
+def test_cuda_graph_replay_equals_eager(name, options, weights):
     """lr as a CUDA tensor and the loss as a static CUDA tensor: the graph follows a scheduler."""
     shapes = [(64, 48), (48,), (3, 5, 7), (300, 260), ()]
     eager_params, graph_params = make_params(shapes, seed=5), make_params(shapes, seed=5)
-    eager = make_optimizer(name, eager_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"))
-    graphed = make_optimizer(name, graph_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"))
+    eager = make_optimizer(name, eager_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"), **options)
+    graphed = make_optimizer(name, graph_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"),
+                             **options)
     schedulers = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9) for o in (eager, graphed)]
     for p in graph_params:
         p.grad = torch.empty_like(p)
@@ -347,14 +349,54 @@ def test_mixed_dtypes_and_tensors_without_gradient(name, weights):
     assert relative_error(fused_params[0].detach() - initial[0], naive_params[0].detach() - initial[0]) <= 1e-5
 
 
-def test_small_fc_fused_refuses_max_grad_norm_and_auto_falls_back(weights):
-    p = [torch.nn.Parameter(torch.randn(4, 4, device="cuda"))]
-    with pytest.raises(RuntimeError, match="max_grad_norm is not supported by the fused backend"):
-        lopt.SmallFCLOpt(p, weights=weights["small_fc_lopt"], backend="fused", max_grad_norm=1.0)
-    with pytest.warns(RuntimeWarning, match="naive backend"):
-        opt = lopt.SmallFCLOpt(p, weights=weights["small_fc_lopt"], backend="auto", max_grad_norm=1.0)
-    assert opt.backend == "naive"
-    assert lopt.SmallFCLOpt(p, weights=weights["small_fc_lopt"]).backend == "fused"
+def test_small_fc_fused_max_grad_norm_matches_naive(weights):
+    """max_grad_norm in the fused backend: each tensor clipped by its own norm (groups with different
+    limits and one without; factored tensors, whose Σg² comes from the Adafactor sums, and the rest,
+    which get a sum of their own), also through GradScaler's unscaling: each step within 1e-5 of
+    naive over 60 steps, with tensors clipped and not clipped in the same step. A finite gradient
+    beyond 2^64 in a clipped tensor still skips the step (the check sees the unclipped gradient)."""
+    limits = [0.05, None, 2.0]
+
+    def groups(params):  # every third tensor in each group
+        return [{"params": params[k::3], "max_grad_norm": limit} for k, limit in enumerate(limits)]
+
+    fused_params, naive_params = make_params(ALL_SHAPES, seed=11), make_params(ALL_SHAPES, seed=11)
+    fused = lopt.SmallFCLOpt(groups(fused_params), weights=weights["small_fc_lopt"], backend="fused", lr=0.7)
+    naive = lopt.SmallFCLOpt(groups(naive_params), weights=weights["small_fc_lopt"], backend="naive", lr=0.7)
+    assert fused.backend == "fused"
+    limit_of = {id(p): group["max_grad_norm"] for group in fused.param_groups for p in group["params"]}
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=10**6)
+    scaler.scale(torch.ones((), device="cuda"))
+    clipped = unclipped = 0
+    worst = 0.0
+    for index in range(60):
+        grads = [g * (0.3 + 0.1 * (index % 30)) for g in random_grads(fused_params, seed=300 + index)]
+        for p, g in zip(fused_params, grads):
+            limit = limit_of[id(p)]
+            if limit is not None:
+                clipped, unclipped = (clipped + 1, unclipped) if float(g.double().norm()) > limit else (clipped, unclipped + 1)
+        with_scaler = index % 2 == 1
+        set_grads(fused_params, [g * scaler.get_scale() for g in grads] if with_scaler else grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        scaler.step(fused) if with_scaler else fused.step()
+        naive.step()
+        error = relative_error(flat([f.detach() - b for f, b in zip(fused_params, before)]),
+                               flat([n.detach() - b for n, b in zip(naive_params, before)]))
+        worst = max(worst, error)
+        assert error <= STEP_TOLERANCE, f"step {index}: relative update error {error:.2e}"
+        sync_into(naive, naive_params, fused, fused_params)
+    assert clipped > 100 and unclipped > 100, (clipped, unclipped)
+    print(f"\n[small_fc_lopt max_grad_norm] per-step relative update error, worst: {worst:.2e} "
+          f"({clipped} tensor-steps clipped, {unclipped} not)")
+    grads = random_grads(fused_params, seed=999)
+    grads[0].view(-1)[0] = 3e19  # finite, beyond 2^64; the first tensor is in the clipped group
+    set_grads(fused_params, grads)
+    before = [p.detach().clone() for p in fused_params]
+    fused.step()
+    assert all(torch.equal(p, b) for p, b in zip(fused_params, before))
+    with pytest.warns(RuntimeWarning, match=r"1 step\(s\) were skipped"):
+        assert fused.skipped_steps == 1
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -68,26 +68,30 @@ def recorded(monkeypatch):
     return launches
 
 
-def engine_for(name, params):
+def engine_for(name, params, **kwargs):
     weights = lopt.random_weights(name, seed=1)
     if name == "velo":
-        opt = lopt.VeLO(params, num_steps=10, weights=weights, backend="naive")
+        opt = lopt.VeLO(params, num_steps=10, weights=weights, backend="naive", **kwargs)
         from lopt.fused.velo import VeLOFused as Engine
     else:
-        opt = lopt.SmallFCLOpt(params, weights=weights, backend="naive")
+        opt = lopt.SmallFCLOpt(params, weights=weights, backend="naive", **kwargs)
         from lopt.fused.small_fc_lopt import SmallFCLOptFused as Engine
     opt.backend, opt._fused_engine = "fused", Engine(opt)  # the CPU tensors stand in for device memory
     return opt
 
 
-@pytest.mark.parametrize("name, source", [("small_fc_lopt", "small_fc_lopt.cu"), ("velo", "velo.cu")])
-def test_every_launch_matches_its_kernel_declaration(name, source, recorded):
+@pytest.mark.parametrize("name, source, options", [
+    ("small_fc_lopt", "small_fc_lopt.cu", {}),
+    ("small_fc_lopt", "small_fc_lopt.cu", {"max_grad_norm": 0.5}),  # (norm jobs, clip factors)
+    ("velo", "velo.cu", {}),
+])
+def test_every_launch_matches_its_kernel_declaration(name, source, options, recorded):
     declared = declared_kernels(source)
     g = torch.Generator().manual_seed(0)
     shapes = [(), (5,), (6, 4), (2, 3, 4), (8, 3, 3, 3)]
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
     params[2] = torch.nn.Parameter(torch.randn(4, 6, generator=g).t())  # a transposed parameter
-    opt = engine_for(name, [{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.5)}])
+    opt = engine_for(name, [{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.5), **options}])
     for step in range(2):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g) * 1e-2
@@ -97,6 +101,9 @@ def test_every_launch_matches_its_kernel_declaration(name, source, recorded):
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
     assert per_step == {"small_fc_lopt": 6, "velo": 10}[name]
+    if options:  # one norm block per clipped tensor of the second group, after the means' blocks
+        finalize = next(launch for launch in recorded if launch[0] == "adafactor_finalize")
+        assert finalize[1] == 1 + 3 and opt._fused_engine.plan.layout.num_norm_jobs == 3
     for kernel, grid, block, args in recorded:
         types = declared[kernel]
         assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {len(types)} parameters"

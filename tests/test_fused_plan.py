@@ -145,3 +145,46 @@ def test_arranged_keeps_values_and_takes_the_memory_order():
     out = arranged(t, (0, 2, 3, 1))
     assert torch.equal(out, t) and out.permute(0, 2, 3, 1).is_contiguous() and out.shape == t.shape
     assert arranged(out, (0, 2, 3, 1)) is out  # already in that order: no copy
+
+
+def emulated_axis_partials(layout: GroupLayout, squares: list) -> np.ndarray:
+    """What adafactor_axis_partials writes (float64), from each tensor's G in memory order."""
+    col = contract.FIELD["AxisJob"]
+    partials = np.full(layout.total_axis_partials, np.nan)
+    for tensor, job in zip(layout.job_tensor, layout.static_jobs):
+        q, x, i, xchunk = (int(job[col[name]]) for name in ("q", "x", "i", "xchunk"))
+        values = squares[tensor].reshape(q, x, i)
+        for chunk in range(int(job[col["num_xchunks"]])):
+            sums = values[:, chunk * xchunk:(chunk + 1) * xchunk, :].sum(axis=1).reshape(-1)  # output q*i + i
+            start = int(job[col["partial_offset"]]) + chunk * q * i
+            partials[start:start + q * i] = sums
+    return partials
+
+
+def test_norm_jobs_sum_each_clipped_tensors_squares_once():
+    """max_grad_norm: a clipped tensor's Σ G is the sum of one partial range of the axis pass: one of
+    its Adafactor jobs' (factored) or a job of its own (any other), which adds no means."""
+    shapes = [(300, 5), (7,), (), (2, 3, 4), (5000,), (4, 6), (9, 2, 9)]
+    dims = [factored_dims(s) for s in shapes]
+    clipped = [True, True, False, True, True, False, True]
+    plain = GroupLayout(shapes, dims, [0] * len(shapes), apply_chunk=128)
+    layout = GroupLayout(shapes, dims, [0] * len(shapes), apply_chunk=128, clipped=clipped)
+    # The Adafactor part of the layout is unchanged; the norm jobs come after it.
+    assert layout.num_mean_jobs == plain.num_axis_jobs
+    assert np.array_equal(layout.static_jobs[:layout.num_mean_jobs], plain.static_jobs)
+    assert layout.total_axis_outputs == plain.total_axis_outputs
+    own = [t for t, c in enumerate(clipped) if c and dims[t] is None]
+    assert layout.job_tensor[layout.num_mean_jobs:] == own
+    rng = np.random.default_rng(0)
+    squares = [rng.random(math.prod(s) or 1) for s in shapes]
+    partials = emulated_axis_partials(layout, squares)
+    assert not np.isnan(partials).any()
+    n = contract.FIELD["NormJob"]
+    jobs = layout.static_norm_jobs
+    assert list(jobs[:, n["tensor"]]) == [t for t, c in enumerate(clipped) if c]
+    for job in jobs:
+        start, count = int(job[n["partial_offset"]]), int(job[n["num_partials"]])
+        assert partials[start:start + count].sum() == pytest.approx(squares[job[n["tensor"]]].sum(), rel=1e-12)
+    # A factored tensor takes the job with fewer partials: for (300, 5), the sum over its 300 rows (5
+    # columns x 5 chunks of 64 rows), not the one over its columns (300 rows x 1 chunk).
+    assert jobs[0][n["num_partials"]] == 25

@@ -57,16 +57,21 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
     assert result.returncode != 0 and field in result.stderr
 
 
-def test_mlp_layers_are_one_tf32_and_one_bf16_product_per_k_step(tmp_path):
+# LOPT_SPLIT_MODE -> (TF32, BF16) MMAs of the two 32 x 32 layers: 2 layers x 4 k-steps x 4 n-tiles x
+# 2 m-tiles of each kind (exact), TF32 alone (mode 1), one BF16 product per two k-steps (mode 2).
+MMA_COUNTS = {0: (64, 64), 1: (64, 0), 2: (0, 32)}
+
+
+@pytest.mark.parametrize("mode", sorted(MMA_COUNTS))
+def test_mlp_layers_mma_counts(mode, tmp_path):
     unit = tmp_path / "small_fc_lopt.cu"
     unit.write_text(launcher.kernel_source("small_fc_lopt.cu"))
-    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", str(unit), "-o", str(tmp_path / "out.ptx")],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", f"-DLOPT_SPLIT_MODE={mode}", str(unit),
+                             "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     ptx = (tmp_path / "out.ptx").read_text()
-    # 2 layers x 4 k-steps x 4 n-tiles x 2 m-tiles of each kind, all unrolled
-    assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == 64
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 64
+    assert (ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
+            ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")) == MMA_COUNTS[mode]
 
 
 def test_kernel_source_inlines_each_header_once():

@@ -41,6 +41,10 @@ STRUCTS: dict = {
         "src", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
         "num_outputs", "first_output", "num_col_blocks",
     ),
+    # max_grad_norm (small_fc_lopt), one row per clipped tensor: Σ g² of the tensor is the sum of the
+    # axis pass's partials [partial_offset, partial_offset + num_partials) (less numel·1e-30, as they
+    # are sums of G); adafactor_finalize turns it into the tensor's clip factor.
+    "NormJob": ("tensor", "partial_offset", "num_partials"),
     # VeLO's per-tensor extras, one row per TensorMeta row: the tensor's LSTM state (float32, 512 each)
     # and its rank class (0..4: axes longer than 1; 5: five or more, the all-zero one-hot).
     "VeloTensor": ("lstm_hidden", "lstm_cell", "rank_class"),

@@ -4,7 +4,10 @@ per-step refresh of pointers and hyper-parameters, and the accumulate phase's la
 A fused step is the reference's phases as kernel launches (``docs/design.md``):
 
 * **accumulate** — ``adafactor_axis_partials``, ``adafactor_finalize``, ``adafactor_factor_tables``
-  (shared by both optimizers, :meth:`FusedEngine._accumulate`);
+  (shared by both optimizers, :meth:`FusedEngine._accumulate`); ``max_grad_norm``'s Σ g² per clipped
+  tensor comes from the same partials (a factored tensor's) or from one more sum in the axis pass
+  (any other), and ``adafactor_finalize`` turns it into the tensor's clip factor, which every later
+  pass multiplies the gradient by (``plan.clip_factors``);
 * **statistics**, **control**, **apply** — each optimizer's own kernels (:meth:`_statistics`,
   :meth:`_control`, :meth:`_apply` of the subclasses).
 
@@ -91,8 +94,13 @@ class Plan:
         self.row_factors = workspace(layout.total_row_entries * 4, torch.float32)  # compact copies (a float4 each)
         self.col_factors = workspace(layout.total_col_entries * 4, torch.float32)
         self.status = torch.zeros(CONSTANTS["STATUS_INTS"], dtype=torch.int32, device=device)
+        # max_grad_norm: each tensor's clip factor (1 for a tensor that is not clipped; None: none is)
+        self.clip_factors = torch.ones(layout.num_tensors, device=device) if layout.num_norm_jobs else None
         self.tensor_table = launcher.MetadataTable(device)
         self.axis_table = launcher.MetadataTable(device)
+        self.norm_table = launcher.MetadataTable(device)
+        if layout.num_norm_jobs:
+            self.norm_table.update(layout.static_norm_jobs)
         self.group_values = launcher.MetadataTable(device, dtype=np.float32)
         self.group_table = launcher.MetadataTable(device)
         self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
@@ -141,7 +149,8 @@ class FusedEngine:
         """The plan for this step's tensors: the last one while the same parameters (by identity, with
         the same storage or at least the same shape and strides) take part, else a new one."""
         params = [p for group_params in inputs.params for p in group_params]
-        key = (tuple(map(id, params)), tuple(map(len, inputs.params)))
+        clipped_groups = tuple(group.get("max_grad_norm") is not None for group in self.optimizer.param_groups)
+        key = (tuple(map(id, params)), tuple(map(len, inputs.params)), clipped_groups)
         plan = self.plan
         if plan is not None and plan.key == key:
             param_pointers = [p.data_ptr() for p in params]
@@ -163,7 +172,8 @@ class FusedEngine:
             orders.append(order)
             shapes.append(tuple(p.shape[a] for a in order) if p.dim() else (1,))
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
-        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK)
+        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK,
+                             clipped=[clipped_groups[g] for g in groups])
         plan = Plan(key, params, groups, layout, orders, self.device)
         plan.param_pointers = [p.data_ptr() for p in params]
         plan.geometries = [(tuple(p.shape), p.stride()) for p in params]
@@ -318,14 +328,18 @@ class FusedEngine:
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
                     (ptr(axis_table), jobs, ptr(plan.axis_partials), ptr(self._on_device(inputs.grad_scale)),
                      np.float32(self.GRADIENT_CLIP)))
-        self.launch("adafactor_finalize", max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS)), FINALIZE_THREADS,
-                    (ptr(axis_table), jobs, np.int64(layout.total_axis_outputs), ptr(plan.axis_partials),
-                     ptr(plan.axis_means), ptr(plan.status)))
+        mean_blocks = max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS))  # (finalize_mean_blocks)
+        self.launch("adafactor_finalize", mean_blocks + layout.num_norm_jobs, FINALIZE_THREADS,
+                    (ptr(axis_table), np.int32(layout.num_mean_jobs), np.int64(layout.total_axis_outputs),
+                     ptr(plan.axis_partials), ptr(plan.axis_means), ptr(plan.status),
+                     ptr(plan.norm_table.table if layout.num_norm_jobs else None), ptr(plan.tensor_table.table),
+                     ptr(plan.group_table.table), ptr(plan.clip_factors)))
         table_blocks = layout.total_slabs + -(-layout.total_col_entries // TABLE_THREADS)
         self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
                      np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
-                     ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors)))
+                     ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors),
+                     ptr(plan.clip_factors)))
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""

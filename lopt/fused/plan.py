@@ -18,6 +18,7 @@ from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
 
 _T = FIELD["TensorMeta"]
 _J = FIELD["AxisJob"]
+_N = FIELD["NormJob"]
 TENSOR_POINTER_FIELDS = ("param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full", "param_dtype", "grad_dtype")
 
 AXIS_THREADS = CONSTANTS["AXIS_THREADS"]
@@ -53,17 +54,20 @@ class GroupLayout:
 
     ``shapes[i]`` (in memory order), ``dims[i]`` (``(d1, d0)`` in the same order, or ``None``) and
     ``groups[i]`` (the row of its parameter group) describe tensor ``i``; ``apply_chunk`` is the
-    number of elements per block-iteration of the optimizer's apply pass.
+    number of elements per block-iteration of the optimizer's apply pass; ``clipped[i]`` (optional)
+    says that tensor ``i``'s gradient is clipped to a 2-norm (``max_grad_norm``), which needs its Σ g².
     """
 
-    def __init__(self, shapes, dims, groups, *, apply_chunk: int, stats_chunk: int = STATS_CHUNK):
+    def __init__(self, shapes, dims, groups, *, apply_chunk: int, stats_chunk: int = STATS_CHUNK, clipped=None):
         self.shapes = [tuple(s) for s in shapes]
         self.num_tensors = len(self.shapes)
+        clipped = [False] * self.num_tensors if clipped is None else [bool(c) for c in clipped]
         rows = empty_rows("TensorMeta", self.num_tensors)
-        jobs = []
-        stats_chunks = slabs = col_entries = row_entries = apply_chunks = 0
-        partials = outputs = blocks = 0
+        self._jobs = []
         self.job_tensor = []  # the tensor of each axis job
+        self.total_axis_blocks = self.total_axis_partials = self.total_axis_outputs = 0
+        stats_chunks = slabs = col_entries = row_entries = apply_chunks = 0
+        factored_jobs = {}  # tensor -> its two Adafactor jobs' (partial_offset, num_partials)
         for index, (shape, dim, group) in enumerate(zip(self.shapes, dims, groups)):
             row = rows[index]
             numel = math.prod(shape)
@@ -101,43 +105,70 @@ class GroupLayout:
             # where its accumulator's means start.
             sum_over_a = (g.outer, g.a, g.mid * g.b * g.inner, "row_means" if g.d0_is_a else "col_means")
             sum_over_b = (g.outer * g.a * g.mid, g.b, g.inner, "col_means" if g.d0_is_a else "row_means")
+            factored_jobs[index] = []
             for q, x, i, means in (sum_over_a, sum_over_b):
-                job = np.zeros(len(_J), dtype=np.int64)
-                contiguous = i == 1
-                xchunk = CONTIGUOUS_XCHUNK if contiguous else STRIDED_XCHUNK
-                num_xchunks = -(-x // xchunk)
-                num_outputs = q * i
-                if contiguous:
-                    num_col_blocks = 0
-                    num_blocks = -(-(q * num_xchunks) // (AXIS_THREADS // 32))
-                else:
-                    num_col_blocks = -(-num_outputs // AXIS_THREADS)
-                    num_blocks = num_col_blocks * num_xchunks
-                for name, value in (("q", q), ("x", x), ("i", i), ("mode", int(contiguous)), ("first_block", blocks),
-                                    ("num_xchunks", num_xchunks), ("xchunk", xchunk), ("partial_offset", partials),
-                                    ("num_outputs", num_outputs), ("first_output", outputs),
-                                    ("num_col_blocks", num_col_blocks)):
-                    job[_J[name]] = value
-                row[_T[means]] = outputs
-                jobs.append(job)
-                self.job_tensor.append(index)
-                blocks += num_blocks
-                partials += num_xchunks * num_outputs
-                outputs += num_outputs
+                row[_T[means]] = self.total_axis_outputs
+                factored_jobs[index].append(self._add_axis_job(index, q, x, i, outputs=True))
+        self.num_mean_jobs = len(self._jobs)
+        # max_grad_norm needs Σ g² of each clipped tensor before the statistics pass: a factored
+        # tensor's is the sum of either of its Adafactor jobs' partials (the one with fewer is taken);
+        # any other tensor gets a job of its own, one sum over all its elements, after the Adafactor
+        # jobs (its partials are not means: finalize leaves them to the norm blocks).
+        norm_jobs = []
+        for index in (i for i, c in enumerate(clipped) if c and math.prod(self.shapes[i]) > 0):
+            if index in factored_jobs:
+                offset, count = min(factored_jobs[index], key=lambda job: job[1])
+            else:
+                offset, count = self._add_axis_job(index, 1, math.prod(self.shapes[index]), 1, outputs=False)
+            norm_jobs.append((index, offset, count))
+        self.static_norm_jobs = empty_rows("NormJob", len(norm_jobs))
+        for row, values in zip(self.static_norm_jobs, norm_jobs):
+            row[[_N["tensor"], _N["partial_offset"], _N["num_partials"]]] = values
         self.static_rows = rows
-        self.static_jobs = np.stack(jobs) if jobs else empty_rows("AxisJob", 0)
+        self.static_jobs = np.stack(self._jobs) if self._jobs else empty_rows("AxisJob", 0)
+        del self._jobs
         self.total_stats_chunks = int(stats_chunks)
         self.total_apply_chunks = int(apply_chunks)
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)
-        self.total_axis_blocks = int(blocks)
-        self.total_axis_partials = int(partials)
-        self.total_axis_outputs = int(outputs)
+
+    def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, outputs: bool) -> tuple[int, int]:
+        """Appends the reduction of ``(q, x, i)`` over x; returns its (partial_offset, num_partials).
+        ``outputs``: its q·i sums become means in the axis-means workspace (else only partials)."""
+        job = np.zeros(len(_J), dtype=np.int64)
+        contiguous = i == 1
+        xchunk = CONTIGUOUS_XCHUNK if contiguous else STRIDED_XCHUNK
+        num_xchunks = -(-x // xchunk)
+        num_outputs = q * i
+        if contiguous:
+            num_col_blocks = 0
+            num_blocks = -(-(q * num_xchunks) // (AXIS_THREADS // 32))
+        else:
+            num_col_blocks = -(-num_outputs // AXIS_THREADS)
+            num_blocks = num_col_blocks * num_xchunks
+        for name, value in (("q", q), ("x", x), ("i", i), ("mode", int(contiguous)),
+                            ("first_block", self.total_axis_blocks), ("num_xchunks", num_xchunks), ("xchunk", xchunk),
+                            ("partial_offset", self.total_axis_partials), ("num_outputs", num_outputs),
+                            ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks)):
+            job[_J[name]] = value
+        self._jobs.append(job)
+        self.job_tensor.append(tensor)
+        placed = (self.total_axis_partials, num_xchunks * num_outputs)
+        self.total_axis_blocks += num_blocks
+        self.total_axis_partials += num_xchunks * num_outputs
+        if outputs:
+            self.total_axis_outputs += num_outputs
+        return placed
 
     @property
     def num_axis_jobs(self) -> int:
+        """Jobs of the axis pass: the Adafactor means' (``num_mean_jobs``, first), then max_grad_norm's."""
         return len(self.static_jobs)
+
+    @property
+    def num_norm_jobs(self) -> int:
+        return len(self.static_norm_jobs)
 
     def tensor_rows(self, pointers: np.ndarray) -> np.ndarray:
         """Metadata rows with ``pointers`` (num_tensors x len(TENSOR_POINTER_FIELDS)) filled in."""

@@ -3,9 +3,12 @@
 Mirrors ``lopt/reference/small_fc_lopt.py``; one step is six launches, whatever the number of
 tensors and groups:
 
-1. ``adafactor_axis_partials``  sums of G = g² + 1e-30 for the factored accumulators (update_accumulators, R/C part)
-2. ``adafactor_finalize``       the means of G; the step's status flags reset
-3. ``adafactor_factor_tables``  R, C updated (in the tables) and their factors (adafactor_factors)
+1. ``adafactor_axis_partials``  sums of G = g² + 1e-30 for the factored accumulators (update_accumulators, R/C part);
+                                with ``max_grad_norm``, also Σ G over each clipped tensor that is not factored
+2. ``adafactor_finalize``       the means of G; the step's status flags reset; each clipped tensor's clip
+                                factor (clip_gradient_norm), which the later passes multiply the gradient by
+3. ``adafactor_factor_tables``  R, C updated (in the tables, from the clipped gradient's means) and their
+                                factors (adafactor_factors)
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features); the
    non-finite test of every gradient element
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer; a kept
@@ -61,18 +64,19 @@ class SmallFCLOptFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
+                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.clip_factors), *flags,
+                     ptr(plan.stats_partials)))
 
     def _control(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_fold", layout.num_tensors + 1, FOLD_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), ptr(self.network), *flags,
-                     ptr(plan.folded), ptr(plan.shared_frags)))
+                     ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), ptr(self.network),
+                     ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags)))
 
     def _apply(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), *self.group_arguments(plan),
                      np.int64(layout.total_apply_chunks), ptr(plan.folded), ptr(plan.shared_frags), ptr(plan.row_table),
-                     ptr(plan.col_table), *flags, self.skipped_counter()))
+                     ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter()))

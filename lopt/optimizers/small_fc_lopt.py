@@ -45,7 +45,8 @@ class SmallFCLOpt(LearnedOptimizer):
         exp_mult, step_mult: output scalings (PyLO defaults 0.001 and 0.01).
         momentum_decays, rms_decays, adafactor_decays: meta-learned decay offsets (PyLO's defaults).
         max_grad_norm: if set, each tensor's gradient is clipped to this 2-norm first (PyLO option;
-            the gradient tensor itself is not modified).
+            the gradient tensor itself is not modified). Both backends; the fused one takes each
+            tensor's norm from sums its accumulate phase forms anyway (docs/small_fc_lopt.md).
         nonfinite: what a step does when a gradient holds NaN, ±inf or a value whose square
             overflows float32 (|g| >= 2^64): ``"skip"`` (default) leaves parameters, state and
             step counters untouched, counts it in :attr:`skipped_steps` and warns; ``"raise"``
@@ -95,12 +96,6 @@ class SmallFCLOpt(LearnedOptimizer):
             raise ValueError(f"{type(self).__name__}: invalid {where}: max_grad_norm must be a finite number > 0 "
                              f"or None, got {max_grad_norm!r}")
 
-    def _fused_unsupported_reason(self) -> str | None:
-        if any(group["max_grad_norm"] is not None for group in self.param_groups):
-            return ("max_grad_norm is not supported by the fused backend yet; clip gradients before step() "
-                    "(torch.nn.utils.clip_grad_norm_) or use backend='naive'")
-        return super()._fused_unsupported_reason()
-
     def _make_fused_engine(self):
         from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
@@ -115,9 +110,6 @@ class SmallFCLOpt(LearnedOptimizer):
                 loss = closure()
         inputs = self._check_gradients()
         if self.backend == "fused":
-            if any(group["max_grad_norm"] is not None for group in self.param_groups):  # (a group added later)
-                raise RuntimeError("SmallFCLOpt: max_grad_norm is not supported by the fused backend yet; clip "
-                                   "gradients before step() or use backend='naive'. Nothing was changed")
             self._check_fused_processes_hold_the_same_tensors()
             self._fused_engine.step(inputs)
         else:
