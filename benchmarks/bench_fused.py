@@ -130,7 +130,7 @@ def update_error(name, param_set, weights, defines=(), options=None) -> float:
         opt = make(name, params, backend, weights, defines if backend == "fused" else (), options)
         do_step(opt, torch.tensor(2.5, device="cuda"))
         updates[backend] = [(p.detach() - b).double() for p, b in zip(params, before)]
-        del params, before
+        del opt, params, before
         torch.cuda.empty_cache()
     return max(float((f - n).norm() / n.norm().clamp_min(1e-30)) for f, n in zip(updates["fused"], updates["naive"]))
 

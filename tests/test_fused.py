@@ -379,7 +379,11 @@ def test_small_fc_fused_max_grad_norm_matches_naive(weights):
         set_grads(fused_params, [g * scaler.get_scale() for g in grads] if with_scaler else grads)
         set_grads(naive_params, grads)
         before = [p.detach().clone() for p in fused_params]
-        scaler.step(fused) if with_scaler else fused.step()
+        if with_scaler:
+            scaler.step(fused)
+            scaler.update()
+        else:
+            fused.step()
         naive.step()
         error = relative_error(flat([f.detach() - b for f, b in zip(fused_params, before)]),
                                flat([n.detach() - b for n, b in zip(naive_params, before)]))

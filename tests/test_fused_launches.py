@@ -8,7 +8,9 @@ arguments are checked against the parameter list its kernel declares in cuda_src
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -122,3 +124,22 @@ def test_kernels_are_declared_once_with_known_parameter_types():
         for kernel, types in declared_kernels(source).items():
             unknown = [t for t in types if t != "pointer" and t not in C_TYPES]
             assert not unknown, f"{source} {kernel}: parameter types {unknown}"
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector(name, recorded):
+    """The engine refers to its optimizer weakly: `del opt` frees the state and the workspaces at once
+    (a cycle would hold GPU memory until a collection, enough to run a benchmark out of memory)."""
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
+    gc.collect()
+    gc.disable()
+    try:
+        opt = engine_for(name, params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+        engine, freed = weakref.ref(opt._fused_engine), weakref.ref(opt)
+        del opt
+        assert freed() is None and engine() is None
+    finally:
+        gc.enable()

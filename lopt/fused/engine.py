@@ -24,6 +24,8 @@ differ from their parameter's are copied into a buffer of the parameter's layout
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -118,7 +120,10 @@ class FusedEngine:
 
     def __init__(self, optimizer, defines: tuple = ()):
         """``defines`` (``"NAME=VALUE"`` strings) override the kernels' tuning macros, for benchmarks."""
-        self.optimizer = optimizer
+        # A proxy, not a reference: the optimizer owns its engine, and a cycle between them would keep
+        # the parameters' state and the workspaces on the GPU after `del opt` until the garbage
+        # collector happens to run.
+        self.optimizer = weakref.proxy(optimizer)
         devices = {p.device for group in optimizer.param_groups for p in group["params"]}
         if len(devices) != 1:
             raise RuntimeError(f"the fused backend needs all parameters on one CUDA device, got {sorted(map(str, devices))}")
