@@ -40,7 +40,7 @@ VOCAB = 50257
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="naive", choices=["naive", "fused", "auto"],
-                        help="lopt backend for both runs (DTensor parameters: naive only so far)")
+                        help="lopt backend for both runs (auto: fused where it can, e.g. VeLO on DTensors runs naive)")
     parser.add_argument("--optimizers", default="small_fc_lopt,velo,adamw")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--n-layer", type=int, default=12)

@@ -364,16 +364,19 @@ LOPT_DEVICE float tensor_clip_factor(const float* clip_factors, int tensor) {
   return clip_factors != nullptr ? clip_factors[tensor] : 1.0f;
 }
 
-// Mean blocks: a thread per R or C entry: the mean of G (its partials summed in chunk order, / X),
-// rounded to float32 as the reference's mean is. Thread 0 also resets the step's status flags: this
+// Mean blocks: a thread per R or C entry: the mean of G (its partials summed in chunk order, / the
+// job's divisor: X, or the whole axis's length where this process holds part of it, whose partial
+// means the processes then sum), rounded to float32 as the reference's mean is. Thread 0 also resets the step's status flags: this
 // launch comes before the statistics pass, the only one that sets them.
 // Norm blocks (max_grad_norm), one per clipped tensor: its Σ g² (the job's partials in a fixed
-// order, less the 1e-30 each element's G carries), and from it the tensor's clip factor.
+// order, less the 1e-30 each element's G carries), and from it the tensor's clip factor; or, where
+// the tensors are split among processes (norm_sums given), the partial Σ g², to be reduced first.
 extern "C" __global__ void __launch_bounds__(LOPT_FINALIZE_THREADS)
 adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_outputs,
                    const double* __restrict__ partials, float* __restrict__ axis_means, int* status,
                    const NormJob* __restrict__ norm_jobs, const TensorMeta* __restrict__ tensors,
-                   const GroupMeta* __restrict__ groups, float* __restrict__ clip_factors) {
+                   const GroupMeta* __restrict__ groups, float* __restrict__ clip_factors,
+                   double* __restrict__ norm_sums) {
   const i64 mean_blocks = finalize_mean_blocks(total_outputs);
   if (blockIdx.x >= mean_blocks) {
     const NormJob job = norm_jobs[blockIdx.x - mean_blocks];
@@ -386,7 +389,8 @@ adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_out
       const TensorMeta t = tensors[job.tensor];
       const float max_norm = pointer<const float>(groups[t.group].values)[LOPT_GROUP_MAX_GRAD_NORM];
       const double sum_of_tiny_terms = static_cast<double>(t.numel) * static_cast<double>(1e-30f);
-      clip_factors[job.tensor] = gradient_clip_factor(square_sum[0] - sum_of_tiny_terms, max_norm);
+      if (norm_sums != nullptr) norm_sums[blockIdx.x - mean_blocks] = square_sum[0] - sum_of_tiny_terms;
+      else clip_factors[job.tensor] = gradient_clip_factor(square_sum[0] - sum_of_tiny_terms, max_norm);
     }
     return;
   }
@@ -400,20 +404,28 @@ adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_out
   const i64 out = gid - job.first_output;
   double sum = 0.0;
   for (i64 c = 0; c < job.num_xchunks; ++c) sum += partials[job.partial_offset + c * job.num_outputs + out];
-  axis_means[gid] = static_cast<float>(sum / static_cast<double>(job.x));
+  axis_means[gid] = static_cast<float>(sum / static_cast<double>(job.divisor));
 }
 
 // Blocks [0, total_slabs): one slab of R each (the entries sharing everything but the d1
 // coordinate): R updated, row_col_mean_k over the slab (float64), then the slab's row-table entries.
 // Blocks after that: a thread per C entry: C updated, the column-table entries.
+// Where axis d1 of a tensor is split among processes (t.row_col_sums >= 0), its slab sums are
+// partial: `phase` 1 stops after writing them to slab_sums, the caller sums them over the processes,
+// and `phase` 2 (the same grid; only those slabs work) forms the factors from the totals. Phase 0:
+// one launch, nothing split.
 extern "C" __global__ void __launch_bounds__(LOPT_TABLE_THREADS)
 adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                         i64 total_slabs, i64 total_col_entries, const float* __restrict__ axis_means,
                         float* __restrict__ row_table, float* __restrict__ col_table, float4* __restrict__ row_factors,
-                        float4* __restrict__ col_factors, const float* __restrict__ clip_factors) {
+                        float4* __restrict__ col_factors, const float* __restrict__ clip_factors, int phase,
+                        double* __restrict__ slab_sums) {
+  if (phase == 2 && blockIdx.x >= total_slabs) return;
   if (blockIdx.x < total_slabs) {
     const int tensor = find_row<LOPT_TENSORMETA_FIRST_SLAB>(tensors, num_tensors, blockIdx.x);
     const TensorMeta t = tensors[tensor];
+    const bool split_slab = t.row_col_sums >= 0;
+    if (phase == 2 && !split_slab) return;
     const float clip_factor = tensor_clip_factor(clip_factors, tensor);
     const Decays decays = group_decays(groups, t);
     const i64 slab = blockIdx.x - t.first_slab;
@@ -423,7 +435,7 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
     const i64 q = slab / i_len, i = slab - q * i_len;
     const float* old_row = pointer<const float>(t.fac_row);
     double partial[3] = {0.0, 0.0, 0.0};
-    for (i64 x = threadIdx.x; x < x_len; x += LOPT_TABLE_THREADS) {
+    for (i64 x = threadIdx.x; x < x_len && phase != 2; x += LOPT_TABLE_THREADS) {
       const i64 entry = (q * x_len + x) * i_len + i;
       const float mean = clipped_square_mean(axis_means[t.row_means + entry], clip_factor);
       float acc[3];
@@ -436,11 +448,21 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
       slot[0] = make_float4(acc[0], acc[1], acc[2], 0.f);  // read back below by the same thread
     }
     __shared__ double warp_sums[LOPT_TABLE_THREADS / 32][3];
-    __shared__ double slab_sums[3];
-    block_sums<3, LOPT_TABLE_THREADS>(partial, warp_sums, slab_sums);
+    __shared__ double slab_total[3];
+    double* split_sums = split_slab ? slab_sums + t.row_col_sums + 3 * slab : nullptr;
+    if (phase != 2) {
+      block_sums<3, LOPT_TABLE_THREADS>(partial, warp_sums, slab_total);
+      if (phase == 1 && split_slab) {
+        if (threadIdx.x < 3) split_sums[threadIdx.x] = slab_total[threadIdx.x];
+        return;
+      }
+    } else {
+      if (threadIdx.x < 3) slab_total[threadIdx.x] = split_sums[threadIdx.x];
+      __syncthreads();
+    }
     float row_col_mean[3];
 #pragma unroll
-    for (int k = 0; k < 3; ++k) row_col_mean[k] = static_cast<float>(slab_sums[k] / static_cast<double>(x_len));
+    for (int k = 0; k < 3; ++k) row_col_mean[k] = static_cast<float>(slab_total[k] / static_cast<double>(t.row_col_divisor));
     for (i64 x = threadIdx.x; x < x_len; x += LOPT_TABLE_THREADS) {
       const i64 entry = (q * x_len + x) * i_len + i;
       const float4 stored = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];

@@ -205,16 +205,21 @@ LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays&
   block_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS>(partial, scratch, sums);
 }
 
+// `phase` 0: the whole fold. Where tensors are split among processes their sums are partial: phase 1
+// writes each tensor's sums to tensor_sums, the caller sums them over the processes, and phase 2
+// folds from the totals.
 extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
 small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                    const double* __restrict__ stats_partials, const float* __restrict__ row_table,
                    const float* __restrict__ col_table, const float* __restrict__ network,
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
-                   int* status, float* __restrict__ folded, float* __restrict__ shared_frags) {
+                   int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
+                   double* __restrict__ tensor_sums) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
   if (blockIdx.x == num_tensors) {
+    if (phase == 1) return;
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
     write_split_operand(shared_frags + SFC_SHARED_L2,
@@ -226,7 +231,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   }
   const TensorMeta t = tensors[blockIdx.x];
   const bool skipped = step_is_skipped(flags);
-  if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
+  if (!skipped && phase != 1) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
   __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
   __shared__ double table_sums[LOPT_TABLE_FEATURES];
@@ -236,20 +241,30 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
   __shared__ float time[SFC_NUM_TIME_FEATURES];
   __shared__ int overflowed;
   if (tid == 0) overflowed = 0;
-  if (tid < SFC_NUM_TIME_FEATURES) {
+  if (tid < SFC_NUM_TIME_FEATURES && phase != 1) {
     // time_features: tanh(tau / T_i - 1), tau = steps taken before this one.
     const float tau = static_cast<float>(*pointer<const i64>(groups[t.group].step));
     time[tid] = tanhf(__fsub_rn(__fdiv_rn(tau, SFC_TIMESCALES[tid]), 1.0f));
   }
-  tensor_statistics_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS, SFC_FOLD_LANES>(
-      t, stats_partials, row_table, col_table, SFC_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
-  if (tid < SFC_NUM_FEATURES && !is_finite(static_cast<float>(sums[tid] / static_cast<double>(t.numel))))
-    atomicExch(&overflowed, 1);
-  __syncthreads();
-  if (overflowed && !skipped)
-    sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags),
-                                 tensor_clip_factor(clip_factors, blockIdx.x), row_table, col_table, scratch, sums);
-  if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.numel);
+  double* split_sums = tensor_sums + static_cast<i64>(blockIdx.x) * SFC_NUM_FEATURES;
+  if (phase == 2) {
+    if (tid < SFC_NUM_FEATURES) sums[tid] = split_sums[tid];
+    __syncthreads();
+  } else {
+    tensor_statistics_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS, SFC_FOLD_LANES>(
+        t, stats_partials, row_table, col_table, SFC_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
+    if (tid < SFC_NUM_FEATURES && !is_finite(static_cast<float>(sums[tid] / static_cast<double>(t.count))))
+      atomicExch(&overflowed, 1);
+    __syncthreads();
+    if (overflowed && !skipped)
+      sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags),
+                                   tensor_clip_factor(clip_factors, blockIdx.x), row_table, col_table, scratch, sums);
+    if (phase == 1) {
+      if (tid < SFC_NUM_FEATURES) split_sums[tid] = sums[tid];
+      return;
+    }
+  }
+  if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.count);
   __syncthreads();
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
   write_split_operand(out, [&](int k, int n) {

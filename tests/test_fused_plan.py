@@ -188,3 +188,64 @@ def test_norm_jobs_sum_each_clipped_tensors_squares_once():
     # A factored tensor takes the job with fewer partials: for (300, 5), the sum over its 300 rows (5
     # columns x 5 chunks of 64 rows), not the one over its columns (300 rows x 1 chunk).
     assert jobs[0][n["num_partials"]] == 25
+
+
+def emulated_means(layout: GroupLayout, partials: np.ndarray) -> np.ndarray:
+    """What adafactor_finalize writes: each output's partials summed in chunk order, / the job's divisor."""
+    col = contract.FIELD["AxisJob"]
+    means = np.full(layout.total_axis_outputs, np.nan)
+    for job in layout.static_jobs[:layout.num_mean_jobs]:
+        outputs, first, offset = (int(job[col[n]]) for n in ("num_outputs", "first_output", "partial_offset"))
+        num_xchunks = int(job[col["num_xchunks"]])
+        chunks = partials[offset:offset + num_xchunks * outputs].reshape(num_xchunks, outputs)
+        means[first:first + outputs] = chunks.sum(axis=0) / job[col["divisor"]]
+    return means
+
+
+def test_sharded_layouts_agree_across_processes_and_their_reduced_means_are_the_whole_tensors():
+    """FSDP2's Shard(0) over 2 processes (uneven, and one empty shard): every range the reduce phase
+    sums (the means over the split axis, the row-factor normalisers' slab sums, the norm jobs) has the
+    same place and size in both processes, and the summed partial means are the unsharded means."""
+    shapes = [(7, 5), (5, 9), (3, 4, 5, 6), (11,), (1, 8), (9, 2, 9)]
+    dims = [factored_dims(s) for s in shapes]
+    t = contract.FIELD["TensorMeta"]
+
+    def rows_of(n, rank):  # torch.chunk's split
+        chunk = -(-n // 2)
+        start = min(rank * chunk, n)
+        return start, min(chunk, n - start)
+
+    whole = GroupLayout(shapes, dims, [0] * len(shapes), apply_chunk=128, clipped=[True] * len(shapes))
+    rng = np.random.default_rng(1)
+    squares = [rng.random(math.prod(s)).reshape(s) for s in shapes]
+    full_means = emulated_means(whole, emulated_axis_partials(whole, [s.reshape(-1) for s in squares]))
+    layouts, means, norm_sums = [], [], []
+    for rank in range(2):
+        local_shapes = [(rows_of(s[0], rank)[1],) + s[1:] for s in shapes]
+        layout = GroupLayout(local_shapes, dims, [0] * len(shapes), apply_chunk=128, clipped=[True] * len(shapes),
+                             global_rows=[s[0] for s in shapes])
+        local = [sq[rows_of(s[0], rank)[0]:][:rows_of(s[0], rank)[1]].reshape(-1) for sq, s in zip(squares, shapes)]
+        partials = emulated_axis_partials(layout, local)
+        layouts.append(layout)
+        means.append(emulated_means(layout, partials))
+        n = contract.FIELD["NormJob"]
+        norm_sums.append([partials[j[n["partial_offset"]]:j[n["partial_offset"]] + j[n["num_partials"]]].sum()
+                          for j in layout.static_norm_jobs])
+    a, b = layouts
+    assert a.sharded and a.split_outputs == b.split_outputs > 0 and a.split_slab_sums == b.split_slab_sums > 0
+    assert list(a.static_rows[:, t["row_col_sums"]]) == list(b.static_rows[:, t["row_col_sums"]])
+    assert list(a.static_rows[:, t["count"]]) == [math.prod(s) for s in shapes] == list(b.static_rows[:, t["count"]])
+    assert a.num_norm_jobs == b.num_norm_jobs == len(shapes)
+    np.testing.assert_allclose(np.add(*norm_sums), [s.sum() for s in squares], rtol=1e-12)
+    reduced = means[0][:a.split_outputs] + means[1][:b.split_outputs]
+    for index, dim in enumerate(dims):
+        if dim is None or 0 not in dim:
+            continue
+        which = "row_means" if dim[1] == 0 else "col_means"  # the accumulator that lacks axis 0
+        count = math.prod(shapes[index]) // shapes[index][0]
+        start, full_start = int(a.static_rows[index][t[which]]), int(whole.static_rows[index][t[which]])
+        assert start == int(b.static_rows[index][t[which]]) and start + count <= a.split_outputs
+        np.testing.assert_allclose(reduced[start:start + count], full_means[full_start:full_start + count], rtol=1e-12)
+    # Where d1 is axis 0, row_col_mean divides by the whole axis; elsewhere by the local one.
+    assert a.static_rows[1][t["row_col_divisor"]] == 5 and a.static_rows[1][t["row_col_sums"]] >= 0
+    assert a.static_rows[0][t["row_col_sums"]] == -1

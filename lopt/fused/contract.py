@@ -33,13 +33,20 @@ STRUCTS: dict = {
         "row_table", "col_table",  # first entry of the tensor's R / C in the factor tables
         "row_means", "col_means",  # first entry of its R / C means in the axis-means workspace
         "first_apply_chunk", "num_apply_chunks",  # apply pass: chunks of the optimizer's apply chunk
+        # Sharded parameters (FSDP2, Shard(0)): the row is this process's rows of the tensor; what spans
+        # the whole tensor uses these (on one process: numel, the length of d1, -1).
+        "count",  # elements of the whole tensor (the normalisers' divisor)
+        "row_col_divisor",  # length of axis d1 of the whole tensor (row_col_mean's divisor)
+        "row_col_sums",  # where axis d1 is split: first of this tensor's slab sums (3 per slab) in the
+        #                  buffer reduced across processes between the two factor-table launches; else -1
     ),
-    # One Adafactor reduction: means[first_output + q*i_len + i] = mean_x G[(q*X + x)*I + i], G = g² + 1e-30.
+    # One Adafactor reduction: means[first_output + q*i_len + i] = Σ_x G[(q*X + x)*I + i] / divisor, G = g² + 1e-30
+    # (divisor: X, or the whole tensor's length of the axis where it is split among processes).
     # mode 0 ("strided", I > 1): a thread per output column, a block covers 256 columns x one x-chunk;
     # mode 1 ("contiguous", I == 1): a warp per (q, x-chunk), 8 per block.
     "AxisJob": (
         "src", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
-        "num_outputs", "first_output", "num_col_blocks",
+        "num_outputs", "first_output", "num_col_blocks", "divisor",
     ),
     # max_grad_norm (small_fc_lopt), one row per clipped tensor: Σ g² of the tensor is the sum of the
     # axis pass's partials [partial_offset, partial_offset + num_partials) (less numel·1e-30, as they

@@ -29,6 +29,8 @@ import weakref
 import numpy as np
 import torch
 
+from lopt import distributed
+from lopt.distributed import local_part
 from lopt.fused import launcher
 from lopt.fused.contract import CONSTANTS, FIELD, GROUP_VALUE_FLOATS, GROUP_VALUES, empty_rows
 from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, GroupLayout
@@ -103,6 +105,16 @@ class Plan:
         self.norm_table = launcher.MetadataTable(device)
         if layout.num_norm_jobs:
             self.norm_table.update(layout.static_norm_jobs)
+        # Sharded parameters: the partial sums reduced across processes between launches.
+        self.slab_sums = workspace(layout.split_slab_sums, torch.float64) if layout.split_slab_sums else None
+        if layout.sharded and layout.num_norm_jobs:
+            norm = layout.static_norm_jobs
+            self.norm_sums = workspace(layout.num_norm_jobs, torch.float64)
+            self.norm_tensors = torch.as_tensor(norm[:, FIELD["NormJob"]["tensor"]], device=device)
+            self.norms = workspace(layout.num_norm_jobs, torch.float32)
+            self.max_norms = workspace(layout.num_norm_jobs, torch.float32)  # per clipped tensor, each step
+        else:
+            self.norm_sums = None
         self.group_values = launcher.MetadataTable(device, dtype=np.float32)
         self.group_table = launcher.MetadataTable(device)
         self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
@@ -157,43 +169,58 @@ class FusedEngine:
         clipped_groups = tuple(group.get("max_grad_norm") is not None for group in self.optimizer.param_groups)
         key = (tuple(map(id, params)), tuple(map(len, inputs.params)), clipped_groups)
         plan = self.plan
+        locals_ = [local_part(p) for p in params]  # (a DTensor's rows in this process; else the tensor)
         if plan is not None and plan.key == key:
-            param_pointers = [p.data_ptr() for p in params]
+            param_pointers = [p.data_ptr() for p in locals_]
             if param_pointers == plan.param_pointers or all(
-                    (tuple(p.shape), p.stride()) == geometry for p, geometry in zip(params, plan.geometries)):
+                    (tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
                 plan.param_pointers = param_pointers
                 return plan
         entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
-        groups, shapes, dims, orders = [], [], [], []
-        for g, p in entries:
-            if p.device != self.device:
-                raise RuntimeError(f"the fused backend needs all parameters on {self.device}; one is on {p.device}")
-            order = memory_order(p)
+        groups, shapes, dims, orders, global_rows = [], [], [], [], []
+        for (g, p), local in zip(entries, locals_):
+            if local.device != self.device:
+                raise RuntimeError(f"the fused backend needs all parameters on {self.device}; one is on {local.device}")
+            order = memory_order(local)
             if order is None:  # (refused at construction; a parameter re-strided since)
-                raise RuntimeError(dense_layout_problem(p))
-            logical_dims = self.optimizer.reference.factored_dims(tuple(p.shape))
+                raise RuntimeError(dense_layout_problem(local))
+            shard = distributed.shard_layout(p)
+            if shard.split and order != tuple(range(local.dim())):
+                raise RuntimeError(f"the fused backend steps a sharded parameter's rows in place only when they are "
+                                   f"contiguous; parameter of shape {tuple(p.shape)} has local strides {local.stride()}")
+            logical_dims = self.optimizer.reference.factored_dims(tuple(p.shape))  # (of the whole tensor)
             self._arrange_state(p, order, logical_dims)
             groups.append(g)
             orders.append(order)
-            shapes.append(tuple(p.shape[a] for a in order) if p.dim() else (1,))
+            shapes.append(tuple(local.shape[a] for a in order) if local.dim() else (1,))
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
+            global_rows.append(shard.global_shape[0] if shard.split else None)
         layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK,
-                             clipped=[clipped_groups[g] for g in groups])
+                             clipped=[clipped_groups[g] for g in groups], global_rows=global_rows)
+        if layout.sharded and self.optimizer.reducer.is_identity:
+            raise RuntimeError("sharded parameters need the reducer of their device mesh")
         plan = Plan(key, params, groups, layout, orders, self.device)
-        plan.param_pointers = [p.data_ptr() for p in params]
-        plan.geometries = [(tuple(p.shape), p.stride()) for p in params]
-        plan.strided_rows = {row for row, p in enumerate(params) if not p.is_contiguous()}
+        plan.param_pointers = [p.data_ptr() for p in locals_]
+        plan.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
+        plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
         state = self.optimizer.state
-        plan.state_pointers = np.array([[state[p][name].data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
-                                       dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
+        plan.state_pointers = np.array([[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS]
+                                        for p in params], dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
         plan.param_dtypes = np.array([launcher.DTYPE_CODES[p.dtype] for p in params], dtype=np.int64)
         self._allocate(plan)
         self.plan = plan
         return plan
 
     def _arrange_state(self, p, order, dims) -> None:
-        """Create the parameter's state if needed and lay it out in the parameter's memory order."""
+        """Create the parameter's state if needed and lay it out in the parameter's memory order (a
+        sharded parameter's state is laid out as its rows are: contiguous)."""
         state = self.optimizer.ensure_state(p)
+        if distributed.is_dtensor(p):
+            for name, buf in state.items():
+                if not local_part(buf).is_contiguous() or buf.dtype != torch.float32:
+                    raise RuntimeError(f"the fused backend needs the state {name!r} of a sharded parameter as "
+                                       f"contiguous float32 rows (got {buf.dtype}, strides {local_part(buf).stride()})")
+            return
         n = p.dim()
         axes = {"mom": tuple(range(n)), "rms": tuple(range(n)), "fac_vec_v": tuple(range(n))}
         if dims is not None:
@@ -221,8 +248,8 @@ class FusedEngine:
         Per tensor only its parameter and gradient pointers and the gradient's dtype are read (the
         state's pointers are fixed for the plan), so the host's share of a step stays small whether or
         not the gradients are new tensors every step."""
-        layout, params = plan.layout, plan.params
-        grads = [p.grad for p in params]
+        layout, params = plan.layout, [local_part(p) for p in plan.params]
+        grads = [local_part(p.grad) for p in plan.params]
         # A gradient laid out differently from its parameter is copied into the parameter's layout.
         for row, p in enumerate(params):
             if row in plan.strided_rows and grads[row].stride() != p.stride() or \
@@ -327,6 +354,8 @@ class FusedEngine:
         return args
 
     def _accumulate(self, plan: Plan, inputs) -> None:
+        """The accumulate phase; with sharded parameters, what is partial in each process (the means over
+        a split axis, the norms, the slab sums of row_col_mean) is summed across processes in between."""
         layout, ptr = plan.layout, launcher.pointer
         axis_table = plan.axis_table.table if layout.num_axis_jobs else None
         jobs = np.int32(layout.num_axis_jobs)
@@ -338,13 +367,34 @@ class FusedEngine:
                     (ptr(axis_table), np.int32(layout.num_mean_jobs), np.int64(layout.total_axis_outputs),
                      ptr(plan.axis_partials), ptr(plan.axis_means), ptr(plan.status),
                      ptr(plan.norm_table.table if layout.num_norm_jobs else None), ptr(plan.tensor_table.table),
-                     ptr(plan.group_table.table), ptr(plan.clip_factors)))
+                     ptr(plan.group_table.table), ptr(plan.clip_factors), ptr(plan.norm_sums)))
+        reducer = self.optimizer.reducer
+        if layout.split_outputs:
+            reducer.sum_(plan.axis_means[:layout.split_outputs])
+        if plan.norm_sums is not None:
+            self._sharded_clip_factors(plan, reducer.sum_(plan.norm_sums))
         table_blocks = layout.total_slabs + -(-layout.total_col_entries // TABLE_THREADS)
-        self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
-                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
-                     ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors),
-                     ptr(plan.clip_factors)))
+        phases = (1, 2) if plan.slab_sums is not None else (0,)
+        for phase in phases:
+            self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
+                        (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
+                         np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
+                         ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors),
+                         ptr(plan.clip_factors), np.int32(phase), ptr(plan.slab_sums)))
+            if phase == 1:
+                reducer.sum_(plan.slab_sums)
+
+    def _sharded_clip_factors(self, plan: Plan, square_sums: torch.Tensor) -> None:
+        """max_grad_norm over sharded tensors: the clip factors from the reduced Σ g², as
+        gradient_clip_factor forms them (min(1, (1 / (‖g‖ + 1e-6)) · max_norm), float32), on the device."""
+        groups = self.optimizer.param_groups
+        limits = [groups[plan.groups[int(t)]]["max_grad_norm"] for t in plan.layout.static_norm_jobs[:, 0]]
+        if getattr(plan, "limits", None) != limits:
+            plan.max_norms.copy_(torch.tensor(limits, dtype=torch.float32))
+            plan.limits = limits
+        plan.norms.copy_(square_sums.clamp_(min=0).sqrt_())
+        plan.norms.add_(1e-6).reciprocal_().mul_(plan.max_norms).clamp_(max=1.0)
+        plan.clip_factors.index_copy_(0, plan.norm_tensors, plan.norms)
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""
@@ -354,9 +404,13 @@ class FusedEngine:
             return  # GradScaler's overflow: it skips the step itself
         if int(plan.status[CONSTANTS["STATUS_NONFINITE"]]) == 0:
             return
-        index = next(i for i, p in enumerate(self.optimizer._all_params())
-                     if p.grad is not None and not bool((p.grad.float().abs() < 2.0**64).all()))
-        raise NonFiniteGradientError(f"{type(self.optimizer).__name__}.step: the gradient of parameter #{index} holds "
+        index = next((i for i, p in enumerate(self.optimizer._all_params())
+                      if p.grad is not None and not bool((local_part(p.grad).float().abs() < 2.0**64).all())), None)
+        if index is None:
+            raise NonFiniteGradientError(f"{self.optimizer.__class__.__name__}.step: a gradient of another process holds "
+                                         f"NaN, an infinite value or a value of magnitude >= 2^64; nothing was "
+                                         f"changed (nonfinite='raise')")
+        raise NonFiniteGradientError(f"{self.optimizer.__class__.__name__}.step: the gradient of parameter #{index} holds "
                                      f"NaN, an infinite value or a value of magnitude >= 2^64; nothing was changed "
                                      f"(nonfinite='raise')")
 

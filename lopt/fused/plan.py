@@ -56,22 +56,31 @@ class GroupLayout:
     ``groups[i]`` (the row of its parameter group) describe tensor ``i``; ``apply_chunk`` is the
     number of elements per block-iteration of the optimizer's apply pass; ``clipped[i]`` (optional)
     says that tensor ``i``'s gradient is clipped to a 2-norm (``max_grad_norm``), which needs its Σ g².
+    ``global_rows[i]`` (optional; None for a whole tensor) is the length of axis 0 of the whole tensor
+    when ``shapes[i]`` is only this process's rows of it (FSDP2's ``Shard(0)``; axis 0 must then be
+    outermost in memory): sums over that axis are partial until reduced across processes, and the
+    layout says where they are (``split_outputs``, ``row_col_sums``, the norm jobs), alike in every
+    process.
     """
 
-    def __init__(self, shapes, dims, groups, *, apply_chunk: int, stats_chunk: int = STATS_CHUNK, clipped=None):
+    def __init__(self, shapes, dims, groups, *, apply_chunk: int, stats_chunk: int = STATS_CHUNK, clipped=None,
+                 global_rows=None):
         self.shapes = [tuple(s) for s in shapes]
         self.num_tensors = len(self.shapes)
         clipped = [False] * self.num_tensors if clipped is None else [bool(c) for c in clipped]
+        global_rows = [None] * self.num_tensors if global_rows is None else list(global_rows)
         rows = empty_rows("TensorMeta", self.num_tensors)
         self._jobs = []
         self.job_tensor = []  # the tensor of each axis job
         self.total_axis_blocks = self.total_axis_partials = self.total_axis_outputs = 0
-        stats_chunks = slabs = col_entries = row_entries = apply_chunks = 0
-        factored_jobs = {}  # tensor -> its two Adafactor jobs' (partial_offset, num_partials)
+        stats_chunks = slabs = col_entries = row_entries = apply_chunks = split_slab_sums = 0
+        reductions = []  # (tensor, q, x, i, divisor, which means, split)
         for index, (shape, dim, group) in enumerate(zip(self.shapes, dims, groups)):
             row = rows[index]
             numel = math.prod(shape)
+            split = global_rows[index] is not None
             row[_T["numel"]] = numel
+            row[_T["count"]] = global_rows[index] * math.prod(shape[1:]) if split else numel
             row[_T["group"]] = group
             row[_T["first_stats_chunk"]] = stats_chunks
             row[_T["num_stats_chunks"]] = -(-numel // stats_chunk)
@@ -83,6 +92,7 @@ class GroupLayout:
             row[_T["first_col_entry"]] = col_entries
             row[_T["row_table"]] = row_entries
             row[_T["col_table"]] = col_entries
+            row[_T["row_col_sums"]] = -1
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = 1
             if dim is None:
@@ -93,33 +103,48 @@ class GroupLayout:
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = getattr(g, name)
             d1, d0 = dim
-            num_row_entries = numel // shape[d0]
-            num_col_entries = numel // shape[d1]
-            row[_T["num_slabs"]] = num_row_entries // shape[d1]
+            # A split tensor's axis 0 is one of its factored axes (then it is axis a, with outer = 1) or
+            # neither (then every sum over a factored axis is complete in this process).
+            split_a = split and min(d0, d1) == 0
+            length_a = global_rows[index] if split_a else g.a
+            slab_count = g.outer * g.mid * g.inner  # entries of R sharing all but the d1 coordinate
+            num_row_entries = slab_count * shape[d1]
+            num_col_entries = slab_count * shape[d0]
+            row[_T["num_slabs"]] = slab_count
             row[_T["num_col_entries"]] = num_col_entries
-            slabs += row[_T["num_slabs"]]
+            row[_T["row_col_divisor"]] = length_a if (split_a and d1 == 0) else shape[d1]
+            if split_a and d1 == 0:  # row_col_mean sums R over the split axis
+                row[_T["row_col_sums"]] = split_slab_sums
+                split_slab_sums += 3 * slab_count
+            slabs += slab_count
             col_entries += num_col_entries
             row_entries += num_row_entries
             # Two reductions of G: over axis a (output indexed without a) and over axis b. Their
             # outputs (the means of G) are R's and C's entries in order, so a job's first output is
             # where its accumulator's means start.
-            sum_over_a = (g.outer, g.a, g.mid * g.b * g.inner, "row_means" if g.d0_is_a else "col_means")
-            sum_over_b = (g.outer * g.a * g.mid, g.b, g.inner, "col_means" if g.d0_is_a else "row_means")
-            factored_jobs[index] = []
-            for q, x, i, means in (sum_over_a, sum_over_b):
-                row[_T[means]] = self.total_axis_outputs
-                factored_jobs[index].append(self._add_axis_job(index, q, x, i, outputs=True))
+            reductions.append((index, g.outer, g.a, g.mid * g.b * g.inner, length_a,
+                               "row_means" if g.d0_is_a else "col_means", split_a))
+            reductions.append((index, g.outer * g.a * g.mid, g.b, g.inner, g.b,
+                               "col_means" if g.d0_is_a else "row_means", False))
+        # The reductions over a split axis first: their means, partial in each process, are then one
+        # range of the axis-means workspace, [0, split_outputs), laid out alike in every process.
+        factored_jobs = {}  # tensor -> its two Adafactor jobs' (partial_offset, num_partials)
+        for tensor, q, x, i, divisor, means, _ in sorted(reductions, key=lambda r: not r[-1]):
+            rows[tensor][_T[means]] = self.total_axis_outputs
+            factored_jobs.setdefault(tensor, []).append(self._add_axis_job(tensor, q, x, i, divisor=divisor))
+        self.split_outputs = sum(q * i for _, q, _, i, _, _, split in reductions if split)
+        self.split_slab_sums = int(split_slab_sums)
         self.num_mean_jobs = len(self._jobs)
         # max_grad_norm needs Σ g² of each clipped tensor before the statistics pass: a factored
         # tensor's is the sum of either of its Adafactor jobs' partials (the one with fewer is taken);
         # any other tensor gets a job of its own, one sum over all its elements, after the Adafactor
         # jobs (its partials are not means: finalize leaves them to the norm blocks).
         norm_jobs = []
-        for index in (i for i, c in enumerate(clipped) if c and math.prod(self.shapes[i]) > 0):
+        for index in (i for i, c in enumerate(clipped) if c):
             if index in factored_jobs:
                 offset, count = min(factored_jobs[index], key=lambda job: job[1])
             else:
-                offset, count = self._add_axis_job(index, 1, math.prod(self.shapes[index]), 1, outputs=False)
+                offset, count = self._add_axis_job(index, 1, math.prod(self.shapes[index]), 1, divisor=None)
             norm_jobs.append((index, offset, count))
         self.static_norm_jobs = empty_rows("NormJob", len(norm_jobs))
         for row, values in zip(self.static_norm_jobs, norm_jobs):
@@ -132,10 +157,12 @@ class GroupLayout:
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)
+        self.sharded = any(r is not None for r in global_rows)
 
-    def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, outputs: bool) -> tuple[int, int]:
+    def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, divisor) -> tuple[int, int]:
         """Appends the reduction of ``(q, x, i)`` over x; returns its (partial_offset, num_partials).
-        ``outputs``: its q·i sums become means in the axis-means workspace (else only partials)."""
+        ``divisor``: its q·i sums divided by it become means in the axis-means workspace (None: only
+        partials, for a norm)."""
         job = np.zeros(len(_J), dtype=np.int64)
         contiguous = i == 1
         xchunk = CONTIGUOUS_XCHUNK if contiguous else STRIDED_XCHUNK
@@ -150,14 +177,15 @@ class GroupLayout:
         for name, value in (("q", q), ("x", x), ("i", i), ("mode", int(contiguous)),
                             ("first_block", self.total_axis_blocks), ("num_xchunks", num_xchunks), ("xchunk", xchunk),
                             ("partial_offset", self.total_axis_partials), ("num_outputs", num_outputs),
-                            ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks)):
+                            ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks),
+                            ("divisor", divisor or 0)):
             job[_J[name]] = value
         self._jobs.append(job)
         self.job_tensor.append(tensor)
         placed = (self.total_axis_partials, num_xchunks * num_outputs)
         self.total_axis_blocks += num_blocks
         self.total_axis_partials += num_xchunks * num_outputs
-        if outputs:
+        if divisor is not None:
             self.total_axis_outputs += num_outputs
         return placed
 

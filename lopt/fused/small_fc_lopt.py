@@ -1,7 +1,9 @@
 """Fused small_fc_lopt: launches ``cuda_src/small_fc_lopt.cu`` for every tensor of every group.
 
 Mirrors ``lopt/reference/small_fc_lopt.py``; one step is six launches, whatever the number of
-tensors and groups:
+tensors and groups (with FSDP2's sharded parameters eight, and between them the reduce phase's
+collectives: the means over split axes, the row-factor normalisers where d1 is split, the non-finite
+flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
 
 1. ``adafactor_axis_partials``  sums of G = g² + 1e-30 for the factored accumulators (update_accumulators, R/C part);
                                 with ``max_grad_norm``, also Σ G over each clipped tensor that is not factored
@@ -59,6 +61,7 @@ class SmallFCLOptFused(FusedEngine):
         plan.stats_partials = plan.workspace(layout.total_stats_chunks * NUM_FEATURES, torch.float64)
         plan.folded = plan.workspace(layout.num_tensors * FOLDED_FLOATS, torch.float32)
         plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS, torch.float32)
+        plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
 
     def _statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
@@ -66,13 +69,21 @@ class SmallFCLOptFused(FusedEngine):
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
                      ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.clip_factors), *flags,
                      ptr(plan.stats_partials)))
+        if layout.sharded:  # a bad gradient element in any process's rows skips the step in all of them
+            self.optimizer.reducer.max_(plan.status)
 
     def _control(self, plan: Plan, flags: tuple) -> None:
+        """The fold; with sharded parameters in two launches around the reduce of every tensor's
+        feature sums (one collective)."""
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("small_fc_lopt_fold", layout.num_tensors + 1, FOLD_THREADS,
-                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), ptr(self.network),
-                     ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags)))
+        for phase in ((1, 2) if layout.sharded else (0,)):
+            self.launch("small_fc_lopt_fold", layout.num_tensors + 1, FOLD_THREADS,
+                        (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
+                         ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), ptr(self.network),
+                         ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
+                         ptr(plan.tensor_sums)))
+            if phase == 1:
+                self.optimizer.reducer.sum_(plan.tensor_sums)
 
     def _apply(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout

@@ -300,8 +300,6 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         from lopt.fused import launcher
 
         reason = launcher.fused_unavailable_reason(self.architecture, self._param_devices())
-        if reason is None and any(is_dtensor(p) for p in self._all_params()):
-            reason = "the parameters are DTensors (FSDP2), which only the naive backend steps so far"
         if reason is None:
             reason = self._fused_unsupported_reason()
         if requested == "fused":
