@@ -366,8 +366,8 @@ LOPT_DEVICE float tensor_clip_factor(const float* clip_factors, int tensor) {
 
 // Mean blocks: a thread per R or C entry: the mean of G (its partials summed in chunk order, / the
 // job's divisor: X, or the whole axis's length where this process holds part of it, whose partial
-// means the processes then sum), rounded to float32 as the reference's mean is. Thread 0 also resets the step's status flags: this
-// launch comes before the statistics pass, the only one that sets them.
+// means the processes then sum), rounded to float32 as the reference's mean is. Thread 0 also resets
+// the step's status flags: this launch comes before the statistics pass, the only one that sets them.
 // Norm blocks (max_grad_norm), one per clipped tensor: its Σ g² (the job's partials in a fixed
 // order, less the 1e-30 each element's G carries), and from it the tensor's clip factor; or, where
 // the tensors are split among processes (norm_sums given), the partial Σ g², to be reduced first.

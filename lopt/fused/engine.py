@@ -119,6 +119,7 @@ class Plan:
         self.group_table = launcher.MetadataTable(device)
         self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
         self.pointers = None  # last uploaded pointer rows
+        self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
 
 
 class FusedEngine:
@@ -174,7 +175,7 @@ class FusedEngine:
             param_pointers = [p.data_ptr() for p in locals_]
             if param_pointers == plan.param_pointers or all(
                     (tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
-                plan.param_pointers = param_pointers
+                plan.param_pointers, plan.locals = param_pointers, locals_
                 return plan
         entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
         groups, shapes, dims, orders, global_rows = [], [], [], [], []
@@ -200,7 +201,7 @@ class FusedEngine:
         if layout.sharded and self.optimizer.reducer.is_identity:
             raise RuntimeError("sharded parameters need the reducer of their device mesh")
         plan = Plan(key, params, groups, layout, orders, self.device)
-        plan.param_pointers = [p.data_ptr() for p in locals_]
+        plan.param_pointers, plan.locals = [p.data_ptr() for p in locals_], locals_
         plan.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
         plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
         state = self.optimizer.state
@@ -248,7 +249,7 @@ class FusedEngine:
         Per tensor only its parameter and gradient pointers and the gradient's dtype are read (the
         state's pointers are fixed for the plan), so the host's share of a step stays small whether or
         not the gradients are new tensors every step."""
-        layout, params = plan.layout, [local_part(p) for p in plan.params]
+        layout, params = plan.layout, plan.locals  # (this step's, from _plan_for)
         grads = [local_part(p.grad) for p in plan.params]
         # A gradient laid out differently from its parameter is copied into the parameter's layout.
         for row, p in enumerate(params):
