@@ -250,6 +250,9 @@ LOPT_DEVICE float clip_log_abs(float x) {
   return __fmul_rn(fminf(fmaxf(logf(__fadd_rn(1e-8f, fabsf(__fmul_rn(x, 10.0f)))), -5.0f), 5.0f), 0.5f);
 }
 
+// `phase` 0: the whole control step of each tensor. Where tensors are split among processes (FSDP2)
+// their sums are partial: phase 1 writes each tensor's sums to tensor_sums, the caller sums them over
+// the processes, and phase 2 goes on from the totals (dividing by the whole tensor's count).
 extern "C" __global__ void __launch_bounds__(VELO_CONTROL_THREADS)
 velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __restrict__ velo_tensors,
                     int num_tensors, const GroupMeta* __restrict__ groups, const double* __restrict__ stats_partials,
@@ -259,41 +262,69 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
                     const float* __restrict__ loss_decays, const void* loss_tensor, int loss_dtype, float loss_value,
                     float loss_divisor, i64 num_steps, float* __restrict__ feature_scales,
                     double* __restrict__ lstm_inputs, float* __restrict__ param_scales,
-                    unsigned long long* __restrict__ mixed_max) {
+                    unsigned long long* __restrict__ mixed_max, int phase, double* __restrict__ tensor_sums) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const int r = blockIdx.x;
   const TensorMeta t = tensors[r];
+  __shared__ double lane_sums[VELO_STATS][VELO_CONTROL_LANES];
+  __shared__ double table_scratch[VELO_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
+  __shared__ double table_sums[LOPT_TABLE_FEATURES];
+  __shared__ double sums[VELO_STATS];
+  double* split_sums = tensor_sums + static_cast<i64>(r) * VELO_STATS;
+  // The statistics pass's shifts of the old momentum and rms: this process's first element (none in
+  // an empty shard). Sums from several processes have different shifts: phase 1 removes them.
+  float shift_mom[3] = {0.f, 0.f, 0.f}, shift_rms = 0.f;
+  if (t.numel > 0 && phase != 2) {
+    const float* mom0 = pointer<const float>(t.mom);
+    for (int k = 0; k < 3; ++k) shift_mom[k] = mom0[k];
+    shift_rms = pointer<const float>(t.rms)[0];
+  }
+  if (phase == 2) {
+    if (tid < VELO_STATS) sums[tid] = split_sums[tid];
+    __syncthreads();
+  } else {
+    tensor_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
+        t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
+  }
+  if (phase == 1) {
+    // This process's sums, the momentum and rms ones as plain Σx and Σx² (float64; what the
+    // variances then lose to cancellation, ~1e-16 of the squared mean, is far below the resolution
+    // of clip_log_abs, whose argument is floored at e^-5 / 10).
+    if (tid < VELO_NUM_FEATURES + 1) {
+      split_sums[tid] = sums[tid];
+    } else if (tid < VELO_NUM_FEATURES + 5) {
+      const int k = tid - VELO_NUM_FEATURES - 1;  // 0..2: momenta, 3: rms
+      const double shift = k < 3 ? shift_mom[k] : shift_rms, local_count = static_cast<double>(t.numel);
+      const double* lstm = sums + VELO_NUM_FEATURES;
+      const double offsets = k < 3 ? lstm[1 + k] : lstm[7], squares = k < 3 ? lstm[4 + k] : lstm[8];
+      double* out = split_sums + VELO_NUM_FEATURES;
+      out[k < 3 ? 1 + k : 7] = offsets + local_count * shift;
+      out[k < 3 ? 4 + k : 8] = squares + 2.0 * shift * offsets + local_count * shift * shift;
+    }
+    return;
+  }
   const float loss = step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor});
   const bool skipped = velo_step_is_skipped(flags, loss);
   if (r == 0)
     for (int j = tid; j < VELO_HIDDEN; j += VELO_CONTROL_THREADS) mixed_max[j] = 0ull;  // +0.0: velo_mix maxes into it
   if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, VELO_CONTROL_THREADS);
-
-  __shared__ double lane_sums[VELO_STATS][VELO_CONTROL_LANES];
-  __shared__ double table_scratch[VELO_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
-  __shared__ double table_sums[LOPT_TABLE_FEATURES];
-  __shared__ double sums[VELO_STATS];
-  tensor_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
-      t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
-  const double n = static_cast<double>(t.numel);
+  const double n = static_cast<double>(t.count);
   if (tid < VELO_NUM_FEATURES)  // normalise_features
-    feature_scales[static_cast<i64>(r) * VELO_NUM_FEATURES + tid] = normaliser_scale(sums[tid], t.numel);
+    feature_scales[static_cast<i64>(r) * VELO_NUM_FEATURES + tid] = normaliser_scale(sums[tid], t.count);
   if (tid != 0) return;
   // One thread: the tensor's statistics and LSTM input row.
   const double* lstm = sums + VELO_NUM_FEATURES;
   const float mean_square_param = static_cast<float>(lstm[0] / n);
   param_scales[r] = sqrtf(__fadd_rn(mean_square_param, 1e-9f));
   const double nu = rsqrtf(fmaxf(mean_square_param, 1e-9f));  // ν, float32 as in the reference
-  const float* mom0 = pointer<const float>(t.mom);  // the statistics pass's shifts
-  const double shift_rms = pointer<const float>(t.rms)[0];
   const double rms_offset = lstm[7] / n, rms_square = lstm[8] / n;
   float statistics[7];  // μ_v, var_m (3), var_v (3)
   statistics[0] = static_cast<float>(nu * (shift_rms + rms_offset));
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
     const double offset = lstm[1 + k] / n;  // mean of m_k − s_k
-    const double mean_mom = nu * (static_cast<double>(mom0[k]) + offset);  // μ_m,k of m̃ = ν·m
+    const double mean_mom = nu * (static_cast<double>(shift_mom[k]) + offset);  // μ_m,k of m̃ = ν·m
     statistics[1 + k] = static_cast<float>(fmax(nu * nu * (lstm[4 + k] / n - offset * offset), 0.0));
     // var_v,k = mean (ν·v − μ_m,k)² = ν²·E[(v − s_v)²] + 2ν·c·E[v − s_v] + c², c = ν·s_v − μ_m,k
     const double c = nu * shift_rms - mean_mom;

@@ -556,11 +556,7 @@ def test_unsupported_layouts_are_refused_with_what_is_supported(distributed_resu
             assert re.search(supported, message), (case, message)
     assert messages[name, "groups_after_refusal"] == 1
     assert re.search(r"process_group='local' cannot step DTensor parameters", messages[name, "local"])
-    if name == "velo":
-        assert re.search(r"the parameters are DTensors \(FSDP2\), which VeLO's fused backend does not step yet",
-                         messages[name, "fused_reason"])
-    else:
-        assert messages[name, "fused_reason"] is None
+    assert messages[name, "fused_reason"] is None  # (both fused engines step FSDP2's shards)
     assert re.search(r"gradient of parameter #0 is a plain tensor, but the parameter is a DTensor",
                      messages[name, "plain_grad"])
     assert messages[name, "plain_grad_unchanged"]

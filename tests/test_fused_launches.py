@@ -145,9 +145,9 @@ def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector
         gc.enable()
 
 
-def sharded_worker(rank, init_file, out_file):
-    """One of two gloo processes: SmallFCLOpt's fused engine (kernels recorded, CPU tensors standing in
-    for device memory) on DTensor parameters sharded on dim 0, two steps."""
+def sharded_worker(rank, name, init_file, out_file):
+    """One of two gloo processes: a fused engine (kernels recorded, CPU tensors standing in for device
+    memory) on DTensor parameters sharded on dim 0, two steps."""
     import traceback
 
     import torch.distributed as dist
@@ -167,11 +167,12 @@ def sharded_worker(rank, init_file, out_file):
         g = torch.Generator().manual_seed(0)
         shapes = [(7, 5), (5, 9), (3, 4, 5, 6), (11,), (1, 8)]
         params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=g), mesh, [Shard(0)])) for s in shapes]
-        opt = engine_for("small_fc_lopt", [{"params": params[:2], "max_grad_norm": 0.1}, {"params": params[2:]}])
+        clipped = {"max_grad_norm": 0.1} if name == "small_fc_lopt" else {}
+        opt = engine_for(name, [{"params": params[:2], **clipped}, {"params": params[2:]}])
         for step in range(2):
             for p in params:
                 p.grad = distribute_tensor(torch.randn(p.shape, generator=g), mesh, [Shard(0)])
-            opt.step()
+            opt.step(torch.tensor(1.5 + rank)) if opt.requires_loss else opt.step()
         result["launches"] = launches
         result["collectives"] = opt.reducer.collectives
         result["layout"] = opt._fused_engine.plan.layout
@@ -181,25 +182,36 @@ def sharded_worker(rank, init_file, out_file):
     torch.save(result, f"{out_file}.{rank}")
 
 
-def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path):
-    """FSDP2 (gloo, 2 processes, recorded kernels): eight launches per step, each matching its kernel's
-    declaration, and five collectives (the split means, the slab sums, max_grad_norm's sums, the
-    non-finite flag, the feature sums), laid out alike in both processes."""
+SHARDED_STEPS = {
+    "small_fc_lopt": (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
+                       "adafactor_factor_tables", "small_fc_lopt_feature_stats", "small_fc_lopt_fold",
+                       "small_fc_lopt_fold", "small_fc_lopt_apply"],
+                      5),  # the split means, the slab sums, max_grad_norm's sums, the non-finite flag, the feature sums
+    "velo": (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables", "adafactor_factor_tables",
+              "velo_statistics", "velo_tensor_control", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads",
+              "velo_table_contributions", "velo_apply"],
+             5),  # the loss's mean, the split means, the slab sums, the non-finite flag, the tensors' sums
+}
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
+    """FSDP2 (gloo, 2 processes, recorded kernels): the launches of a step, each matching its kernel's
+    declaration, and a fixed number of collectives, laid out alike in both processes."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "result")
-    mp.spawn(sharded_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    mp.spawn(sharded_worker, args=(name, str(tmp_path / "init"), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
     for rank, result in enumerate(results):
         assert "error" not in result, f"process {rank}:\n{result['error']}"
-    declared = declared_kernels("small_fc_lopt.cu")
+    declared = declared_kernels(f"{name}.cu")
+    launches, collectives = SHARDED_STEPS[name]
     names = [launch[0] for launch in results[0]["launches"]]
-    assert names == ["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
-                     "adafactor_factor_tables", "small_fc_lopt_feature_stats", "small_fc_lopt_fold",
-                     "small_fc_lopt_fold", "small_fc_lopt_apply"] * 2
+    assert names == launches * 2
     for kernel, grid, block, args in results[0]["launches"] + results[1]["launches"]:
         types = declared[kernel]
         assert [type(a) for a in args] == [np.uint64 if t == "pointer" else C_TYPES[t] for t in types], kernel
-    assert results[0]["collectives"] == results[1]["collectives"] == 1 + 2 * 5  # (+1: the same-tensors check)
+    assert results[0]["collectives"] == results[1]["collectives"] == 1 + 2 * collectives  # (+1: the same-tensors check)
     a, b = (r["layout"] for r in results)
     assert (a.split_outputs, a.split_slab_sums, a.num_norm_jobs) == (b.split_outputs, b.split_slab_sums, b.num_norm_jobs)

@@ -18,6 +18,15 @@ of tensors and groups:
 10.  ``velo_apply``           update_accumulators, per_element_features, per_element_mlp, velo_update,
      apply_update; the loss buffer and step counters advance (or a skipped step is counted)
 
+With FSDP2's sharded parameters a step is twelve launches at most: ``adafactor_factor_tables`` runs
+in two where a row factor's mean spans the split axis, and ``velo_tensor_control`` always in two,
+around the reduce of every tensor's sums (its 30 feature sums of squares and the LSTM statistics'
+sums, as plain Σx and Σx² of the old momentum and rms). Between the passes the reduce phase's
+collectives complete what each process holds only part of (``docs/distributed.md``): the means
+over split axes, the row-factor normalisers, the non-finite flag and those per-tensor sums. The
+LSTM inputs computed from the totals are the same in every process, so the controller (mix, LSTM,
+heads) runs replicated and needs no collective of its own.
+
 A step never synchronises with the host: the loss is read on the device (a CUDA tensor, or the
 losses handed to ``accumulate_loss``), or passed by value (a Python number), and a non-finite loss
 or gradient turns every write into a no-op on the device.
@@ -85,6 +94,7 @@ class VeLOFused(FusedEngine):
         plan.row_contributions = plan.workspace(layout.total_row_entries * 4, torch.float32)
         plan.col_contributions = plan.workspace(layout.total_col_entries * 4, torch.float32)
         plan.loss = plan.workspace(1, torch.float32)  # a loss tensor of another dtype or device, converted
+        plan.tensor_sums = plan.workspace(n * STATS_PER_CHUNK, torch.float64) if layout.sharded else None
         rows = empty_rows("VeloTensor", n)
         for row, p in enumerate(plan.params):
             state = self.optimizer.state[p]
@@ -123,17 +133,24 @@ class VeLOFused(FusedEngine):
         self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
                      ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
+        if layout.sharded:  # a bad gradient element in any process's rows skips the step in all of them
+            self.optimizer.reducer.max_(plan.status)
 
     def _step_arguments(self, plan: Plan, loss) -> tuple:
         return (self._loss_arguments(plan, loss),)
 
     def _control(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
         ptr, n = launcher.pointer, plan.layout.num_tensors
-        self.launch("velo_tensor_control", n, CONTROL_THREADS,
-                    (ptr(plan.tensor_table.table), ptr(plan.velo_table.table), np.int32(n), ptr(plan.group_table.table),
-                     ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), *flags,
-                     *self._loss_buffer_arguments(), *loss_arguments, np.int64(self.optimizer.num_steps),
-                     ptr(plan.feature_scales), ptr(plan.lstm_inputs), ptr(plan.param_scales), ptr(plan.mixed_max)))
+        # With sharded parameters in two launches around the reduce of every tensor's sums (one collective).
+        for phase in ((1, 2) if plan.layout.sharded else (0,)):
+            self.launch("velo_tensor_control", n, CONTROL_THREADS,
+                        (ptr(plan.tensor_table.table), ptr(plan.velo_table.table), np.int32(n),
+                         ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
+                         ptr(plan.col_table), *flags, *self._loss_buffer_arguments(), *loss_arguments,
+                         np.int64(self.optimizer.num_steps), ptr(plan.feature_scales), ptr(plan.lstm_inputs),
+                         ptr(plan.param_scales), ptr(plan.mixed_max), np.int32(phase), ptr(plan.tensor_sums)))
+            if phase == 1:
+                self.optimizer.reducer.sum_(plan.tensor_sums)
         rnn = self.rnn
         self.launch("velo_mix", n, HIDDEN,
                     (ptr(plan.lstm_inputs), ptr(rnn["mix_layer2.weight"]), ptr(rnn["mix_layer2.bias"]),

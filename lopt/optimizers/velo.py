@@ -198,11 +198,6 @@ class VeLO(LearnedOptimizer):
         super()._init_caches()
         self._constants_cache = {}
 
-    def _fused_unsupported_reason(self) -> str | None:
-        if self.has_sharded_parameters:
-            return "the parameters are DTensors (FSDP2), which VeLO's fused backend does not step yet"
-        return super()._fused_unsupported_reason()
-
     def _make_fused_engine(self):
         from lopt.fused.velo import VeLOFused
 
