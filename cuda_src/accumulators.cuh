@@ -59,14 +59,22 @@ struct ElementState {
   float full[3];  // V (unused for factored tensors)
 };
 
+// Where decay k of element e of mom (and fac_full) is: planes of numel floats, or side by side
+// (branch-free: a select would cost the statistics pass registers it spills).
+LOPT_DEVICE i64 state_index(const TensorMeta& t, i64 e, int k) {
+  return e * (t.state_plane == 1 ? 3 : 1) + k * t.state_plane;
+}
+
 LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
   ElementState s;
-  const float* mom = pointer<const float>(t.mom) + e * 3;
-  s.mom[0] = mom[0]; s.mom[1] = mom[1]; s.mom[2] = mom[2];
+  const float* mom = pointer<const float>(t.mom);
+#pragma unroll
+  for (int k = 0; k < 3; ++k) s.mom[k] = mom[state_index(t, e, k)];
   s.rms = pointer<const float>(t.rms)[e];
   if (!t.factored) {
-    const float* full = pointer<const float>(t.fac_full) + e * 3;
-    s.full[0] = full[0]; s.full[1] = full[1]; s.full[2] = full[2];
+    const float* full = pointer<const float>(t.fac_full);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) s.full[k] = full[state_index(t, e, k)];
   } else {
     s.full[0] = s.full[1] = s.full[2] = 0.f;
   }
@@ -74,12 +82,14 @@ LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
 }
 
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
-  float* mom = pointer<float>(t.mom) + e * 3;
-  mom[0] = s.mom[0]; mom[1] = s.mom[1]; mom[2] = s.mom[2];
+  float* mom = pointer<float>(t.mom);
+#pragma unroll
+  for (int k = 0; k < 3; ++k) mom[state_index(t, e, k)] = s.mom[k];
   pointer<float>(t.rms)[e] = s.rms;
   if (!t.factored) {
-    float* full = pointer<float>(t.fac_full) + e * 3;
-    full[0] = s.full[0]; full[1] = s.full[1]; full[2] = s.full[2];
+    float* full = pointer<float>(t.fac_full);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) full[state_index(t, e, k)] = s.full[k];
   }
 }
 

@@ -173,7 +173,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
                            const float4* row_factors, const float4* col_factors, float squares[VELO_NUM_FEATURES],
                            float lstm[VELO_LSTM_SUMS]) {
   const float* mom0 = pointer<const float>(t.mom);
-  const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
+  const float shift_mom[3] = {mom0[state_index(t, 0, 0)], mom0[state_index(t, 0, 1)], mom0[state_index(t, 0, 2)]};
   const float shift_rms = pointer<const float>(t.rms)[0];
   bool unusable = false;
 #pragma unroll STATS_UNROLL
@@ -277,7 +277,7 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   float shift_mom[3] = {0.f, 0.f, 0.f}, shift_rms = 0.f;
   if (t.numel > 0 && phase != 2) {
     const float* mom0 = pointer<const float>(t.mom);
-    for (int k = 0; k < 3; ++k) shift_mom[k] = mom0[k];
+    for (int k = 0; k < 3; ++k) shift_mom[k] = mom0[state_index(t, 0, k)];
     shift_rms = pointer<const float>(t.rms)[0];
   }
   if (phase == 2) {
@@ -566,39 +566,87 @@ LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float
   return make_float2(out[0], out[1]);
 }
 
+// What the apply pass reads of one element before computing anything: its gradient (clipped),
+// parameter and accumulators, and for a factored tensor its factors and table share.
+struct ElementInputs {
+  float grad, param;
+  ElementState state;
+  float4 row_factor, col_factor, table_share;
+};
+
+template <bool Factored>
+LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const float4* row_factors,
+                                              const float4* col_factors, const float4* row_contributions,
+                                              const float4* col_contributions, float inverse_scale) {
+  ElementInputs in;
+  in.grad = clip_gradient(load_gradient(t, e, inverse_scale));
+  in.param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  in.state = load_element_state(t, e);
+  in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (Factored) {
+    const FactorIndex f = factor_index(t, e);
+    in.row_factor = __ldg(row_factors + t.row_table + f.row);
+    in.col_factor = __ldg(col_factors + t.col_table + f.col);
+    const float4 r = __ldg(row_contributions + t.row_table + f.row), c = __ldg(col_contributions + t.col_table + f.col);
+    in.table_share = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
+  }
+  return in;
+}
+
+template <bool Factored>
+LOPT_DEVICE void apply_element(const TensorMeta& t, const ApplyScalars& a, i64 e, ElementInputs in, const float* record) {
+  ElementState& s = in.state;
+  update_accumulators(s, in.grad, a.decays, Factored);
+  store_element_state(t, e, s);
+  float x[VELO_NUM_FEATURES];
+  FactorEntry row = {}, col = {};
+  if (Factored) {
+    row.factor[0] = in.row_factor.x; row.factor[1] = in.row_factor.y; row.factor[2] = in.row_factor.z;
+    col.factor[0] = in.col_factor.x; col.factor[1] = in.col_factor.y; col.factor[2] = in.col_factor.z;
+  }
+  per_element_features(x, in.grad, in.param, s, Factored, row, col);  // (factored: features 15..26 unused)
+  const float2 output = per_element_mlp<Factored>(x, record, in.table_share);
+  // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)), then apply_update.
+  const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
+                                 __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
+                                           __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, a.exp_mult))), a.step_mult)));
+  apply_update(t, e, in.param, update, a);
+}
+
+#ifndef VELO_APPLY_PREFETCH
+#define VELO_APPLY_PREFETCH 0  // 1: load the next chunk's element while computing this one's
+#endif
+
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
 // they stay in registers through the loop instead of being re-read (from shared memory) per element.
 template <bool Factored>
 LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
                               const float4* row_factors, const float4* col_factors, const float4* row_contributions,
                               const float4* col_contributions, float inverse_scale) {
-  for (; chunk < end; ++chunk) {
-    const i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
-    if (e >= t.numel) break;
-    const float grad = clip_gradient(load_gradient(t, e, inverse_scale));
-    const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-    ElementState s = load_element_state(t, e);
-    update_accumulators(s, grad, a.decays, Factored);
-    store_element_state(t, e, s);
-    float x[VELO_NUM_FEATURES];
-    float4 table_share = make_float4(0.f, 0.f, 0.f, 0.f);
-    FactorEntry row = {}, col = {};
-    if (Factored) {
-      const FactorIndex f = factor_index(t, e);
-      const float4 rf = __ldg(row_factors + t.row_table + f.row), cf = __ldg(col_factors + t.col_table + f.col);
-      row.factor[0] = rf.x; row.factor[1] = rf.y; row.factor[2] = rf.z;
-      col.factor[0] = cf.x; col.factor[1] = cf.y; col.factor[2] = cf.z;
-      const float4 r = __ldg(row_contributions + t.row_table + f.row), c = __ldg(col_contributions + t.col_table + f.col);
-      table_share = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
-    }
-    per_element_features(x, grad, param, s, Factored, row, col);  // (factored: features 15..26 unused)
-    const float2 output = per_element_mlp<Factored>(x, record, table_share);
-    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)), then apply_update.
-    const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
-                                   __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
-                                             __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, a.exp_mult))), a.step_mult)));
-    apply_update(t, e, param, update, a);
+  i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
+#if VELO_APPLY_PREFETCH
+  if (chunk >= end || e >= t.numel) return;
+  ElementInputs in = load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
+                                                   col_contributions, inverse_scale);
+  for (;;) {
+    const i64 next = e + VELO_APPLY_CHUNK;
+    const bool more = ++chunk < end && next < t.numel;
+    ElementInputs following;
+    if (more)
+      following = load_element_inputs<Factored>(t, next, row_factors, col_factors, row_contributions,
+                                                col_contributions, inverse_scale);
+    apply_element<Factored>(t, a, e, in, record);
+    if (!more) break;
+    in = following;
+    e = next;
   }
+#else
+  for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK)
+    apply_element<Factored>(t, a, e,
+                            load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
+                                                          col_contributions, inverse_scale),
+                            record);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
