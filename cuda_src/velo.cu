@@ -529,41 +529,61 @@ velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors
 #define VELO_APPLY_MIN_BLOCKS 4
 #endif
 
-// per_element_mlp, the direction and magnitude outputs: o = W2 relu(W1 relu(W0' x + b0) + b1) + b2.
+// per_element_mlp, the direction and magnitude outputs: o = W2 relu(W1 relu(W0' x + b0) + b1) + b2,
+// for N elements at once (each weight read from shared memory serves all N).
 // For a factored tensor the table features' share of the first layer comes precomputed per entry
 // (`table_share`, from velo_table_contributions) and features 15..26 are not read.
-template <bool Factored>
-LOPT_DEVICE float2 per_element_mlp(const float x[VELO_NUM_FEATURES], const float* record, float4 table_share) {
+template <bool Factored, int N>
+LOPT_DEVICE void per_element_mlp(const float (&x)[N][VELO_NUM_FEATURES], const float* record,
+                                 const float4 (&table_share)[N], float2 (&out)[N]) {
   const float4* w0 = reinterpret_cast<const float4*>(record + VELO_RECORD_W0);
-  float h1[VELO_FF] = {table_share.x, table_share.y, table_share.z, table_share.w};
+  float h1[N][VELO_FF];
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    h1[n][0] = table_share[n].x; h1[n][1] = table_share[n].y; h1[n][2] = table_share[n].z; h1[n][3] = table_share[n].w;
+  }
 #pragma unroll
   for (int j = 0; j < VELO_NUM_FEATURES; ++j) {
     if (Factored && is_table_feature(j)) continue;
     const float4 w = w0[j];
-    h1[0] = fmaf(w.x, x[j], h1[0]);
-    h1[1] = fmaf(w.y, x[j], h1[1]);
-    h1[2] = fmaf(w.z, x[j], h1[2]);
-    h1[3] = fmaf(w.w, x[j], h1[3]);
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      h1[n][0] = fmaf(w.x, x[n][j], h1[n][0]);
+      h1[n][1] = fmaf(w.y, x[n][j], h1[n][1]);
+      h1[n][2] = fmaf(w.z, x[n][j], h1[n][2]);
+      h1[n][3] = fmaf(w.w, x[n][j], h1[n][3]);
+    }
   }
   const float4 b0 = *reinterpret_cast<const float4*>(record + VELO_RECORD_B0);
-  h1[0] = fmaxf(__fadd_rn(h1[0], b0.x), 0.f);
-  h1[1] = fmaxf(__fadd_rn(h1[1], b0.y), 0.f);
-  h1[2] = fmaxf(__fadd_rn(h1[2], b0.z), 0.f);
-  h1[3] = fmaxf(__fadd_rn(h1[3], b0.w), 0.f);
-  float h2[VELO_FF];
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    h1[n][0] = fmaxf(__fadd_rn(h1[n][0], b0.x), 0.f);
+    h1[n][1] = fmaxf(__fadd_rn(h1[n][1], b0.y), 0.f);
+    h1[n][2] = fmaxf(__fadd_rn(h1[n][2], b0.z), 0.f);
+    h1[n][3] = fmaxf(__fadd_rn(h1[n][3], b0.w), 0.f);
+  }
+  float h2[N][VELO_FF];
 #pragma unroll
   for (int u = 0; u < VELO_FF; ++u) {
     const float4 w = *reinterpret_cast<const float4*>(record + VELO_RECORD_W1 + u * VELO_FF);
-    const float acc = fmaf(w.w, h1[3], fmaf(w.z, h1[2], fmaf(w.y, h1[1], w.x * h1[0])));
-    h2[u] = fmaxf(__fadd_rn(acc, record[VELO_RECORD_B1 + u]), 0.f);
-  }
-  float out[2];
+    const float bias = record[VELO_RECORD_B1 + u];
 #pragma unroll
-  for (int o = 0; o < 2; ++o) {
-    const float4 w = *reinterpret_cast<const float4*>(record + VELO_RECORD_W2 + o * VELO_FF);
-    out[o] = __fadd_rn(fmaf(w.w, h2[3], fmaf(w.z, h2[2], fmaf(w.y, h2[1], w.x * h2[0]))), record[VELO_RECORD_B2 + o]);
+    for (int n = 0; n < N; ++n) {
+      const float acc = fmaf(w.w, h1[n][3], fmaf(w.z, h1[n][2], fmaf(w.y, h1[n][1], w.x * h1[n][0])));
+      h2[n][u] = fmaxf(__fadd_rn(acc, bias), 0.f);
+    }
   }
-  return make_float2(out[0], out[1]);
+  float o[N][2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float4 w = *reinterpret_cast<const float4*>(record + VELO_RECORD_W2 + k * VELO_FF);
+    const float bias = record[VELO_RECORD_B2 + k];
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      o[n][k] = __fadd_rn(fmaf(w.w, h2[n][3], fmaf(w.z, h2[n][2], fmaf(w.y, h2[n][1], w.x * h2[n][0]))), bias);
+  }
+#pragma unroll
+  for (int n = 0; n < N; ++n) out[n] = make_float2(o[n][0], o[n][1]);
 }
 
 // What the apply pass reads of one element before computing anything: its gradient (clipped),
@@ -593,28 +613,40 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
   return in;
 }
 
-template <bool Factored>
-LOPT_DEVICE void apply_element(const TensorMeta& t, const ApplyScalars& a, i64 e, ElementInputs in, const float* record) {
-  ElementState& s = in.state;
-  update_accumulators(s, in.grad, a.decays, Factored);
-  store_element_state(t, e, s);
-  float x[VELO_NUM_FEATURES];
-  FactorEntry row = {}, col = {};
-  if (Factored) {
-    row.factor[0] = in.row_factor.x; row.factor[1] = in.row_factor.y; row.factor[2] = in.row_factor.z;
-    col.factor[0] = in.col_factor.x; col.factor[1] = in.col_factor.y; col.factor[2] = in.col_factor.z;
+// Elements e[0..N) of a tensor, from their loaded inputs.
+template <bool Factored, int N>
+LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const i64 (&e)[N], ElementInputs (&in)[N],
+                                const float* record) {
+  float x[N][VELO_NUM_FEATURES];
+  float4 table_share[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    ElementState& s = in[n].state;
+    update_accumulators(s, in[n].grad, a.decays, Factored);
+    store_element_state(t, e[n], s);
+    FactorEntry row = {}, col = {};
+    if (Factored) {
+      row.factor[0] = in[n].row_factor.x; row.factor[1] = in[n].row_factor.y; row.factor[2] = in[n].row_factor.z;
+      col.factor[0] = in[n].col_factor.x; col.factor[1] = in[n].col_factor.y; col.factor[2] = in[n].col_factor.z;
+    }
+    per_element_features(x[n], in[n].grad, in[n].param, s, Factored, row, col);  // (factored: 15..26 unused)
+    table_share[n] = in[n].table_share;
   }
-  per_element_features(x, in.grad, in.param, s, Factored, row, col);  // (factored: features 15..26 unused)
-  const float2 output = per_element_mlp<Factored>(x, record, in.table_share);
-  // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)), then apply_update.
-  const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
-                                 __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
-                                           __fmul_rn(__fmul_rn(output.x, expf(__fmul_rn(output.y, a.exp_mult))), a.step_mult)));
-  apply_update(t, e, in.param, update, a);
+  float2 output[N];
+  per_element_mlp<Factored, N>(x, record, table_share, output);
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)), then apply_update.
+    const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
+                                   __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
+                                             __fmul_rn(__fmul_rn(output[n].x, expf(__fmul_rn(output[n].y, a.exp_mult))),
+                                                       a.step_mult)));
+    apply_update(t, e[n], in[n].param, update, a);
+  }
 }
 
-#ifndef VELO_APPLY_PREFETCH
-#define VELO_APPLY_PREFETCH 0  // 1: load the next chunk's element while computing this one's
+#ifndef VELO_APPLY_ELEMENTS
+#define VELO_APPLY_ELEMENTS 1  // elements per thread at a time (2: chunks in pairs, each weight read serves both)
 #endif
 
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
@@ -624,29 +656,23 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
                               const float4* row_factors, const float4* col_factors, const float4* row_contributions,
                               const float4* col_contributions, float inverse_scale) {
   i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
-#if VELO_APPLY_PREFETCH
-  if (chunk >= end || e >= t.numel) return;
-  ElementInputs in = load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
-                                                   col_contributions, inverse_scale);
-  for (;;) {
-    const i64 next = e + VELO_APPLY_CHUNK;
-    const bool more = ++chunk < end && next < t.numel;
-    ElementInputs following;
-    if (more)
-      following = load_element_inputs<Factored>(t, next, row_factors, col_factors, row_contributions,
-                                                col_contributions, inverse_scale);
-    apply_element<Factored>(t, a, e, in, record);
-    if (!more) break;
-    in = following;
-    e = next;
+#if VELO_APPLY_ELEMENTS == 2
+  for (; chunk + 1 < end && e + VELO_APPLY_CHUNK < t.numel; chunk += 2, e += 2 * VELO_APPLY_CHUNK) {
+    const i64 pair[2] = {e, e + VELO_APPLY_CHUNK};
+    ElementInputs in[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+      in[n] = load_element_inputs<Factored>(t, pair[n], row_factors, col_factors, row_contributions, col_contributions,
+                                            inverse_scale);
+    apply_elements<Factored, 2>(t, a, pair, in, record);
   }
-#else
-  for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK)
-    apply_element<Factored>(t, a, e,
-                            load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
-                                                          col_contributions, inverse_scale),
-                            record);
 #endif
+  for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK) {
+    const i64 one[1] = {e};
+    ElementInputs in[1] = {load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
+                                                         col_contributions, inverse_scale)};
+    apply_elements<Factored, 1>(t, a, one, in, record);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
