@@ -150,6 +150,8 @@ def measure(name, backend, param_set, weights, steps, warmup, defines=(), option
     row = {"optimizer": name, "backend": label, "param_set": param_set, "mode": "step",
            "ms_per_step": round(statistics.median(times), 4), "ms_all": [round(t, 4) for t in times],
            "launches_per_step": launches, "peak_extra_mib": round(peak, 1), "kernel_ms": split}
+    print(f"  measured {name} {label} on {param_set}: {row['ms_per_step']:.3f} ms/step; "
+          + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])[:3]), flush=True)
     del opt, params, grad_sets
     torch.cuda.empty_cache()
     return row

@@ -59,8 +59,13 @@ def _dist():
 _DTENSOR_CLASS: list = []  # [DTensor] once looked up, [None] in a torch build without distributed support
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (no DTensor: decided without an isinstance)
+
+
 def is_dtensor(tensor) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (cheap: called for every parameter in every step)."""
+    if type(tensor) in _PLAIN_TENSOR_TYPES:
+        return False
     if not _DTENSOR_CLASS:
         if _dist() is None:
             _DTENSOR_CLASS.append(None)
@@ -76,7 +81,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
     In-place writes to the result change the DTensor.
     """
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    return tensor if type(tensor) in _PLAIN_TENSOR_TYPES or not is_dtensor(tensor) else tensor.to_local()
 
 
 def group_ranks(group) -> tuple:

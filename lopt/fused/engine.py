@@ -171,7 +171,7 @@ class FusedEngine:
         clipped_groups = tuple(group.get("max_grad_norm") is not None for group in self.optimizer.param_groups)
         key = (tuple(map(id, params)), tuple(map(len, inputs.params)), clipped_groups)
         plan = self.plan
-        locals_ = [local_part(p) for p in params]  # (a DTensor's rows in this process; else the tensor)
+        locals_ = list(map(local_part, params))  # (a DTensor's rows in this process; else the tensor)
         if plan is not None and plan.key == key:
             param_pointers = [p.data_ptr() for p in locals_]
             if param_pointers == plan.param_pointers or all(
@@ -270,15 +270,15 @@ class FusedEngine:
         state's pointers are fixed for the plan), so the host's share of a step stays small whether or
         not the gradients are new tensors every step."""
         layout, params = plan.layout, plan.locals  # (this step's, from _plan_for)
-        grads = [local_part(p.grad) for p in plan.params]
+        grads = [local_part(p.grad) for p in plan.params] if layout.sharded else [p.grad for p in plan.params]
         # A gradient laid out differently from its parameter is copied into the parameter's layout.
-        for row, p in enumerate(params):
-            if row in plan.strided_rows and grads[row].stride() != p.stride() or \
-                    row not in plan.strided_rows and not grads[row].is_contiguous():
+        strided = plan.strided_rows
+        for row, g in enumerate(grads):
+            if not g.is_contiguous() if row not in strided else g.stride() != params[row].stride():
                 copy = plan.grad_copies.get(row)
-                if copy is None or copy.dtype != grads[row].dtype:
-                    copy = plan.grad_copies[row] = torch.empty_like(p, dtype=grads[row].dtype)  # p's layout
-                copy.copy_(grads[row])
+                if copy is None or copy.dtype != g.dtype:
+                    copy = plan.grad_copies[row] = torch.empty_like(params[row], dtype=g.dtype)  # p's layout
+                copy.copy_(g)
                 grads[row] = copy
         pointers = np.empty((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
         pointers[:, 0] = plan.param_pointers
