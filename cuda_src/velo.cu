@@ -645,9 +645,6 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
   }
 }
 
-#ifndef VELO_APPLY_SHARED_SCALARS
-#define VELO_APPLY_SHARED_SCALARS 0  // 1: the group's decays and scalars read from shared memory per element
-#endif
 #ifndef VELO_APPLY_ELEMENTS
 #define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
                                // read from shared memory serves N (H100, GPT-2 medium: apply 8.43 ms with 1, 7.13 with 2)
@@ -656,7 +653,7 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
 // they stay in registers through the loop instead of being re-read (from shared memory) per element.
 template <bool Factored>
-LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars& a, i64 chunk, i64 end, const float* record,
+LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
                               const float4* row_factors, const float4* col_factors, const float4* row_contributions,
                               const float4* col_contributions, float inverse_scale) {
   i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
@@ -705,9 +702,6 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
   }
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float record[VELO_RECORD_FLOATS];
-#if VELO_APPLY_SHARED_SCALARS
-  __shared__ ApplyScalars shared_scalars;
-#endif
   const float inverse_scale = inverse_grad_scale(flags);
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
   // Chunks ascend, so a block meets its tensors one after the other: the search and the record load
@@ -717,16 +711,9 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
     __syncthreads();  // everyone is done with the previous tensor's record
     for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
       record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
-#if VELO_APPLY_SHARED_SCALARS
-    if (threadIdx.x == 0) shared_scalars = read_apply_scalars(groups[tensors[tensor].group]);
-#endif
     __syncthreads();
     const TensorMeta t = tensors[tensor];
-#if VELO_APPLY_SHARED_SCALARS
-    const ApplyScalars& a = shared_scalars;
-#else
     const ApplyScalars a = read_apply_scalars(groups[t.group]);
-#endif
     const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
     if (t.factored) {
       apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
