@@ -646,7 +646,7 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
 }
 
 #ifndef VELO_INT_ONLY
-#define VELO_INT_ONLY 0
+#define VELO_INT_ONLY 0  // 1: int indices for every tensor (a measurement build: wrong past 2^31 / 3 elements)
 #endif
 #ifndef VELO_APPLY_ELEMENTS
 #define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
@@ -688,7 +688,8 @@ LOPT_DEVICE void apply_tensor_chunks(const TensorMeta& t, const ApplyScalars& a,
                                      const float4* row_factors, const float4* col_factors,
                                      const float4* row_contributions, const float4* col_contributions,
                                      float inverse_scale) {
-  if (VELO_INT_ONLY || t.numel <= 0x7fffffffLL - 2 * VELO_APPLY_ELEMENTS * VELO_APPLY_CHUNK)  // (e + N·CHUNK does not overflow)
+  // int where every index fits: the state's, up to 3·numel, and e + N·CHUNK past the end.
+  if (VELO_INT_ONLY || t.numel <= (0x7fffffffLL - 2 * VELO_APPLY_ELEMENTS * VELO_APPLY_CHUNK) / 3)
     apply_chunks<Factored, int>(t, a, chunk, end, record, row_factors, col_factors, row_contributions,
                                 col_contributions, inverse_scale);
   else
