@@ -61,14 +61,11 @@ struct ElementState {
 
 // Where decay k of element e of mom (and fac_full) is: planes of numel floats, or side by side
 // (branch-free: a select would cost the statistics pass registers it spills).
-template <typename Index>
-LOPT_DEVICE Index state_index(const TensorMeta& t, Index e, int k) {
-  const Index plane = static_cast<Index>(t.state_plane);
-  return e * (plane == 1 ? 3 : 1) + k * plane;
+LOPT_DEVICE i64 state_index(const TensorMeta& t, i64 e, int k) {
+  return e * (t.state_plane == 1 ? 3 : 1) + k * t.state_plane;
 }
 
-template <typename Index>
-LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, Index e) {
+LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
   ElementState s;
   const float* mom = pointer<const float>(t.mom);
 #pragma unroll
@@ -84,8 +81,7 @@ LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, Index e) {
   return s;
 }
 
-template <typename Index>
-LOPT_DEVICE void store_element_state(const TensorMeta& t, Index e, const ElementState& s) {
+LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
   float* mom = pointer<float>(t.mom);
 #pragma unroll
   for (int k = 0; k < 3; ++k) mom[state_index(t, e, k)] = s.mom[k];
@@ -133,8 +129,7 @@ LOPT_DEVICE void write_factor_entry(float* table, float4* factors, i64 entry, co
 }
 
 // An element's R and C table entries, whole.
-template <typename Index>
-LOPT_DEVICE void load_factor_entries(const TensorMeta& t, Index e, const float* row_table, const float* col_table,
+LOPT_DEVICE void load_factor_entries(const TensorMeta& t, i64 e, const float* row_table, const float* col_table,
                                      FactorEntry& row, FactorEntry& col) {
   const FactorIndex f = factor_index(t, e);
   row = read_factor_entry(row_table, t.row_table + f.row);
@@ -144,8 +139,7 @@ LOPT_DEVICE void load_factor_entries(const TensorMeta& t, Index e, const float* 
 // Only the factors of an element's R and C entries (acc and rsqrt_acc left at zero), from the compact
 // copies adafactor_factor_tables also writes: one float4 per entry, so a warp's reads of neighbouring
 // entries are contiguous (a third of the cache traffic of reading them out of the whole entries).
-template <typename Index>
-LOPT_DEVICE void load_factors(const TensorMeta& t, Index e, const float4* row_factors, const float4* col_factors,
+LOPT_DEVICE void load_factors(const TensorMeta& t, i64 e, const float4* row_factors, const float4* col_factors,
                               FactorEntry& row, FactorEntry& col) {
   const FactorIndex f = factor_index(t, e);
   const float4 r = __ldg(row_factors + t.row_table + f.row), c = __ldg(col_factors + t.col_table + f.col);
@@ -305,8 +299,7 @@ LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
 
 // reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
 // in the parameter's dtype.
-template <typename Index>
-LOPT_DEVICE void apply_update(const TensorMeta& t, Index e, float param, float update, const ApplyScalars& a) {
+LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
   float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
   if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
   store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);

@@ -15,9 +15,7 @@ typedef long long i64;
 // Parameter and gradient dtypes (lopt.fused.launcher.DTYPE_CODES).
 enum LoptDType { LOPT_F32 = 0, LOPT_BF16 = 1, LOPT_F16 = 2 };
 
-// (Index: i64, or int where the tensor's element count allows: fewer registers in the element loops.)
-template <typename Index>
-LOPT_DEVICE float load_as_float(const void* base, Index index, int dtype) {
+LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
   if (dtype == LOPT_F32) return static_cast<const float*>(base)[index];
   unsigned short bits = static_cast<const unsigned short*>(base)[index];
   if (dtype == LOPT_BF16) return __uint_as_float(static_cast<unsigned int>(bits) << 16);
@@ -27,8 +25,7 @@ LOPT_DEVICE float load_as_float(const void* base, Index index, int dtype) {
 }
 
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.
-template <typename Index>
-LOPT_DEVICE void store_from_float(void* base, Index index, int dtype, float value) {
+LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
   if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
   unsigned short bits;
   if (dtype == LOPT_BF16) {
@@ -66,8 +63,7 @@ LOPT_DEVICE float inverse_grad_scale(const StepFlags& flags) {
 
 // A gradient element as the reference's check phase hands it to the math: loaded in float32 and
 // unscaled (g * (1/scale), as GradScaler.unscale_ computes it).
-template <typename Index>
-LOPT_DEVICE float load_gradient(const TensorMeta& t, Index e, float inverse_scale) {
+LOPT_DEVICE float load_gradient(const TensorMeta& t, i64 e, float inverse_scale) {
   const float g = load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype));
   return inverse_scale == 1.0f ? g : __fmul_rn(g, inverse_scale);
 }
@@ -127,7 +123,7 @@ struct FactorIndex { i64 row, col; };
 // Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever
 // the tensor's element count allows.
 template <typename I>
-LOPT_DEVICE void split_factored_index(const TensorMeta& t, I element, i64& without_a, i64& without_b) {
+LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& without_a, i64& without_b) {
   const I e = static_cast<I>(element);
   if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
     const I a = e / static_cast<I>(t.b);
@@ -149,13 +145,12 @@ LOPT_DEVICE void split_factored_index(const TensorMeta& t, I element, i64& witho
   without_b = static_cast<i64>(((o * len_a + a) * mid + m) * inner + i);
 }
 
-template <typename Index>
-LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, Index e) {
+LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, i64 e) {
   i64 without_a, without_b;
-  if (sizeof(Index) == 4 || t.numel <= 0xffffffffLL) {
-    split_factored_index<unsigned int>(t, static_cast<unsigned int>(e), without_a, without_b);
+  if (t.numel <= 0xffffffffLL) {
+    split_factored_index<unsigned int>(t, e, without_a, without_b);
   } else {
-    split_factored_index<unsigned long long>(t, static_cast<unsigned long long>(e), without_a, without_b);
+    split_factored_index<unsigned long long>(t, e, without_a, without_b);
   }
   FactorIndex f;
   // R drops axis d0, C drops axis d1.

@@ -594,8 +594,8 @@ struct ElementInputs {
   float4 row_factor, col_factor, table_share;
 };
 
-template <bool Factored, typename Index>
-LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, Index e, const float4* row_factors,
+template <bool Factored>
+LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const float4* row_factors,
                                               const float4* col_factors, const float4* row_contributions,
                                               const float4* col_contributions, float inverse_scale) {
   ElementInputs in;
@@ -614,8 +614,8 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, Index e, cons
 }
 
 // Elements e[0..N) of a tensor, from their loaded inputs.
-template <bool Factored, int N, typename Index>
-LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const Index (&e)[N], ElementInputs (&in)[N],
+template <bool Factored, int N>
+LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const i64 (&e)[N], ElementInputs (&in)[N],
                                 const float* record) {
   float x[N][VELO_NUM_FEATURES];
   float4 table_share[N];
@@ -645,9 +645,6 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
   }
 }
 
-#ifndef VELO_INT_ONLY
-#define VELO_INT_ONLY 0  // 1: int indices for every tensor (a measurement build: wrong past 2^31 / 3 elements)
-#endif
 #ifndef VELO_APPLY_ELEMENTS
 #define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
                                // read from shared memory serves N (H100, GPT-2 medium: apply 8.43 ms with 1, 7.13 with 2)
@@ -655,17 +652,14 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
 
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
 // they stay in registers through the loop instead of being re-read (from shared memory) per element.
-// Index: int where the tensor has fewer than 2^31 elements (fewer registers), else i64.
-template <bool Factored, typename Index>
+template <bool Factored>
 LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
                               const float4* row_factors, const float4* col_factors, const float4* row_contributions,
                               const float4* col_contributions, float inverse_scale) {
-  // Thread x of the block takes elements chunk·CHUNK + x for chunk in [chunk, end): below `limit`.
-  const Index limit = static_cast<Index>(min(t.numel, (end - t.first_apply_chunk) * VELO_APPLY_CHUNK));
-  Index e = static_cast<Index>((chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x);
+  i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
   constexpr int N = VELO_APPLY_ELEMENTS;
-  for (; e + (N - 1) * VELO_APPLY_CHUNK < limit; e += N * VELO_APPLY_CHUNK) {
-    Index elements[N];
+  for (; chunk + (N - 1) < end && e + (N - 1) * VELO_APPLY_CHUNK < t.numel; chunk += N, e += N * VELO_APPLY_CHUNK) {
+    i64 elements[N];
     ElementInputs in[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) {
@@ -675,26 +669,12 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
     }
     apply_elements<Factored, N>(t, a, elements, in, record);
   }
-  for (; e < limit; e += VELO_APPLY_CHUNK) {
-    const Index one[1] = {e};
+  for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK) {
+    const i64 one[1] = {e};
     ElementInputs in[1] = {load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
                                                          col_contributions, inverse_scale)};
     apply_elements<Factored, 1>(t, a, one, in, record);
   }
-}
-
-template <bool Factored>
-LOPT_DEVICE void apply_tensor_chunks(const TensorMeta& t, const ApplyScalars& a, i64 chunk, i64 end, const float* record,
-                                     const float4* row_factors, const float4* col_factors,
-                                     const float4* row_contributions, const float4* col_contributions,
-                                     float inverse_scale) {
-  // int where every index fits: the state's, up to 3·numel, and e + N·CHUNK past the end.
-  if (VELO_INT_ONLY || t.numel <= (0x7fffffffLL - 2 * VELO_APPLY_ELEMENTS * VELO_APPLY_CHUNK) / 3)
-    apply_chunks<Factored, int>(t, a, chunk, end, record, row_factors, col_factors, row_contributions,
-                                col_contributions, inverse_scale);
-  else
-    apply_chunks<Factored, i64>(t, a, chunk, end, record, row_factors, col_factors, row_contributions,
-                                col_contributions, inverse_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
@@ -736,11 +716,9 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
     const ApplyScalars a = read_apply_scalars(groups[t.group]);
     const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
     if (t.factored) {
-      apply_tensor_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions,
-                                inverse_scale);
+      apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     } else {
-      apply_tensor_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions,
-                                 inverse_scale);
+      apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     }
     chunk = end;
   }
