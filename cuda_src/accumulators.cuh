@@ -59,22 +59,14 @@ struct ElementState {
   float full[3];  // V (unused for factored tensors)
 };
 
-// Where decay k of element e of mom (and fac_full) is: planes of numel floats, or side by side
-// (branch-free: a select would cost the statistics pass registers it spills).
-LOPT_DEVICE i64 state_index(const TensorMeta& t, i64 e, int k) {
-  return e * (t.state_plane == 1 ? 3 : 1) + k * t.state_plane;
-}
-
 LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
   ElementState s;
-  const float* mom = pointer<const float>(t.mom);
-#pragma unroll
-  for (int k = 0; k < 3; ++k) s.mom[k] = mom[state_index(t, e, k)];
+  const float* mom = pointer<const float>(t.mom) + e * 3;
+  s.mom[0] = mom[0]; s.mom[1] = mom[1]; s.mom[2] = mom[2];
   s.rms = pointer<const float>(t.rms)[e];
   if (!t.factored) {
-    const float* full = pointer<const float>(t.fac_full);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) s.full[k] = full[state_index(t, e, k)];
+    const float* full = pointer<const float>(t.fac_full) + e * 3;
+    s.full[0] = full[0]; s.full[1] = full[1]; s.full[2] = full[2];
   } else {
     s.full[0] = s.full[1] = s.full[2] = 0.f;
   }
@@ -82,14 +74,12 @@ LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
 }
 
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
-  float* mom = pointer<float>(t.mom);
-#pragma unroll
-  for (int k = 0; k < 3; ++k) mom[state_index(t, e, k)] = s.mom[k];
+  float* mom = pointer<float>(t.mom) + e * 3;
+  mom[0] = s.mom[0]; mom[1] = s.mom[1]; mom[2] = s.mom[2];
   pointer<float>(t.rms)[e] = s.rms;
   if (!t.factored) {
-    float* full = pointer<float>(t.fac_full);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) full[state_index(t, e, k)] = s.full[k];
+    float* full = pointer<float>(t.fac_full) + e * 3;
+    full[0] = s.full[0]; full[1] = s.full[1]; full[2] = s.full[2];
   }
 }
 
@@ -274,6 +264,23 @@ LOPT_DEVICE void tensor_statistics_sums(const TensorMeta& t, const double* parti
     sums[tid] = s;
   }
   __syncthreads();
+}
+
+// The same sums in a control kernel that may run in phases (sharded tensors): from this process's
+// partials in phase 0 (whole tensors) and phase 1 (partial sums, for the caller to reduce across
+// processes); in phase 2 the reduced totals, read from `reduced` (the tensor's Count values).
+template <int Count, int Threads, int Lanes>
+LOPT_DEVICE void phase_statistics_sums(int phase, const double* reduced, const TensorMeta& t, const double* partials,
+                                       const float* row_table, const float* col_table, int table_first,
+                                       double (*lane_sums)[Lanes], double (*table_scratch)[LOPT_TABLE_FEATURES],
+                                       double* table_sums, double* sums) {
+  if (phase == 2) {
+    if (threadIdx.x < Count) sums[threadIdx.x] = reduced[threadIdx.x];
+    __syncthreads();
+  } else {
+    tensor_statistics_sums<Count, Threads, Lanes>(t, partials, row_table, col_table, table_first, lane_sums,
+                                                  table_scratch, table_sums, sums);
+  }
 }
 
 // normalise_features' scale of one feature: rsqrt(1e-5 + mean x²) in float32, as the reference; in

@@ -247,12 +247,10 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     time[tid] = tanhf(__fsub_rn(__fdiv_rn(tau, SFC_TIMESCALES[tid]), 1.0f));
   }
   double* split_sums = tensor_sums + static_cast<i64>(blockIdx.x) * SFC_NUM_FEATURES;
-  if (phase == 2) {
-    if (tid < SFC_NUM_FEATURES) sums[tid] = split_sums[tid];
-    __syncthreads();
-  } else {
-    tensor_statistics_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS, SFC_FOLD_LANES>(
-        t, stats_partials, row_table, col_table, SFC_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
+  phase_statistics_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS, SFC_FOLD_LANES>(
+      phase, split_sums, t, stats_partials, row_table, col_table, SFC_TABLE_FEATURES_FIRST, lane_sums, table_scratch,
+      table_sums, sums);
+  if (phase != 2) {
     if (tid < SFC_NUM_FEATURES && !is_finite(static_cast<float>(sums[tid] / static_cast<double>(t.count))))
       atomicExch(&overflowed, 1);
     __syncthreads();

@@ -173,7 +173,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
                            const float4* row_factors, const float4* col_factors, float squares[VELO_NUM_FEATURES],
                            float lstm[VELO_LSTM_SUMS]) {
   const float* mom0 = pointer<const float>(t.mom);
-  const float shift_mom[3] = {mom0[state_index(t, 0, 0)], mom0[state_index(t, 0, 1)], mom0[state_index(t, 0, 2)]};
+  const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
   const float shift_rms = pointer<const float>(t.rms)[0];
   bool unusable = false;
 #pragma unroll STATS_UNROLL
@@ -277,16 +277,12 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   float shift_mom[3] = {0.f, 0.f, 0.f}, shift_rms = 0.f;
   if (t.numel > 0 && phase != 2) {
     const float* mom0 = pointer<const float>(t.mom);
-    for (int k = 0; k < 3; ++k) shift_mom[k] = mom0[state_index(t, 0, k)];
+    for (int k = 0; k < 3; ++k) shift_mom[k] = mom0[k];
     shift_rms = pointer<const float>(t.rms)[0];
   }
-  if (phase == 2) {
-    if (tid < VELO_STATS) sums[tid] = split_sums[tid];
-    __syncthreads();
-  } else {
-    tensor_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
-        t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch, table_sums, sums);
-  }
+  phase_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
+      phase, split_sums, t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch,
+      table_sums, sums);
   if (phase == 1) {
     // This process's sums, the momentum and rms ones as plain Σx and Σx² (float64; what the
     // variances then lose to cancellation, ~1e-16 of the squared mean, is far below the resolution

@@ -39,9 +39,6 @@ STRUCTS: dict = {
         "row_col_divisor",  # length of axis d1 of the whole tensor (row_col_mean's divisor)
         "row_col_sums",  # where axis d1 is split: first of this tensor's slab sums (3 per slab) in the
         #                  buffer reduced across processes between the two factor-table launches; else -1
-        "state_plane",  # floats between the decay planes of mom and fac_full: numel where each decay is a
-        #                 plane of its own (the fused backend's layout: coalesced loads), 1 where an
-        #                 element's decays lie side by side (a sharded parameter's state, as saved)
     ),
     # One Adafactor reduction: means[first_output + q*i_len + i] = Σ_x G[(q*X + x)*I + i] / divisor, G = g² + 1e-30
     # (divisor: X, or the whole tensor's length of the axis where it is split among processes).

@@ -39,7 +39,6 @@ FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
 STATS_THREADS = CONSTANTS["STATS_THREADS"]
 _G = FIELD["GroupMeta"]
 STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[2:7]
-PLANAR_STATE = ("mom", "fac_vec_v")  # kept as one plane per decay (FusedEngine._arrange_state)
 assert TENSOR_POINTER_FIELDS[2:7] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
 assert TENSOR_POINTER_FIELDS[:2] == ("param", "grad") and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
 
@@ -179,7 +178,7 @@ class FusedEngine:
                 plan.param_pointers, plan.locals = param_pointers, locals_
                 return plan
         entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
-        groups, shapes, dims, orders, global_rows, state_planes = [], [], [], [], [], []
+        groups, shapes, dims, orders, global_rows = [], [], [], [], []
         for (g, p), local in zip(entries, locals_):
             if local.device != self.device:
                 raise RuntimeError(f"the fused backend needs all parameters on {self.device}; one is on {local.device}")
@@ -197,10 +196,8 @@ class FusedEngine:
             shapes.append(tuple(local.shape[a] for a in order) if local.dim() else (1,))
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
             global_rows.append(shard.global_shape[0] if shard.split else None)
-            state_planes.append(self._state_plane(p))
         layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK,
-                             clipped=[clipped_groups[g] for g in groups], global_rows=global_rows,
-                             state_planes=state_planes)
+                             clipped=[clipped_groups[g] for g in groups], global_rows=global_rows)
         if layout.sharded and self.optimizer.reducer.is_identity:
             raise RuntimeError("sharded parameters need the reducer of their device mesh")
         plan = Plan(key, params, groups, layout, orders, self.device)
@@ -217,12 +214,7 @@ class FusedEngine:
 
     def _arrange_state(self, p, order, dims) -> None:
         """Create the parameter's state if needed and lay it out in the parameter's memory order (a
-        sharded parameter's state is laid out as its rows are: contiguous).
-
-        The per-element accumulators with three decays (momentum; V of a tensor that is not
-        factored) are kept as three planes, one per decay, so that the kernels' loads of one decay
-        are contiguous across a warp (side by side, each warp load would touch three times the
-        memory lines it uses). Their logical shapes stay ``shape + (3,)``."""
+        sharded parameter's state is laid out as its rows are: contiguous)."""
         state = self.optimizer.ensure_state(p)
         if distributed.is_dtensor(p):
             for name, buf in state.items():
@@ -241,22 +233,10 @@ class FusedEngine:
             if buf.dtype != torch.float32:
                 buf = buf.to(torch.float32)
             if buf.numel() and n:
-                # this buffer's axes in the parameter's memory order; the decay axis outermost (planes)
-                # or innermost
+                # this buffer's axes in the parameter's memory order, then the decay axis
                 buf_order = tuple(sorted(range(len(logical_axes)), key=lambda i: order.index(logical_axes[i])))
-                decay = len(logical_axes)
-                buf = arranged(buf, (decay,) + buf_order if name in PLANAR_STATE else buf_order + (decay,))
+                buf = arranged(buf, buf_order + (len(logical_axes),))
             state[name] = buf
-
-    def _state_plane(self, p) -> int:
-        """The TensorMeta ``state_plane`` of ``p``'s arranged state (see :meth:`_arrange_state`)."""
-        state = self.optimizer.state[p]
-        planes = {local_part(state[name]).stride(-1) for name in PLANAR_STATE if state[name].numel()}
-        count = local_part(p).numel()
-        if len(planes) != 1 or planes.pop() not in (1, count):
-            raise RuntimeError(f"the fused backend found the state of a parameter of shape {tuple(p.shape)} in an "
-                               f"unexpected layout (strides {[local_part(state[n]).stride() for n in PLANAR_STATE]})")
-        return local_part(state["mom"]).stride(-1)
 
     def _allocate(self, plan: Plan) -> None:
         """Subclass hook: the optimizer's own workspaces and tables (called once per plan)."""

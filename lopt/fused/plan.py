@@ -60,13 +60,11 @@ class GroupLayout:
     when ``shapes[i]`` is only this process's rows of it (FSDP2's ``Shard(0)``; axis 0 must then be
     outermost in memory): sums over that axis are partial until reduced across processes, and the
     layout says where they are (``split_outputs``, ``row_col_sums``, the norm jobs), alike in every
-    process. ``state_planes[i]`` (optional; 1 for every tensor if absent) is the distance in floats
-    between the decay planes of tensor ``i``'s momentum (and V) state: its element count where each
-    decay is a plane of its own, 1 where each element's decays lie side by side.
+    process.
     """
 
     def __init__(self, shapes, dims, groups, *, apply_chunk: int, stats_chunk: int = STATS_CHUNK, clipped=None,
-                 global_rows=None, state_planes=None):
+                 global_rows=None):
         self.shapes = [tuple(s) for s in shapes]
         self.num_tensors = len(self.shapes)
         clipped = [False] * self.num_tensors if clipped is None else [bool(c) for c in clipped]
@@ -95,7 +93,6 @@ class GroupLayout:
             row[_T["row_table"]] = row_entries
             row[_T["col_table"]] = col_entries
             row[_T["row_col_sums"]] = -1
-            row[_T["state_plane"]] = 1 if state_planes is None else state_planes[index]
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = 1
             if dim is None:
