@@ -7,7 +7,8 @@ fresh set of gradient tensors every step): median step time after warm-up (CUDA 
 launches per step (torch.profiler), peak memory beyond parameters and gradients, the time per
 kernel, achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
 update error (one step from identical state). The device-to-device copy bandwidth is measured in the
-same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros), for tuning.
+same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros), for tuning;
+``--graph`` also times each step captured in a CUDA graph and replayed (no host share).
 """
 
 from __future__ import annotations
@@ -99,6 +100,38 @@ def time_steps(opt, params, grad_sets, steps, warmup):
     return times
 
 
+def graph_step_ms(name, param_set, weights, steps, warmup) -> float:
+    """Median ms of one step captured in a CUDA graph and replayed (static gradient tensors, as in a
+    captured training loop): the step without the host's share. AdamW with ``capturable=True``."""
+    params = build_parameters(param_set, "cuda")
+    for p, g in zip(params, gradient_sets(params, 1)[0]):
+        p.grad = g
+    opt = (torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True) if name == "adamw"
+           else make(name, params, "fused", weights))
+    loss = torch.tensor(2.5, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            do_step(opt, loss)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        do_step(opt, loss)
+    times = []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    del graph, opt, params
+    torch.cuda.empty_cache()
+    return round(statistics.median(times), 4)
+
+
 def profile_step(opt, params, grads) -> tuple:
     """(kernel launches, {kernel: ms}) of one step."""
     from torch.profiler import ProfilerActivity, profile
@@ -167,6 +200,8 @@ def main() -> int:
     parser.add_argument("--naive-steps", type=int, default=3, help="0: skip the naive rows")
     parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros "
                                                        "(prefix a list with 'velo:' or 'small_fc_lopt:')")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time each fused step (and AdamW's) captured in a CUDA graph and replayed")
     parser.add_argument("--max-grad-norm", type=float, default=None,
                         help="also time small_fc_lopt fused with this max_grad_norm (gradients are ~1e-3 x sqrt(numel))")
     args = parser.parse_args()
@@ -181,6 +216,8 @@ def main() -> int:
         numel = sum(math.prod(s) for _, s in param_set_shapes(param_set))
         adamw = measure("adamw", "fused", param_set, None, args.steps, args.warmup)
         rows.append(adamw)
+        if args.graph:
+            adamw["graph_ms_per_step"] = graph_step_ms("adamw", param_set, None, args.steps, args.warmup)
         for name in optimizers:
             fused = measure(name, "fused", param_set, weights[name], args.steps, args.warmup)
             fused["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name])
@@ -194,6 +231,8 @@ def main() -> int:
                 options = {"max_grad_norm": args.max_grad_norm}
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
+            if args.graph:
+                fused["graph_ms_per_step"] = graph_step_ms(name, param_set, weights[name], args.steps, args.warmup)
             if args.naive_steps:
                 rows.append(measure(name, "naive", param_set, weights[name], args.naive_steps, 1))
         for row in rows:
@@ -207,6 +246,10 @@ def main() -> int:
                 error = row.get("max_rel_error_vs_naive")
                 print(f"{row['optimizer']:<14}{row['backend']:<34}{row['ms_per_step']:>10.3f}{row['overhead_vs_adamw']:>9.2f}"
                       f"{row['launches_per_step']:>10}{row['peak_extra_mib']:>10.0f}{'' if error is None else f'{error:.1e}':>10}")
+                if "graph_ms_per_step" in row:
+                    graph_ms = row["graph_ms_per_step"]
+                    print(f"    captured in a CUDA graph: {graph_ms:.3f} ms/step "
+                          f"({graph_ms / adamw['graph_ms_per_step']:.2f} x AdamW captured)")
                 if row["backend"].startswith("fused") and row["optimizer"] != "adamw":
                     print("    " + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(row["kernel_ms"].items(), key=lambda kv: -kv[1])))
         sys.stdout.flush()
