@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import lopt
+from lopt.bench.report import environment
 
 VOCAB = 50257
 
@@ -217,9 +218,8 @@ def main():
         results[name] = compare(name, args, device, world, rank)
         dist.barrier()
     if rank == 0:
-        report = {"device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "world": world,
-                  "backend": dist.get_backend(), "torch": torch.__version__, "lopt": lopt.__version__,
-                  "config": vars(args), "results": results}
+        report = {**environment(device), "world": world, "backend": dist.get_backend(), "config": vars(args),
+                  "results": results}
         table = table_lines(report)
         print("\n".join(table))
         if args.json:

@@ -14,36 +14,18 @@ same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros), 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
 
 import torch
 
 import lopt
+from lopt.bench.report import environment
 from lopt.param_sets import build_parameters, param_set_shapes
 
 ENGINES = {"small_fc_lopt": ("lopt.fused.small_fc_lopt", "SmallFCLOptFused"), "velo": ("lopt.fused.velo", "VeLOFused")}
-
-
-def environment() -> dict:
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "lopt": lopt.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(0)}
-    try:
-        import cupy
-
-        info["cupy"] = cupy.__version__
-    except ImportError:
-        info["cupy"] = None
-    info["commit"] = os.environ.get("LOPT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    return info
 
 
 def copy_bandwidth_tb_s() -> float:
@@ -206,7 +188,7 @@ def main() -> int:
                         help="also time small_fc_lopt fused with this max_grad_norm (gradients are ~1e-3 x sqrt(numel))")
     args = parser.parse_args()
 
-    env = environment()
+    env = environment(torch.device("cuda", 0))
     env["copy_bandwidth_tb_s"] = round(copy_bandwidth_tb_s(), 3)
     weights = {name: lopt.random_weights(name, seed=0) for name in ("small_fc_lopt", "velo")}  # time only
     optimizers = args.optimizers.split(",")

@@ -81,7 +81,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
     In-place writes to the result change the DTensor.
     """
-    return tensor if type(tensor) in _PLAIN_TENSOR_TYPES or not is_dtensor(tensor) else tensor.to_local()
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def group_ranks(group) -> tuple:

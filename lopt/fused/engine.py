@@ -250,7 +250,7 @@ class FusedEngine:
         state's pointers are fixed for the plan), so the host's share of a step stays small whether or
         not the gradients are new tensors every step."""
         layout, params = plan.layout, plan.locals  # (this step's, from _plan_for)
-        grads = [local_part(p.grad) for p in plan.params] if layout.sharded else [p.grad for p in plan.params]
+        grads = [local_part(p.grad) for p in plan.params]
         # A gradient laid out differently from its parameter is copied into the parameter's layout.
         strided = plan.strided_rows
         for row, g in enumerate(grads):

@@ -231,17 +231,16 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         nothing; returns the participating parameters and GradScaler's tensors."""
         participating = []
         index = 0
-        strided, supported, plain, parameter = torch.strided, SUPPORTED_DTYPES, torch.Tensor, torch.nn.Parameter
+        strided, supported = torch.strided, SUPPORTED_DTYPES
         for group in self.param_groups:
             _validate_live_group(self, group)
             params = []
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    # (the common case in one expression, cheap for every tensor of every step: a plain
-                    # tensor or Parameter is no DTensor; _check_gradient says what is wrong)
-                    if not (type(g) is plain and g.layout == strided and g.dtype in supported and g.shape == p.shape
-                            and g.device == p.device and (type(p) is parameter or type(p) is plain)):
+                    # (the common case in one expression; _check_gradient says what is wrong)
+                    if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
+                            and g.device == p.device and not is_dtensor(p) and not is_dtensor(g)):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
