@@ -83,6 +83,81 @@ LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementSt
   }
 }
 
+// A thread's pair of adjacent elements e, e + 1 (e even), as the statistics and apply passes take
+// them: where the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in
+// one load per array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte
+// loads), and their factor indices from one division (factor_index_pair). `second`: e + 1 < numel.
+struct ElementPair {
+  float grad[2], param[2];  // the gradient unscaled (AMP), not yet clipped
+  ElementState state[2];
+  bool second;
+};
+
+// Whether the tensor's per-element arrays allow pair loads: PyTorch's allocations are aligned, a view
+// at an odd offset may not be (V's pointer is null for a factored tensor).
+LOPT_DEVICE bool pairs_aligned(const TensorMeta& t) { return ((t.param | t.grad | t.mom | t.rms | t.fac_full) & 7) == 0; }
+
+// Three floats per element (momentum, V) of elements e and e + 1, from three 8-byte loads.
+LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], float (&second)[3]) {
+  const float2* p = reinterpret_cast<const float2*>(base + e * 3);
+  const float2 x = p[0], y = p[1], z = p[2];
+  first[0] = x.x; first[1] = x.y; first[2] = y.x;
+  second[0] = y.y; second[1] = z.x; second[2] = z.y;
+}
+
+LOPT_DEVICE void store_three_pair(float* base, i64 e, const float (&first)[3], const float (&second)[3]) {
+  float2* p = reinterpret_cast<float2*>(base + e * 3);
+  p[0] = make_float2(first[0], first[1]);
+  p[1] = make_float2(first[2], second[0]);
+  p[2] = make_float2(second[1], second[2]);
+}
+
+// Value e, and e + 1 where `second` (else 0).
+LOPT_DEVICE float2 load_values(const void* base, i64 e, int dtype, bool second, bool vector) {
+  return second ? load_pair_as_float(base, e, dtype, vector) : make_float2(load_as_float(base, e, dtype), 0.f);
+}
+
+LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inverse_scale, bool aligned) {
+  ElementPair pair;
+  pair.second = e + 1 < t.numel;
+  const bool vector = aligned && pair.second;
+  const float2 grad = load_values(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype), pair.second, vector);
+  const float2 param = load_values(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype), pair.second, vector);
+  pair.grad[0] = unscale_gradient(grad.x, inverse_scale);
+  pair.grad[1] = unscale_gradient(grad.y, inverse_scale);
+  pair.param[0] = param.x;
+  pair.param[1] = param.y;
+  if (vector) {
+    ElementState& s0 = pair.state[0];
+    ElementState& s1 = pair.state[1];
+    load_three_pair(pointer<const float>(t.mom), e, s0.mom, s1.mom);
+    const float2 rms = *reinterpret_cast<const float2*>(pointer<const float>(t.rms) + e);
+    s0.rms = rms.x;
+    s1.rms = rms.y;
+    if (!t.factored) {
+      load_three_pair(pointer<const float>(t.fac_full), e, s0.full, s1.full);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 3; ++k) s0.full[k] = s1.full[k] = 0.f;
+    }
+  } else {
+    pair.state[0] = load_element_state(t, e);
+    pair.state[1] = pair.second ? load_element_state(t, e + 1) : ElementState{};
+  }
+  return pair;
+}
+
+LOPT_DEVICE void store_element_pair_state(const TensorMeta& t, i64 e, const ElementPair& pair, bool aligned) {
+  if (aligned && pair.second) {
+    store_three_pair(pointer<float>(t.mom), e, pair.state[0].mom, pair.state[1].mom);
+    *reinterpret_cast<float2*>(pointer<float>(t.rms) + e) = make_float2(pair.state[0].rms, pair.state[1].rms);
+    if (!t.factored) store_three_pair(pointer<float>(t.fac_full), e, pair.state[0].full, pair.state[1].full);
+  } else {
+    store_element_state(t, e, pair.state[0]);
+    if (pair.second) store_element_state(t, e + 1, pair.state[1]);
+  }
+}
+
 // reference: update_accumulators (momentum, rms; V for non-factored tensors — R and C come from
 // the factor tables).
 LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& d, bool factored) {
@@ -119,9 +194,8 @@ LOPT_DEVICE void write_factor_entry(float* table, float4* factors, i64 entry, co
 }
 
 // An element's R and C table entries, whole.
-LOPT_DEVICE void load_factor_entries(const TensorMeta& t, i64 e, const float* row_table, const float* col_table,
-                                     FactorEntry& row, FactorEntry& col) {
-  const FactorIndex f = factor_index(t, e);
+LOPT_DEVICE void load_factor_entries(const TensorMeta& t, const FactorIndex& f, const float* row_table,
+                                     const float* col_table, FactorEntry& row, FactorEntry& col) {
   row = read_factor_entry(row_table, t.row_table + f.row);
   col = read_factor_entry(col_table, t.col_table + f.col);
 }
@@ -129,9 +203,8 @@ LOPT_DEVICE void load_factor_entries(const TensorMeta& t, i64 e, const float* ro
 // Only the factors of an element's R and C entries (acc and rsqrt_acc left at zero), from the compact
 // copies adafactor_factor_tables also writes: one float4 per entry, so a warp's reads of neighbouring
 // entries are contiguous (a third of the cache traffic of reading them out of the whole entries).
-LOPT_DEVICE void load_factors(const TensorMeta& t, i64 e, const float4* row_factors, const float4* col_factors,
-                              FactorEntry& row, FactorEntry& col) {
-  const FactorIndex f = factor_index(t, e);
+LOPT_DEVICE void load_factors(const TensorMeta& t, const FactorIndex& f, const float4* row_factors,
+                              const float4* col_factors, FactorEntry& row, FactorEntry& col) {
   const float4 r = __ldg(row_factors + t.row_table + f.row), c = __ldg(col_factors + t.col_table + f.col);
   row = FactorEntry{};
   col = FactorEntry{};
@@ -306,10 +379,26 @@ LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
 
 // reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
 // in the parameter's dtype.
-LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
+LOPT_DEVICE float updated_parameter(float param, float update, const ApplyScalars& a) {
   float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
   if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
-  store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
+  return new_param;
+}
+
+LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
+  store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), updated_parameter(param, update, a));
+}
+
+// apply_update for a pair (the second element's only where pair.second).
+LOPT_DEVICE void apply_pair_update(const TensorMeta& t, i64 e, const ElementPair& pair, const float (&update)[2],
+                                   const ApplyScalars& a, bool aligned) {
+  const float first = updated_parameter(pair.param[0], update[0], a);
+  if (pair.second) {
+    store_pair_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype),
+                          make_float2(first, updated_parameter(pair.param[1], update[1], a)), aligned);
+  } else {
+    store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), first);
+  }
 }
 
 // ------------------------------------------------------------------------------------------

@@ -15,25 +15,57 @@ typedef long long i64;
 // Parameter and gradient dtypes (lopt.fused.launcher.DTYPE_CODES).
 enum LoptDType { LOPT_F32 = 0, LOPT_BF16 = 1, LOPT_F16 = 2 };
 
-LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
-  if (dtype == LOPT_F32) return static_cast<const float*>(base)[index];
-  unsigned short bits = static_cast<const unsigned short*>(base)[index];
+// A bfloat16 or float16 value's bits as float (exact).
+LOPT_DEVICE float sixteen_bits_to_float(unsigned short bits, int dtype) {
   if (dtype == LOPT_BF16) return __uint_as_float(static_cast<unsigned int>(bits) << 16);
   float value;
   asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(value) : "h"(bits));
   return value;
 }
 
+LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
+  if (dtype == LOPT_F32) return static_cast<const float*>(base)[index];
+  return sixteen_bits_to_float(static_cast<const unsigned short*>(base)[index], dtype);
+}
+
+// Values index and index + 1 as float. `vector`: base + index is aligned to two values (the caller
+// knows), so one load (8 bytes, or 4 for 16-bit values) reads both.
+LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bool vector) {
+  if (!vector) return make_float2(load_as_float(base, index, dtype), load_as_float(base, index + 1, dtype));
+  if (dtype == LOPT_F32) return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + index);
+  const unsigned int bits = *reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(base) + index);
+  return make_float2(sixteen_bits_to_float(static_cast<unsigned short>(bits & 0xffffu), dtype),
+                     sixteen_bits_to_float(static_cast<unsigned short>(bits >> 16), dtype));
+}
+
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.
-LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
-  if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
+LOPT_DEVICE unsigned short float_to_sixteen_bits(float value, int dtype) {
   unsigned short bits;
   if (dtype == LOPT_BF16) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   } else {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   }
-  static_cast<unsigned short*>(base)[index] = bits;
+  return bits;
+}
+
+LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
+  if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
+  static_cast<unsigned short*>(base)[index] = float_to_sixteen_bits(value, dtype);
+}
+
+// Values index and index + 1 from float (as store_from_float; `vector` as for load_pair_as_float).
+LOPT_DEVICE void store_pair_from_float(void* base, i64 index, int dtype, float2 value, bool vector) {
+  if (!vector) {
+    store_from_float(base, index, dtype, value.x);
+    store_from_float(base, index + 1, dtype, value.y);
+  } else if (dtype == LOPT_F32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(base) + index) = value;
+  } else {
+    *reinterpret_cast<unsigned int*>(static_cast<unsigned short*>(base) + index) =
+        static_cast<unsigned int>(float_to_sixteen_bits(value.x, dtype)) |
+        (static_cast<unsigned int>(float_to_sixteen_bits(value.y, dtype)) << 16);
+  }
 }
 
 template <typename T>
@@ -63,9 +95,11 @@ LOPT_DEVICE float inverse_grad_scale(const StepFlags& flags) {
 
 // A gradient element as the reference's check phase hands it to the math: loaded in float32 and
 // unscaled (g * (1/scale), as GradScaler.unscale_ computes it).
-LOPT_DEVICE float load_gradient(const TensorMeta& t, i64 e, float inverse_scale) {
-  const float g = load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype));
+LOPT_DEVICE float unscale_gradient(float g, float inverse_scale) {
   return inverse_scale == 1.0f ? g : __fmul_rn(g, inverse_scale);
+}
+LOPT_DEVICE float load_gradient(const TensorMeta& t, i64 e, float inverse_scale) {
+  return unscale_gradient(load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale);
 }
 
 // The check phase's test of one gradient element: NaN, ±inf, or |g| >= 2^64 (its square overflows
@@ -145,18 +179,37 @@ LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& wit
   without_b = static_cast<i64>(((o * len_a + a) * mid + m) * inner + i);
 }
 
-LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, i64 e) {
-  i64 without_a, without_b;
+// R drops axis d0, C drops axis d1.
+LOPT_DEVICE FactorIndex factor_index_from(const TensorMeta& t, i64 without_a, i64 without_b) {
+  return t.d0_is_a ? FactorIndex{without_a, without_b} : FactorIndex{without_b, without_a};
+}
+
+LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 e, i64& without_a, i64& without_b) {
   if (t.numel <= 0xffffffffLL) {
     split_factored_index<unsigned int>(t, e, without_a, without_b);
   } else {
     split_factored_index<unsigned long long>(t, e, without_a, without_b);
   }
-  FactorIndex f;
-  // R drops axis d0, C drops axis d1.
-  f.row = t.d0_is_a ? without_a : without_b;
-  f.col = t.d0_is_a ? without_b : without_a;
-  return f;
+}
+
+LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, i64 e) {
+  i64 without_a, without_b;
+  split_factored_index(t, e, without_a, without_b);
+  return factor_index_from(t, without_a, without_b);
+}
+
+// The indices of elements e and e + 1. In a plain matrix (the common case) e + 1 is the next column
+// of e's row, or the first of the next row: one division for the two.
+LOPT_DEVICE void factor_index_pair(const TensorMeta& t, i64 e, FactorIndex (&f)[2]) {
+  i64 without_a, without_b;
+  split_factored_index(t, e, without_a, without_b);
+  f[0] = factor_index_from(t, without_a, without_b);
+  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // without_a: e's column, without_b: its row
+    const bool next_row = without_a + 1 == t.b;
+    f[1] = factor_index_from(t, next_row ? 0 : without_a + 1, next_row ? without_b + 1 : without_b);
+  } else {
+    f[1] = factor_index(t, e + 1);
+  }
 }
 
 // ------------------------------------------------------------------------------------------

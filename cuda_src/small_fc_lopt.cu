@@ -38,7 +38,7 @@
 #define SFC_FOLDED_B1 SFC_OPERAND_32x32
 #define SFC_FOLDED (SFC_FOLDED_B1 + SFC_HIDDEN)
 #ifndef LOPT_STATS_UNROLL
-#define LOPT_STATS_UNROLL 2  // 4 spills at the 3-blocks register bound (measured: 4.27 vs 4.49 ms, GPT-2 medium)
+#define LOPT_STATS_UNROLL 1  // pairs of elements (one element per iteration unrolled by 2: 4.27 vs 4.49 ms, GPT-2 medium)
 #endif
 constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
 #ifndef LOPT_STATS_MIN_BLOCKS
@@ -90,26 +90,36 @@ struct TableInputs {
   const float4* col_factors;
 };
 
-// Loads one element's inputs, updates its accumulators (in `s`) and computes its features
-// (FactorsOnly: of a factored tensor, all but the table features, which are left at zero). `grad` is
-// the gradient the math uses: unscaled, then clipped by the tensor's max_grad_norm factor (1: none);
-// returns the unclipped one, which the check phase tests.
+// An element's features from its loaded values: updates its accumulators (in `s`) and computes the
+// 28 features (FactorsOnly: of a factored tensor, all but the table features, which are left at zero).
+// `grad` becomes the gradient the math uses: the unscaled one clipped by the tensor's max_grad_norm
+// factor (1: none). `f`: the element's factor index (factored tensors).
+template <bool FactorsOnly = false>
+LOPT_DEVICE void loaded_element_features(const TensorMeta& t, const FactorIndex& f, const Decays& decays,
+                                         float clip_factor, const TableInputs& tables, float unclipped_grad,
+                                         float param, ElementState& s, float x[SFC_NUM_FEATURES], float& grad) {
+  grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
+  const bool factored = t.factored != 0;
+  update_accumulators(s, grad, decays, factored);
+  FactorEntry row = {}, col = {};
+  if (factored) {
+    if (FactorsOnly) load_factors(t, f, tables.row_factors, tables.col_factors, row, col);
+    else load_factor_entries(t, f, tables.row_table, tables.col_table, row, col);
+  }
+  per_element_features(x, grad, param, s, factored, row, col);
+}
+
+// Loads one element's inputs and computes its features (loaded_element_features); returns the
+// unclipped gradient, which the check phase tests.
 template <bool FactorsOnly = false>
 LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                    float clip_factor, const TableInputs& tables, float x[SFC_NUM_FEATURES],
                                    ElementState& s, float& grad, float& param) {
   const float unclipped_grad = load_gradient(t, e, inverse_scale);
-  grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
   param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
   s = load_element_state(t, e);
-  const bool factored = t.factored != 0;
-  update_accumulators(s, grad, decays, factored);
-  FactorEntry row = {}, col = {};
-  if (factored) {
-    if (FactorsOnly) load_factors(t, e, tables.row_factors, tables.col_factors, row, col);
-    else load_factor_entries(t, e, tables.row_table, tables.col_table, row, col);
-  }
-  per_element_features(x, grad, param, s, factored, row, col);
+  const FactorIndex f = t.factored ? factor_index(t, e) : FactorIndex{0, 0};
+  loaded_element_features<FactorsOnly>(t, f, decays, clip_factor, tables, unclipped_grad, param, s, x, grad);
   return unclipped_grad;
 }
 
@@ -121,19 +131,27 @@ LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& dec
 template <bool Factored>
 LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
                                       float clip_factor, const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
+  const bool aligned = pairs_aligned(t);
   bool unusable = false;
-  // Unrolled so that several elements' loads are in flight at once (the pass is memory-bound).
+  // A thread takes adjacent pairs of elements (ElementPair): the pair's loads are in flight together.
 #pragma unroll STATS_UNROLL
-  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+  for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
     if (e < t.numel) {
-      float x[SFC_NUM_FEATURES], grad, param;
-      ElementState s;
-      unusable |= gradient_unusable(element_features<Factored>(t, e, decays, inverse_scale, clip_factor, tables, x, s,
-                                                               grad, param));
+      ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
+      FactorIndex f[2] = {};
+      if (Factored) factor_index_pair(t, e, f);
 #pragma unroll
-      for (int j = 0; j < SFC_NUM_FEATURES; ++j)
-        if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+      for (int n = 0; n < 2; ++n) {
+        if (n == 1 && !pair.second) break;
+        unusable |= gradient_unusable(pair.grad[n]);
+        float x[SFC_NUM_FEATURES], grad;
+        loaded_element_features<Factored>(t, f[n], decays, clip_factor, tables, pair.grad[n], pair.param[n],
+                                          pair.state[n], x, grad);
+#pragma unroll
+        for (int j = 0; j < SFC_NUM_FEATURES; ++j)
+          if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+      }
     }
   }
   return unusable;

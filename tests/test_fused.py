@@ -308,6 +308,57 @@ def test_strided_parameters_keep_their_layout_and_match_naive(name, weights):
         assert relative_error(f.detach() - p0, n.detach() - p0) <= 1e-5
 
 
+def odd_offset_views(tensors):
+    """Copies of ``tensors`` as views into one flat buffer, each starting one element past an 8-byte
+    boundary (the kernels read adjacent elements in pairs with one load where a tensor is aligned)."""
+    sizes = [t.numel() + 1 + (t.numel() + 1) % 2 for t in tensors]
+    buffer = torch.empty(sum(sizes) + 2, dtype=tensors[0].dtype, device=tensors[0].device)
+    views, start = [], 0
+    for t, size in zip(tensors, sizes):
+        view = buffer[start + 1:start + 1 + t.numel()].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        start += size
+    assert all(v.data_ptr() % 8 != 0 for v in views if v.numel())
+    return views
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameters_gradients_and_state_at_odd_offsets_match_naive(name, dtype, weights):
+    """Parameters, gradients and state that are views at odd element offsets (not aligned for pair
+    loads) are read and written element by element, with the same results as the naive backend."""
+    shapes = [(37,), (5, 5), (300, 129), (8, 3, 3, 3), (1, 7)]
+    lr = 0.7 if dtype == torch.float32 else {"small_fc_lopt": 50.0, "velo": 1000.0}[name]
+    fused_params = [torch.nn.Parameter(v) for v in odd_offset_views(make_params(shapes, dtype, seed=5))]
+    naive_params = make_params(shapes, dtype, seed=5)
+    fused = make_optimizer(name, fused_params, "fused", weights[name], lr=lr, weight_decay=0.007 / lr)
+    naive = make_optimizer(name, naive_params, "naive", weights[name], lr=lr, weight_decay=0.007 / lr)
+    for index in range(6):
+        grads = random_grads(fused_params, index)
+        for p, g in zip(fused_params, odd_offset_views(grads)):
+            p.grad = g
+        set_grads(naive_params, grads)
+        if index == 3:  # the state, too, as odd-offset views (what load_state_dict keeps as given)
+            saved = fused.state_dict()
+            for per_param in saved["state"].values():
+                names = [k for k, v in per_param.items() if torch.is_tensor(v) and v.dim() > 0 and v.is_floating_point()]
+                for key, view in zip(names, odd_offset_views([per_param[k] for k in names])):
+                    per_param[key] = view
+            fused = make_optimizer(name, fused_params, "fused", weights[name], lr=lr, weight_decay=0.007 / lr)
+            fused.load_state_dict(saved)
+            assert any(s["mom"].data_ptr() % 8 != 0 for s in fused.state.values())
+        before = [p.detach().float().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        for f, n, b, shape in zip(fused_params, naive_params, before, shapes):
+            if dtype == torch.float32:
+                assert relative_error(f.detach() - b, n.detach() - b) <= 1e-5, f"step {index} shape {shape}"
+            else:
+                assert float(low_precision_excess(f, n, b).max()) <= 0, f"step {index} shape {shape}"
+        sync_into(naive, naive_params, fused, fused_params)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_views_with_gaps_are_refused_at_construction(name, weights):
     gapped = torch.nn.Parameter(torch.randn(6, 8, device="cuda")[:, ::2])
