@@ -83,10 +83,13 @@ LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementSt
   }
 }
 
-// A thread's pair of adjacent elements e, e + 1 (e even), as the statistics and apply passes take
-// them: where the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in
-// one load per array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte
-// loads), and their factor indices from one division (factor_index_pair). `second`: e + 1 < numel.
+// A thread's pair of adjacent elements e, e + 1 (e even), as the statistics passes take them: where
+// the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in one load per
+// array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte loads), and
+// their factor indices from one division (factor_index_pair). `second`: e + 1 < numel.
+// (Measured on an H100, GPT-2 medium: statistics 4.43 -> 3.69 ms (VeLO), 4.22 -> 3.29 ms
+// (small_fc_lopt). VeLO's apply pass in pairs was slower, 6.87 -> 7.68 ms: it keeps two elements a
+// chunk apart, VELO_APPLY_ELEMENTS.)
 struct ElementPair {
   float grad[2], param[2];  // the gradient unscaled (AMP), not yet clipped
   ElementState state[2];
@@ -94,7 +97,7 @@ struct ElementPair {
 };
 
 // Whether the tensor's per-element arrays allow pair loads: PyTorch's allocations are aligned, a view
-// at an odd offset may not be (V's pointer is null for a factored tensor).
+// at an odd offset may not be (V of a factored tensor is empty: a null pointer).
 LOPT_DEVICE bool pairs_aligned(const TensorMeta& t) { return ((t.param | t.grad | t.mom | t.rms | t.fac_full) & 7) == 0; }
 
 // Three floats per element (momentum, V) of elements e and e + 1, from three 8-byte loads.
@@ -103,13 +106,6 @@ LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], fl
   const float2 x = p[0], y = p[1], z = p[2];
   first[0] = x.x; first[1] = x.y; first[2] = y.x;
   second[0] = y.y; second[1] = z.x; second[2] = z.y;
-}
-
-LOPT_DEVICE void store_three_pair(float* base, i64 e, const float (&first)[3], const float (&second)[3]) {
-  float2* p = reinterpret_cast<float2*>(base + e * 3);
-  p[0] = make_float2(first[0], first[1]);
-  p[1] = make_float2(first[2], second[0]);
-  p[2] = make_float2(second[1], second[2]);
 }
 
 // Value e, and e + 1 where `second` (else 0).
@@ -145,17 +141,6 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
     pair.state[1] = pair.second ? load_element_state(t, e + 1) : ElementState{};
   }
   return pair;
-}
-
-LOPT_DEVICE void store_element_pair_state(const TensorMeta& t, i64 e, const ElementPair& pair, bool aligned) {
-  if (aligned && pair.second) {
-    store_three_pair(pointer<float>(t.mom), e, pair.state[0].mom, pair.state[1].mom);
-    *reinterpret_cast<float2*>(pointer<float>(t.rms) + e) = make_float2(pair.state[0].rms, pair.state[1].rms);
-    if (!t.factored) store_three_pair(pointer<float>(t.fac_full), e, pair.state[0].full, pair.state[1].full);
-  } else {
-    store_element_state(t, e, pair.state[0]);
-    if (pair.second) store_element_state(t, e + 1, pair.state[1]);
-  }
 }
 
 // reference: update_accumulators (momentum, rms; V for non-factored tensors — R and C come from
@@ -379,26 +364,10 @@ LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
 
 // reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
 // in the parameter's dtype.
-LOPT_DEVICE float updated_parameter(float param, float update, const ApplyScalars& a) {
+LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
   float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
   if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
-  return new_param;
-}
-
-LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
-  store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), updated_parameter(param, update, a));
-}
-
-// apply_update for a pair (the second element's only where pair.second).
-LOPT_DEVICE void apply_pair_update(const TensorMeta& t, i64 e, const ElementPair& pair, const float (&update)[2],
-                                   const ApplyScalars& a, bool aligned) {
-  const float first = updated_parameter(pair.param[0], update[0], a);
-  if (pair.second) {
-    store_pair_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype),
-                          make_float2(first, updated_parameter(pair.param[1], update[1], a)), aligned);
-  } else {
-    store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), first);
-  }
+  store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
 }
 
 // ------------------------------------------------------------------------------------------

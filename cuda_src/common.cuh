@@ -39,33 +39,15 @@ LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bo
 }
 
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.
-LOPT_DEVICE unsigned short float_to_sixteen_bits(float value, int dtype) {
+LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
+  if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
   unsigned short bits;
   if (dtype == LOPT_BF16) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   } else {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   }
-  return bits;
-}
-
-LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
-  if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
-  static_cast<unsigned short*>(base)[index] = float_to_sixteen_bits(value, dtype);
-}
-
-// Values index and index + 1 from float (as store_from_float; `vector` as for load_pair_as_float).
-LOPT_DEVICE void store_pair_from_float(void* base, i64 index, int dtype, float2 value, bool vector) {
-  if (!vector) {
-    store_from_float(base, index, dtype, value.x);
-    store_from_float(base, index + 1, dtype, value.y);
-  } else if (dtype == LOPT_F32) {
-    *reinterpret_cast<float2*>(static_cast<float*>(base) + index) = value;
-  } else {
-    *reinterpret_cast<unsigned int*>(static_cast<unsigned short*>(base) + index) =
-        static_cast<unsigned int>(float_to_sixteen_bits(value.x, dtype)) |
-        (static_cast<unsigned int>(float_to_sixteen_bits(value.y, dtype)) << 16);
-  }
+  static_cast<unsigned short*>(base)[index] = bits;
 }
 
 template <typename T>

@@ -523,13 +523,11 @@ velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors
 }
 
 // ------------------------------------------------------------------------------------------
-// Apply pass (reference: apply_stage): a block takes LOPT_VELO_APPLY_CHUNK elements at a time, an
-// adjacent pair per thread (ElementPair); blocks take contiguous ranges of chunks and reload the
-// tensor's record only when the tensor changes.
+// Apply pass (reference: apply_stage): a block takes 256 elements at a time, one per thread; blocks
+// take contiguous ranges of chunks and reload the tensor's record only when the tensor changes.
 // ------------------------------------------------------------------------------------------
-#define VELO_APPLY_THREADS LOPT_VELO_APPLY_THREADS
-#define VELO_APPLY_CHUNK LOPT_VELO_APPLY_CHUNK
-static_assert(VELO_APPLY_CHUNK == 2 * VELO_APPLY_THREADS, "a thread per pair of elements");
+#define VELO_APPLY_THREADS 256
+#define VELO_APPLY_CHUNK VELO_APPLY_THREADS
 #ifndef VELO_APPLY_MIN_BLOCKS
 #define VELO_APPLY_MIN_BLOCKS 4
 #endif
@@ -591,68 +589,69 @@ LOPT_DEVICE void per_element_mlp(const float (&x)[N][VELO_NUM_FEATURES], const f
   for (int n = 0; n < N; ++n) out[n] = make_float2(o[n][0], o[n][1]);
 }
 
-// What the apply pass reads of a pair of elements before computing anything: their gradients,
-// parameters and accumulators (ElementPair), and for a factored tensor their factors and table shares.
-struct PairInputs {
-  ElementPair pair;
-  float4 row_factor[2], col_factor[2], table_share[2];
+// What the apply pass reads of one element before computing anything: its gradient (clipped),
+// parameter and accumulators, and for a factored tensor its factors and table share.
+struct ElementInputs {
+  float grad, param;
+  ElementState state;
+  float4 row_factor, col_factor, table_share;
 };
 
 template <bool Factored>
-LOPT_DEVICE PairInputs load_pair_inputs(const TensorMeta& t, i64 e, bool aligned, const float4* row_factors,
-                                        const float4* col_factors, const float4* row_contributions,
-                                        const float4* col_contributions, float inverse_scale) {
-  PairInputs in;
-  in.pair = load_element_pair(t, e, inverse_scale, aligned);
-#pragma unroll
-  for (int n = 0; n < 2; ++n) in.row_factor[n] = in.col_factor[n] = in.table_share[n] = make_float4(0.f, 0.f, 0.f, 0.f);
+LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const float4* row_factors,
+                                              const float4* col_factors, const float4* row_contributions,
+                                              const float4* col_contributions, float inverse_scale) {
+  ElementInputs in;
+  in.grad = clip_gradient(load_gradient(t, e, inverse_scale));
+  in.param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  in.state = load_element_state(t, e);
+  in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
   if (Factored) {
-    FactorIndex f[2];
-    factor_index_pair(t, e, f);
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      if (n == 1 && !in.pair.second) break;  // (no table entry to read)
-      in.row_factor[n] = __ldg(row_factors + t.row_table + f[n].row);
-      in.col_factor[n] = __ldg(col_factors + t.col_table + f[n].col);
-      const float4 r = __ldg(row_contributions + t.row_table + f[n].row);
-      const float4 c = __ldg(col_contributions + t.col_table + f[n].col);
-      in.table_share[n] = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
-    }
+    const FactorIndex f = factor_index(t, e);
+    in.row_factor = __ldg(row_factors + t.row_table + f.row);
+    in.col_factor = __ldg(col_factors + t.col_table + f.col);
+    const float4 r = __ldg(row_contributions + t.row_table + f.row), c = __ldg(col_contributions + t.col_table + f.col);
+    in.table_share = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
   }
   return in;
 }
 
-// The pair's updates from its loaded inputs (the second element's computed on zeros and not stored
-// where there is none), written back with the new accumulators.
-template <bool Factored>
-LOPT_DEVICE void apply_pair(const TensorMeta& t, const ApplyScalars& a, i64 e, PairInputs& in, const float* record,
-                            bool aligned) {
-  float x[2][VELO_NUM_FEATURES];
+// Elements e[0..N) of a tensor, from their loaded inputs.
+template <bool Factored, int N>
+LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const i64 (&e)[N], ElementInputs (&in)[N],
+                                const float* record) {
+  float x[N][VELO_NUM_FEATURES];
+  float4 table_share[N];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    ElementState& s = in.pair.state[n];
-    const float grad = clip_gradient(in.pair.grad[n]);
-    update_accumulators(s, grad, a.decays, Factored);
+  for (int n = 0; n < N; ++n) {
+    ElementState& s = in[n].state;
+    update_accumulators(s, in[n].grad, a.decays, Factored);
+    store_element_state(t, e[n], s);
     FactorEntry row = {}, col = {};
     if (Factored) {
-      row.factor[0] = in.row_factor[n].x; row.factor[1] = in.row_factor[n].y; row.factor[2] = in.row_factor[n].z;
-      col.factor[0] = in.col_factor[n].x; col.factor[1] = in.col_factor[n].y; col.factor[2] = in.col_factor[n].z;
+      row.factor[0] = in[n].row_factor.x; row.factor[1] = in[n].row_factor.y; row.factor[2] = in[n].row_factor.z;
+      col.factor[0] = in[n].col_factor.x; col.factor[1] = in[n].col_factor.y; col.factor[2] = in[n].col_factor.z;
     }
-    per_element_features(x[n], grad, in.pair.param[n], s, Factored, row, col);  // (factored: 15..26 unused)
+    per_element_features(x[n], in[n].grad, in[n].param, s, Factored, row, col);  // (factored: 15..26 unused)
+    table_share[n] = in[n].table_share;
   }
-  store_element_pair_state(t, e, in.pair, aligned);  // the new accumulators do not depend on the MLP
-  float2 output[2];
-  per_element_mlp<Factored, 2>(x, record, in.table_share, output);
-  float update[2];
+  float2 output[N];
+  per_element_mlp<Factored, N>(x, record, table_share, output);
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)).
-    update[n] = __fmul_rn(record[VELO_RECORD_LR_MULT],
-                          __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
-                                    __fmul_rn(__fmul_rn(output[n].x, expf(__fmul_rn(output[n].y, a.exp_mult))), a.step_mult)));
+  for (int n = 0; n < N; ++n) {
+    // velo_update: u = λ·(param_scale·(d·exp(exp_mult·μ)·step_mult)), then apply_update.
+    const float update = __fmul_rn(record[VELO_RECORD_LR_MULT],
+                                   __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
+                                             __fmul_rn(__fmul_rn(output[n].x, expf(__fmul_rn(output[n].y, a.exp_mult))),
+                                                       a.step_mult)));
+    apply_update(t, e[n], in[n].param, update, a);
   }
-  apply_pair_update(t, e, in.pair, update, a, aligned);
 }
+
+#ifndef VELO_APPLY_ELEMENTS
+#define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
+                               // read from shared memory serves N (H100, GPT-2 medium: apply 8.43 ms with 1, 7.13 with 2)
+#endif
 
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
 // they stay in registers through the loop instead of being re-read (from shared memory) per element.
@@ -660,12 +659,24 @@ template <bool Factored>
 LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
                               const float4* row_factors, const float4* col_factors, const float4* row_contributions,
                               const float4* col_contributions, float inverse_scale) {
-  const bool aligned = pairs_aligned(t);
-  for (i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + 2 * threadIdx.x; chunk < end && e < t.numel;
-       ++chunk, e += VELO_APPLY_CHUNK) {
-    PairInputs in = load_pair_inputs<Factored>(t, e, aligned, row_factors, col_factors, row_contributions,
-                                               col_contributions, inverse_scale);
-    apply_pair<Factored>(t, a, e, in, record, aligned);
+  i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
+  constexpr int N = VELO_APPLY_ELEMENTS;
+  for (; chunk + (N - 1) < end && e + (N - 1) * VELO_APPLY_CHUNK < t.numel; chunk += N, e += N * VELO_APPLY_CHUNK) {
+    i64 elements[N];
+    ElementInputs in[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      elements[n] = e + n * VELO_APPLY_CHUNK;
+      in[n] = load_element_inputs<Factored>(t, elements[n], row_factors, col_factors, row_contributions,
+                                            col_contributions, inverse_scale);
+    }
+    apply_elements<Factored, N>(t, a, elements, in, record);
+  }
+  for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK) {
+    const i64 one[1] = {e};
+    ElementInputs in[1] = {load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
+                                                         col_contributions, inverse_scale)};
+    apply_elements<Factored, 1>(t, a, one, in, record);
   }
 }
 

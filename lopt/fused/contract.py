@@ -81,13 +81,11 @@ CONSTANTS: dict = {
     "DECAYS_FLOATS": 16,
     "GROUP_VALUE_FLOATS": GROUP_VALUE_FLOATS,
     "FINALIZE_THREADS": 256,
-    "VELO_APPLY_THREADS": 256,  # velo_apply: a thread per adjacent pair of elements (ElementPair)
     # Step status flags (int32): a non-finite or overflowing gradient was seen in this step.
     "STATUS_INTS": 4,
     "STATUS_NONFINITE": 0,
 }
 CONSTANTS["STATS_CHUNK"] = CONSTANTS["STATS_THREADS"] * CONSTANTS["STATS_PER_THREAD"]
-CONSTANTS["VELO_APPLY_CHUNK"] = 2 * CONSTANTS["VELO_APPLY_THREADS"]
 
 FIELD = {name: {field: index for index, field in enumerate(fields)} for name, fields in STRUCTS.items()}
 

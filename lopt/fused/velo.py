@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from lopt.fused import launcher
-from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
+from lopt.fused.contract import FIELD, empty_rows
 from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan
 from lopt.reference import velo as reference
 
@@ -51,7 +51,7 @@ CONTROL_THREADS = 256
 LSTM_ROWS, LSTM_UNITS = 8, 32
 HEADS_THREADS = 256
 CONTRIBUTION_THREADS = 256
-APPLY_THREADS = CONSTANTS["VELO_APPLY_THREADS"]
+APPLY_THREADS = 256
 RNN_TENSORS = ("mix_layer2.weight", "mix_layer2.bias", "final_mix_layer.weight", "final_mix_layer.bias",
                "lstm.linear.weight", "lstm.linear.bias", "rnn_to_controls.weight", "rnn_to_controls.bias",
                "step_size.weight", "step_size.bias")
@@ -70,7 +70,7 @@ class VeLOFused(FusedEngine):
     SOURCE = "velo.cu"
     KERNELS = ("velo_statistics", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads",
                "velo_table_contributions", "velo_apply")
-    APPLY_CHUNK = CONSTANTS["VELO_APPLY_CHUNK"]  # a pair of adjacent elements per thread
+    APPLY_CHUNK = APPLY_THREADS
     GRADIENT_CLIP = reference.GRADIENT_CLIP
 
     def __init__(self, optimizer, defines: tuple = ()):
