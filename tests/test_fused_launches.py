@@ -145,6 +145,42 @@ def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector
         gc.enable()
 
 
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_the_tensor_table_follows_gradients_and_parameters(name, recorded, monkeypatch):
+    """A step uploads the tensor table only when what it was built from changed: each gradient's
+    address and dtype and each parameter's address (a step with the same tensors uploads nothing)."""
+    from lopt.fused.contract import FIELD
+
+    uploads = []
+    original = CpuTable.update
+    monkeypatch.setattr(CpuTable, "update", lambda self, rows: uploads.append(rows.copy()) or original(self, rows))
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
+    opt = engine_for(name, params)
+    engine = opt._fused_engine
+
+    def step_and_table():
+        uploads.clear()
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+        rows = engine.plan.tensor_table.host
+        return [np.array_equal(u, rows) for u in uploads].count(True), rows
+
+    for p in params:
+        p.grad = torch.randn_like(p)
+    step_and_table()
+    count, rows = step_and_table()  # the same gradient tensors
+    assert count == 0
+    params[0].grad = torch.randn_like(params[0])  # a new tensor at a new address
+    count, rows = step_and_table()
+    assert count == 1 and rows[0, FIELD["TensorMeta"]["grad"]] == params[0].grad.data_ptr()
+    params[1].grad.data = params[1].grad.data.to(torch.bfloat16)  # another dtype (PyTorch's grad check is bypassed)
+    count, rows = step_and_table()
+    assert count == 1 and rows[1, FIELD["TensorMeta"]["grad_dtype"]] == launcher.DTYPE_CODES[torch.bfloat16]
+    params[0].data = params[0].data.clone()  # the parameter moved to new storage, same shape
+    count, rows = step_and_table()
+    assert count == 1 and rows[0, FIELD["TensorMeta"]["param"]] == params[0].data_ptr()
+    assert step_and_table()[0] == 0
+
+
 def sharded_worker(rank, name, init_file, out_file):
     """One of two gloo processes: a fused engine (kernels recorded, CPU tensors standing in for device
     memory) on DTensor parameters sharded on dim 0, two steps."""

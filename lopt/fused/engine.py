@@ -119,6 +119,7 @@ class Plan:
         self.group_table = launcher.MetadataTable(device)
         self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
         self.pointers = None  # last uploaded pointer rows
+        self.grad_pointers = self.grad_dtypes = self.uploaded_param_pointers = None  # (what they were built from)
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
 
 
@@ -170,13 +171,16 @@ class FusedEngine:
         clipped_groups = tuple(group.get("max_grad_norm") is not None for group in self.optimizer.param_groups)
         key = (tuple(map(id, params)), tuple(map(len, inputs.params)), clipped_groups)
         plan = self.plan
-        locals_ = list(map(local_part, params))  # (a DTensor's rows in this process; else the tensor)
         if plan is not None and plan.key == key:
-            param_pointers = [p.data_ptr() for p in locals_]
-            if param_pointers == plan.param_pointers or all(
-                    (tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
-                plan.param_pointers, plan.locals = param_pointers, locals_
+            locals_ = list(map(local_part, params)) if plan.sharded_rows else params
+            param_pointers = list(map(torch.Tensor.data_ptr, locals_))
+            if param_pointers == plan.param_pointers:
+                plan.locals = locals_
                 return plan
+            if all((tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
+                plan.param_pointers, plan.locals = param_pointers, locals_  # (moved storage: _refresh re-uploads)
+                return plan
+        locals_ = list(map(local_part, params))  # (a DTensor's rows in this process; else the tensor)
         entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
         groups, shapes, dims, orders, global_rows = [], [], [], [], []
         for (g, p), local in zip(entries, locals_):
@@ -202,6 +206,7 @@ class FusedEngine:
             raise RuntimeError("sharded parameters need the reducer of their device mesh")
         plan = Plan(key, params, groups, layout, orders, self.device)
         plan.param_pointers, plan.locals = [p.data_ptr() for p in locals_], locals_
+        plan.sharded_rows = any(map(distributed.is_dtensor, params))  # (else each step skips local_part)
         plan.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
         plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
         state = self.optimizer.state
@@ -246,31 +251,40 @@ class FusedEngine:
     def _refresh(self, plan: Plan, inputs) -> None:
         """Point the device tables at this step's gradients and hyper-parameters (uploads only changes).
 
-        Per tensor only its parameter and gradient pointers and the gradient's dtype are read (the
-        state's pointers are fixed for the plan), so the host's share of a step stays small whether or
-        not the gradients are new tensors every step."""
+        Per tensor only the gradient's pointer, dtype and layout are read (the parameters' pointers in
+        _plan_for, the state's are fixed for the plan), so the host's share of a step stays small
+        whether or not the gradients are new tensors every step."""
         layout, params = plan.layout, plan.locals  # (this step's, from _plan_for)
-        grads = [local_part(p.grad) for p in plan.params]
+        grads = [g for group_grads in inputs.grads for g in group_grads]  # (as the check phase saw them)
+        if plan.sharded_rows:
+            grads = list(map(local_part, grads))
         # A gradient laid out differently from its parameter is copied into the parameter's layout.
         strided = plan.strided_rows
-        for row, g in enumerate(grads):
-            if not g.is_contiguous() if row not in strided else g.stride() != params[row].stride():
-                copy = plan.grad_copies.get(row)
-                if copy is None or copy.dtype != g.dtype:
-                    copy = plan.grad_copies[row] = torch.empty_like(params[row], dtype=g.dtype)  # p's layout
-                copy.copy_(g)
-                grads[row] = copy
-        pointers = np.empty((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
-        pointers[:, 0] = plan.param_pointers
-        pointers[:, 1] = [g.data_ptr() for g in grads]
-        pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = plan.state_pointers
-        pointers[:, -2] = plan.param_dtypes
-        pointers[:, -1] = [launcher.DTYPE_CODES[g.dtype] for g in grads]
-        if plan.pointers is None or not np.array_equal(plan.pointers, pointers):
-            plan.tensor_table.update(layout.tensor_rows(pointers))
-            if layout.num_axis_jobs:
-                plan.axis_table.update(layout.axis_rows(pointers))
-            plan.pointers = pointers
+        if strided or not all(map(torch.Tensor.is_contiguous, grads)):
+            for row, g in enumerate(grads):
+                if not g.is_contiguous() if row not in strided else g.stride() != params[row].stride():
+                    copy = plan.grad_copies.get(row)
+                    if copy is None or copy.dtype != g.dtype:
+                        copy = plan.grad_copies[row] = torch.empty_like(params[row], dtype=g.dtype)  # p's layout
+                    copy.copy_(g)
+                    grads[row] = copy
+        grad_pointers = list(map(torch.Tensor.data_ptr, grads))
+        grad_dtypes = [g.dtype for g in grads]
+        changed = (plan.pointers is None or grad_pointers != plan.grad_pointers or grad_dtypes != plan.grad_dtypes
+                   or plan.param_pointers is not plan.uploaded_param_pointers)
+        if changed:
+            pointers = np.empty((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
+            pointers[:, 0] = plan.param_pointers
+            pointers[:, 1] = grad_pointers
+            pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = plan.state_pointers
+            pointers[:, -2] = plan.param_dtypes
+            pointers[:, -1] = [launcher.DTYPE_CODES[dtype] for dtype in grad_dtypes]
+            if plan.pointers is None or not np.array_equal(plan.pointers, pointers):
+                plan.tensor_table.update(layout.tensor_rows(pointers))
+                if layout.num_axis_jobs:
+                    plan.axis_table.update(layout.axis_rows(pointers))
+                plan.pointers = pointers
+            plan.grad_pointers, plan.grad_dtypes, plan.uploaded_param_pointers = grad_pointers, grad_dtypes, plan.param_pointers
         self._refresh_groups(plan)
 
     def _refresh_groups(self, plan: Plan) -> None:

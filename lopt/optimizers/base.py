@@ -27,6 +27,7 @@ from lopt.optimizers.naive import NaivePhases, NonFiniteGradientError, StepInput
 from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # (anything else, a DTensor say, takes the full check)
 BACKENDS = ("auto", "naive", "fused")
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -229,24 +230,27 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     def _check_gradients(self) -> StepInputs:
         """Check phase, part 1: validate every gradient before touching any state, so a bad input changes
         nothing; returns the participating parameters and GradScaler's tensors."""
-        participating = []
+        participating, gradients = [], []
         index = 0
-        strided, supported = torch.strided, SUPPORTED_DTYPES
+        strided, supported, plain_tensor, plain_parameters = torch.strided, SUPPORTED_DTYPES, torch.Tensor, _PLAIN_TYPES
         for group in self.param_groups:
             _validate_live_group(self, group)
-            params = []
+            params, grads = [], []
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    # (the common case in one expression; _check_gradient says what is wrong)
-                    if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
-                            and g.device == p.device and not is_dtensor(p) and not is_dtensor(g)):
+                    # (the common case in one expression, cheapest tests first: this runs for every
+                    # tensor in every step; _check_gradient says what is wrong)
+                    if not (type(g) is plain_tensor and type(p) in plain_parameters and g.layout is strided
+                            and g.dtype in supported and g.shape == p.shape and g.device == p.device):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
+                        grads.append(g)
                 index += 1
             participating.append(params)
-        return StepInputs(participating, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            gradients.append(grads)
+        return StepInputs(participating, gradients, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
 
     def _check_gradient(self, index: int, p, g) -> None:
         name = type(self).__name__

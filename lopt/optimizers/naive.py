@@ -32,19 +32,21 @@ class StepInputs:
     """What the check phase hands to a backend.
 
     ``params[g]`` lists group ``g``'s parameters that take part in this step (a gradient and at
-    least one element). ``grad_scale`` and ``found_inf`` are GradScaler's device tensors when it
-    drives the step (``_step_supports_amp_scaling``), else None.
+    least one element), ``grads[g]`` their gradients as checked (read once, so a backend steps
+    exactly the tensors the check saw). ``grad_scale`` and ``found_inf`` are GradScaler's device
+    tensors when it drives the step (``_step_supports_amp_scaling``), else None.
     """
 
     params: list
+    grads: list
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
 
     def entries(self, groups):
-        """(group, param) for every participating parameter, in group order."""
-        for group, params in zip(groups, self.params):
-            for p in params:
-                yield group, p
+        """(group, param, grad) for every participating parameter, in group order."""
+        for group, params, grads in zip(groups, self.params, self.grads):
+            for p, g in zip(params, grads):
+                yield group, p, g
 
 
 @dataclass
@@ -90,11 +92,11 @@ class NaivePhases:
         if inputs.grad_scale is not None:
             inverse_scale = inputs.grad_scale.double().reciprocal().float()  # as GradScaler.unscale_ forms it
         tensors = []
-        for group, p in inputs.entries(self.param_groups):
+        for group, p, g in inputs.entries(self.param_groups):
             layout = distributed.shard_layout(p)
             shape = layout.global_shape if layout.global_shape else (1,)  # a 0-d parameter: a 1-element vector
             local_shape = (layout.rows,) + shape[1:]
-            grad = local_part(p.grad).to(torch.float32)
+            grad = local_part(g).to(torch.float32)
             if inverse_scale is not None:
                 grad = grad * inverse_scale.to(grad.device)
             state = self.ensure_state(p)
