@@ -378,9 +378,7 @@ velo_mix(const double* __restrict__ lstm_inputs, const float* __restrict__ mix_w
 
 // z = [x̂, h] Wᵀ + b for all tensors (x̂ = mix_partial + max), gates i, g, f, o; c' = σ(z_f + 1)·c +
 // σ(z_i)·tanh(z_g), h' = σ(z_o)·tanh(c'). A block computes 8 rows x 32 units (all four gates of
-// each unit), over k in shared-memory tiles of 32. The weight tile is converted to float64 once,
-// as it is stored: converting per use (8 rows) made the conversions, not the products, the cost
-// (H100, GPT-2 medium: 0.26 ms).
+// each unit), over k in shared-memory tiles of 32.
 #define VELO_LSTM_ROWS 8
 #define VELO_LSTM_UNITS 32
 #define VELO_LSTM_K 32
@@ -392,7 +390,7 @@ velo_lstm(const VeloTensor* __restrict__ velo_tensors, int num_tensors, const do
           const unsigned long long* __restrict__ mixed_max, const float* __restrict__ lstm_weight,
           const float* __restrict__ lstm_bias, double* __restrict__ hidden_new, double* __restrict__ cell_new) {
   __shared__ double inputs[VELO_LSTM_ROWS][VELO_LSTM_K];
-  __shared__ double weights[4][VELO_LSTM_UNITS][VELO_LSTM_K + 1];  // +1: conflict-free column reads
+  __shared__ float weights[4][VELO_LSTM_UNITS][VELO_LSTM_K + 1];  // +1: conflict-free column reads
   const int tid = threadIdx.x, row = tid / VELO_LSTM_UNITS, unit = tid % VELO_LSTM_UNITS;
   const int r = blockIdx.x * VELO_LSTM_ROWS + row, j = blockIdx.y * VELO_LSTM_UNITS + unit;
   const bool valid = r < num_tensors;
@@ -410,15 +408,15 @@ velo_lstm(const VeloTensor* __restrict__ velo_tensors, int num_tensors, const do
     for (int slot = tid; slot < 4 * VELO_LSTM_UNITS * VELO_LSTM_K; slot += VELO_LSTM_ROWS * VELO_LSTM_UNITS) {
       const int gate = slot / (VELO_LSTM_UNITS * VELO_LSTM_K), rest = slot % (VELO_LSTM_UNITS * VELO_LSTM_K);
       const int u = rest / VELO_LSTM_K, k = rest % VELO_LSTM_K;
-      weights[gate][u][k] = static_cast<double>(
-          lstm_weight[static_cast<i64>(gate * VELO_HIDDEN + blockIdx.y * VELO_LSTM_UNITS + u) * (2 * VELO_HIDDEN) + k0 + k]);
+      weights[gate][u][k] = lstm_weight[static_cast<i64>(gate * VELO_HIDDEN + blockIdx.y * VELO_LSTM_UNITS + u) *
+                                        (2 * VELO_HIDDEN) + k0 + k];
     }
     __syncthreads();
 #pragma unroll 8
     for (int k = 0; k < VELO_LSTM_K; ++k) {
       const double x = inputs[row][k];
 #pragma unroll
-      for (int gate = 0; gate < 4; ++gate) acc[gate] += x * weights[gate][unit][k];
+      for (int gate = 0; gate < 4; ++gate) acc[gate] += x * static_cast<double>(weights[gate][unit][k]);
     }
     __syncthreads();
   }
