@@ -138,21 +138,11 @@ struct FactorIndex { i64 row, col; };
 
 // Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever
 // the tensor's element count allows.
-// floor(e / b) for e, b < 2^32 from b's reciprocal M = floor(2^64 / b) + 1 (t.b_reciprocal, 0 for
-// b = 1; lopt.fused.plan.division_reciprocal): floor(e · M / 2^64), e · M_hi + floor(e · M_lo / 2^32)
-// shifted by 32, which cannot overflow 64 bits.
-LOPT_DEVICE unsigned int divide_by_b(unsigned int e, unsigned long long reciprocal) {
-  if (reciprocal == 0ull) return e;
-  const unsigned long long high = static_cast<unsigned long long>(e) * static_cast<unsigned int>(reciprocal >> 32);
-  return static_cast<unsigned int>((high + __umulhi(e, static_cast<unsigned int>(reciprocal))) >> 32);
-}
-
 template <typename I>
 LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& without_a, i64& without_b) {
   const I e = static_cast<I>(element);
   if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
-    const I a = sizeof(I) == 4 ? divide_by_b(static_cast<unsigned int>(e), static_cast<unsigned long long>(t.b_reciprocal))
-                               : e / static_cast<I>(t.b);
+    const I a = e / static_cast<I>(t.b);
     without_a = static_cast<i64>(e - a * static_cast<I>(t.b));
     without_b = static_cast<i64>(a);
     return;

@@ -8,7 +8,7 @@ import torch
 
 from lopt.fused import contract, launcher
 from lopt.fused.engine import arranged, memory_order
-from lopt.fused.plan import TENSOR_POINTER_FIELDS, GroupLayout, division_reciprocal
+from lopt.fused.plan import TENSOR_POINTER_FIELDS, GroupLayout
 from lopt.reference.small_fc_lopt import factored_dims
 
 SHAPES = [(4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (2, 3, 4), (8, 3, 3, 3), (16, 16, 3, 3), (3, 1, 5, 1), (2, 5, 1, 3, 4),
@@ -56,27 +56,6 @@ def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
     for column, name in enumerate(TENSOR_POINTER_FIELDS):
         assert list(filled[:, t[name]]) == list(pointers[:, column])
     assert (layout.static_rows[:, t["param"]] == 0).all()  # the static part is not modified
-
-
-def test_division_by_reciprocal_is_exact_for_every_32_bit_index():
-    """The kernels' e / b for e, b < 2^32 (common.cuh divide_by_b): floor(e * M / 2^64) from the 64-bit
-    M that division_reciprocal stores, evaluated here as the device does (a 32 x 32 -> 64-bit product of
-    M's high half, plus the high half of the product with M's low half, shifted by 32)."""
-    rng = np.random.default_rng(0)
-    divisors = [2, 3, 5, 7, 1023, 1024, 3072, 50257, 65537, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 5, 2**32 - 1]
-    divisors += [int(d) for d in rng.integers(2, 2**32, size=200)]
-    for b in divisors:
-        stored = division_reciprocal(b)
-        assert -2**63 <= stored < 2**63  # (an int64 field)
-        m = stored % 2**64
-        indices = {0, 1, b - 1, b, b + 1, 2**32 - 1, (2**32 - 1) // b * b, (2**32 - 1) // b * b - 1}
-        indices |= {int(e) for e in rng.integers(0, 2**32, size=200)}
-        for e in indices:
-            if 0 <= e < 2**32:
-                high = e * (m >> 32)
-                low = (e * (m & 0xFFFFFFFF)) >> 32
-                assert (high + low) >> 32 == e // b, (e, b)
-    assert division_reciprocal(1) == 0  # (divide_by_b returns e itself)
 
 
 def test_fused_unavailable_reasons(monkeypatch):

@@ -26,7 +26,6 @@ STRUCTS: dict = {
     "TensorMeta": (
         "param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full",  # device pointers
         "numel", "outer", "a", "mid", "b", "inner", "d0_is_a", "factored", "param_dtype", "grad_dtype",
-        "b_reciprocal",  # floor(2^64 / b) + 1 (bits of a uint64; 0 for b = 1): e / b in two multiplications
         "group",  # row of the GroupMeta table
         "first_stats_chunk", "num_stats_chunks",  # statistics pass: chunks of LOPT_STATS_CHUNK elements
         "first_slab", "num_slabs",  # factor tables: slabs of R (one row_col_mean each)

@@ -40,16 +40,6 @@ class FactoredGeometry:
     d0_is_a: bool
 
 
-def division_reciprocal(divisor: int) -> int:
-    """M = floor(2^64 / d) + 1 as the int64 with its bits, 0 for d = 1: the kernels divide an index
-    e < 2^32 by d < 2^32 as floor(e · M / 2^64) (exact: the error e·(M − 2^64/d)/2^64 < 2^-32 < 1/d
-    cannot carry past the next multiple of 1/d), two multiplications instead of a division."""
-    if divisor == 1:
-        return 0
-    reciprocal = (1 << 64) // divisor + 1
-    return reciprocal - (1 << 64) if reciprocal >= 1 << 63 else reciprocal
-
-
 def factored_geometry(shape, dims) -> FactoredGeometry:
     d1, d0 = dims
     first, second = min(d0, d1), max(d0, d1)
@@ -112,7 +102,6 @@ class GroupLayout:
             row[_T["d0_is_a"]] = int(g.d0_is_a)
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = getattr(g, name)
-            row[_T["b_reciprocal"]] = division_reciprocal(g.b)
             d1, d0 = dim
             # A split tensor's axis 0 is one of its factored axes (then it is axis a, with outer = 1) or
             # neither (then every sum over a factored axis is complete in this process).
