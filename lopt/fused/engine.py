@@ -118,8 +118,12 @@ class Plan:
         self.group_values = launcher.MetadataTable(device, dtype=np.float32)
         self.group_table = launcher.MetadataTable(device)
         self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
-        self.pointers = None  # last uploaded pointer rows
-        self.grad_pointers = self.grad_dtypes = self.uploaded_param_pointers = None  # (what they were built from)
+        # The tables' rows on the host, updated in place: the pointer columns (TENSOR_POINTER_FIELDS),
+        # and what they were last built from.
+        self.pointers = np.zeros((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
+        self.tensor_rows = layout.static_rows.copy()
+        self.axis_rows = layout.static_jobs.copy()
+        self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
 
 
@@ -210,9 +214,10 @@ class FusedEngine:
         plan.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
         plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
         state = self.optimizer.state
-        plan.state_pointers = np.array([[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS]
-                                        for p in params], dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
-        plan.param_dtypes = np.array([launcher.DTYPE_CODES[p.dtype] for p in params], dtype=np.int64)
+        plan.pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = np.array(
+            [[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
+            dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
+        plan.pointers[:, -2] = [launcher.DTYPE_CODES[p.dtype] for p in params]
         self._allocate(plan)
         self.plan = plan
         return plan
@@ -270,21 +275,20 @@ class FusedEngine:
                     grads[row] = copy
         grad_pointers = list(map(torch.Tensor.data_ptr, grads))
         grad_dtypes = [g.dtype for g in grads]
-        changed = (plan.pointers is None or grad_pointers != plan.grad_pointers or grad_dtypes != plan.grad_dtypes
-                   or plan.param_pointers is not plan.uploaded_param_pointers)
-        if changed:
-            pointers = np.empty((layout.num_tensors, len(TENSOR_POINTER_FIELDS)), dtype=np.int64)
-            pointers[:, 0] = plan.param_pointers
-            pointers[:, 1] = grad_pointers
-            pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = plan.state_pointers
-            pointers[:, -2] = plan.param_dtypes
-            pointers[:, -1] = [launcher.DTYPE_CODES[dtype] for dtype in grad_dtypes]
-            if plan.pointers is None or not np.array_equal(plan.pointers, pointers):
-                plan.tensor_table.update(layout.tensor_rows(pointers))
-                if layout.num_axis_jobs:
-                    plan.axis_table.update(layout.axis_rows(pointers))
-                plan.pointers = pointers
-            plan.grad_pointers, plan.grad_dtypes, plan.uploaded_param_pointers = grad_pointers, grad_dtypes, plan.param_pointers
+        if grad_pointers == plan.grad_pointers and grad_dtypes == plan.grad_dtypes and \
+                plan.param_pointers is plan.uploaded_param_pointers:
+            self._refresh_groups(plan)
+            return
+        if grad_dtypes != plan.grad_dtypes:
+            plan.grad_dtype_codes = [launcher.DTYPE_CODES[dtype] for dtype in grad_dtypes]
+        pointers = plan.pointers  # (the state's pointers and the parameters' dtypes are fixed for the plan)
+        pointers[:, 0] = plan.param_pointers
+        pointers[:, 1] = grad_pointers
+        pointers[:, -1] = plan.grad_dtype_codes
+        plan.tensor_table.update(layout.tensor_rows(pointers, out=plan.tensor_rows))
+        if layout.num_axis_jobs:
+            plan.axis_table.update(layout.axis_rows(pointers, out=plan.axis_rows))
+        plan.grad_pointers, plan.grad_dtypes, plan.uploaded_param_pointers = grad_pointers, grad_dtypes, plan.param_pointers
         self._refresh_groups(plan)
 
     def _refresh_groups(self, plan: Plan) -> None:

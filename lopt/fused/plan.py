@@ -198,16 +198,17 @@ class GroupLayout:
     def num_norm_jobs(self) -> int:
         return len(self.static_norm_jobs)
 
-    def tensor_rows(self, pointers: np.ndarray) -> np.ndarray:
-        """Metadata rows with ``pointers`` (num_tensors x len(TENSOR_POINTER_FIELDS)) filled in."""
-        rows = self.static_rows.copy()
-        for column, name in enumerate(TENSOR_POINTER_FIELDS):
-            rows[:, _T[name]] = pointers[:, column]
+    def tensor_rows(self, pointers: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Metadata rows with ``pointers`` (num_tensors x len(TENSOR_POINTER_FIELDS)) filled in (into
+        ``out``, a copy of ``static_rows``, if given)."""
+        rows = self.static_rows.copy() if out is None else out
+        rows[:, [_T[name] for name in TENSOR_POINTER_FIELDS]] = pointers
         return rows
 
-    def axis_rows(self, pointers: np.ndarray) -> np.ndarray:
-        """Reduction jobs with their source (the gradient) and its dtype filled in."""
-        jobs = self.static_jobs.copy()
+    def axis_rows(self, pointers: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Reduction jobs with their source (the gradient) and its dtype filled in (into ``out``, a copy
+        of ``static_jobs``, if given)."""
+        jobs = self.static_jobs.copy() if out is None else out
         if len(jobs):
             tensors = np.asarray(self.job_tensor)
             jobs[:, _J["src"]] = pointers[tensors, TENSOR_POINTER_FIELDS.index("grad")]
