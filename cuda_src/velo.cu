@@ -377,56 +377,72 @@ velo_mix(const double* __restrict__ lstm_inputs, const float* __restrict__ mix_w
 }
 
 // z = [x̂, h] Wᵀ + b for all tensors (x̂ = mix_partial + max), gates i, g, f, o; c' = σ(z_f + 1)·c +
-// σ(z_i)·tanh(z_g), h' = σ(z_o)·tanh(c'). A block computes 8 rows x 32 units (all four gates of
-// each unit), over k in shared-memory tiles of 32.
-#define VELO_LSTM_ROWS 8
-#define VELO_LSTM_UNITS 32
+// σ(z_i)·tanh(z_g), h' = σ(z_o)·tanh(c'). A block computes VELO_LSTM_ROWS rows x VELO_LSTM_UNITS units
+// (all four gates of each unit), over k in shared-memory tiles of 32 (the weights converted to float64
+// as they are stored); a thread keeps 4 rows x 4 gates, so each weight it reads from shared memory
+// serves 4 rows. (With a row per thread the shared-memory reads, not the products, were the cost:
+// 0.26 ms on an H100 for GPT-2 medium's 292 tensors.) Each sum runs over k in order.
+#define VELO_LSTM_ROWS LOPT_VELO_LSTM_ROWS
+#define VELO_LSTM_UNITS LOPT_VELO_LSTM_UNITS
+#define VELO_LSTM_THREADS LOPT_VELO_LSTM_THREADS
+#define VELO_LSTM_ROWS_PER_THREAD (VELO_LSTM_ROWS * VELO_LSTM_UNITS / VELO_LSTM_THREADS)
 #define VELO_LSTM_K 32
+static_assert(VELO_LSTM_ROWS_PER_THREAD * VELO_LSTM_THREADS == VELO_LSTM_ROWS * VELO_LSTM_UNITS &&
+              VELO_LSTM_THREADS % VELO_LSTM_UNITS == 0 && VELO_HIDDEN % VELO_LSTM_UNITS == 0, "velo_lstm's tiling");
 
 LOPT_DEVICE double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-extern "C" __global__ void __launch_bounds__(VELO_LSTM_ROWS * VELO_LSTM_UNITS)
+extern "C" __global__ void __launch_bounds__(VELO_LSTM_THREADS)
 velo_lstm(const VeloTensor* __restrict__ velo_tensors, int num_tensors, const double* __restrict__ mix_partial,
           const unsigned long long* __restrict__ mixed_max, const float* __restrict__ lstm_weight,
           const float* __restrict__ lstm_bias, double* __restrict__ hidden_new, double* __restrict__ cell_new) {
   __shared__ double inputs[VELO_LSTM_ROWS][VELO_LSTM_K];
-  __shared__ float weights[4][VELO_LSTM_UNITS][VELO_LSTM_K + 1];  // +1: conflict-free column reads
-  const int tid = threadIdx.x, row = tid / VELO_LSTM_UNITS, unit = tid % VELO_LSTM_UNITS;
-  const int r = blockIdx.x * VELO_LSTM_ROWS + row, j = blockIdx.y * VELO_LSTM_UNITS + unit;
-  const bool valid = r < num_tensors;
-  const float* hidden = valid ? pointer<const float>(velo_tensors[r].lstm_hidden) : nullptr;
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  __shared__ double weights[4][VELO_LSTM_UNITS][VELO_LSTM_K + 1];  // +1: conflict-free column reads
+  const int tid = threadIdx.x, unit = tid % VELO_LSTM_UNITS;
+  const int first_row = (tid / VELO_LSTM_UNITS) * VELO_LSTM_ROWS_PER_THREAD;  // (the same in a warp: broadcasts)
+  const int j = blockIdx.y * VELO_LSTM_UNITS + unit;
+  double acc[VELO_LSTM_ROWS_PER_THREAD][4] = {};
   for (int k0 = 0; k0 < 2 * VELO_HIDDEN; k0 += VELO_LSTM_K) {
-    {  // this thread's input value: row `row`, k = k0 + unit
-      const int k = k0 + unit;
+    for (int slot = tid; slot < VELO_LSTM_ROWS * VELO_LSTM_K; slot += VELO_LSTM_THREADS) {
+      const int row = slot / VELO_LSTM_K, k = k0 + slot % VELO_LSTM_K, r = blockIdx.x * VELO_LSTM_ROWS + row;
       double value = 0.0;
-      if (valid)
+      if (r < num_tensors)
         value = k < VELO_HIDDEN ? mix_partial[static_cast<i64>(r) * VELO_HIDDEN + k] + __longlong_as_double(mixed_max[k])
-                                : static_cast<double>(hidden[k - VELO_HIDDEN]);
-      inputs[row][unit] = value;
+                                : static_cast<double>(pointer<const float>(velo_tensors[r].lstm_hidden)[k - VELO_HIDDEN]);
+      inputs[row][slot % VELO_LSTM_K] = value;
     }
-    for (int slot = tid; slot < 4 * VELO_LSTM_UNITS * VELO_LSTM_K; slot += VELO_LSTM_ROWS * VELO_LSTM_UNITS) {
+    for (int slot = tid; slot < 4 * VELO_LSTM_UNITS * VELO_LSTM_K; slot += VELO_LSTM_THREADS) {
       const int gate = slot / (VELO_LSTM_UNITS * VELO_LSTM_K), rest = slot % (VELO_LSTM_UNITS * VELO_LSTM_K);
       const int u = rest / VELO_LSTM_K, k = rest % VELO_LSTM_K;
-      weights[gate][u][k] = lstm_weight[static_cast<i64>(gate * VELO_HIDDEN + blockIdx.y * VELO_LSTM_UNITS + u) *
-                                        (2 * VELO_HIDDEN) + k0 + k];
+      weights[gate][u][k] = static_cast<double>(
+          lstm_weight[static_cast<i64>(gate * VELO_HIDDEN + blockIdx.y * VELO_LSTM_UNITS + u) * (2 * VELO_HIDDEN) + k0 + k]);
     }
     __syncthreads();
-#pragma unroll 8
+#pragma unroll 4
     for (int k = 0; k < VELO_LSTM_K; ++k) {
-      const double x = inputs[row][k];
+      double w[4];
 #pragma unroll
-      for (int gate = 0; gate < 4; ++gate) acc[gate] += x * static_cast<double>(weights[gate][unit][k]);
+      for (int gate = 0; gate < 4; ++gate) w[gate] = weights[gate][unit][k];
+#pragma unroll
+      for (int i = 0; i < VELO_LSTM_ROWS_PER_THREAD; ++i) {
+        const double x = inputs[first_row + i][k];
+#pragma unroll
+        for (int gate = 0; gate < 4; ++gate) acc[i][gate] += x * w[gate];
+      }
     }
     __syncthreads();
   }
-  if (!valid) return;
-  const double z_input = acc[0] + lstm_bias[j], z_candidate = acc[1] + lstm_bias[VELO_HIDDEN + j];
-  const double z_forget = acc[2] + lstm_bias[2 * VELO_HIDDEN + j], z_output = acc[3] + lstm_bias[3 * VELO_HIDDEN + j];
-  const double cell = pointer<const float>(velo_tensors[r].lstm_cell)[j];
-  const double new_cell = sigmoid(z_forget + 1.0) * cell + sigmoid(z_input) * tanh(z_candidate);
-  cell_new[static_cast<i64>(r) * VELO_HIDDEN + j] = new_cell;
-  hidden_new[static_cast<i64>(r) * VELO_HIDDEN + j] = sigmoid(z_output) * tanh(new_cell);
+#pragma unroll
+  for (int i = 0; i < VELO_LSTM_ROWS_PER_THREAD; ++i) {
+    const int r = blockIdx.x * VELO_LSTM_ROWS + first_row + i;
+    if (r >= num_tensors) break;
+    const double z_input = acc[i][0] + lstm_bias[j], z_candidate = acc[i][1] + lstm_bias[VELO_HIDDEN + j];
+    const double z_forget = acc[i][2] + lstm_bias[2 * VELO_HIDDEN + j], z_output = acc[i][3] + lstm_bias[3 * VELO_HIDDEN + j];
+    const double cell = pointer<const float>(velo_tensors[r].lstm_cell)[j];
+    const double new_cell = sigmoid(z_forget + 1.0) * cell + sigmoid(z_input) * tanh(z_candidate);
+    cell_new[static_cast<i64>(r) * VELO_HIDDEN + j] = new_cell;
+    hidden_new[static_cast<i64>(r) * VELO_HIDDEN + j] = sigmoid(z_output) * tanh(new_cell);
+  }
 }
 
 // A block per tensor: controls = h' Wcᵀ + bc (256), λ = h' wsᵀ + bs, the generated MLP

@@ -81,6 +81,10 @@ CONSTANTS: dict = {
     "DECAYS_FLOATS": 16,
     "GROUP_VALUE_FLOATS": GROUP_VALUE_FLOATS,
     "FINALIZE_THREADS": 256,
+    # velo_lstm: a block computes VELO_LSTM_ROWS tensors x VELO_LSTM_UNITS hidden units (all four gates)
+    "VELO_LSTM_ROWS": 32,
+    "VELO_LSTM_UNITS": 32,
+    "VELO_LSTM_THREADS": 256,
     # Step status flags (int32): a non-finite or overflowing gradient was seen in this step.
     "STATUS_INTS": 4,
     "STATUS_NONFINITE": 0,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from lopt.fused import launcher
-from lopt.fused.contract import FIELD, empty_rows
+from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
 from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan
 from lopt.reference import velo as reference
 
@@ -48,7 +48,7 @@ STATS_PER_CHUNK = NUM_FEATURES + LSTM_SUMS  # VELO_STATS
 HIDDEN = reference.LSTM_HIDDEN_SIZE
 RECORD_FLOATS = 156  # VELO_RECORD_FLOATS
 CONTROL_THREADS = 256
-LSTM_ROWS, LSTM_UNITS = 8, 32
+LSTM_ROWS, LSTM_UNITS, LSTM_THREADS = CONSTANTS["VELO_LSTM_ROWS"], CONSTANTS["VELO_LSTM_UNITS"], CONSTANTS["VELO_LSTM_THREADS"]
 HEADS_THREADS = 256
 CONTRIBUTION_THREADS = 256
 APPLY_THREADS = 256
@@ -156,7 +156,7 @@ class VeLOFused(FusedEngine):
                     (ptr(plan.lstm_inputs), ptr(rnn["mix_layer2.weight"]), ptr(rnn["mix_layer2.bias"]),
                      ptr(rnn["final_mix_layer.weight"]), ptr(rnn["final_mix_layer.bias"]), ptr(plan.mixed_max),
                      ptr(plan.mix_partial)))
-        self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS), LSTM_ROWS * LSTM_UNITS,
+        self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS), LSTM_THREADS,
                     (ptr(plan.velo_table.table), np.int32(n), ptr(plan.mix_partial), ptr(plan.mixed_max),
                      ptr(rnn["lstm.linear.weight"]), ptr(rnn["lstm.linear.bias"]), ptr(plan.hidden_new),
                      ptr(plan.cell_new)))
