@@ -27,7 +27,6 @@ from lopt.optimizers.naive import NaivePhases, NonFiniteGradientError, StepInput
 from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # (anything else, a DTensor say, takes the full check)
 BACKENDS = ("auto", "naive", "fused")
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -232,17 +231,16 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         nothing; returns the participating parameters and GradScaler's tensors."""
         participating, gradients = [], []
         index = 0
-        strided, supported, plain_tensor, plain_parameters = torch.strided, SUPPORTED_DTYPES, torch.Tensor, _PLAIN_TYPES
+        strided, supported = torch.strided, SUPPORTED_DTYPES
         for group in self.param_groups:
             _validate_live_group(self, group)
             params, grads = [], []
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    # (the common case in one expression, cheapest tests first: this runs for every
-                    # tensor in every step; _check_gradient says what is wrong)
-                    if not (type(g) is plain_tensor and type(p) in plain_parameters and g.layout is strided
-                            and g.dtype in supported and g.shape == p.shape and g.device == p.device):
+                    # (the common case in one expression; _check_gradient says what is wrong)
+                    if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
+                            and g.device == p.device and not is_dtensor(p) and not is_dtensor(g)):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
