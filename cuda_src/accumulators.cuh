@@ -143,6 +143,29 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
   return pair;
 }
 
+// The statistics passes' walk over one chunk of LOPT_STATS_CHUNK elements of a tensor: each thread takes
+// adjacent pairs, and visit(grad, param, state, factor_index) sees each element it holds (the gradient
+// unscaled, the old accumulators; the factor index only for a Factored tensor). `Unroll`: pairs per
+// unrolled iteration.
+template <bool Factored, int Unroll, typename Visit>
+LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float inverse_scale, Visit visit) {
+  const bool aligned = pairs_aligned(t);
+#pragma unroll Unroll
+  for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
+    if (e < t.numel) {
+      ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
+      FactorIndex f[2] = {};
+      if (Factored) factor_index_pair(t, e, f);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        if (n == 1 && !pair.second) break;
+        visit(pair.grad[n], pair.param[n], pair.state[n], f[n]);
+      }
+    }
+  }
+}
+
 // reference: update_accumulators (momentum, rms; V for non-factored tensors — R and C come from
 // the factor tables).
 LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& d, bool factored) {

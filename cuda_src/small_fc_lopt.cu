@@ -131,29 +131,16 @@ LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& dec
 template <bool Factored>
 LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
                                       float clip_factor, const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
-  const bool aligned = pairs_aligned(t);
   bool unusable = false;
-  // A thread takes adjacent pairs of elements (ElementPair): the pair's loads are in flight together.
-#pragma unroll STATS_UNROLL
-  for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
-    if (e < t.numel) {
-      ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
-      FactorIndex f[2] = {};
-      if (Factored) factor_index_pair(t, e, f);
+  for_each_chunk_element<Factored, STATS_UNROLL>(t, chunk, inverse_scale, [&](float raw_grad, float param,
+                                                                            ElementState& s, const FactorIndex& f) {
+    unusable |= gradient_unusable(raw_grad);
+    float x[SFC_NUM_FEATURES], grad;
+    loaded_element_features<Factored>(t, f, decays, clip_factor, tables, raw_grad, param, s, x, grad);
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        if (n == 1 && !pair.second) break;
-        unusable |= gradient_unusable(pair.grad[n]);
-        float x[SFC_NUM_FEATURES], grad;
-        loaded_element_features<Factored>(t, f[n], decays, clip_factor, tables, pair.grad[n], pair.param[n],
-                                          pair.state[n], x, grad);
-#pragma unroll
-        for (int j = 0; j < SFC_NUM_FEATURES; ++j)
-          if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
-      }
-    }
-  }
+    for (int j = 0; j < SFC_NUM_FEATURES; ++j)
+      if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+  });
   return unusable;
 }
 

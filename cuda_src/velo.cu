@@ -175,45 +175,32 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
   const float* mom0 = pointer<const float>(t.mom);
   const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
   const float shift_rms = pointer<const float>(t.rms)[0];
-  const bool aligned = pairs_aligned(t);
   bool unusable = false;
-  // A thread takes adjacent pairs of elements (ElementPair): the pair's loads are in flight together.
-#pragma unroll STATS_UNROLL
-  for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
-    if (e < t.numel) {
-      ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
-      FactorIndex f[2];
-      if (Factored) factor_index_pair(t, e, f);
+  for_each_chunk_element<Factored, STATS_UNROLL>(t, chunk, inverse_scale, [&](float raw_grad, float param,
+                                                                            ElementState& s, const FactorIndex& f) {
+    unusable |= gradient_unusable(raw_grad);
+    const float grad = clip_gradient(raw_grad);
+    // tensor_statistics: the pre-update parameter and the old accumulators.
+    lstm[0] = fmaf(param, param, lstm[0]);
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        if (n == 1 && !pair.second) break;
-        unusable |= gradient_unusable(pair.grad[n]);
-        const float grad = clip_gradient(pair.grad[n]), param = pair.param[n];
-        ElementState& s = pair.state[n];
-        // tensor_statistics: the pre-update parameter and the old accumulators.
-        lstm[0] = fmaf(param, param, lstm[0]);
-#pragma unroll
-        for (int k = 0; k < 3; ++k) {
-          const float d = __fsub_rn(s.mom[k], shift_mom[k]);
-          lstm[1 + k] += d;
-          lstm[4 + k] = fmaf(d, d, lstm[4 + k]);
-        }
-        const float d = __fsub_rn(s.rms, shift_rms);
-        lstm[7] += d;
-        lstm[8] = fmaf(d, d, lstm[8]);
-        // per_element_features: the updated accumulators.
-        update_accumulators(s, grad, decays, Factored);
-        FactorEntry row = {}, col = {};
-        if (Factored) load_factors(t, f[n], row_factors, col_factors, row, col);
-        float x[VELO_NUM_FEATURES];
-        per_element_features(x, grad, param, s, Factored, row, col);
-#pragma unroll
-        for (int j = 0; j < VELO_NUM_FEATURES; ++j)
-          if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
-      }
+    for (int k = 0; k < 3; ++k) {
+      const float d = __fsub_rn(s.mom[k], shift_mom[k]);
+      lstm[1 + k] += d;
+      lstm[4 + k] = fmaf(d, d, lstm[4 + k]);
     }
-  }
+    const float d = __fsub_rn(s.rms, shift_rms);
+    lstm[7] += d;
+    lstm[8] = fmaf(d, d, lstm[8]);
+    // per_element_features: the updated accumulators.
+    update_accumulators(s, grad, decays, Factored);
+    FactorEntry row = {}, col = {};
+    if (Factored) load_factors(t, f, row_factors, col_factors, row, col);
+    float x[VELO_NUM_FEATURES];
+    per_element_features(x, grad, param, s, Factored, row, col);
+#pragma unroll
+    for (int j = 0; j < VELO_NUM_FEATURES; ++j)
+      if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+  });
   return unusable;
 }
 
