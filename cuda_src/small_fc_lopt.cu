@@ -51,17 +51,6 @@ constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a cons
 #define SFC_SHARED_B3 (SFC_SHARED_W3 + 2 * SFC_HIDDEN)
 #define SFC_SHARED_FRAGS (SFC_SHARED_B3 + 2)
 
-#ifndef SFC_RELU_BY_MAX
-#define SFC_RELU_BY_MAX 0
-#endif
-#if SFC_RELU_BY_MAX
-#define SFC_NEXT_LAYER_SCALE 1.0f
-LOPT_DEVICE float relu_doubled(float h) { return fmaxf(h, 0.f); }
-#else
-#define SFC_NEXT_LAYER_SCALE 0.5f
-LOPT_DEVICE float relu_doubled(float h) { return __fadd_rn(h, fabsf(h)); }
-#endif
-
 #define SFC_APPLY_WARPS 4
 #define SFC_APPLY_THREADS (32 * SFC_APPLY_WARPS)
 #define SFC_APPLY_CHUNK SFC_APPLY_THREADS  // one element per thread per chunk
@@ -239,9 +228,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
     write_split_operand(shared_frags + SFC_SHARED_L2,
-                        [&](int k, int n) { return SFC_NEXT_LAYER_SCALE * w2[n * SFC_HIDDEN + layer2_input_unit(k)]; },
-                        tid, SFC_FOLD_THREADS);
-    if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = SFC_NEXT_LAYER_SCALE * w3[tid];
+                        [&](int k, int n) { return w2[n * SFC_HIDDEN + layer2_input_unit(k)]; }, tid, SFC_FOLD_THREADS);
+    if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
     if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = network[SFC_B2 + tid];
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
     return;
@@ -311,7 +299,7 @@ LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const fl
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int unit = 8 * c + 2 * t + half;
-        const float h_g = relu_doubled(h2[m][c][half]), h_g8 = relu_doubled(h2[m][c][2 + half]);
+        const float h_g = fmaxf(h2[m][c][half], 0.f), h_g8 = fmaxf(h2[m][c][2 + half], 0.f);
         partial[0] = fmaf(w3[unit], h_g, partial[0]);
         partial[1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[1]);
         partial[2] = fmaf(w3[unit], h_g8, partial[2]);
@@ -366,8 +354,8 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      a[m][0] = relu_doubled(h1[m][j][0]); a[m][1] = relu_doubled(h1[m][j][2]);
-      a[m][2] = relu_doubled(h1[m][j][1]); a[m][3] = relu_doubled(h1[m][j][3]);
+      a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
+      a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
     }
   }, l2, b2, lane);
   float out[2][4];

@@ -48,20 +48,6 @@ LOPT_DEVICE SplitValue split(float x) {
   return SplitValue{hi, __fsub_rn(x, hi)};
 }
 
-#ifndef LOPT_A_SPLIT_NEAREST
-#define LOPT_A_SPLIT_NEAREST 0
-#endif
-// The same split with hi truncated to TF32 (|lo| < 2^-10 |x|, still exact): one bitwise AND instead of
-// split()'s add and AND, on the integer pipe that the per-element operands keep busiest.
-LOPT_DEVICE SplitValue split_truncated(float x) {
-#if LOPT_A_SPLIT_NEAREST
-  return split(x);
-#else
-  const float hi = __uint_as_float(__float_as_uint(x) & 0xFFFFE000u);
-  return SplitValue{hi, __fsub_rn(x, hi)};
-#endif
-}
-
 // A thread's A fragment of one k-step (8 inputs) of a 16-row m-tile, from its four values
 // a[0] = (g, t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4) (g = lane / 4,
 // t = lane % 4): the TF32 fragment of a_hi, and the BF16 fragment of the 16-deep correction
@@ -73,7 +59,7 @@ struct SplitFragment {
 LOPT_DEVICE SplitFragment split_fragment(const float a[4]) {
   SplitValue v[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = split_truncated(a[i]);
+  for (int i = 0; i < 4; ++i) v[i] = split(a[i]);
   SplitFragment f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) f.hi[i] = __float_as_uint(v[i].hi);
