@@ -2,7 +2,7 @@
 # One device call: CUDA tests, sanitizers, benchmark. Run from the repository root on the GPU machine:
 #   bash benchmarks/device_fused.sh            (writes logs and bench.json under $OUT)
 # PYTEST_ARGS, TESTS=0, FRAMEWORKS=0, SANITIZE=0 (SANITIZERS="memcheck"), BENCH=0, BENCH_ARGS, SOAK=1,
-# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER) adjust it.
+# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER, PROFILE_SECTIONS: Nsight Compute section names) adjust it.
 set -u
 export PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
@@ -31,8 +31,8 @@ if [ "${SOAK:-0}" = 1 ]; then
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in ${PROFILE_KERNELS:-velo_apply velo_statistics}; do
-    timeout 120 ncu --clock-control none -k $kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy \
-        --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats \
+    sections=${PROFILE_SECTIONS:-"SpeedOfLight Occupancy MemoryWorkloadAnalysis WarpStateStats ComputeWorkloadAnalysis LaunchStats"}
+    timeout 180 ncu --clock-control none -k $kernel -s 2 -c 1 $(printf -- '--section %s ' $sections) \
         python3 benchmarks/profile_fused.py ${PROFILE_OPTIMIZER:-velo} gpt2-medium > "$OUT/ncu_$kernel.txt" 2>&1
     echo "ncu $kernel: exit $?"
     grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|Stall|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
