@@ -18,18 +18,7 @@
 #pragma once
 #include "common.cuh"
 
-#ifndef LOPT_SPLIT_OPERAND_PLANES
-#define LOPT_SPLIT_OPERAND_PLANES 1
-#endif
-#if LOPT_SPLIT_OPERAND_PLANES
-// B in two planes: {tf32 b_hi(k), tf32 b_hi(k + 4)} (a float2 per lane, k-step and n-tile), then the
-// packed BF16 b_lo of the same two (a word); the packed BF16 b_hi is rounded from the TF32 pair in
-// registers. 12 bytes per lane instead of 16: three shared-memory wavefronts per warp load, not four.
-#define LOPT_SPLIT_HI_PLANE_FLOATS (4 * 4 * 32 * 2)
-#define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 3)  // a 32 x 32 B operand
-#else
 #define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)  // a 32 x 32 B operand
-#endif
 
 // How split_layer_32x32 multiplies: 0 the float32-accurate split above (the default); cheaper and
 // less accurate, for measurements: 1 the TF32 product alone, 2 one BF16 product (a_hi, b_hi rounded
@@ -105,27 +94,9 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
     const int lane = slot % 32, tile = slot / 32, j = tile / 4, c = tile % 4;
     const int g = lane / 4, t = lane % 4;
     const SplitValue b0 = split(weight(8 * j + t, 8 * c + g)), b1 = split(weight(8 * j + t + 4, 8 * c + g));
-#if LOPT_SPLIT_OPERAND_PLANES
-    reinterpret_cast<float2*>(out)[slot] = make_float2(b0.hi, b1.hi);
-    reinterpret_cast<unsigned*>(out + LOPT_SPLIT_HI_PLANE_FLOATS)[slot] = pack_bf16x2(b0.lo, b1.lo);
-#else
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(__float_as_uint(b0.hi), __float_as_uint(b1.hi),
                                                      pack_bf16x2(b0.hi, b1.hi), pack_bf16x2(b0.lo, b1.lo));
-#endif
   }
-}
-
-// The B fragment of k-step j, n-tile c for a lane: {tf32 b_hi(k), tf32 b_hi(k + 4), their packed BF16
-// b_hi, their packed BF16 b_lo}.
-LOPT_DEVICE uint4 load_split_operand(const float* operand, int j, int c, int lane) {
-  const int slot = (j * 4 + c) * 32 + lane;
-#if LOPT_SPLIT_OPERAND_PLANES
-  const float2 hi = reinterpret_cast<const float2*>(operand)[slot];
-  const unsigned lo = reinterpret_cast<const unsigned*>(operand + LOPT_SPLIT_HI_PLANE_FLOATS)[slot];
-  return make_uint4(__float_as_uint(hi.x), __float_as_uint(hi.y), pack_bf16x2(hi.x, hi.y), lo);
-#else
-  return reinterpret_cast<const uint4*>(operand)[slot];
-#endif
 }
 
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
@@ -153,8 +124,8 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const unsigned b0 = load_split_operand(operand, j, c, lane).z;
-      const unsigned b1 = load_split_operand(operand, j + 1, c, lane).z;
+      const unsigned b0 = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane].z;
+      const unsigned b1 = reinterpret_cast<const uint4*>(operand)[((j + 1) * 4 + c) * 32 + lane].z;
       const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
       const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
 #pragma unroll
@@ -171,7 +142,7 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
     for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint4 b = load_split_operand(operand, j, c, lane);
+      const uint4 b = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane];
       const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
       const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
 #pragma unroll
