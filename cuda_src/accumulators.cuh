@@ -83,45 +83,6 @@ LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementSt
   }
 }
 
-#ifndef LOPT_COALESCED_STATE
-#define LOPT_COALESCED_STATE 1
-#endif
-// The apply passes' stores of the accumulators, by a whole warp whose lanes [0, count) hold the
-// consecutive elements first .. first + count - 1 (all 32 lanes call; count may be 0). An interleaved
-// (element, 3) array (the momenta; V of a non-factored tensor) goes through the warp's 96-float shared
-// buffer and out in coalesced rounds, so each 32-byte sector reaches L2 in one store: one store per value
-// from each lane (12 bytes apart) sends every sector three times.
-LOPT_DEVICE void store_triples_coalesced(float* block, const float (&v)[3], int count, float* buffer) {
-  const int lane = threadIdx.x & 31;
-#if LOPT_COALESCED_STATE
-  if (lane < count) {
-    buffer[3 * lane] = v[0];
-    buffer[3 * lane + 1] = v[1];
-    buffer[3 * lane + 2] = v[2];
-  }
-  __syncwarp();
-  for (int i = lane; i < 3 * count; i += 32) block[i] = buffer[i];
-  __syncwarp();  // the buffer is free again
-#else
-  if (lane < count) {
-    block[3 * lane] = v[0];
-    block[3 * lane + 1] = v[1];
-    block[3 * lane + 2] = v[2];
-  }
-#endif
-}
-
-LOPT_DEVICE void store_warp_state(const TensorMeta& t, i64 first, int count, const ElementState& s, float* buffer) {
-  store_triples_coalesced(pointer<float>(t.mom) + first * 3, s.mom, count, buffer);
-  if ((threadIdx.x & 31) < count) pointer<float>(t.rms)[first + (threadIdx.x & 31)] = s.rms;
-  if (!t.factored) store_triples_coalesced(pointer<float>(t.fac_full) + first * 3, s.full, count, buffer);
-}
-
-// Lanes of the warp holding an element of a tensor of `numel` elements, where lane 0 holds `first`.
-LOPT_DEVICE int warp_element_count(i64 numel, i64 first) {
-  return static_cast<int>(min(max(numel - first, static_cast<i64>(0)), static_cast<i64>(32)));
-}
-
 // A thread's pair of adjacent elements e, e + 1 (e even), as the statistics passes take them: where
 // the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in one load per
 // array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte loads), and

@@ -397,7 +397,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
-  __shared__ float state_buffers[SFC_APPLY_WARPS][3 * 32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
@@ -429,19 +428,17 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
-    const int warp = threadIdx.x / 32;
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
-    ElementState state = {};
     if (valid) {
+      ElementState state;
       element_features(meta, index, group.decays, inverse_scale, clip_factor,
                        TableInputs{row_table, col_table, nullptr, nullptr}, x, state, grad, param);
+      store_element_state(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
-    // The new accumulators do not depend on the MLP.
-    const i64 warp_first = index - threadIdx.x % 32;
-    store_warp_state(meta, warp_first, warp_element_count(meta.numel, warp_first), state, state_buffers[warp]);
+    const int warp = threadIdx.x / 32;
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, b3);
     if (valid) apply_update(meta, index, param, update_from_mlp(mlp_output, group), group);
   }

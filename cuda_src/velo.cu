@@ -620,18 +620,16 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
 }
 
 // Elements e[0..N) of a tensor, from their loaded inputs.
-// Every lane of the warp calls; element n of lane l is first[n] + l, held where l < count[n].
 template <bool Factored, int N>
-LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const i64 (&first)[N], const int (&count)[N],
-                                ElementInputs (&in)[N], const float* record, float* state_buffer) {
-  const int lane = threadIdx.x & 31;
+LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const i64 (&e)[N], ElementInputs (&in)[N],
+                                const float* record) {
   float x[N][VELO_NUM_FEATURES];
   float4 table_share[N];
 #pragma unroll
   for (int n = 0; n < N; ++n) {
     ElementState& s = in[n].state;
     update_accumulators(s, in[n].grad, a.decays, Factored);
-    store_warp_state(t, first[n], count[n], s, state_buffer);
+    store_element_state(t, e[n], s);
     FactorEntry row = {}, col = {};
     if (Factored) {
       row.factor[0] = in[n].row_factor.x; row.factor[1] = in[n].row_factor.y; row.factor[2] = in[n].row_factor.z;
@@ -649,35 +647,8 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
                                    __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
                                              __fmul_rn(__fmul_rn(output[n].x, expf(__fmul_rn(output[n].y, a.exp_mult))),
                                                        a.step_mult)));
-    if (lane < count[n]) apply_update(t, first[n] + lane, in[n].param, update, a);
+    apply_update(t, e[n], in[n].param, update, a);
   }
-}
-
-#ifndef VELO_APPLY_ELEMENTS
-#define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
-                               // read from shared memory serves N (H100, GPT-2 medium: apply 8.43 ms with 1, 7.13 with 2)
-#endif
-
-// N chunks of one tensor from `chunk`, by every lane of the block (a warp's lanes past the tensor's end
-// hold no element: they load nothing and store nothing).
-template <bool Factored, int N>
-LOPT_DEVICE void apply_chunk_group(const TensorMeta& t, const ApplyScalars& a, i64 chunk, const float* record,
-                                   const float4* row_factors, const float4* col_factors,
-                                   const float4* row_contributions, const float4* col_contributions,
-                                   float inverse_scale, float* state_buffer) {
-  const int lane = threadIdx.x & 31;
-  i64 first[N];
-  int count[N];
-  ElementInputs in[N];
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    first[n] = (chunk + n - t.first_apply_chunk) * VELO_APPLY_CHUNK + (threadIdx.x & ~31);
-    count[n] = warp_element_count(t.numel, first[n]);
-    in[n] = lane < count[n] ? load_element_inputs<Factored>(t, first[n] + lane, row_factors, col_factors,
-                                                            row_contributions, col_contributions, inverse_scale)
-                            : ElementInputs{};
-  }
-  apply_elements<Factored, N>(t, a, first, count, in, record, state_buffer);
 }
 
 #ifndef VELO_APPLY_ELEMENTS
@@ -690,14 +661,26 @@ LOPT_DEVICE void apply_chunk_group(const TensorMeta& t, const ApplyScalars& a, i
 template <bool Factored>
 LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
                               const float4* row_factors, const float4* col_factors, const float4* row_contributions,
-                              const float4* col_contributions, float inverse_scale, float* state_buffer) {
+                              const float4* col_contributions, float inverse_scale) {
+  i64 e = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + threadIdx.x;
   constexpr int N = VELO_APPLY_ELEMENTS;
-  for (; chunk + (N - 1) < end; chunk += N)
-    apply_chunk_group<Factored, N>(t, a, chunk, record, row_factors, col_factors, row_contributions, col_contributions,
-                                   inverse_scale, state_buffer);
-  for (; chunk < end; ++chunk)
-    apply_chunk_group<Factored, 1>(t, a, chunk, record, row_factors, col_factors, row_contributions, col_contributions,
-                                   inverse_scale, state_buffer);
+  for (; chunk + (N - 1) < end && e + (N - 1) * VELO_APPLY_CHUNK < t.numel; chunk += N, e += N * VELO_APPLY_CHUNK) {
+    i64 elements[N];
+    ElementInputs in[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      elements[n] = e + n * VELO_APPLY_CHUNK;
+      in[n] = load_element_inputs<Factored>(t, elements[n], row_factors, col_factors, row_contributions,
+                                            col_contributions, inverse_scale);
+    }
+    apply_elements<Factored, N>(t, a, elements, in, record);
+  }
+  for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK) {
+    const i64 one[1] = {e};
+    ElementInputs in[1] = {load_element_inputs<Factored>(t, e, row_factors, col_factors, row_contributions,
+                                                         col_contributions, inverse_scale)};
+    apply_elements<Factored, 1>(t, a, one, in, record);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
@@ -725,8 +708,6 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
   }
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float record[VELO_RECORD_FLOATS];
-  __shared__ float state_buffers[VELO_APPLY_THREADS / 32][3 * 32];
-  float* state_buffer = state_buffers[threadIdx.x / 32];
   const float inverse_scale = inverse_grad_scale(flags);
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
   // Chunks ascend, so a block meets its tensors one after the other: the search and the record load
@@ -741,11 +722,9 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
     const ApplyScalars a = read_apply_scalars(groups[t.group]);
     const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
     if (t.factored) {
-      apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions,
-                         inverse_scale, state_buffer);
+      apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     } else {
-      apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions,
-                          inverse_scale, state_buffer);
+      apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     }
     chunk = end;
   }
