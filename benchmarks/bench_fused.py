@@ -57,7 +57,9 @@ def make(name, params, backend, weights, defines=(), options=None):
         opt = lopt.SmallFCLOpt(params, weights=weights, backend=backend, **(options or {}))
     if defines:
         module, cls = ENGINES[name]
-        opt._fused_engine = getattr(__import__(module, fromlist=[cls]), cls)(opt, defines=defines)
+        engine = getattr(__import__(module, fromlist=[cls]), cls)
+        precision = {"precision": opt.precision} if name == "small_fc_lopt" else {}
+        opt._fused_engine = engine(opt, defines=defines, **precision)
     return opt
 
 
@@ -186,7 +188,10 @@ def main() -> int:
                         help="also time each fused step (and AdamW's) captured in a CUDA graph and replayed")
     parser.add_argument("--max-grad-norm", type=float, default=None,
                         help="also time small_fc_lopt fused with this max_grad_norm (gradients are ~1e-3 x sqrt(numel))")
+    parser.add_argument("--fast", action="store_true", help="also time small_fc_lopt fused with precision='fast'")
     args = parser.parse_args()
+    option_rows = {"small_fc_lopt": ([{"max_grad_norm": args.max_grad_norm}] if args.max_grad_norm is not None else [])
+                                    + ([{"precision": "fast"}] if args.fast else [])}
 
     env = environment(torch.device("cuda", 0))
     env["copy_bandwidth_tb_s"] = round(copy_bandwidth_tb_s(), 3)
@@ -209,8 +214,7 @@ def main() -> int:
                     defines = tuple(macros.split(","))
                     rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines))
                     rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines)
-            if name == "small_fc_lopt" and args.max_grad_norm is not None:
-                options = {"max_grad_norm": args.max_grad_norm}
+            for options in option_rows.get(name, ()):
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
             if args.graph:

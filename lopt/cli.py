@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="training steps per curve (default: 200 on CUDA, 60 on the CPU)")
     bench.add_argument("--curves-model", default=None, choices=list(MODELS),
                        help="model the curves train (default: gpt2-4x256 on CUDA, gpt2-1x64 on the CPU)")
-    bench.add_argument("--curves-contender", default=None, choices=["fused", "naive+compile"],
+    bench.add_argument("--curves-contender", default=None, choices=["fused", "fused-fast", "naive+compile"],
                        help="compared with naive in the curves (default: fused on CUDA, naive+compile on the CPU)")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (docs/bench.md)")
     bench.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a Markdown table")

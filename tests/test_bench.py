@@ -160,7 +160,7 @@ def test_iteration_mode_on_a_tiny_transformers_gpt2(capsys, tmp_path, offline_hu
         assert r["mode"] == "iteration" and len(r["ms_all"]) == 2 and r["ms_per_step"] > 0
         assert r["overhead_vs_adamw"] == pytest.approx(100 * (r["ms_per_step"] / adamw - 1))
     reasons = {(u["optimizer"], u["contender"]): u["reason"] for u in record["unavailable"]}
-    assert set(reasons) == {(o, c) for o in ("small_fc_lopt", "velo") for c in ("naive+compile", "fused")}
+    assert set(reasons) == {(o, c) for o in ("small_fc_lopt", "velo") for c in ("naive+compile", "fused", "fused-fast")}
 
 
 def test_iteration_workload_trains_with_fresh_gradients():
@@ -293,11 +293,27 @@ def test_fused_availability_is_asked_of_the_optimizer(monkeypatch):
 
 
 @pytest.mark.parametrize("requested,expected", [(["adamw", "naive"], {"naive+compile": contenders.NOT_SELECTED_COMPILE,
-                                                                      "fused": "not selected (--backends)"})])
+                                                                      "fused": "not selected (--backends)",
+                                                                      "fused-fast": contenders.NOT_SELECTED_FAST})])
 def test_availability_names_every_contender(requested, expected):
     reasons = contenders.availability("small_fc_lopt", requested, lopt.random_weights("small_fc_lopt"),
                                       torch.device("cpu"))
     assert reasons == {"naive": None, **expected}
+
+
+def test_fused_fast_is_small_fc_lopts_alone():
+    """precision='fast' exists for small_fc_lopt only: VeLO's reason says so before any device question."""
+    velo = contenders.availability("velo", ["fused-fast"], lopt.random_weights("velo"), torch.device("cpu"))
+    assert velo["fused-fast"] == "VeLO has no precision option"
+    small_fc = contenders.availability("small_fc_lopt", ["fused-fast"], lopt.random_weights("small_fc_lopt"),
+                                       torch.device("cpu"))
+    assert small_fc["fused-fast"] == small_fc_cpu_reason() == contenders.fused_unavailable_reason(
+        "small_fc_lopt", lopt.random_weights("small_fc_lopt"), torch.device("cpu"))
+
+
+def small_fc_cpu_reason() -> str:
+    return contenders.fused_unavailable_reason("small_fc_lopt", lopt.random_weights("small_fc_lopt"),
+                                               torch.device("cpu"), "fused-fast")
 
 
 def test_overheads_against_the_adamw_row_of_the_same_set():

@@ -104,6 +104,57 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
     assert int(fused.state_dict()["param_groups"][0]["step"]) == steps
 
 
+# precision="fast" (small_fc_lopt): the 32-wide layers multiply BF16-rounded operands (8 significant
+# bits, float32 accumulation), so each product is off by up to ~2^-8 of its size and a step's update
+# by ~1e-3 (measured: docs/small_fc_lopt.md, "Precision"). Bounds per step, each from the same state:
+# the whole step, tensors of >= 64 elements, and tiny tensors (one or two MLP outputs each, where an
+# output that cancels magnifies the products' error).
+FAST_STEP_TOLERANCE = 5e-3
+FAST_TENSOR_TOLERANCE = 2e-2
+FAST_TINY_TENSOR_TOLERANCE = 0.25
+
+
+def test_fast_precision_stays_within_its_bounds(weights):
+    """small_fc_lopt fused with precision='fast' against naive over 200 float32 steps: within the fast
+    bounds, and clearly not the exact kernels (the step error is above the exact mode's 1e-5); reruns
+    are bit-identical."""
+    fused, fused_params, naive, naive_params = twin_optimizers("small_fc_lopt", weights, lr=0.7, weight_decay=0.01,
+                                                               precision="fast")
+    assert fused.precision == "fast"
+    rerun_params = make_params(ALL_SHAPES, torch.float32, 0)
+    rerun = make_optimizer("small_fc_lopt", rerun_params, "fused", weights["small_fc_lopt"], lr=0.7, weight_decay=0.01,
+                           precision="fast")
+    worst_step = worst_tensor = worst_tiny = 0.0
+    for index in range(200):
+        grads = random_grads(fused_params, seed=index)
+        for params in (fused_params, naive_params, rerun_params):
+            set_grads(params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        step(rerun, loss_of(index))
+        assert all(torch.equal(a, b) for a, b in zip(fused_params, rerun_params)), f"step {index}: rerun differs"
+        fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
+        naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
+        step_error = relative_error(flat(fused_updates), flat(naive_updates))
+        worst_step = max(worst_step, step_error)
+        assert step_error <= FAST_STEP_TOLERANCE, f"step {index}: relative update error {step_error:.2e}"
+        for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
+            error = relative_error(uf, un)
+            tiny = uf.numel() < TINY_TENSOR_NUMEL
+            if tiny:
+                worst_tiny = max(worst_tiny, error)
+            else:
+                worst_tensor = max(worst_tensor, error)
+            tolerance = FAST_TINY_TENSOR_TOLERANCE if tiny else FAST_TENSOR_TOLERANCE
+            assert error <= tolerance, f"step {index} shape {shape}: relative update error {error:.2e}"
+        sync_into(naive, naive_params, fused, fused_params)
+        sync_into(rerun, rerun_params, fused, fused_params)
+    print(f"\n[small_fc_lopt precision='fast'] per-step relative update error, worst: {worst_step:.2e}; per tensor "
+          f"(>= 64 elements): {worst_tensor:.2e}; tiny tensors: {worst_tiny:.2e}")
+    assert worst_step > STEP_TOLERANCE  # the BF16 kernels ran, not the exact ones
+
+
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as

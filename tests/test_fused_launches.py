@@ -82,6 +82,19 @@ def engine_for(name, params, **kwargs):
     return opt
 
 
+@pytest.mark.parametrize("precision, defines", [("exact", ()), ("fast", ("LOPT_SPLIT_MODE=2",))])
+def test_precision_chooses_the_kernels_arithmetic(precision, defines, recorded, monkeypatch):
+    """SmallFCLOpt(precision=...) builds its kernels with split_mma.cuh's mode: exact the default split, fast
+    one BF16 product (LOPT_SPLIT_MODE=2, whose MMA counts test_kernels_compile.py checks)."""
+    builds = []
+    monkeypatch.setattr(launcher, "get_module", lambda source, device, defines=(): builds.append((source, defines))
+                        or FakeModule(recorded))
+    opt = lopt.SmallFCLOpt([torch.nn.Parameter(torch.randn(6, 4))], weights=lopt.random_weights("small_fc_lopt", seed=1),
+                           backend="naive", precision=precision)
+    opt._make_fused_engine()
+    assert builds == [("small_fc_lopt.cu", defines)]
+
+
 @pytest.mark.parametrize("name, source, options", [
     ("small_fc_lopt", "small_fc_lopt.cu", {}),
     ("small_fc_lopt", "small_fc_lopt.cu", {"max_grad_norm": 0.5}),  # (norm jobs, clip factors)

@@ -269,6 +269,30 @@ def test_invalid_constructor_arguments_are_rejected():
         make(p, backend="cuda")
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'raise'\), got 'ignore'"):
         make(p, nonfinite="ignore")
+    with pytest.raises(ValueError, match=r"precision must be one of \('exact', 'fast'\), got 'bf16' \('exact': "
+                                         r"float32-accurate MLP products; 'fast': BF16 products in the fused backend\)"):
+        make(p, precision="bf16")
+
+
+def test_precision_fast_changes_nothing_in_the_naive_backend():
+    """precision='fast' is the fused backend's arithmetic; the naive backend stays the float32 reference, so
+    both precisions take bit-identical naive steps. The choice is fixed at construction and survives copies."""
+    shapes = [(), (7,), (6, 5), (2, 3, 4)]
+    runs = {}
+    for precision in ("exact", "fast"):
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(1))) for s in shapes]
+        opt = make(params, precision=precision)
+        assert opt.precision == precision
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        runs[precision] = [p.detach().clone() for p in params]
+        assert copy.deepcopy(opt).precision == precision
+        with pytest.raises(AttributeError):
+            opt.precision = "exact"
+    assert all(torch.equal(a, b) for a, b in zip(runs["exact"], runs["fast"]))
 
 
 def test_backend_choice_on_cpu():

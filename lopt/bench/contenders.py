@@ -5,6 +5,7 @@
 * ``naive+compile``: the naive backend with ``step`` under ``torch.compile`` (compile time reported apart).
 * ``fused``: the fused backend. Whether it runs is asked of the optimizer itself: constructing it
   with ``backend="fused"`` either works or raises with the reason, which is reported.
+* ``fused-fast``: the fused backend with ``precision="fast"`` (optimizers that offer it: small_fc_lopt).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import torch
 
 from lopt.optimizers import OPTIMIZERS
 
-CONTENDERS = ("adamw", "naive", "naive+compile", "fused")
+CONTENDERS = ("adamw", "naive", "naive+compile", "fused", "fused-fast")
 DEFAULT_CONTENDERS = ("adamw", "naive", "fused")
-LEARNED_CONTENDERS = ("naive", "naive+compile", "fused")
+LEARNED_CONTENDERS = ("naive", "naive+compile", "fused", "fused-fast")
+FUSED_CONTENDERS = {"fused": {}, "fused-fast": {"precision": "fast"}}  # the optimizer's options for each
 # Contenders whose first step is checked against the naive backend's (one step from identical state).
-CHECKED_CONTENDERS = ("naive+compile", "fused")
+CHECKED_CONTENDERS = ("naive+compile", "fused", "fused-fast")
 
+NOT_SELECTED_FAST = ("not selected: the fused backend with precision='fast' (BF16 MLP products, docs/small_fc_lopt.md) "
+                     "is opt-in; add it with --backends ...,fused-fast")
 NOT_SELECTED_COMPILE = ("not selected: compiling the naive step takes minutes on large parameter sets (the graph "
                         "unrolls every tensor); add it with --backends ...,naive+compile")
 
@@ -37,11 +41,21 @@ def adamw_backend(device: torch.device) -> str:
     return "fused" if device.type == "cuda" else "foreach"
 
 
-def make_learned_optimizer(optimizer_name: str, params, backend: str, weights, *, num_steps: int = TIMING_NUM_STEPS):
-    """``lopt.<Optimizer>(params, weights=weights, backend=backend)`` (VeLO also gets ``num_steps``)."""
+def make_learned_optimizer(optimizer_name: str, params, backend: str, weights, *, num_steps: int = TIMING_NUM_STEPS,
+                           options: dict | None = None):
+    """``lopt.<Optimizer>(params, weights=weights, backend=backend, **options)`` (VeLO also gets ``num_steps``)."""
     cls = OPTIMIZERS[optimizer_name]
     kwargs = {"num_steps": num_steps} if "num_steps" in inspect.signature(cls).parameters else {}
-    return cls(params, weights=weights, backend=backend, **kwargs)
+    return cls(params, weights=weights, backend=backend, **kwargs, **(options or {}))
+
+
+def unsupported_options(optimizer_name: str, contender: str) -> str | None:
+    """Why ``optimizer_name`` has no options of ``contender`` (None: it has them, or there are none)."""
+    parameters = inspect.signature(OPTIMIZERS[optimizer_name]).parameters
+    missing = [name for name in FUSED_CONTENDERS.get(contender, {}) if name not in parameters]
+    if missing:
+        return f"{OPTIMIZERS[optimizer_name].__name__} has no {', '.join(missing)} option"
+    return None
 
 
 def make_adamw(params, device: torch.device) -> torch.optim.Optimizer:
@@ -78,8 +92,9 @@ def make_contender(optimizer_name: str, contender: str, params, weights, device,
     if contender == "adamw":
         adamw = make_adamw(params, device)
         return Contender("adamw", "adamw", adamw_backend(device), adamw, step_function(adamw))
-    backend = "fused" if contender == "fused" else "naive"
-    optimizer = make_learned_optimizer(optimizer_name, params, backend, weights, num_steps=num_steps)
+    backend = "fused" if contender in FUSED_CONTENDERS else "naive"
+    optimizer = make_learned_optimizer(optimizer_name, params, backend, weights, num_steps=num_steps,
+                                       options=FUSED_CONTENDERS.get(contender))
     return Contender(optimizer_name, contender, contender, optimizer,
                      step_function(optimizer, compiled=contender == "naive+compile"))
 
@@ -93,19 +108,22 @@ def short_reason(err: BaseException) -> str:
     return _FUSED_PREFIX.sub("", text)
 
 
-def fused_unavailable_reason(optimizer_name: str, weights, device: torch.device) -> str | None:
+def fused_unavailable_reason(optimizer_name: str, weights, device: torch.device, contender: str = "fused") -> str | None:
     """Why the fused backend of ``optimizer_name`` cannot run on ``device`` (None: it can).
 
     On CUDA the optimizer is constructed on a small probe tensor with ``backend="fused"`` and the
     error it raises, if any, is the reason; so a fused backend that lands later is picked up as is.
     """
+    unsupported = unsupported_options(optimizer_name, contender)
+    if unsupported:
+        return unsupported
     if device.type != "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device is available to PyTorch"
         return "the fused backend needs parameters on a CUDA device (this run is on the CPU: --device cpu)"
     probe = [torch.nn.Parameter(torch.ones(8, 4, device=device))]
     try:
-        make_learned_optimizer(optimizer_name, probe, "fused", weights)
+        make_learned_optimizer(optimizer_name, probe, "fused", weights, options=FUSED_CONTENDERS[contender])
     except Exception as err:
         return short_reason(err)
     return None
@@ -116,9 +134,10 @@ def availability(optimizer_name: str, contenders, weights, device) -> dict:
     reasons = {}
     for contender in LEARNED_CONTENDERS:
         if contender not in contenders:
-            reasons[contender] = NOT_SELECTED_COMPILE if contender == "naive+compile" else "not selected (--backends)"
-        elif contender == "fused":
-            reasons[contender] = fused_unavailable_reason(optimizer_name, weights, device)
+            reasons[contender] = {"naive+compile": NOT_SELECTED_COMPILE, "fused-fast": NOT_SELECTED_FAST}.get(
+                contender, "not selected (--backends)")
+        elif contender in FUSED_CONTENDERS:
+            reasons[contender] = fused_unavailable_reason(optimizer_name, weights, device, contender)
         else:
             reasons[contender] = None
     return reasons

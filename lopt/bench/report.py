@@ -211,7 +211,8 @@ def plot_times(path, results: list, unavailable: list, *, mode: str, env: dict, 
     figure = _figure(max(7.5, 2.0 + 0.5 * len(series) * len(param_sets)), 5.5)
     axes = figure.add_subplot(1, 1, 1)
     width = 0.8 / max(len(series), 1)
-    colours = {"adamw": "#7f7f7f", "naive": "#1f77b4", "naive+compile": "#ff7f0e", "fused": "#2ca02c"}
+    colours = {"adamw": "#7f7f7f", "naive": "#1f77b4", "naive+compile": "#ff7f0e", "fused": "#2ca02c",
+               "fused-fast": "#98df8a"}
     optimizers = list(dict.fromkeys(o for o, _ in series if o != "adamw"))
     lowest = min(times.values(), default=1.0)
     for s, (optimizer, contender) in enumerate(series):
