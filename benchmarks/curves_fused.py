@@ -30,13 +30,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random meta-weights (no hub here)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--lr", type=float, default=None, help="every learned run's lr (default: the optimizer's)")
+    parser.add_argument("--weight-decay", type=float, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     weights = {args.optimizer: lopt.random_weights(args.optimizer, seed=args.seed)}
+    options = {key: value for key, value in (("lr", args.lr), ("weight_decay", args.weight_decay)) if value is not None}
     records = {}
     for contender in args.contenders.split(","):
         record = loss_curves([args.optimizer], weights, args.model, steps=args.steps, device=device,
-                             contender=contender, why="benchmarks/curves_fused.py", unavailable={args.optimizer: None})
+                             contender=contender, why="benchmarks/curves_fused.py", unavailable={args.optimizer: None},
+                             options=options)
         records[contender] = record
         differences = record["optimizers"][args.optimizer]["max_rel_diff_vs_naive"]
         print(f"{args.optimizer} {contender}: largest relative loss difference from naive over {args.steps} steps: "

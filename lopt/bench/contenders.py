@@ -88,13 +88,14 @@ class Contender:
 
 
 def make_contender(optimizer_name: str, contender: str, params, weights, device, *,
-                   num_steps: int = TIMING_NUM_STEPS) -> Contender:
+                   num_steps: int = TIMING_NUM_STEPS, options: dict | None = None) -> Contender:
+    """``options``: the learned optimizer's hyperparameters (e.g. ``lr``), for every learned contender."""
     if contender == "adamw":
         adamw = make_adamw(params, device)
         return Contender("adamw", "adamw", adamw_backend(device), adamw, step_function(adamw))
     backend = "fused" if contender in FUSED_CONTENDERS else "naive"
     optimizer = make_learned_optimizer(optimizer_name, params, backend, weights, num_steps=num_steps,
-                                       options=FUSED_CONTENDERS.get(contender))
+                                       options={**(options or {}), **FUSED_CONTENDERS.get(contender, {})})
     return Contender(optimizer_name, contender, contender, optimizer,
                      step_function(optimizer, compiled=contender == "naive+compile"))
 

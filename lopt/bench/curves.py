@@ -53,10 +53,11 @@ def max_relative_difference(losses, reference) -> float | None:
 
 
 def train_losses(model_name: str, optimizer_name: str, contender_name: str, weights, stream, *, steps: int,
-                 device: torch.device, batch_size: int, seq_len: int, progress=None) -> list:
+                 device: torch.device, batch_size: int, seq_len: int, progress=None, options: dict | None = None) -> list:
     """The training loss at each of ``steps`` steps of one run (same initialisation and batches every run)."""
     model = build_model(model_name, device, batch_size=batch_size, seq_len=seq_len, seed=MODEL_SEED, attention="eager")
-    contender = make_contender(optimizer_name, contender_name, model.parameters(), weights, device, num_steps=steps)
+    contender = make_contender(optimizer_name, contender_name, model.parameters(), weights, device, num_steps=steps,
+                               options=options)
     autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     losses = []
@@ -85,10 +86,11 @@ def curves_contender(device: torch.device, requested: str | None) -> tuple[str, 
 
 def loss_curves(optimizer_names, weights_by_optimizer: dict, model_name: str, *, steps: int, device: torch.device,
                 contender: str, why: str, unavailable: dict, batch_size: int | None = None, seq_len: int | None = None,
-                make_progress=None, say=print) -> dict:
+                make_progress=None, say=print, options: dict | None = None) -> dict:
     """Train the runs of every optimizer; the curves, their differences and the settings (the JSON's ``curves``).
 
-    ``unavailable[optimizer]`` is the reason ``contender`` cannot run for it (None: it can).
+    ``unavailable[optimizer]`` is the reason ``contender`` cannot run for it (None: it can). ``options``:
+    hyperparameters every learned run gets (default: the optimizer's own, lr 1).
     """
     from lopt.param_sets import model_spec
 
@@ -99,7 +101,7 @@ def loss_curves(optimizer_names, weights_by_optimizer: dict, model_name: str, *,
     record = {"model": model_name, "description": spec.description, "steps": steps, "batch_size": batch_size,
               "seq_len": seq_len, "autocast": "bfloat16" if device.type == "cuda" else None,
               "nudge": {"relative": NUDGE_RELATIVE, "seed": NUDGE_SEED}, "contender": contender, "why": why,
-              "optimizers": {}}
+              "options": dict(options or {}), "optimizers": {}}
     for optimizer_name in optimizer_names:
         weights = weights_by_optimizer[optimizer_name]
         runs = [("naive", "naive", weights)]
@@ -115,7 +117,7 @@ def loss_curves(optimizer_names, weights_by_optimizer: dict, model_name: str, *,
             try:
                 losses[label] = train_losses(model_name, optimizer_name, contender_name, run_weights, stream,
                                              steps=steps, device=device, batch_size=batch_size, seq_len=seq_len,
-                                             progress=bar)
+                                             progress=bar, options=options)
             except Exception as err:  # e.g. torch.compile failing on this platform
                 if label != contender:
                     raise
