@@ -59,7 +59,7 @@ class SmallFCLOpt(LearnedOptimizer):
             naive backend). ``"fast"``: the two 32-wide hidden layers multiply BF16-rounded operands
             (float32 accumulation; one tensor-core product instead of two): a faster step whose
             updates differ from the naive backend's by about 1e-3 per step (bounds, loss curves
-            and times: docs/small_fc_lopt.md, "Precision"). The naive backend always computes in
+            and times: docs/small_fc_lopt.md §3.10). The naive backend always computes in
             float32, whatever this says.
 
     State per parameter (float32, PyLO's names and layout, decay axis last): ``mom`` ``S+(3,)``,
