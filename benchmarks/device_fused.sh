@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, sanitizers, benchmark. Run from the repository root on the GPU machine:
 #   bash benchmarks/device_fused.sh            (writes logs and bench.json under $OUT)
-# PYTEST_ARGS, TESTS=0, FRAMEWORKS=0, SANITIZE=0 (SANITIZERS="memcheck"), BENCH=0, BENCH_ARGS, SOAK=1,
+# PYTEST_ARGS (split on spaces), PYTEST_K (a -k expression, spaces allowed), TESTS=0, FRAMEWORKS=0, SANITIZE=0 (SANITIZERS="memcheck"), BENCH=0, BENCH_ARGS, SOAK=1,
 # PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER, PROFILE_SECTIONS: Nsight Compute section names) adjust it.
 set -u
 export PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -9,7 +9,8 @@ OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rfEs -s -p no:cacheprovider tests/ ${PYTEST_ARGS:-} > "$OUT/pytest_cuda.log" 2>&1
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m cuda -q -rfEs -s -p no:cacheprovider tests/ ${PYTEST_ARGS:-} \
+      ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest_cuda.log" 2>&1
   echo "pytest -m cuda: exit $?"; grep -E "^\[|passed|failed|error|^FAILED|^ERROR" "$OUT/pytest_cuda.log" | tail -40
 fi
 if [ "${FRAMEWORKS:-1}" = 1 ]; then  # the integration tests that need a GPU or timm (not in CPU CI)
