@@ -57,9 +57,7 @@ def make(name, params, backend, weights, defines=(), options=None):
         opt = lopt.SmallFCLOpt(params, weights=weights, backend=backend, **(options or {}))
     if defines:
         module, cls = ENGINES[name]
-        engine = getattr(__import__(module, fromlist=[cls]), cls)
-        precision = {"precision": opt.precision} if name == "small_fc_lopt" else {}
-        opt._fused_engine = engine(opt, defines=defines, **precision)
+        opt._fused_engine = getattr(__import__(module, fromlist=[cls]), cls)(opt, defines=defines)
     return opt
 
 

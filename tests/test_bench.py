@@ -305,15 +305,9 @@ def test_fused_fast_is_small_fc_lopts_alone():
     """precision='fast' exists for small_fc_lopt only: VeLO's reason says so before any device question."""
     velo = contenders.availability("velo", ["fused-fast"], lopt.random_weights("velo"), torch.device("cpu"))
     assert velo["fused-fast"] == "VeLO has no precision option"
-    small_fc = contenders.availability("small_fc_lopt", ["fused-fast"], lopt.random_weights("small_fc_lopt"),
-                                       torch.device("cpu"))
-    assert small_fc["fused-fast"] == small_fc_cpu_reason() == contenders.fused_unavailable_reason(
-        "small_fc_lopt", lopt.random_weights("small_fc_lopt"), torch.device("cpu"))
-
-
-def small_fc_cpu_reason() -> str:
-    return contenders.fused_unavailable_reason("small_fc_lopt", lopt.random_weights("small_fc_lopt"),
-                                               torch.device("cpu"), "fused-fast")
+    weights = lopt.random_weights("small_fc_lopt")
+    small_fc = contenders.availability("small_fc_lopt", ["fused-fast"], weights, torch.device("cpu"))
+    assert small_fc["fused-fast"] == contenders.fused_unavailable_reason("small_fc_lopt", weights, torch.device("cpu"))
 
 
 def test_overheads_against_the_adamw_row_of_the_same_set():

@@ -51,12 +51,12 @@ class SmallFCLOptFused(FusedEngine):
     APPLY_CHUNK = 128  # one element per thread of a 4-warp block
     APPLY_THREADS = 128
 
-    # The kernels' arithmetic per SmallFCLOpt(precision=...): split_mma.cuh's LOPT_SPLIT_MODE (0: a TF32
+    # The kernels' arithmetic per the optimizer's precision: split_mma.cuh's LOPT_SPLIT_MODE (0: a TF32
     # and a BF16 product per k-step, float32-accurate; 2: one BF16 product per two k-steps).
     PRECISION_DEFINES = {"exact": (), "fast": ("LOPT_SPLIT_MODE=2",)}
 
-    def __init__(self, optimizer, defines: tuple = (), precision: str = "exact"):
-        super().__init__(optimizer, (*self.PRECISION_DEFINES[precision], *defines))
+    def __init__(self, optimizer, defines: tuple = ()):
+        super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
         self.network = pack_network(optimizer.meta_weights.tensors["mlp"]).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
 

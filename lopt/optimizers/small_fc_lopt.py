@@ -120,7 +120,7 @@ class SmallFCLOpt(LearnedOptimizer):
     def _make_fused_engine(self):
         from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
-        return SmallFCLOptFused(self, precision=self._precision)
+        return SmallFCLOptFused(self)
 
     @torch.no_grad()
     def step(self, closure=None):
