@@ -73,6 +73,16 @@ LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
   return s;
 }
 
+// Element e's per-element arrays (gradient, parameter, momentum, rms, V) requested into L2 ahead of
+// their loads (prefetch_l2).
+LOPT_DEVICE void prefetch_element(const TensorMeta& t, i64 e) {
+  prefetch_l2(pointer<const char>(t.grad) + e * dtype_bytes(static_cast<int>(t.grad_dtype)));
+  prefetch_l2(pointer<const char>(t.param) + e * dtype_bytes(static_cast<int>(t.param_dtype)));
+  prefetch_l2(pointer<const float>(t.mom) + e * 3);
+  prefetch_l2(pointer<const float>(t.rms) + e);
+  if (!t.factored) prefetch_l2(pointer<const float>(t.fac_full) + e * 3);
+}
+
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
   float* mom = pointer<float>(t.mom) + e * 3;
   mom[0] = s.mom[0]; mom[1] = s.mom[1]; mom[2] = s.mom[2];
@@ -147,12 +157,22 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
 // adjacent pairs, and visit(grad, param, state, factor_index) sees each element it holds (the gradient
 // unscaled, the old accumulators; the factor index only for a Factored tensor). `Unroll`: pairs per
 // unrolled iteration.
+#ifndef LOPT_APPLY_PREFETCH
+#define LOPT_APPLY_PREFETCH 0  // 1: an apply thread requests its next element's arrays into L2 before working on this one
+#endif
+#ifndef LOPT_STATS_PREFETCH
+#define LOPT_STATS_PREFETCH 0  // pairs ahead whose arrays a statistics thread requests into L2 (0: none)
+#endif
 template <bool Factored, int Unroll, typename Visit>
 LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float inverse_scale, Visit visit) {
   const bool aligned = pairs_aligned(t);
 #pragma unroll Unroll
   for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
+#if LOPT_STATS_PREFETCH > 0
+    const i64 ahead = e + LOPT_STATS_PREFETCH * 2 * LOPT_STATS_THREADS;  // (may be the next chunk's: it exists)
+    if (ahead < t.numel) prefetch_element(t, ahead);
+#endif
     if (e < t.numel) {
       ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
       FactorIndex f[2] = {};

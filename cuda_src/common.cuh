@@ -53,6 +53,13 @@ LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value)
 template <typename T>
 LOPT_DEVICE T* pointer(i64 address) { return reinterpret_cast<T*>(address); }
 
+LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
+
+// Asks L2 for the line holding `address` and moves on (no result to wait for). The element passes
+// issue it for the element they load next, so that element's DRAM latency overlaps this one's work;
+// they pass only addresses of elements that exist.
+LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
+
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
 #define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)

@@ -429,6 +429,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
+#if LOPT_APPLY_PREFETCH
+    if (index + SFC_APPLY_CHUNK < meta.numel) prefetch_element(meta, index + SFC_APPLY_CHUNK);  // the next chunk's
+#endif
     if (valid) {
       ElementState state;
       element_features(meta, index, group.decays, inverse_scale, clip_factor,

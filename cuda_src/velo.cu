@@ -673,6 +673,11 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
       in[n] = load_element_inputs<Factored>(t, elements[n], row_factors, col_factors, row_contributions,
                                             col_contributions, inverse_scale);
     }
+#if LOPT_APPLY_PREFETCH
+#pragma unroll
+    for (int n = 0; n < N; ++n)  // the next iteration's elements
+      if (elements[n] + N * VELO_APPLY_CHUNK < t.numel) prefetch_element(t, elements[n] + N * VELO_APPLY_CHUNK);
+#endif
     apply_elements<Factored, N>(t, a, elements, in, record);
   }
   for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK) {
