@@ -156,23 +156,16 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
 // The statistics passes' walk over one chunk of LOPT_STATS_CHUNK elements of a tensor: each thread takes
 // adjacent pairs, and visit(grad, param, state, factor_index) sees each element it holds (the gradient
 // unscaled, the old accumulators; the factor index only for a Factored tensor). `Unroll`: pairs per
-// unrolled iteration.
-#ifndef LOPT_APPLY_PREFETCH
-#define LOPT_APPLY_PREFETCH 0  // 1: an apply thread requests its next element's arrays into L2 before working on this one
-#endif
-#ifndef LOPT_STATS_PREFETCH
-#define LOPT_STATS_PREFETCH 0  // pairs ahead whose arrays a statistics thread requests into L2 (0: none)
-#endif
-template <bool Factored, int Unroll, typename Visit>
+// unrolled iteration. `PrefetchPairs` > 0: each thread first requests the arrays of its pair that many
+// iterations ahead into L2 (prefetch_element; it may lie in the next chunk, which exists).
+template <bool Factored, int Unroll, int PrefetchPairs, typename Visit>
 LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float inverse_scale, Visit visit) {
   const bool aligned = pairs_aligned(t);
 #pragma unroll Unroll
   for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
-#if LOPT_STATS_PREFETCH > 0
-    const i64 ahead = e + LOPT_STATS_PREFETCH * 2 * LOPT_STATS_THREADS;  // (may be the next chunk's: it exists)
-    if (ahead < t.numel) prefetch_element(t, ahead);
-#endif
+    if (PrefetchPairs > 0 && e + PrefetchPairs * 2 * LOPT_STATS_THREADS < t.numel)
+      prefetch_element(t, e + PrefetchPairs * 2 * LOPT_STATS_THREADS);
     if (e < t.numel) {
       ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
       FactorIndex f[2] = {};

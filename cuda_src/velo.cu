@@ -164,6 +164,9 @@ LOPT_DEVICE float clip_gradient(float g) { return fminf(fmaxf(g, -VELO_GRADIENT_
 #define VELO_STATS_UNROLL 1  // pairs of elements (with one element per iteration, 2: 4.44 ms against 4.46 with 1 at e2590e6)
 #endif
 constexpr int STATS_UNROLL = VELO_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
+#ifndef VELO_STATS_PREFETCH
+#define VELO_STATS_PREFETCH 0  // pairs ahead requested into L2 (H100, GPT-2 medium: 3.70 ms with none, 3.78 at 1, 3.81 at 2)
+#endif
 
 // Per thread, sums in float32 (over at most LOPT_STATS_PER_THREAD elements; the block adds them in
 // float64). The old momentum and rms enter shifted by the tensor's first element's, so that their
@@ -176,7 +179,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
   const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
   const float shift_rms = pointer<const float>(t.rms)[0];
   bool unusable = false;
-  for_each_chunk_element<Factored, STATS_UNROLL>(t, chunk, inverse_scale, [&](float raw_grad, float param,
+  for_each_chunk_element<Factored, STATS_UNROLL, VELO_STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
                                                                             ElementState& s, const FactorIndex& f) {
     unusable |= gradient_unusable(raw_grad);
     const float grad = clip_gradient(raw_grad);
@@ -651,6 +654,9 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
   }
 }
 
+#ifndef VELO_APPLY_PREFETCH
+#define VELO_APPLY_PREFETCH 0  // (experiment)
+#endif
 #ifndef VELO_APPLY_ELEMENTS
 #define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
                                // read from shared memory serves N (H100, GPT-2 medium: apply 8.43 ms with 1, 7.13 with 2)
@@ -673,7 +679,7 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
       in[n] = load_element_inputs<Factored>(t, elements[n], row_factors, col_factors, row_contributions,
                                             col_contributions, inverse_scale);
     }
-#if LOPT_APPLY_PREFETCH
+#if VELO_APPLY_PREFETCH
 #pragma unroll
     for (int n = 0; n < N; ++n)  // the next iteration's elements
       if (elements[n] + N * VELO_APPLY_CHUNK < t.numel) prefetch_element(t, elements[n] + N * VELO_APPLY_CHUNK);
