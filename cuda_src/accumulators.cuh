@@ -93,67 +93,6 @@ LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementSt
   }
 }
 
-// A warp's 32 consecutive elements' gradients, parameters (their raw bits, 2 or 4 bytes each),
-// momenta and rms, copied into shared memory ahead of use (stage_warp_elements), so that the
-// apply pass's next loads are in flight while it works on the current elements, without registers.
-struct WarpStage {
-  float grad[32], param[32], mom[96], rms[32];
-};
-
-// The tensor's arrays allow 16-byte copies of any warp's 32 elements (PyTorch's allocations are
-// aligned; a view at an offset may not be).
-LOPT_DEVICE bool stage_aligned(const TensorMeta& t) { return ((t.param | t.grad | t.mom | t.rms) & 15) == 0; }
-
-// Issues the copies of elements [first, first + 32) ∩ [0, numel) into `stage` (each lane up to two
-// 16-byte pieces; the caller commits and waits). Pieces 0..23 momentum, 24..31 gradient, 32..39
-// parameter, 40..47 rms.
-LOPT_DEVICE void stage_warp_elements(WarpStage& stage, const TensorMeta& t, i64 first, int lane) {
-  const i64 left = t.numel - first;
-  const int count = left <= 0 ? 0 : (left < 32 ? static_cast<int>(left) : 32);
-#pragma unroll
-  for (int round = 0; round < 2; ++round) {
-    const int piece = lane + 32 * round;
-    if (piece >= 48) break;
-    const int array = piece < 24 ? 0 : (piece - 24) / 8 + 1, offset = 16 * (piece < 24 ? piece : (piece - 24) % 8);
-    int element_bytes;
-    const char* src;
-    char* dst;
-    if (array == 0) {
-      element_bytes = 12, src = pointer<const char>(t.mom) + first * 12, dst = reinterpret_cast<char*>(stage.mom);
-    } else if (array == 1) {
-      element_bytes = dtype_bytes(static_cast<int>(t.grad_dtype));
-      src = pointer<const char>(t.grad) + first * element_bytes, dst = reinterpret_cast<char*>(stage.grad);
-    } else if (array == 2) {
-      element_bytes = dtype_bytes(static_cast<int>(t.param_dtype));
-      src = pointer<const char>(t.param) + first * element_bytes, dst = reinterpret_cast<char*>(stage.param);
-    } else {
-      element_bytes = 4, src = pointer<const char>(t.rms) + first * 4, dst = reinterpret_cast<char*>(stage.rms);
-    }
-    const int valid = count * element_bytes - offset;
-    if (valid > 0) copy_async_16(dst + offset, src + offset, valid < 16 ? valid : 16);
-  }
-}
-
-// Lane's value in a staged array of `dtype` values (float32, or 16-bit values packed two per float).
-LOPT_DEVICE float staged_as_float(const float* values, int lane, int dtype) {
-  if (dtype == LOPT_F32) return values[lane];
-  return sixteen_bits_to_float(reinterpret_cast<const unsigned short*>(values)[lane], dtype);
-}
-
-// Lane's momenta and rms from the stage, V (non-factored tensors only) from global memory.
-LOPT_DEVICE ElementState staged_element_state(const WarpStage& stage, const TensorMeta& t, i64 e, int lane) {
-  ElementState s;
-  s.mom[0] = stage.mom[3 * lane]; s.mom[1] = stage.mom[3 * lane + 1]; s.mom[2] = stage.mom[3 * lane + 2];
-  s.rms = stage.rms[lane];
-  if (!t.factored) {
-    const float* full = pointer<const float>(t.fac_full) + e * 3;
-    s.full[0] = full[0]; s.full[1] = full[1]; s.full[2] = full[2];
-  } else {
-    s.full[0] = s.full[1] = s.full[2] = 0.f;
-  }
-  return s;
-}
-
 // A thread's pair of adjacent elements e, e + 1 (e even), as the statistics passes take them: where
 // the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in one load per
 // array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte loads), and

@@ -64,19 +64,6 @@ LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.globa
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
 #define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)
 
-// Asynchronous copies to shared memory (cp.async, sm_80 and newer): 16 bytes of which the first
-// `valid` (1..16) come from `src` and the rest are zero; committed as a group, waited for by count.
-LOPT_DEVICE void copy_async_16(void* dst, const void* src, int valid) {
-  unsigned long long shared_address;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared_address) : "l"(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(static_cast<unsigned>(shared_address)), "l"(src),
-               "r"(valid)
-               : "memory");
-}
-LOPT_DEVICE void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int Pending>
-LOPT_DEVICE void copy_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory"); }
-
 // ------------------------------------------------------------------------------------------
 // The step's inputs from GradScaler and the skip decision
 // ------------------------------------------------------------------------------------------

@@ -158,8 +158,8 @@ LOPT_DEVICE float clip_gradient(float g) { return fminf(fmaxf(g, -VELO_GRADIENT_
 // Statistics pass
 // ------------------------------------------------------------------------------------------
 #ifndef VELO_STATS_MIN_BLOCKS
-#define VELO_STATS_MIN_BLOCKS 3  // 80 registers, no spills, with the L2 prefetch (H100, GPT-2 medium: 3.31 ms; 4 blocks
-                                 // at 64 registers: 3.68 without prefetch, 3.78 with)
+#define VELO_STATS_MIN_BLOCKS 3  // 80 registers with the L2 prefetch below (H100, GPT-2 medium: 3.31 ms; 4 blocks at 64
+                                 // registers: 3.68 without the prefetch, 3.78 with it)
 #endif
 #ifndef VELO_STATS_UNROLL
 #define VELO_STATS_UNROLL 1  // pairs of elements (with one element per iteration, 2: 4.44 ms against 4.46 with 1 at e2590e6)
@@ -604,22 +604,6 @@ struct ElementInputs {
   float4 row_factor, col_factor, table_share;
 };
 
-// The factor-table part of an element's inputs (factored tensors): its row and column factors and
-// the table features' share of the first layer.
-template <bool Factored>
-LOPT_DEVICE void load_table_inputs(ElementInputs& in, const TensorMeta& t, i64 e, const float4* row_factors,
-                                   const float4* col_factors, const float4* row_contributions,
-                                   const float4* col_contributions) {
-  in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (Factored) {
-    const FactorIndex f = factor_index(t, e);
-    in.row_factor = __ldg(row_factors + t.row_table + f.row);
-    in.col_factor = __ldg(col_factors + t.col_table + f.col);
-    const float4 r = __ldg(row_contributions + t.row_table + f.row), c = __ldg(col_contributions + t.col_table + f.col);
-    in.table_share = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
-  }
-}
-
 template <bool Factored>
 LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const float4* row_factors,
                                               const float4* col_factors, const float4* row_contributions,
@@ -628,21 +612,14 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
   in.grad = clip_gradient(load_gradient(t, e, inverse_scale));
   in.param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
   in.state = load_element_state(t, e);
-  load_table_inputs<Factored>(in, t, e, row_factors, col_factors, row_contributions, col_contributions);
-  return in;
-}
-
-// The same inputs with the gradient, parameter, momenta and rms read from the warp's stage.
-template <bool Factored>
-LOPT_DEVICE ElementInputs staged_element_inputs(const WarpStage& stage, int lane, const TensorMeta& t, i64 e,
-                                                const float4* row_factors, const float4* col_factors,
-                                                const float4* row_contributions, const float4* col_contributions,
-                                                float inverse_scale) {
-  ElementInputs in;
-  in.grad = clip_gradient(unscale_gradient(staged_as_float(stage.grad, lane, static_cast<int>(t.grad_dtype)), inverse_scale));
-  in.param = staged_as_float(stage.param, lane, static_cast<int>(t.param_dtype));
-  in.state = staged_element_state(stage, t, e, lane);
-  load_table_inputs<Factored>(in, t, e, row_factors, col_factors, row_contributions, col_contributions);
+  in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (Factored) {
+    const FactorIndex f = factor_index(t, e);
+    in.row_factor = __ldg(row_factors + t.row_table + f.row);
+    in.col_factor = __ldg(col_factors + t.col_table + f.col);
+    const float4 r = __ldg(row_contributions + t.row_table + f.row), c = __ldg(col_contributions + t.col_table + f.col);
+    in.table_share = make_float4(__fadd_rn(r.x, c.x), __fadd_rn(r.y, c.y), __fadd_rn(r.z, c.z), __fadd_rn(r.w, c.w));
+  }
   return in;
 }
 
@@ -710,63 +687,6 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
   }
 }
 
-#ifndef VELO_APPLY_STAGED
-#define VELO_APPLY_STAGED 1
-#endif
-#define VELO_APPLY_WARPS (VELO_APPLY_THREADS / 32)
-
-// apply_chunks with the inputs staged: while a warp works on the N chunks of one iteration, the
-// copies of the next iteration's elements into its other stage are in flight (stage_warp_elements).
-// The loop is warp-uniform (the copies and __syncwarp need every lane); lanes past the tensor's end
-// skip the work. Needs stage_aligned(t).
-template <bool Factored>
-LOPT_DEVICE void apply_chunks_staged(const TensorMeta t, const ApplyScalars a, i64 chunk, i64 end, const float* record,
-                                     const float4* row_factors, const float4* col_factors,
-                                     const float4* row_contributions, const float4* col_contributions,
-                                     float inverse_scale, WarpStage (*stages)[VELO_APPLY_ELEMENTS]) {
-  constexpr int N = VELO_APPLY_ELEMENTS;
-  const int lane = threadIdx.x % 32;
-  i64 warp_first = (chunk - t.first_apply_chunk) * VELO_APPLY_CHUNK + (threadIdx.x - lane);  // warp's first element
-  const auto stage_iteration = [&](WarpStage* stage, i64 first, i64 first_chunk) {
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-      if (first_chunk + n < end) stage_warp_elements(stage[n], t, first + n * VELO_APPLY_CHUNK, lane);
-    copy_async_commit();
-  };
-  stage_iteration(stages[0], warp_first, chunk);
-  for (int buffer = 0; chunk < end; chunk += N, warp_first += N * VELO_APPLY_CHUNK, buffer ^= 1) {
-    stage_iteration(stages[buffer ^ 1], warp_first + N * VELO_APPLY_CHUNK, chunk + N);  // (an empty group at the end)
-    copy_async_wait<1>();  // this iteration's copies (this lane's) have landed
-    __syncwarp();          // ... and every lane's
-    WarpStage* stage = stages[buffer];
-    i64 elements[N];
-    bool all_valid = true;
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-      elements[n] = warp_first + n * VELO_APPLY_CHUNK + lane;
-      all_valid &= chunk + n < end && elements[n] < t.numel;
-    }
-    if (all_valid) {
-      ElementInputs in[N];
-#pragma unroll
-      for (int n = 0; n < N; ++n)
-        in[n] = staged_element_inputs<Factored>(stage[n], lane, t, elements[n], row_factors, col_factors,
-                                                row_contributions, col_contributions, inverse_scale);
-      apply_elements<Factored, N>(t, a, elements, in, record);
-    } else {
-      for (int n = 0; n < N; ++n) {
-        if (chunk + n >= end || elements[n] >= t.numel) continue;
-        const i64 one[1] = {elements[n]};
-        ElementInputs in[1] = {staged_element_inputs<Factored>(stage[n], lane, t, elements[n], row_factors, col_factors,
-                                                               row_contributions, col_contributions, inverse_scale)};
-        apply_elements<Factored, 1>(t, a, one, in, record);
-      }
-    }
-    __syncwarp();  // every lane is done with this stage before the next iteration refills it
-  }
-  copy_async_wait<0>();
-}
-
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
 velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups, int num_groups,
            i64 total_chunks, const float* __restrict__ records, const float4* __restrict__ row_factors,
@@ -792,7 +712,6 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
   }
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float record[VELO_RECORD_FLOATS];
-  __shared__ __align__(16) WarpStage stages[VELO_APPLY_WARPS][2][VELO_APPLY_ELEMENTS];  // per warp, two iterations
   const float inverse_scale = inverse_grad_scale(flags);
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
   // Chunks ascend, so a block meets its tensors one after the other: the search and the record load
@@ -806,15 +725,7 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
     const TensorMeta t = tensors[tensor];
     const ApplyScalars a = read_apply_scalars(groups[t.group]);
     const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
-    if (VELO_APPLY_STAGED && stage_aligned(t)) {
-      if (t.factored) {
-        apply_chunks_staged<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions,
-                                  col_contributions, inverse_scale, stages[threadIdx.x / 32]);
-      } else {
-        apply_chunks_staged<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions,
-                                   col_contributions, inverse_scale, stages[threadIdx.x / 32]);
-      }
-    } else if (t.factored) {
+    if (t.factored) {
       apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
     } else {
       apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
