@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -119,7 +120,8 @@ def _check_bench_options(args) -> None:
             raise UsageError(f"--weights takes one path, or two for VeLO (the RNN and the MLP directory), "
                              f"got {len(args.weights)}")
     curves_options = {"--curves-steps": args.curves_steps, "--curves-model": args.curves_model,
-                      "--curves-contender": args.curves_contender}
+                      "--curves-contender": args.curves_contender, "--curves-lr": args.curves_lr,
+                      "--curves-weight-decay": args.curves_weight_decay}
     for option, value in curves_options.items():
         if value is not None and not args.curves:
             raise UsageError(f"{option} applies only with --curves FILE.png")
@@ -175,9 +177,11 @@ def _loss_curves(args, weights: dict, device: torch.device) -> dict:
           f"{args.curves_steps} steps per run; naive vs {contender}: {why}{slow}")
     unavailable = {name: contenders_lib.availability(name, [contender], weights[name], device)[contender]
                    for name in args.optimizers}
+    options = {name: value for name, value in (("lr", args.curves_lr), ("weight_decay", args.curves_weight_decay))
+               if value is not None}
     return loss_curves(args.optimizers, weights, args.curves_model, steps=args.curves_steps, device=device,
                        contender=contender, why=why, unavailable=unavailable,
-                       make_progress=make_progress_factory(not args.quiet))
+                       make_progress=make_progress_factory(not args.quiet), options=options)
 
 
 def _cmd_bench(args) -> int:
@@ -264,6 +268,20 @@ def _int_at_least(minimum: int, what: str):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_at_least(minimum: float, what: str, strict: bool):
+    """A finite float > minimum (strict) or >= minimum."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
 
     return parse
@@ -357,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model the curves train (default: gpt2-4x256 on CUDA, gpt2-1x64 on the CPU)")
     bench.add_argument("--curves-contender", default=None, choices=["fused", "fused-fast", "naive+compile"],
                        help="compared with naive in the curves (default: fused on CUDA, naive+compile on the CPU)")
+    bench.add_argument("--curves-lr", metavar="LR", type=_float_at_least(0.0, "a positive number", strict=True),
+                       default=None, help="learning rate of every curves run (default: the optimizers' own, 1; "
+                                          "untrained meta-weights diverge there, docs/bench.md)")
+    bench.add_argument("--curves-weight-decay", metavar="WD", type=_float_at_least(0.0, "a number >= 0", strict=False),
+                       default=None, help="weight decay of every curves run (default: the optimizers' own)")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (docs/bench.md)")
     bench.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a Markdown table")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -55,7 +55,7 @@ def full_run(tmp_path_factory):
                        "--backends", "adamw,naive,naive+compile,fused", "--steps", "3", "--warmup", "0", "--quiet",
                        "--weights", directory / "weights", "--json", paths["run.json"], "--markdown", paths["run.md"],
                        "--plot", paths["times.png"], "--curves", paths["curves.png"], "--curves-model", "toy-lm",
-                       "--curves-steps", "5")
+                       "--curves-steps", "5", "--curves-lr", "0.05", "--curves-weight-decay", "0.01")
     return code, stdout.getvalue(), paths, json.loads(paths["run.json"].read_text()) if code == 0 else None
 
 
@@ -124,6 +124,7 @@ def test_curves_record_and_plot(full_run):
     assert curve["model"] == "toy-lm" and curve["steps"] == 5 and curve["contender"] == "naive+compile"
     assert curve["why"].startswith("no fused backend without CUDA")
     assert curve["nudge"] == {"relative": curves.NUDGE_RELATIVE, "seed": curves.NUDGE_SEED}
+    assert curve["options"] == {"lr": 0.05, "weight_decay": 0.01}
     runs = curve["optimizers"]["small_fc_lopt"]
     assert list(runs["losses"]) == ["naive", "naive+compile", curves.NUDGED_RUN]
     naive = runs["losses"]["naive"]
@@ -136,7 +137,18 @@ def test_curves_record_and_plot(full_run):
             assert runs["max_rel_diff_vs_naive"][label] == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert math.log(256) - 0.5 < naive[0] < math.log(256) + 0.5  # an untrained 256-token model
     assert "loss curves: toy-lm" in out and "small_fc_lopt: largest relative loss difference vs naive" in out
+    assert "5 steps, lr 0.05, weight_decay 0.01, contender naive+compile" in out
     assert distinct_colours(paths["curves.png"]) > 20
+
+
+@pytest.mark.parametrize("contender", ["naive", "naive+compile"])
+def test_curves_options_become_the_learned_optimizers_hyperparameters(contender):
+    """What --curves-lr / --curves-weight-decay hand to every learned run (loss_curves' ``options``)."""
+    params = [torch.nn.Parameter(torch.randn(3, 2))]
+    built = contenders.make_contender("small_fc_lopt", contender, params, lopt.random_weights("small_fc_lopt", seed=1),
+                                      torch.device("cpu"), options={"lr": 0.05, "weight_decay": 0.01})
+    group = built.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (0.05, 0.01)
 
 
 # ---------------------------------------------------------------------------------------- iteration mode

@@ -131,8 +131,13 @@ def format_table(results: list, unavailable: list = (), mode: str = "step") -> s
     return "\n".join(lines + notes)
 
 
+def describe_options(curves: dict) -> str:
+    """', lr 0.05, weight_decay 0.01' for the curves' hyperparameters ('' for the optimizers' defaults)."""
+    return "".join(f", {name} {value:g}" for name, value in curves.get("options", {}).items())
+
+
 def format_curves_summary(curves: dict) -> str:
-    lines = [f"loss curves: {curves['model']} ({curves['description']}), {curves['steps']} steps, "
+    lines = [f"loss curves: {curves['model']} ({curves['description']}), {curves['steps']} steps{describe_options(curves)}, "
              f"contender {curves['contender']} ({curves['why']})"]
     for name, record in curves["optimizers"].items():
         parts = [f"{label} {describe_difference(value)}" for label, value in record["max_rel_diff_vs_naive"].items()]
@@ -262,7 +267,7 @@ def plot_curves(path, curves: dict, *, env: dict, weights_line: str) -> None:
                 relative = ((torch.tensor(values, dtype=torch.float64) - naive).abs() / naive.abs()).tolist()
                 bottom.plot(range(1, len(values) + 1), [max(v, ZERO_FLOOR) if math.isfinite(v) else float("nan")
                                                         for v in relative], label=label, **styles.get(label, {}))
-        title = f"{name}: {curves['model']}, naive vs {curves['contender']}"
+        title = f"{name}: {curves['model']}{describe_options(curves)}, naive vs {curves['contender']}"
         if record["contender_unavailable"]:
             title += f"\n({curves['contender']} not run: {record['contender_unavailable'][:70]})"
         top.set_title(title, fontsize=9)
