@@ -5,7 +5,7 @@
 For each parameter set (GPT-2 medium, ViT-B/16; float32 parameters, random gradients × 1e-3, a
 fresh set of gradient tensors every step): median step time after warm-up (CUDA events), kernel
 launches per step (torch.profiler), peak memory beyond parameters and gradients, the time per
-kernel, achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
+kernel (median over PROFILED_STEPS profiled steps), achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
 update error (one step from identical state). The device-to-device copy bandwidth is measured in the
 same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros), for tuning;
 ``--graph`` also times each step captured in a CUDA graph and replayed (no host share).
@@ -114,23 +114,33 @@ def graph_step_ms(name, param_set, weights, steps, warmup) -> float:
     return round(statistics.median(times), 4)
 
 
-def profile_step(opt, params, grads) -> tuple:
-    """(kernel launches, {kernel: ms}) of one step."""
+PROFILED_STEPS = 5  # the per-kernel times are medians over these (one profiled step can be an outlier)
+
+
+def profile_step(opt, params, grad_sets, steps: int = PROFILED_STEPS) -> tuple:
+    """(kernel launches per step, {kernel: median ms per step}) over ``steps`` profiled steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    for p, g in zip(params, grads):
-        p.grad = g
     loss = torch.tensor(2.5, device="cuda")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        do_step(opt, loss)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    split = {}
-    for e in kernels:
-        split[e.name] = round(split.get(e.name, 0.0) + e.device_time_total / 1e3, 4)
-    return len(kernels), split
+        for i in range(steps):
+            for p, g in zip(params, grad_sets[i % len(grad_sets)]):
+                p.grad = g
+            do_step(opt, loss)
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),
+                     key=lambda e: e.time_range.start)
+    if len(kernels) % steps:
+        raise RuntimeError(f"{len(kernels)} kernels in {steps} profiled steps: not the same launches every step")
+    launches = len(kernels) // steps
+    per_step = [{} for _ in range(steps)]
+    for index, e in enumerate(kernels):
+        times = per_step[index // launches]
+        times[e.name] = times.get(e.name, 0.0) + e.device_time_total / 1e3
+    names = {name for times in per_step for name in times}
+    return launches, {name: round(statistics.median(times.get(name, 0.0) for times in per_step), 4) for name in names}
 
 
 def update_error(name, param_set, weights, defines=(), options=None) -> float:
@@ -159,7 +169,7 @@ def measure(name, backend, param_set, weights, steps, warmup, defines=(), option
     opt = make(name, params, backend, weights, defines, options)
     times = time_steps(opt, params, grad_sets, steps, warmup)
     peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20
-    launches, split = profile_step(opt, params, grad_sets[0])
+    launches, split = profile_step(opt, params, grad_sets)
     label = backend + (f"[{','.join(defines)}]" if defines else "")
     label += "".join(f"+{key}={value}" for key, value in (options or {}).items())
     row = {"optimizer": name, "backend": label, "param_set": param_set, "mode": "step",
