@@ -55,9 +55,10 @@ LOPT_DEVICE T* pointer(i64 address) { return reinterpret_cast<T*>(address); }
 
 LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
 
-// Asks L2 for the line holding `address` and moves on (no result to wait for). The element passes
-// issue it for the element they load next, so that element's DRAM latency overlaps this one's work;
-// they pass only addresses of elements that exist.
+// Asks L2 for the line holding `address` and moves on (no result to wait for). The statistics passes
+// issue it for the elements they load next, so that their DRAM latency overlaps the current elements'
+// work; only addresses of elements that exist are passed. (The apply passes gained nothing from it:
+// benchmarks/RESULTS.md.)
 LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
 
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
