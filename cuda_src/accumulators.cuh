@@ -62,11 +62,11 @@ struct ElementState {
 LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
   ElementState s;
   const float* mom = pointer<const float>(t.mom) + e * 3;
-  s.mom[0] = mom[0]; s.mom[1] = mom[1]; s.mom[2] = mom[2];
-  s.rms = pointer<const float>(t.rms)[e];
+  s.mom[0] = element_load(mom); s.mom[1] = element_load(mom + 1); s.mom[2] = element_load(mom + 2);
+  s.rms = element_load(pointer<const float>(t.rms) + e);
   if (!t.factored) {
     const float* full = pointer<const float>(t.fac_full) + e * 3;
-    s.full[0] = full[0]; s.full[1] = full[1]; s.full[2] = full[2];
+    s.full[0] = element_load(full); s.full[1] = element_load(full + 1); s.full[2] = element_load(full + 2);
   } else {
     s.full[0] = s.full[1] = s.full[2] = 0.f;
   }
@@ -85,11 +85,11 @@ LOPT_DEVICE void prefetch_element(const TensorMeta& t, i64 e) {
 
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
   float* mom = pointer<float>(t.mom) + e * 3;
-  mom[0] = s.mom[0]; mom[1] = s.mom[1]; mom[2] = s.mom[2];
-  pointer<float>(t.rms)[e] = s.rms;
+  element_store(mom, s.mom[0]); element_store(mom + 1, s.mom[1]); element_store(mom + 2, s.mom[2]);
+  element_store(pointer<float>(t.rms) + e, s.rms);
   if (!t.factored) {
     float* full = pointer<float>(t.fac_full) + e * 3;
-    full[0] = s.full[0]; full[1] = s.full[1]; full[2] = s.full[2];
+    element_store(full, s.full[0]); element_store(full + 1, s.full[1]); element_store(full + 2, s.full[2]);
   }
 }
 
@@ -113,7 +113,7 @@ LOPT_DEVICE bool pairs_aligned(const TensorMeta& t) { return ((t.param | t.grad 
 // Three floats per element (momentum, V) of elements e and e + 1, from three 8-byte loads.
 LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], float (&second)[3]) {
   const float2* p = reinterpret_cast<const float2*>(base + e * 3);
-  const float2 x = p[0], y = p[1], z = p[2];
+  const float2 x = element_load(p), y = element_load(p + 1), z = element_load(p + 2);
   first[0] = x.x; first[1] = x.y; first[2] = y.x;
   second[0] = y.y; second[1] = z.x; second[2] = z.y;
 }
@@ -137,7 +137,7 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
     ElementState& s0 = pair.state[0];
     ElementState& s1 = pair.state[1];
     load_three_pair(pointer<const float>(t.mom), e, s0.mom, s1.mom);
-    const float2 rms = *reinterpret_cast<const float2*>(pointer<const float>(t.rms) + e);
+    const float2 rms = element_load(reinterpret_cast<const float2*>(pointer<const float>(t.rms) + e));
     s0.rms = rms.x;
     s1.rms = rms.y;
     if (!t.factored) {

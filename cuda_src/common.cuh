@@ -23,31 +23,70 @@ LOPT_DEVICE float sixteen_bits_to_float(unsigned short bits, int dtype) {
   return value;
 }
 
+// Loads and stores of the per-element arrays (gradients, parameters, state), each touched once per pass
+// and together far larger than L2: LOPT_STREAMING 1 marks them evict-first (.cs), so that the caches
+// keep what is reused (factor tables, weights).
+#ifndef LOPT_STREAMING
+#define LOPT_STREAMING 0
+#endif
+LOPT_DEVICE float element_load(const float* p) {
+  if (!LOPT_STREAMING) return *p;
+  float v;
+  asm("ld.global.cs.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+LOPT_DEVICE float2 element_load(const float2* p) {
+  if (!LOPT_STREAMING) return *p;
+  float2 v;
+  asm("ld.global.cs.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+LOPT_DEVICE unsigned short element_load(const unsigned short* p) {
+  if (!LOPT_STREAMING) return *p;
+  unsigned short v;
+  asm("ld.global.cs.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+LOPT_DEVICE unsigned int element_load(const unsigned int* p) {
+  if (!LOPT_STREAMING) return *p;
+  unsigned int v;
+  asm("ld.global.cs.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+LOPT_DEVICE void element_store(float* p, float v) {
+  if (!LOPT_STREAMING) { *p = v; return; }
+  asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+LOPT_DEVICE void element_store(unsigned short* p, unsigned short v) {
+  if (!LOPT_STREAMING) { *p = v; return; }
+  asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+}
+
 LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
-  if (dtype == LOPT_F32) return static_cast<const float*>(base)[index];
-  return sixteen_bits_to_float(static_cast<const unsigned short*>(base)[index], dtype);
+  if (dtype == LOPT_F32) return element_load(static_cast<const float*>(base) + index);
+  return sixteen_bits_to_float(element_load(static_cast<const unsigned short*>(base) + index), dtype);
 }
 
 // Values index and index + 1 as float. `vector`: base + index is aligned to two values (the caller
 // knows), so one load (8 bytes, or 4 for 16-bit values) reads both.
 LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bool vector) {
   if (!vector) return make_float2(load_as_float(base, index, dtype), load_as_float(base, index + 1, dtype));
-  if (dtype == LOPT_F32) return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + index);
-  const unsigned int bits = *reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(base) + index);
+  if (dtype == LOPT_F32) return element_load(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
+  const unsigned int bits = element_load(reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(base) + index));
   return make_float2(sixteen_bits_to_float(static_cast<unsigned short>(bits & 0xffffu), dtype),
                      sixteen_bits_to_float(static_cast<unsigned short>(bits >> 16), dtype));
 }
 
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.
 LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
-  if (dtype == LOPT_F32) { static_cast<float*>(base)[index] = value; return; }
+  if (dtype == LOPT_F32) { element_store(static_cast<float*>(base) + index, value); return; }
   unsigned short bits;
   if (dtype == LOPT_BF16) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   } else {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   }
-  static_cast<unsigned short*>(base)[index] = bits;
+  element_store(static_cast<unsigned short*>(base) + index, bits);
 }
 
 template <typename T>
