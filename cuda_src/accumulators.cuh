@@ -59,14 +59,16 @@ struct ElementState {
   float full[3];  // V (unused for factored tensors)
 };
 
+template <bool Streamed = false>
 LOPT_DEVICE ElementState load_element_state(const TensorMeta& t, i64 e) {
   ElementState s;
   const float* mom = pointer<const float>(t.mom) + e * 3;
-  s.mom[0] = element_load(mom); s.mom[1] = element_load(mom + 1); s.mom[2] = element_load(mom + 2);
-  s.rms = element_load(pointer<const float>(t.rms) + e);
+  s.mom[0] = element_load<Streamed>(mom); s.mom[1] = element_load<Streamed>(mom + 1); s.mom[2] = element_load<Streamed>(mom + 2);
+  s.rms = element_load<Streamed>(pointer<const float>(t.rms) + e);
   if (!t.factored) {
     const float* full = pointer<const float>(t.fac_full) + e * 3;
-    s.full[0] = element_load(full); s.full[1] = element_load(full + 1); s.full[2] = element_load(full + 2);
+    s.full[0] = element_load<Streamed>(full); s.full[1] = element_load<Streamed>(full + 1);
+    s.full[2] = element_load<Streamed>(full + 2);
   } else {
     s.full[0] = s.full[1] = s.full[2] = 0.f;
   }
@@ -83,13 +85,15 @@ LOPT_DEVICE void prefetch_element(const TensorMeta& t, i64 e) {
   if (!t.factored) prefetch_l2(pointer<const float>(t.fac_full) + e * 3);
 }
 
+template <bool Streamed = false>
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
   float* mom = pointer<float>(t.mom) + e * 3;
-  element_store(mom, s.mom[0]); element_store(mom + 1, s.mom[1]); element_store(mom + 2, s.mom[2]);
-  element_store(pointer<float>(t.rms) + e, s.rms);
+  element_store<Streamed>(mom, s.mom[0]); element_store<Streamed>(mom + 1, s.mom[1]); element_store<Streamed>(mom + 2, s.mom[2]);
+  element_store<Streamed>(pointer<float>(t.rms) + e, s.rms);
   if (!t.factored) {
     float* full = pointer<float>(t.fac_full) + e * 3;
-    element_store(full, s.full[0]); element_store(full + 1, s.full[1]); element_store(full + 2, s.full[2]);
+    element_store<Streamed>(full, s.full[0]); element_store<Streamed>(full + 1, s.full[1]);
+    element_store<Streamed>(full + 2, s.full[2]);
   }
 }
 
@@ -111,24 +115,28 @@ struct ElementPair {
 LOPT_DEVICE bool pairs_aligned(const TensorMeta& t) { return ((t.param | t.grad | t.mom | t.rms | t.fac_full) & 7) == 0; }
 
 // Three floats per element (momentum, V) of elements e and e + 1, from three 8-byte loads.
+template <bool Streamed>
 LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], float (&second)[3]) {
   const float2* p = reinterpret_cast<const float2*>(base + e * 3);
-  const float2 x = element_load(p), y = element_load(p + 1), z = element_load(p + 2);
+  const float2 x = element_load<Streamed>(p), y = element_load<Streamed>(p + 1), z = element_load<Streamed>(p + 2);
   first[0] = x.x; first[1] = x.y; first[2] = y.x;
   second[0] = y.y; second[1] = z.x; second[2] = z.y;
 }
 
 // Value e, and e + 1 where `second` (else 0).
+template <bool Streamed>
 LOPT_DEVICE float2 load_values(const void* base, i64 e, int dtype, bool second, bool vector) {
-  return second ? load_pair_as_float(base, e, dtype, vector) : make_float2(load_as_float(base, e, dtype), 0.f);
+  return second ? load_pair_as_float<Streamed>(base, e, dtype, vector)
+                : make_float2(load_as_float<Streamed>(base, e, dtype), 0.f);
 }
 
+template <bool Streamed>
 LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inverse_scale, bool aligned) {
   ElementPair pair;
   pair.second = e + 1 < t.numel;
   const bool vector = aligned && pair.second;
-  const float2 grad = load_values(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype), pair.second, vector);
-  const float2 param = load_values(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype), pair.second, vector);
+  const float2 grad = load_values<Streamed>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype), pair.second, vector);
+  const float2 param = load_values<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype), pair.second, vector);
   pair.grad[0] = unscale_gradient(grad.x, inverse_scale);
   pair.grad[1] = unscale_gradient(grad.y, inverse_scale);
   pair.param[0] = param.x;
@@ -136,19 +144,19 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
   if (vector) {
     ElementState& s0 = pair.state[0];
     ElementState& s1 = pair.state[1];
-    load_three_pair(pointer<const float>(t.mom), e, s0.mom, s1.mom);
-    const float2 rms = element_load(reinterpret_cast<const float2*>(pointer<const float>(t.rms) + e));
+    load_three_pair<Streamed>(pointer<const float>(t.mom), e, s0.mom, s1.mom);
+    const float2 rms = element_load<Streamed>(reinterpret_cast<const float2*>(pointer<const float>(t.rms) + e));
     s0.rms = rms.x;
     s1.rms = rms.y;
     if (!t.factored) {
-      load_three_pair(pointer<const float>(t.fac_full), e, s0.full, s1.full);
+      load_three_pair<Streamed>(pointer<const float>(t.fac_full), e, s0.full, s1.full);
     } else {
 #pragma unroll
       for (int k = 0; k < 3; ++k) s0.full[k] = s1.full[k] = 0.f;
     }
   } else {
-    pair.state[0] = load_element_state(t, e);
-    pair.state[1] = pair.second ? load_element_state(t, e + 1) : ElementState{};
+    pair.state[0] = load_element_state<Streamed>(t, e);
+    pair.state[1] = pair.second ? load_element_state<Streamed>(t, e + 1) : ElementState{};
   }
   return pair;
 }
@@ -157,7 +165,9 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
 // adjacent pairs, and visit(grad, param, state, factor_index) sees each element it holds (the gradient
 // unscaled, the old accumulators; the factor index only for a Factored tensor). `Unroll`: pairs per
 // unrolled iteration. `PrefetchPairs` > 0: each thread first requests the arrays of its pair that many
-// iterations ahead into L2 (prefetch_element; it may lie in the next chunk, which exists).
+// iterations ahead into L2 (prefetch_element; it may lie in the next chunk, which exists). The loads
+// are evict-first (element_load: H100, GPT-2 medium, statistics 2.99 -> 2.88 ms for small_fc_lopt,
+// 3.30 -> 3.07 for VeLO).
 template <bool Factored, int Unroll, int PrefetchPairs, typename Visit>
 LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float inverse_scale, Visit visit) {
   const bool aligned = pairs_aligned(t);
@@ -167,7 +177,7 @@ LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float in
     if (PrefetchPairs > 0 && e + PrefetchPairs * 2 * LOPT_STATS_THREADS < t.numel)
       prefetch_element(t, e + PrefetchPairs * 2 * LOPT_STATS_THREADS);
     if (e < t.numel) {
-      ElementPair pair = load_element_pair(t, e, inverse_scale, aligned);
+      ElementPair pair = load_element_pair<true>(t, e, inverse_scale, aligned);
       FactorIndex f[2] = {};
       if (Factored) factor_index_pair(t, e, f);
 #pragma unroll
@@ -400,10 +410,11 @@ LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
 
 // reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
 // in the parameter's dtype.
+template <bool Streamed = false>
 LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
   float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
   if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
-  store_from_float(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
+  store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
 }
 
 // ------------------------------------------------------------------------------------------

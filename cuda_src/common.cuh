@@ -23,70 +23,81 @@ LOPT_DEVICE float sixteen_bits_to_float(unsigned short bits, int dtype) {
   return value;
 }
 
-// Loads and stores of the per-element arrays (gradients, parameters, state), each touched once per pass
-// and together far larger than L2: LOPT_STREAMING 1 marks them evict-first (.cs), so that the caches
-// keep what is reused (factor tables, weights).
-#ifndef LOPT_STREAMING
-#define LOPT_STREAMING 0
-#endif
+// Loads and stores of the per-element arrays (gradients, parameters, state). `Streamed`: evict-first
+// (.cs), for passes that touch each element once while the arrays together far exceed L2, so that
+// the caches keep what is reused (factor tables, weights). Which passes stream is measured
+// (benchmarks/RESULTS.md): the statistics passes and small_fc_lopt's apply pass gain, velo_apply and
+// the Adafactor axis sums (whose second read of a gradient hits L2) lose.
+template <bool Streamed>
 LOPT_DEVICE float element_load(const float* p) {
-  if (!LOPT_STREAMING) return *p;
+  if (!Streamed) return *p;
   float v;
   asm("ld.global.cs.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
+template <bool Streamed>
 LOPT_DEVICE float2 element_load(const float2* p) {
-  if (!LOPT_STREAMING) return *p;
+  if (!Streamed) return *p;
   float2 v;
   asm("ld.global.cs.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
   return v;
 }
+template <bool Streamed>
 LOPT_DEVICE unsigned short element_load(const unsigned short* p) {
-  if (!LOPT_STREAMING) return *p;
+  if (!Streamed) return *p;
   unsigned short v;
   asm("ld.global.cs.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
+template <bool Streamed>
 LOPT_DEVICE unsigned int element_load(const unsigned int* p) {
-  if (!LOPT_STREAMING) return *p;
+  if (!Streamed) return *p;
   unsigned int v;
   asm("ld.global.cs.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+template <bool Streamed>
 LOPT_DEVICE void element_store(float* p, float v) {
-  if (!LOPT_STREAMING) { *p = v; return; }
+  if (!Streamed) { *p = v; return; }
   asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
 }
+template <bool Streamed>
 LOPT_DEVICE void element_store(unsigned short* p, unsigned short v) {
-  if (!LOPT_STREAMING) { *p = v; return; }
+  if (!Streamed) { *p = v; return; }
   asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
 }
 
+template <bool Streamed = false>
 LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
-  if (dtype == LOPT_F32) return element_load(static_cast<const float*>(base) + index);
-  return sixteen_bits_to_float(element_load(static_cast<const unsigned short*>(base) + index), dtype);
+  if (dtype == LOPT_F32) return element_load<Streamed>(static_cast<const float*>(base) + index);
+  return sixteen_bits_to_float(element_load<Streamed>(static_cast<const unsigned short*>(base) + index), dtype);
 }
 
 // Values index and index + 1 as float. `vector`: base + index is aligned to two values (the caller
 // knows), so one load (8 bytes, or 4 for 16-bit values) reads both.
+template <bool Streamed = false>
 LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bool vector) {
-  if (!vector) return make_float2(load_as_float(base, index, dtype), load_as_float(base, index + 1, dtype));
-  if (dtype == LOPT_F32) return element_load(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
-  const unsigned int bits = element_load(reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(base) + index));
+  if (!vector)
+    return make_float2(load_as_float<Streamed>(base, index, dtype), load_as_float<Streamed>(base, index + 1, dtype));
+  if (dtype == LOPT_F32)
+    return element_load<Streamed>(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
+  const unsigned int bits =
+      element_load<Streamed>(reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(base) + index));
   return make_float2(sixteen_bits_to_float(static_cast<unsigned short>(bits & 0xffffu), dtype),
                      sixteen_bits_to_float(static_cast<unsigned short>(bits >> 16), dtype));
 }
 
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.
+template <bool Streamed = false>
 LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value) {
-  if (dtype == LOPT_F32) { element_store(static_cast<float*>(base) + index, value); return; }
+  if (dtype == LOPT_F32) { element_store<Streamed>(static_cast<float*>(base) + index, value); return; }
   unsigned short bits;
   if (dtype == LOPT_BF16) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   } else {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
   }
-  element_store(static_cast<unsigned short*>(base) + index, bits);
+  element_store<Streamed>(static_cast<unsigned short*>(base) + index, bits);
 }
 
 template <typename T>
@@ -127,8 +138,10 @@ LOPT_DEVICE float inverse_grad_scale(const StepFlags& flags) {
 LOPT_DEVICE float unscale_gradient(float g, float inverse_scale) {
   return inverse_scale == 1.0f ? g : __fmul_rn(g, inverse_scale);
 }
+template <bool Streamed = false>
 LOPT_DEVICE float load_gradient(const TensorMeta& t, i64 e, float inverse_scale) {
-  return unscale_gradient(load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale);
+  return unscale_gradient(load_as_float<Streamed>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)),
+                          inverse_scale);
 }
 
 // The check phase's test of one gradient element: NaN, ±inf, or |g| >= 2^64 (its square overflows

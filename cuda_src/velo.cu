@@ -538,6 +538,9 @@ velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors
 #ifndef VELO_APPLY_MIN_BLOCKS
 #define VELO_APPLY_MIN_BLOCKS 4
 #endif
+#ifndef VELO_APPLY_STREAMED
+#define VELO_APPLY_STREAMED 0  // evict-first element loads and stores: slower here (H100, GPT-2 medium: 7.08 ms against 6.87)
+#endif
 
 // per_element_mlp, the direction and magnitude outputs: o = W2 relu(W1 relu(W0' x + b0) + b1) + b2,
 // for N elements at once (each weight read from shared memory serves all N).
@@ -609,9 +612,9 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
                                               const float4* col_factors, const float4* row_contributions,
                                               const float4* col_contributions, float inverse_scale) {
   ElementInputs in;
-  in.grad = clip_gradient(load_gradient(t, e, inverse_scale));
-  in.param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  in.state = load_element_state(t, e);
+  in.grad = clip_gradient(load_gradient<VELO_APPLY_STREAMED>(t, e, inverse_scale));
+  in.param = load_as_float<VELO_APPLY_STREAMED>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  in.state = load_element_state<VELO_APPLY_STREAMED>(t, e);
   in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
   if (Factored) {
     const FactorIndex f = factor_index(t, e);
@@ -633,7 +636,7 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
   for (int n = 0; n < N; ++n) {
     ElementState& s = in[n].state;
     update_accumulators(s, in[n].grad, a.decays, Factored);
-    store_element_state(t, e[n], s);
+    store_element_state<VELO_APPLY_STREAMED>(t, e[n], s);
     FactorEntry row = {}, col = {};
     if (Factored) {
       row.factor[0] = in[n].row_factor.x; row.factor[1] = in[n].row_factor.y; row.factor[2] = in[n].row_factor.z;
@@ -651,7 +654,7 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
                                    __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
                                              __fmul_rn(__fmul_rn(output[n].x, expf(__fmul_rn(output[n].y, a.exp_mult))),
                                                        a.step_mult)));
-    apply_update(t, e[n], in[n].param, update, a);
+    apply_update<VELO_APPLY_STREAMED>(t, e[n], in[n].param, update, a);
   }
 }
 
