@@ -28,43 +28,11 @@ LOPT_DEVICE float sixteen_bits_to_float(unsigned short bits, int dtype) {
 // the caches keep what is reused (factor tables, weights). Which passes stream is measured
 // (benchmarks/RESULTS.md): the statistics passes and small_fc_lopt's apply pass gain, velo_apply and
 // the Adafactor axis sums (whose second read of a gradient hits L2) lose.
-template <bool Streamed>
-LOPT_DEVICE float element_load(const float* p) {
-  if (!Streamed) return *p;
-  float v;
-  asm("ld.global.cs.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-template <bool Streamed>
-LOPT_DEVICE float2 element_load(const float2* p) {
-  if (!Streamed) return *p;
-  float2 v;
-  asm("ld.global.cs.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
-  return v;
-}
-template <bool Streamed>
-LOPT_DEVICE unsigned short element_load(const unsigned short* p) {
-  if (!Streamed) return *p;
-  unsigned short v;
-  asm("ld.global.cs.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
-}
-template <bool Streamed>
-LOPT_DEVICE unsigned int element_load(const unsigned int* p) {
-  if (!Streamed) return *p;
-  unsigned int v;
-  asm("ld.global.cs.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-template <bool Streamed>
-LOPT_DEVICE void element_store(float* p, float v) {
-  if (!Streamed) { *p = v; return; }
-  asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
-}
-template <bool Streamed>
-LOPT_DEVICE void element_store(unsigned short* p, unsigned short v) {
-  if (!Streamed) { *p = v; return; }
-  asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+template <bool Streamed, typename T>
+LOPT_DEVICE T element_load(const T* p) { return Streamed ? __ldcs(p) : *p; }
+template <bool Streamed, typename T>
+LOPT_DEVICE void element_store(T* p, T v) {
+  if (Streamed) __stcs(p, v); else *p = v;
 }
 
 template <bool Streamed = false>
@@ -81,8 +49,8 @@ LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bo
     return make_float2(load_as_float<Streamed>(base, index, dtype), load_as_float<Streamed>(base, index + 1, dtype));
   if (dtype == LOPT_F32)
     return element_load<Streamed>(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
-  const unsigned int bits =
-      element_load<Streamed>(reinterpret_cast<const unsigned int*>(static_cast<const unsigned short*>(base) + index));
+  const unsigned int bits = __float_as_uint(  // (two 16-bit values, loaded as one 4-byte word)
+      element_load<Streamed>(reinterpret_cast<const float*>(static_cast<const unsigned short*>(base) + index)));
   return make_float2(sixteen_bits_to_float(static_cast<unsigned short>(bits & 0xffffu), dtype),
                      sixteen_bits_to_float(static_cast<unsigned short>(bits >> 16), dtype));
 }
