@@ -260,27 +260,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _int_at_least(minimum: int, what: str):
-    def parse(text: str) -> int:
+def _at_least(number: type, minimum, what: str, strict: bool = False):
+    """An argparse type: a finite ``number`` (int or float) >= ``minimum`` (> where ``strict``)."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = number(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        return value
-
-    return parse
-
-
-def _float_at_least(minimum: float, what: str, strict: bool):
-    """A finite float > minimum (strict) or >= minimum."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        if (isinstance(value, float) and not math.isfinite(value)) or value < minimum or (strict and value == minimum):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
 
@@ -345,18 +332,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backends", default=None, type=_name_list(CONTENDERS, "contender"), metavar="C[,C]",
                        help=f"comma-separated contenders: {', '.join(CONTENDERS)} "
                             f"(default: {','.join(DEFAULT_CONTENDERS)})")
-    bench.add_argument("--steps", metavar="N", type=_int_at_least(1, "a positive integer"), default=None,
+    bench.add_argument("--steps", metavar="N", type=_at_least(int, 1, "a positive integer"), default=None,
                        help="timed steps (or iterations) per contender, median reported "
                             "(default: 10 on CUDA, 5 on the CPU)")
-    bench.add_argument("--warmup", metavar="N", type=_int_at_least(0, "an integer >= 0"), default=None,
+    bench.add_argument("--warmup", metavar="N", type=_at_least(int, 0, "an integer >= 0"), default=None,
                        help="untimed steps first (default: 2 on CUDA, 1 on the CPU)")
     bench.add_argument("--same-grads", action="store_true",
                        help="step mode: reuse one set of gradient tensors (default: new .grad tensors every step)")
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="step mode: parameter dtype (default float32)")
-    bench.add_argument("--batch-size", metavar="N", type=_int_at_least(1, "a positive integer"), default=None,
+    bench.add_argument("--batch-size", metavar="N", type=_at_least(int, 1, "a positive integer"), default=None,
                        help="iteration mode: batch size (default: the model's, e.g. 8 for GPT-2, 64 for ViT-B/16)")
-    bench.add_argument("--seq-len", metavar="N", type=_int_at_least(1, "a positive integer"), default=None,
+    bench.add_argument("--seq-len", metavar="N", type=_at_least(int, 1, "a positive integer"), default=None,
                        help="iteration mode: tokens per sequence (default: the model's, 1024 for GPT-2)")
     bench.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     bench.add_argument("--weights", default=None, nargs="+", metavar="PATH",
@@ -369,16 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--curves", default=None, type=_png_path, metavar="FILE.png",
                        help="train a small GPT-2 with naive and fused (CPU: naive+compile) and draw the loss curves "
                             "beside the nudged-weights yardstick")
-    bench.add_argument("--curves-steps", metavar="N", type=_int_at_least(2, "an integer >= 2"), default=None,
+    bench.add_argument("--curves-steps", metavar="N", type=_at_least(int, 2, "an integer >= 2"), default=None,
                        help="training steps per curve (default: 200 on CUDA, 60 on the CPU)")
     bench.add_argument("--curves-model", default=None, choices=list(MODELS),
                        help="model the curves train (default: gpt2-4x256 on CUDA, gpt2-1x64 on the CPU)")
     bench.add_argument("--curves-contender", default=None, choices=["fused", "fused-fast", "naive+compile"],
                        help="compared with naive in the curves (default: fused on CUDA, naive+compile on the CPU)")
-    bench.add_argument("--curves-lr", metavar="LR", type=_float_at_least(0.0, "a positive number", strict=True),
+    bench.add_argument("--curves-lr", metavar="LR", type=_at_least(float, 0.0, "a positive number", strict=True),
                        default=None, help="learning rate of every curves run (default: the optimizers' own, 1; "
                                           "untrained meta-weights diverge there, docs/bench.md)")
-    bench.add_argument("--curves-weight-decay", metavar="WD", type=_float_at_least(0.0, "a number >= 0", strict=False),
+    bench.add_argument("--curves-weight-decay", metavar="WD", type=_at_least(float, 0.0, "a number >= 0"),
                        default=None, help="weight decay of every curves run (default: the optimizers' own)")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (docs/bench.md)")
     bench.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a Markdown table")
