@@ -317,6 +317,43 @@ LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const fl
   }
 }
 
+#ifndef SFC_OUTPUT_MMA
+#define SFC_OUTPUT_MMA 0  // 1: layer 3 as TF32 tensor-core products (output_layer_tf32), for measurements
+#endif
+// Layer 3 as TF32 products: per m-tile and k-step one m16n8k8 MMA whose B operand holds W3's two rows
+// as columns 0 and 1 (lanes g >= 2 hold zeros), the A fragments layer 2's accumulators after the ReLU
+// in layer2_input_unit order, their low 13 bits left for the tensor core to drop. out[m] as
+// output_layer's: lanes t == 0 hold (direction, magnitude) of rows g and g + 8.
+// w3_operand: for k-step j and lane, {W3[g][8j + 2t], W3[g][8j + 2t + 1]} rounded to TF32.
+LOPT_DEVICE void write_output_operand(uint2* w3_operand, const float* w3, int thread, int num_threads) {
+  for (int slot = thread; slot < 4 * 32; slot += num_threads) {
+    const int lane = slot % 32, j = slot / 32, g = lane / 4, t = lane % 4;
+    w3_operand[slot] = g < 2 ? make_uint2(to_tf32(w3[g * SFC_HIDDEN + 8 * j + 2 * t]),
+                                          to_tf32(w3[g * SFC_HIDDEN + 8 * j + 2 * t + 1]))
+                             : make_uint2(0u, 0u);
+  }
+}
+LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_operand, const float* b3, int lane,
+                                   float out[2][4]) {
+  const bool holds_outputs = lane % 4 == 0;  // columns 0 and 1 of the product
+  const float bias_direction = holds_outputs ? b3[0] : 0.f, bias_magnitude = holds_outputs ? b3[1] : 0.f;
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    out[m][0] = bias_direction; out[m][1] = bias_magnitude;
+    out[m][2] = bias_direction; out[m][3] = bias_magnitude;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint2 b = w3_operand[j * 32 + lane];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const unsigned a[4] = {__float_as_uint(fmaxf(h2[m][j][0], 0.f)), __float_as_uint(fmaxf(h2[m][j][2], 0.f)),
+                             __float_as_uint(fmaxf(h2[m][j][1], 0.f)), __float_as_uint(fmaxf(h2[m][j][3], 0.f))};
+      mma_tf32_m16n8k8(out[m], a, b.x, b.y, out[m]);
+    }
+  }
+}
+
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
 
@@ -327,7 +364,8 @@ LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
 // tile: the warp's 32 x SFC_FEATURE_STRIDE floats; outputs: the warp's 32 (direction, magnitude).
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             const float* b1, const float* l2, const float* b2, const float* w3, const float* b3) {
+                             const float* b1, const float* l2, const float* b2, const float* w3, const uint2* w3_operand,
+                             const float* b3) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float row[SFC_K];
@@ -345,8 +383,18 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   split_layer_32x32(h1, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
-      const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
+      const float* row = tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t;
+#if LOPT_SPLIT_MODE == 2
+      // k-steps come in pairs here: one float4 per row holds k-steps j and j ^ 1 (the tile's 128-bit
+      // reads are conflict-free, its 64-bit reads conflict two ways).
+      const float4 quad_g = *reinterpret_cast<const float4*>(row + 4 * (j / 2));
+      const float4 quad_g8 = *reinterpret_cast<const float4*>(row + 8 * SFC_FEATURE_STRIDE + 4 * (j / 2));
+      const float2 row_g = j % 2 == 0 ? make_float2(quad_g.x, quad_g.y) : make_float2(quad_g.z, quad_g.w);
+      const float2 row_g8 = j % 2 == 0 ? make_float2(quad_g8.x, quad_g8.y) : make_float2(quad_g8.z, quad_g8.w);
+#else
+      const float2 row_g = *reinterpret_cast<const float2*>(row + 2 * j);
+      const float2 row_g8 = *reinterpret_cast<const float2*>(row + 8 * SFC_FEATURE_STRIDE + 2 * j);
+#endif
       a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
     }
   }, l1, b1, lane);
@@ -362,7 +410,11 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
     }
   }, l2, b2, lane);
   float out[2][4];
+#if SFC_OUTPUT_MMA
+  output_layer_tf32(h2, w3_operand, b3, lane, out);
+#else
   output_layer(h2, w3, b3, t, out);
+#endif
   if (t == 0) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -401,6 +453,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   __shared__ __align__(16) float b1[SFC_HIDDEN];  // read as float2 pairs
   __shared__ __align__(16) float b2[SFC_HIDDEN];
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
+#if SFC_OUTPUT_MMA
+  __shared__ uint2 w3_operand[4 * 32];
+#else
+  uint2* const w3_operand = nullptr;
+#endif
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_FEATURE_STRIDE];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
@@ -411,6 +468,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
+#if SFC_OUTPUT_MMA
+  __syncthreads();
+  write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
+#endif
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
@@ -445,7 +506,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
     const int warp = threadIdx.x / 32;
-    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, b3);
+    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

@@ -13,18 +13,27 @@
 //
 // Each warp multiplies its own 32 rows (two 16-row m-tiles) with mma.sync (sm_80 and newer), A
 // fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats = 8 KiB
-// per layer) from shared memory in "fragment order": one float4 per lane, k-step and n-tile.
+// per layer, 2 KiB in mode 2) from shared memory in "fragment order": one float4 per lane, k-step and n-tile.
 // (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: benchmarks/RESULTS.md.)
 #pragma once
 #include "common.cuh"
 
-#define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)  // a 32 x 32 B operand
 
 // How split_layer_32x32 multiplies: 0 the float32-accurate split above (the default); cheaper and
 // less accurate, for measurements: 1 the TF32 product alone, 2 one BF16 product (a_hi, b_hi rounded
 // to BF16, 16 k per instruction).
 #ifndef LOPT_SPLIT_MODE
 #define LOPT_SPLIT_MODE 0
+#endif
+
+// Floats of a 32 x 32 B operand: per k-step, n-tile and lane a float4 (the split's four words); in
+// mode 2 per pair of k-steps, n-tile and lane the two BF16 pairs alone (a uint2), so that one
+// conflict-free 64-bit load per n-tile feeds a 16-deep product (reading them out of the float4s
+// cost four shared-memory wavefronts per 32-bit load).
+#if LOPT_SPLIT_MODE == 2
+#define LOPT_SPLIT_OPERAND_FLOATS (2 * 4 * 32 * 2)
+#else
+#define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)
 #endif
 
 // x rounded to TF32 (10 explicit mantissa bits), to nearest with ties away from zero: what
@@ -87,9 +96,23 @@ LOPT_DEVICE void mma_bf16_m16n8k16(float d[4], const unsigned a[4], unsigned b0,
 
 // B (k < 32, n < 32, given by weight(k, n)) in fragment order: for k-step j, n-tile c and lane,
 // one float4 {tf32 b_hi(8j + t), tf32 b_hi(8j + t + 4), bf16x2 b_hi(those two), bf16x2 b_lo(those two)}
-// of column n = 8c + g.
+// of column n = 8c + g; in mode 2, for k-steps 2p and 2p + 1, n-tile c and lane, the uint2 of those
+// two k-steps' bf16x2 b_hi (b_hi rounded to TF32, then to BF16, as the float4's third word).
 template <typename Weight>
 LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int num_threads) {
+#if LOPT_SPLIT_MODE == 2
+  for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
+    const int lane = slot % 32, tile = slot / 32, p = tile / 4, c = tile % 4;
+    const int g = lane / 4, t = lane % 4;
+    unsigned pair[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j = 2 * p + half;
+      pair[half] = pack_bf16x2(split(weight(8 * j + t, 8 * c + g)).hi, split(weight(8 * j + t + 4, 8 * c + g)).hi);
+    }
+    reinterpret_cast<uint2*>(out)[slot] = make_uint2(pair[0], pair[1]);
+  }
+#else
   for (int slot = thread; slot < 4 * 4 * 32; slot += num_threads) {
     const int lane = slot % 32, tile = slot / 32, j = tile / 4, c = tile % 4;
     const int g = lane / 4, t = lane % 4;
@@ -97,6 +120,7 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(__float_as_uint(b0.hi), __float_as_uint(b1.hi),
                                                      pack_bf16x2(b0.hi, b1.hi), pack_bf16x2(b0.lo, b1.lo));
   }
+#endif
 }
 
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
@@ -107,8 +131,7 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
   const int t = lane % 4;
 #if LOPT_SPLIT_MODE == 2
   // k-steps j and j + 1 as one 16-deep BF16 product: columns 2t, 2t + 1 of the fragment are k-step
-  // j's (k = 8j + t, 8j + t + 4), columns 2t + 8, 2t + 9 k-step j + 1's; the B operand's packed b_hi
-  // (.z) of each k-step is in that order already.
+  // j's (k = 8j + t, 8j + t + 4), columns 2t + 8, 2t + 9 k-step j + 1's, as in the B operand's uint2.
 #pragma unroll
   for (int j = 0; j < 4; j += 2) {
     float a0[2][4], a1[2][4];
@@ -124,12 +147,11 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const unsigned b0 = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane].z;
-      const unsigned b1 = reinterpret_cast<const uint4*>(operand)[((j + 1) * 4 + c) * 32 + lane].z;
+      const uint2 b = reinterpret_cast<const uint2*>(operand)[((j / 2) * 4 + c) * 32 + lane];
       const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
       const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
 #pragma unroll
-      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b0, b1, j == 0 ? bias_fragment : acc[m][c]);
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, j == 0 ? bias_fragment : acc[m][c]);
     }
   }
 #else
