@@ -318,12 +318,15 @@ LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const fl
 }
 
 #ifndef SFC_OUTPUT_MMA
-#define SFC_OUTPUT_MMA 0  // 1: layer 3 as TF32 tensor-core products (output_layer_tf32), for measurements
+// precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
+// against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
+#define SFC_OUTPUT_MMA (LOPT_SPLIT_MODE == 2)
 #endif
 // Layer 3 as TF32 products: per m-tile and k-step one m16n8k8 MMA whose B operand holds W3's two rows
 // as columns 0 and 1 (lanes g >= 2 hold zeros), the A fragments layer 2's accumulators after the ReLU
-// in layer2_input_unit order, their low 13 bits left for the tensor core to drop. out[m] as
-// output_layer's: lanes t == 0 hold (direction, magnitude) of rows g and g + 8.
+// in layer2_input_unit order, their low 13 bits left for the tensor core to drop (truncated to TF32,
+// at most 2^-10 of each value). out[m] as output_layer's: lanes t == 0 hold (direction, magnitude) of
+// rows g and g + 8.
 // w3_operand: for k-step j and lane, {W3[g][8j + 2t], W3[g][8j + 2t + 1]} rounded to TF32.
 LOPT_DEVICE void write_output_operand(uint2* w3_operand, const float* w3, int thread, int num_threads) {
   for (int slot = thread; slot < 4 * 32; slot += num_threads) {
@@ -354,20 +357,60 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
   }
 }
 
-// Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own.
+// Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
+// thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
 
+#if LOPT_SPLIT_MODE == 2
+// Mode 2 (precision="fast"): a row holds its features already packed as bf16_layer_32x32's fragments
+// want them: for t and k-step j = 2p + half, the word (k = 8j + t, 8j + t + 4), the four words of
+// t in one uint4 (p, half ascending), so a thread reads both k-step pairs of a row in one 128-bit
+// load. 16 words per row, the uint4s swizzled by row so that writes and reads are conflict-free.
+LOPT_DEVICE int packed_quad(int row, int t) { return t ^ ((row >> 1) & 3); }
+
+// Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
+                             const float* b1, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  uint4* rows = reinterpret_cast<uint4*>(tile);  // 4 uint4 per row
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    unsigned words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int k = 8 * w + q;  // j = w: p = w / 2, half = w % 2
+      words[w] = pack_bf16x2(k < SFC_NUM_FEATURES ? x[k] : 0.f, k + 4 < SFC_NUM_FEATURES ? x[k + 4] : 0.f);
+    }
+    rows[4 * lane + packed_quad(lane, q)] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  __syncwarp();
+  uint4 a[2][2];  // [m][rows g, g + 8]
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * m + g + 8 * r;
+      a[m][r] = rows[4 * row + packed_quad(row, t)];
+    }
+  bf16_layer_32x32(h1, [&](int p, unsigned f[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      f[m][0] = p == 0 ? a[m][0].x : a[m][0].z;  // row g, k-step 2p
+      f[m][1] = p == 0 ? a[m][1].x : a[m][1].z;  // row g + 8
+      f[m][2] = p == 0 ? a[m][0].y : a[m][0].w;  // row g, k-step 2p + 1
+      f[m][3] = p == 0 ? a[m][1].y : a[m][1].w;
+    }
+  }, l1, b1, lane);
+}
+#else
 // Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
-// The MLP for the thread's element (features x); every lane of the warp calls it together.
-// tile: the warp's 32 x SFC_FEATURE_STRIDE floats; outputs: the warp's 32 (direction, magnitude).
-LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             const float* b1, const float* l2, const float* b2, const float* w3, const uint2* w3_operand,
-                             const float* b3) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
+// Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
+                             const float* b1, int lane) {
+  const int g = lane / 4, t = lane % 4;
   float row[SFC_K];
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = k < SFC_NUM_FEATURES ? x[k] : 0.f;
@@ -376,28 +419,29 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
-  // Layer 1: h1 = relu(W1' x + b1'). A fragment values of k-step j for rows g and g + 8 of m-tile m:
-  // (g, k = 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in
-  // the tile (feature_column), read as they are needed to keep registers free.
-  float h1[2][4][4];
+  // A fragment values of k-step j for rows g and g + 8 of m-tile m: (g, k = 8j + t), (g + 8, 8j + t),
+  // (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in the tile (feature_column), read as
+  // they are needed to keep registers free.
   split_layer_32x32(h1, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const float* row = tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t;
-#if LOPT_SPLIT_MODE == 2
-      // k-steps come in pairs here: one float4 per row holds k-steps j and j ^ 1 (the tile's 128-bit
-      // reads are conflict-free, its 64-bit reads conflict two ways).
-      const float4 quad_g = *reinterpret_cast<const float4*>(row + 4 * (j / 2));
-      const float4 quad_g8 = *reinterpret_cast<const float4*>(row + 8 * SFC_FEATURE_STRIDE + 4 * (j / 2));
-      const float2 row_g = j % 2 == 0 ? make_float2(quad_g.x, quad_g.y) : make_float2(quad_g.z, quad_g.w);
-      const float2 row_g8 = j % 2 == 0 ? make_float2(quad_g8.x, quad_g8.y) : make_float2(quad_g8.z, quad_g8.w);
-#else
-      const float2 row_g = *reinterpret_cast<const float2*>(row + 2 * j);
-      const float2 row_g8 = *reinterpret_cast<const float2*>(row + 8 * SFC_FEATURE_STRIDE + 2 * j);
-#endif
+      const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
+      const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
     }
   }, l1, b1, lane);
+}
+#endif
+
+// The MLP for the thread's element (features x); every lane of the warp calls it together.
+// tile: the warp's 32 x SFC_FEATURE_STRIDE floats; outputs: the warp's 32 (direction, magnitude).
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
+                             const float* b1, const float* l2, const float* b2, const float* w3, const uint2* w3_operand,
+                             const float* b3) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
+  float h1[2][4][4];
+  first_layer(h1, x, tile, l1, b1, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was

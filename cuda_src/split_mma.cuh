@@ -123,21 +123,41 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 #endif
 }
 
+#if LOPT_SPLIT_MODE == 2
+// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products; load_fragments(p, f)
+// gives the thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g,
+// row g + 8 of k-step 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the
+// order of the B operand's uint2.
+template <typename LoadFragments>
+LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const float* operand,
+                                  const float* bias, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    unsigned f[2][4];
+    load_fragments(p, f);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint2 b = reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane];
+      const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
+      const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
+#pragma unroll
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? bias_fragment : acc[m][c]);
+    }
+  }
+}
+#endif
+
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
 // values of k-step j for both m-tiles. The bias enters as the first product's addend (lane's
 // columns 8c + 2t, 8c + 2t + 1). Each B fragment is read from shared memory once for both m-tiles.
 template <typename LoadA>
 LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, const float* bias, int lane) {
-  const int t = lane % 4;
 #if LOPT_SPLIT_MODE == 2
-  // k-steps j and j + 1 as one 16-deep BF16 product: columns 2t, 2t + 1 of the fragment are k-step
-  // j's (k = 8j + t, 8j + t + 4), columns 2t + 8, 2t + 9 k-step j + 1's, as in the B operand's uint2.
-#pragma unroll
-  for (int j = 0; j < 4; j += 2) {
+  bf16_layer_32x32(acc, [&](int p, unsigned f[2][4]) {
     float a0[2][4], a1[2][4];
-    load_a(j, a0);
-    load_a(j + 1, a1);
-    unsigned f[2][4];
+    load_a(2 * p, a0);
+    load_a(2 * p + 1, a1);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       f[m][0] = pack_bf16x2(a0[m][0], a0[m][2]);  // row g
@@ -145,16 +165,9 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
       f[m][2] = pack_bf16x2(a1[m][0], a1[m][2]);
       f[m][3] = pack_bf16x2(a1[m][1], a1[m][3]);
     }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint2 b = reinterpret_cast<const uint2*>(operand)[((j / 2) * 4 + c) * 32 + lane];
-      const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
-      const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
-#pragma unroll
-      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, j == 0 ? bias_fragment : acc[m][c]);
-    }
-  }
+  }, operand, bias, lane);
 #else
+  const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float a[2][4];
