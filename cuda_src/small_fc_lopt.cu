@@ -362,43 +362,44 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
 
 #if LOPT_SPLIT_MODE == 2
-// Mode 2 (precision="fast"): a row holds its features already packed as bf16_layer_32x32's fragments
-// want them: for t and k-step j = 2p + half, the word (k = 8j + t, 8j + t + 4), the four words of
-// t in one uint4 (p, half ascending), so a thread reads both k-step pairs of a row in one 128-bit
-// load. 16 words per row, the uint4s swizzled by row so that writes and reads are conflict-free.
-LOPT_DEVICE int packed_quad(int row, int t) { return t ^ ((row >> 1) & 3); }
+// Mode 2 (precision="fast"): a row holds its features as BF16 in the MMA's column order, 16 words: the
+// uint4 of k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's
+// order), so ldmatrix hands every thread its A fragments in place. The uint4s are swizzled by row
+// (packed_chunk) so that the row writes and ldmatrix's 8-row reads are conflict-free.
+LOPT_DEVICE int packed_chunk(int row, int j) { return j ^ ((row >> 1) & 3); }
+
+// Four 8 x 8 matrices of 16-bit values from shared memory, in the MMA's fragment layout: lane l gives
+// the address of row l % 8 of matrix l / 8, and receives in word i its row (l / 4) and columns
+// 2 (l % 4), 2 (l % 4) + 1 of matrix i.
+LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3]) : "r"(address));
+}
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
                              const float* b1, int lane) {
-  const int g = lane / 4, t = lane % 4;
   uint4* rows = reinterpret_cast<uint4*>(tile);  // 4 uint4 per row
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
+  for (int j = 0; j < 4; ++j) {
     unsigned words[4];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const int k = 8 * w + q;  // j = w: p = w / 2, half = w % 2
-      words[w] = pack_bf16x2(k < SFC_NUM_FEATURES ? x[k] : 0.f, k + 4 < SFC_NUM_FEATURES ? x[k + 4] : 0.f);
+    for (int t = 0; t < 4; ++t) {
+      const int k = 8 * j + t;
+      words[t] = pack_bf16x2(k < SFC_NUM_FEATURES ? x[k] : 0.f, k + 4 < SFC_NUM_FEATURES ? x[k + 4] : 0.f);
     }
-    rows[4 * lane + packed_quad(lane, q)] = make_uint4(words[0], words[1], words[2], words[3]);
+    rows[4 * lane + packed_chunk(lane, j)] = make_uint4(words[0], words[1], words[2], words[3]);
   }
   __syncwarp();
-  uint4 a[2][2];  // [m][rows g, g + 8]
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = 16 * m + g + 8 * r;
-      a[m][r] = rows[4 * row + packed_quad(row, t)];
-    }
+  // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
+  // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
+  const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_half = lane / 16;
   bf16_layer_32x32(h1, [&](int p, unsigned f[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      f[m][0] = p == 0 ? a[m][0].x : a[m][0].z;  // row g, k-step 2p
-      f[m][1] = p == 0 ? a[m][1].x : a[m][1].z;  // row g + 8
-      f[m][2] = p == 0 ? a[m][0].y : a[m][0].w;  // row g, k-step 2p + 1
-      f[m][3] = p == 0 ? a[m][1].y : a[m][1].w;
+      const int row = 16 * m + matrix_row;
+      load_matrices_x4(f[m], rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
     }
   }, l1, b1, lane);
 }
@@ -446,6 +447,19 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
   // 1 ms slower per GPT-2-medium step.)
+#if LOPT_SPLIT_MODE == 2
+  // (The ReLU inside the BF16 conversion: one instruction per pair.)
+  bf16_layer_32x32(h2, [&](int p, unsigned f[2][4]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * p + half;
+        f[m][2 * half] = pack_bf16x2_relu(h1[m][j][0], h1[m][j][1]);      // row g
+        f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
+      }
+  }, l2, b2, lane);
+#else
   split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -453,6 +467,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
     }
   }, l2, b2, lane);
+#endif
   float out[2][4];
 #if SFC_OUTPUT_MMA
   output_layer_tf32(h2, w3_operand, b3, lane, out);
@@ -479,7 +494,10 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
 #ifndef SFC_APPLY_MIN_BLOCKS
-#define SFC_APPLY_MIN_BLOCKS 4
+// Blocks per SM the registers must allow: the exact build needs 128 registers (4 blocks); precision
+// "fast" fits in 80, and 6 blocks hide more of the element loads' latency (H100, GPT-2 medium apply
+// pass: 11.53 ms against 12.48 at its natural 92 registers).
+#define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 6 : 4)
 #endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
@@ -494,8 +512,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
-  __shared__ __align__(16) float b1[SFC_HIDDEN];  // read as float2 pairs
-  __shared__ __align__(16) float b2[SFC_HIDDEN];
+  __shared__ __align__(16) float b1[LOPT_BIAS_FLOATS];  // (write_bias)
+  __shared__ __align__(16) float b2[LOPT_BIAS_FLOATS];
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
 #if SFC_OUTPUT_MMA
   __shared__ uint2 w3_operand[4 * 32];
@@ -509,7 +527,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
+  if (threadIdx.x < LOPT_BIAS_FLOATS) write_bias(b2, shared_frags + SFC_SHARED_B2, threadIdx.x);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
@@ -528,7 +546,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
-      if (threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
+      if (threadIdx.x < LOPT_BIAS_FLOATS) write_bias(b1, f + SFC_FOLDED_B1, threadIdx.x);
       if (threadIdx.x == 0) {
         meta = tensors[tensor];
         group = read_apply_scalars(groups[meta.group]);

@@ -48,6 +48,13 @@ LOPT_DEVICE unsigned pack_bf16x2(float first, float second) {
   return packed;
 }
 
+// The same of max(first, 0) and max(second, 0): the ReLU inside the conversion.
+LOPT_DEVICE unsigned pack_bf16x2_relu(float first, float second) {
+  unsigned packed;
+  asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
+  return packed;
+}
+
 // x = hi + lo: hi rounded to TF32, lo the exact float32 remainder.
 struct SplitValue {
   float hi, lo;
@@ -123,8 +130,26 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 #endif
 }
 
+// A layer's bias in shared memory, as its layer reads it: the 32 values (read as float2 pairs), or in
+// mode 2 per n-tile c and t the MMA's addend {b(8c + 2t), b(8c + 2t + 1)} twice, one 128-bit read
+// that needs no register copies before the MMA.
 #if LOPT_SPLIT_MODE == 2
-// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products; load_fragments(p, f)
+#define LOPT_BIAS_FLOATS (4 * 4 * 4)
+#else
+#define LOPT_BIAS_FLOATS 32
+#endif
+// (Called by threads 0 ... LOPT_BIAS_FLOATS - 1, each writing its value.)
+LOPT_DEVICE void write_bias(float* out, const float* bias, unsigned thread) {
+#if LOPT_SPLIT_MODE == 2
+  out[thread] = bias[8 * (thread / 16) + 2 * (thread / 4 % 4) + thread % 2];
+#else
+  out[thread] = bias[thread];
+#endif
+}
+
+#if LOPT_SPLIT_MODE == 2
+// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (bias as write_bias
+// lays it out); load_fragments(p, f)
 // gives the thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g,
 // row g + 8 of k-step 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the
 // order of the B operand's uint2.
@@ -139,8 +164,8 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint2 b = reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane];
-      const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
-      const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
+      const float4 bias_quad = reinterpret_cast<const float4*>(bias)[4 * c + t];
+      const float bias_fragment[4] = {bias_quad.x, bias_quad.y, bias_quad.z, bias_quad.w};
 #pragma unroll
       for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? bias_fragment : acc[m][c]);
     }
