@@ -85,69 +85,6 @@ LOPT_DEVICE void prefetch_element(const TensorMeta& t, i64 e) {
   if (!t.factored) prefetch_l2(pointer<const float>(t.fac_full) + e * 3);
 }
 
-// A warp's 32 consecutive elements' gradients and parameters (raw bits: 2 or 4 bytes each), momenta
-// and rms, copied into shared memory ahead of their use (stage_warp_elements): the copies of the
-// next elements are in flight while the warp works on the current ones, and hold no registers.
-struct WarpStage {
-  float grad[32], param[32], mom[96], rms[32];
-};
-
-// The tensor's arrays allow 16-byte copies of any warp's 32 elements from an element index that is
-// a multiple of 32 (PyTorch's allocations are aligned; a view at an offset may not be).
-LOPT_DEVICE bool stage_aligned(const TensorMeta& t) { return ((t.param | t.grad | t.mom | t.rms) & 15) == 0; }
-
-// Issues the copies of elements [first, first + 32) ∩ [0, numel) (first a multiple of 32) into
-// `stage`: 48 pieces of 16 bytes, each lane one or two (0..23 the momenta, 24..31 the gradients,
-// 32..39 the parameters, 40..47 the rms; 16-bit values fill only the first half). The caller commits.
-LOPT_DEVICE void stage_warp_elements(WarpStage& stage, const TensorMeta& t, i64 first, int lane) {
-  const i64 left = t.numel - first;
-  const int count = left <= 0 ? 0 : (left < 32 ? static_cast<int>(left) : 32);
-#pragma unroll
-  for (int round = 0; round < 2; ++round) {
-    const int piece = lane + 32 * round;
-    if (piece >= 48) break;
-    const int array = piece < 24 ? 0 : (piece - 24) / 8 + 1, offset = 16 * (piece < 24 ? piece : (piece - 24) % 8);
-    int element_bytes;
-    const char* src;
-    char* dst;
-    if (array == 0) {
-      element_bytes = 12, src = pointer<const char>(t.mom), dst = reinterpret_cast<char*>(stage.mom);
-    } else if (array == 1) {
-      element_bytes = dtype_bytes(static_cast<int>(t.grad_dtype)), src = pointer<const char>(t.grad);
-      dst = reinterpret_cast<char*>(stage.grad);
-    } else if (array == 2) {
-      element_bytes = dtype_bytes(static_cast<int>(t.param_dtype)), src = pointer<const char>(t.param);
-      dst = reinterpret_cast<char*>(stage.param);
-    } else {
-      element_bytes = 4, src = pointer<const char>(t.rms), dst = reinterpret_cast<char*>(stage.rms);
-    }
-    const int valid = count * element_bytes - offset;
-    if (valid > 0) copy_async_16(dst + offset, src + first * element_bytes + offset, valid < 16 ? valid : 16);
-  }
-}
-
-// Lane's value of a staged array of `dtype` values (float32, or 16-bit values packed two per word).
-LOPT_DEVICE float staged_as_float(const float* values, int lane, int dtype) {
-  if (dtype == LOPT_F32) return values[lane];
-  return sixteen_bits_to_float(reinterpret_cast<const unsigned short*>(values)[lane], dtype);
-}
-
-// Lane's momenta and rms from the stage; V (non-factored tensors only) from global memory.
-template <bool Streamed = false>
-LOPT_DEVICE ElementState staged_element_state(const WarpStage& stage, const TensorMeta& t, i64 e, int lane) {
-  ElementState s;
-  s.mom[0] = stage.mom[3 * lane]; s.mom[1] = stage.mom[3 * lane + 1]; s.mom[2] = stage.mom[3 * lane + 2];
-  s.rms = stage.rms[lane];
-  if (!t.factored) {
-    const float* full = pointer<const float>(t.fac_full) + e * 3;
-    s.full[0] = element_load<Streamed>(full); s.full[1] = element_load<Streamed>(full + 1);
-    s.full[2] = element_load<Streamed>(full + 2);
-  } else {
-    s.full[0] = s.full[1] = s.full[2] = 0.f;
-  }
-  return s;
-}
-
 template <bool Streamed = false>
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
   float* mom = pointer<float>(t.mom) + e * 3;

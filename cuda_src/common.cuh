@@ -79,17 +79,6 @@ LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
 // benchmarks/RESULTS.md.)
 LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
 
-// Asynchronous copies global -> shared (cp.async, sm_80 and newer, through L2 only): 16 bytes of which
-// the first `valid` (1..16) come from `src` and the rest are zero. Copies are committed as a group
-// and waited for by the number of groups that may still be pending.
-LOPT_DEVICE void copy_async_16(void* dst, const void* src, int valid) {
-  const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address), "l"(src), "r"(valid) : "memory");
-}
-LOPT_DEVICE void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int Pending>
-LOPT_DEVICE void copy_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory"); }
-
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
 #define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)

@@ -126,21 +126,6 @@ LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& dec
   return unclipped_grad;
 }
 
-// The same from the warp's stage (stage_warp_elements): the gradient, parameter, momenta and rms
-// were copied there ahead of time.
-template <bool Streamed = false>
-LOPT_DEVICE void staged_element_features(const WarpStage& stage, int lane, const TensorMeta& t, i64 e,
-                                         const Decays& decays, float inverse_scale, float clip_factor,
-                                         const TableInputs& tables, float x[SFC_NUM_FEATURES], ElementState& s,
-                                         float& grad, float& param) {
-  const float unclipped_grad =
-      unscale_gradient(staged_as_float(stage.grad, lane, static_cast<int>(t.grad_dtype)), inverse_scale);
-  param = staged_as_float(stage.param, lane, static_cast<int>(t.param_dtype));
-  s = staged_element_state<Streamed>(stage, t, e, lane);
-  const FactorIndex f = t.factored ? factor_index(t, e) : FactorIndex{0, 0};
-  loaded_element_features(t, f, decays, clip_factor, tables, unclipped_grad, param, s, x, grad);
-}
-
 // ------------------------------------------------------------------------------------------
 // Statistics pass: per chunk of LOPT_STATS_CHUNK elements, the 28 sums of squared features
 // (float per thread, double across threads, fixed order); for factored tensors the table features'
@@ -516,14 +501,8 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 #ifndef SFC_APPLY_MIN_BLOCKS
 // Blocks per SM the registers must allow: the exact build needs 128 registers (4 blocks); precision
 // "fast" fits in 72, and 7 blocks hide more of the element loads' latency (H100, GPT-2 medium apply
-// pass: 10.86 ms against 11.04 at 6 blocks, 10.90 at 8 and 12.48 at its natural 92 registers).
+// pass: 10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 4)
-#endif
-#ifndef SFC_APPLY_STAGED
-#define SFC_APPLY_STAGED 0  // each warp's next chunk copied into shared memory (cp.async) during this one
-#endif
-#ifndef SFC_APPLY_PREFETCH
-#define SFC_APPLY_PREFETCH 0  // chunks ahead whose element arrays each thread requests into L2 (0: none)
 #endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
@@ -547,9 +526,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   uint2* const w3_operand = nullptr;
 #endif
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
-#if SFC_APPLY_STAGED
-  __shared__ __align__(16) WarpStage stages[SFC_APPLY_WARPS][2];  // this chunk's and the next's elements
-#endif
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
@@ -569,10 +545,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Staging: stages[warp][buffer] holds this chunk's elements when `staged` (never across a tensor's end).
-  bool stage_tensor = false, staged = false;
-  int buffer = 0;
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     if (chunk >= current_end) {
       const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
@@ -587,47 +559,21 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
-      stage_tensor = SFC_APPLY_STAGED && stage_aligned(meta);
-      staged = false;
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
-    if (SFC_APPLY_PREFETCH > 0 && index + SFC_APPLY_PREFETCH * SFC_APPLY_CHUNK < meta.numel)
-      prefetch_element(meta, index + SFC_APPLY_PREFETCH * SFC_APPLY_CHUNK);
-#if SFC_APPLY_STAGED
-    const bool stage_next = stage_tensor && chunk + 1 < current_end && chunk + 1 < chunk_end;
-    if (stage_tensor) {
-      if (stage_next) stage_warp_elements(stages[warp][buffer ^ 1], meta, index - lane + SFC_APPLY_CHUNK, lane);
-      copy_async_commit();
-      if (staged) {
-        copy_async_wait<1>();  // this chunk's copies (this lane's) have landed ...
-        __syncwarp();          // ... and every lane's
-      }
-    }
-#endif
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
     if (valid) {
       ElementState state;
-      const TableInputs tables{row_table, col_table, nullptr, nullptr};
-#if SFC_APPLY_STAGED
-      if (staged)
-        staged_element_features<SFC_APPLY_STREAMED>(stages[warp][buffer], lane, meta, index, group.decays,
-                                                     inverse_scale, clip_factor, tables, x, state, grad, param);
-      else
-#endif
-        element_features<false, SFC_APPLY_STREAMED>(meta, index, group.decays, inverse_scale, clip_factor, tables, x,
-                                                    state, grad, param);
+      element_features<false, SFC_APPLY_STREAMED>(meta, index, group.decays, inverse_scale, clip_factor,
+                       TableInputs{row_table, col_table, nullptr, nullptr}, x, state, grad, param);
       store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
+    const int warp = threadIdx.x / 32;
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2, b2, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
-#if SFC_APPLY_STAGED
-    // (mlp_chunk's __syncwarp orders every lane's reads of this stage before the next chunk's copies.)
-    staged = stage_next;
-    buffer ^= 1;
-#endif
   }
 }

@@ -13,7 +13,8 @@
 //
 // Each warp multiplies its own 32 rows (two 16-row m-tiles) with mma.sync (sm_80 and newer), A
 // fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats = 8 KiB
-// per layer, 2 KiB in mode 2) from shared memory in "fragment order": one float4 per lane, k-step and n-tile.
+// per layer, 2 KiB in mode 2) from shared memory in "fragment order": one float4 per lane, k-step and
+// n-tile (mode 2: one uint2 per lane, n-tile and pair of k-steps).
 // (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: benchmarks/RESULTS.md.)
 #pragma once
 #include "common.cuh"
