@@ -181,6 +181,23 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   }
 }
 
+// Mode 2 (precision="fast") carries the first layer's bias b1' in its spare inputs: inputs 28 and 29
+// are constant ones, and their weights the BF16 value nearest b1' and the rest (b1' to about 2^-17),
+// so the layer needs no addend (H100, GPT-2 medium: fewer shared-memory reads, see
+// benchmarks/RESULTS.md). The exact mode adds b1' in float32 as the first product's addend.
+#ifndef SFC_BIAS_INPUTS
+#define SFC_BIAS_INPUTS (LOPT_SPLIT_MODE == 2)
+#endif
+#define SFC_BIAS_INPUT_HI SFC_NUM_FEATURES
+#define SFC_BIAS_INPUT_LO (SFC_NUM_FEATURES + 1)
+// The BF16 value nearest x (round to nearest even), as a float.
+LOPT_DEVICE float bf16_part(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
+// Input k of the first layer as the MMA takes it: a feature, a bias input's one, or padding.
+LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
+  if (k < SFC_NUM_FEATURES) return x[k];
+  return SFC_BIAS_INPUTS && (k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO) ? 1.f : 0.f;
+}
+
 // The hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
 // Layer 2's A fragments are read straight from layer 1's accumulators: a thread's fragment of
 // n-tile j holds columns 8j + 2t and 8j + 2t + 1, and k-step j's A fragment wants k = 8j + t and
@@ -271,16 +288,22 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     }
   }
   if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.count);
-  __syncthreads();
+  __shared__ float bias[SFC_HIDDEN];
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
-  write_split_operand(out, [&](int k, int n) {
-    return k < SFC_NUM_FEATURES ? __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]) : 0.f;
-  }, tid, SFC_FOLD_THREADS);
   if (tid < SFC_HIDDEN) {
-    float bias = network[SFC_B1 + tid];
-    for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) bias = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], bias);
-    out[SFC_FOLDED_B1 + tid] = bias;
+    float b = network[SFC_B1 + tid];
+    for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) b = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], b);
+    out[SFC_FOLDED_B1 + tid] = bias[tid] = b;
   }
+  __syncthreads();
+  write_split_operand(out, [&](int k, int n) {
+    if (k < SFC_NUM_FEATURES) return __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]);
+#if SFC_BIAS_INPUTS
+    if (k == SFC_BIAS_INPUT_HI) return bf16_part(bias[n]);
+    if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(bias[n], bf16_part(bias[n]));
+#endif
+    return 0.f;
+  }, tid, SFC_FOLD_THREADS);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -392,7 +415,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       const int k = 8 * j + t;
-      words[t] = pack_bf16x2(k < SFC_NUM_FEATURES ? x[k] : 0.f, k + 4 < SFC_NUM_FEATURES ? x[k + 4] : 0.f);
+      words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
     }
     rows[4 * lane + packed_chunk(lane, j)] = make_uint4(words[0], words[1], words[2], words[3]);
   }
@@ -406,7 +429,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       const int row = 16 * m + matrix_row;
       load_matrices_x4(f[m], rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
     }
-  }, l1, b1, lane);
+  }, l1, SFC_BIAS_INPUTS ? nullptr : b1, lane);
 }
 #else
 // Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
@@ -551,7 +574,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
-      if (threadIdx.x < LOPT_BIAS_FLOATS) write_bias(b1, f + SFC_FOLDED_B1, threadIdx.x);
+      if (!SFC_BIAS_INPUTS && threadIdx.x < LOPT_BIAS_FLOATS) write_bias(b1, f + SFC_FOLDED_B1, threadIdx.x);
       if (threadIdx.x == 0) {
         meta = tensors[tensor];
         group = read_apply_scalars(groups[meta.group]);
