@@ -540,8 +540,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
-  __shared__ __align__(16) float b1[LOPT_BIAS_FLOATS];  // (write_bias)
-  __shared__ __align__(16) float b2[LOPT_BIAS_FLOATS];
+  __shared__ __align__(16) float b1[SFC_HIDDEN];
+  __shared__ __align__(16) float b2[SFC_HIDDEN];
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
 #if SFC_OUTPUT_MMA
   __shared__ uint2 w3_operand[4 * 32];
@@ -555,7 +555,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  if (threadIdx.x < LOPT_BIAS_FLOATS) write_bias(b2, shared_frags + SFC_SHARED_B2, threadIdx.x);
+  if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
@@ -574,7 +574,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
-      if (!SFC_BIAS_INPUTS && threadIdx.x < LOPT_BIAS_FLOATS) write_bias(b1, f + SFC_FOLDED_B1, threadIdx.x);
+      if (!SFC_BIAS_INPUTS && threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) {
         meta = tensors[tensor];
         group = read_apply_scalars(groups[meta.group]);
