@@ -288,12 +288,17 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     }
   }
   if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.count);
-  __shared__ float bias[SFC_HIDDEN];
+#if SFC_BIAS_INPUTS
+  __shared__ float bias[SFC_HIDDEN];  // b1', for the weights of the bias inputs
+#endif
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
   if (tid < SFC_HIDDEN) {
     float b = network[SFC_B1 + tid];
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) b = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], b);
-    out[SFC_FOLDED_B1 + tid] = bias[tid] = b;
+    out[SFC_FOLDED_B1 + tid] = b;
+#if SFC_BIAS_INPUTS
+    bias[tid] = b;
+#endif
   }
   __syncthreads();
   write_split_operand(out, [&](int k, int n) {
