@@ -203,28 +203,13 @@ LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& 
 
 // ------------------------------------------------------------------------------------------
 // Factor tables: per R entry {R_k, row_factor_k, rsqrt(R_k + 1e-8)}, per C entry {C_k, col_factor_k,
-// rsqrt(C_k + 1e-8)}, each padded to three float4s (parts 0, 1, 2). Entries are stored in groups of
-// LOPT_TABLE_GROUP: a group holds its entries' part 0, then their part 1, then their part 2, so that a
-// warp reading one part of 32 neighbouring entries reads 512 contiguous bytes (a third of the cache lines
-// that whole 48-byte entries side by side would touch). Each tensor's entries begin a group
-// (lopt.fused.plan), and a table holds whole groups.
+// rsqrt(C_k + 1e-8)}, each padded to three float4s.
 // ------------------------------------------------------------------------------------------
 struct FactorEntry { float acc[3], factor[3], rsqrt_acc[3]; };
 
-LOPT_DEVICE i64 table_slot(i64 entry, int part) {
-  const unsigned long long e = static_cast<unsigned long long>(entry);
-  return static_cast<i64>(((e / LOPT_TABLE_GROUP) * 3 + part) * LOPT_TABLE_GROUP + e % LOPT_TABLE_GROUP);
-}
-LOPT_DEVICE const float4* table_part(const float* table, i64 entry, int part) {
-  return reinterpret_cast<const float4*>(table) + table_slot(entry, part);
-}
-LOPT_DEVICE float4* table_part(float* table, i64 entry, int part) {
-  return reinterpret_cast<float4*>(table) + table_slot(entry, part);
-}
-
 LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
-  float4 x = __ldg(table_part(table, entry, 0)), y = __ldg(table_part(table, entry, 1)),
-         z = __ldg(table_part(table, entry, 2));
+  const float4* p = reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS);
+  float4 x = __ldg(p), y = __ldg(p + 1), z = __ldg(p + 2);
   FactorEntry f;
   f.acc[0] = x.x; f.acc[1] = x.y; f.acc[2] = x.z;
   f.factor[0] = y.x; f.factor[1] = y.y; f.factor[2] = y.z;
@@ -233,10 +218,10 @@ LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
 }
 
 LOPT_DEVICE void write_factor_entry(float* table, float4* factors, i64 entry, const float acc[3], const float factor[3]) {
-  *table_part(table, entry, 0) = make_float4(acc[0], acc[1], acc[2], 0.f);
-  *table_part(table, entry, 1) = factors[entry] = make_float4(factor[0], factor[1], factor[2], 0.f);
-  *table_part(table, entry, 2) = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)),
-                                             rsqrtf(__fadd_rn(acc[2], 1e-8f)), 0.f);
+  float4* p = reinterpret_cast<float4*>(table + entry * LOPT_TABLE_FLOATS);
+  p[0] = make_float4(acc[0], acc[1], acc[2], 0.f);
+  p[1] = factors[entry] = make_float4(factor[0], factor[1], factor[2], 0.f);
+  p[2] = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)), rsqrtf(__fadd_rn(acc[2], 1e-8f)), 0.f);
 }
 
 // An element's R and C table entries, whole.
@@ -339,11 +324,11 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta& t, const float* 
   float* row = pointer<float>(t.fac_row);
   float* col = pointer<float>(t.fac_col);
   for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
-    const float4 acc = *table_part(row_table, t.row_table + entry, 0);
+    const float4 acc = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];
     row[entry * 3] = acc.x; row[entry * 3 + 1] = acc.y; row[entry * 3 + 2] = acc.z;
   }
   for (i64 entry = tid; entry < t.num_col_entries; entry += threads) {
-    const float4 acc = *table_part(col_table, t.col_table + entry, 0);
+    const float4 acc = reinterpret_cast<const float4*>(col_table + (t.col_table + entry) * LOPT_TABLE_FLOATS)[0];
     col[entry * 3] = acc.x; col[entry * 3 + 1] = acc.y; col[entry * 3 + 2] = acc.z;
   }
 }
@@ -581,7 +566,8 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
         acc[k] = ema(old_row[entry * 3 + k], decays.adafactor[k], decays.adafactor_mix[k], mean);
         partial[k] += acc[k];
       }
-      *table_part(row_table, t.row_table + entry, 0) = make_float4(acc[0], acc[1], acc[2], 0.f);  // read back below by the same thread
+      float4* slot = reinterpret_cast<float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS);
+      slot[0] = make_float4(acc[0], acc[1], acc[2], 0.f);  // read back below by the same thread
     }
     __shared__ double warp_sums[LOPT_TABLE_THREADS / 32][3];
     __shared__ double slab_total[3];
@@ -601,7 +587,7 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
     for (int k = 0; k < 3; ++k) row_col_mean[k] = static_cast<float>(slab_total[k] / static_cast<double>(t.row_col_divisor));
     for (i64 x = threadIdx.x; x < x_len; x += LOPT_TABLE_THREADS) {
       const i64 entry = (q * x_len + x) * i_len + i;
-      const float4 stored = *table_part(row_table, t.row_table + entry, 0);
+      const float4 stored = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];
       const float acc[3] = {stored.x, stored.y, stored.z};
       float factor[3];
 #pragma unroll

@@ -502,8 +502,7 @@ velo_heads(const VeloTensor* __restrict__ velo_tensors, const double* __restrict
 // The table features' share of the first layer, per factor-table entry: for an R entry
 // Σ_k W0'[15 + k]·R_k + W0'[21 + k]·rsqrt(R_k + 1e-8), for a C entry the same with features 18 and
 // 24. The same for every element sharing the entry, so the apply pass reads these four sums (one
-// float4) instead of the entry's twelve values and their weights. A thread per table entry
-// (total_row_entries, total_col_entries: the tables' entries, the padding of each tensor's last group included).
+// float4) instead of the entry's twelve values and their weights. A thread per entry.
 #define VELO_CONTRIBUTION_THREADS 256
 extern "C" __global__ void __launch_bounds__(VELO_CONTRIBUTION_THREADS)
 velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors, const float* __restrict__ records,
@@ -516,9 +515,6 @@ velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors
   if (!is_row && entry >= total_col_entries) return;
   const int tensor = is_row ? find_row<LOPT_TENSORMETA_ROW_TABLE>(tensors, num_tensors, entry)
                             : find_row<LOPT_TENSORMETA_COL_TABLE>(tensors, num_tensors, entry);
-  const TensorMeta& t = tensors[tensor];
-  const i64 tensor_entries = is_row ? t.numel / (t.d0_is_a ? t.a : t.b) : t.num_col_entries;
-  if (entry - (is_row ? t.row_table : t.col_table) >= tensor_entries) return;  // the padding of a last group
   const float* w0 = records + static_cast<i64>(tensor) * VELO_RECORD_FLOATS + VELO_RECORD_W0;
   const FactorEntry f = read_factor_entry(is_row ? row_table : col_table, entry);
   const int acc_feature = is_row ? 15 : 18, rsqrt_feature = is_row ? 21 : 24;

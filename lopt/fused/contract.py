@@ -78,7 +78,6 @@ CONSTANTS: dict = {
     "CONTIGUOUS_XCHUNK": 2048,  # elements summed per warp in the contiguous mode
     "TABLE_THREADS": 256,
     "TABLE_FLOATS": 12,  # per factor-table entry: {acc[3], pad}, {factor[3], pad}, {rsqrt(acc + 1e-8)[3], pad}
-    "TABLE_GROUP": 32,  # entries stored part by part in groups of this many; a tensor's entries begin a group
     "DECAYS_FLOATS": 16,
     "GROUP_VALUE_FLOATS": GROUP_VALUE_FLOATS,
     "FINALIZE_THREADS": 256,

@@ -93,10 +93,10 @@ class Plan:
         table_floats = CONSTANTS["TABLE_FLOATS"]
         self.axis_partials = workspace(layout.total_axis_partials, torch.float64)
         self.axis_means = workspace(layout.total_axis_outputs, torch.float32)
-        self.row_table = workspace(layout.total_row_table_entries * table_floats, torch.float32)
-        self.col_table = workspace(layout.total_col_table_entries * table_floats, torch.float32)
-        self.row_factors = workspace(layout.total_row_table_entries * 4, torch.float32)  # compact copies (a float4 each)
-        self.col_factors = workspace(layout.total_col_table_entries * 4, torch.float32)
+        self.row_table = workspace(layout.total_row_entries * table_floats, torch.float32)
+        self.col_table = workspace(layout.total_col_entries * table_floats, torch.float32)
+        self.row_factors = workspace(layout.total_row_entries * 4, torch.float32)  # compact copies (a float4 each)
+        self.col_factors = workspace(layout.total_col_entries * 4, torch.float32)
         self.status = torch.zeros(CONSTANTS["STATUS_INTS"], dtype=torch.int32, device=device)
         # max_grad_norm: each tensor's clip factor (1 for a tensor that is not clipped; None: none is)
         self.clip_factors = torch.ones(layout.num_tensors, device=device) if layout.num_norm_jobs else None

@@ -25,13 +25,7 @@ AXIS_THREADS = CONSTANTS["AXIS_THREADS"]
 STRIDED_XCHUNK = CONSTANTS["STRIDED_XCHUNK"]
 CONTIGUOUS_XCHUNK = CONSTANTS["CONTIGUOUS_XCHUNK"]
 TABLE_THREADS = CONSTANTS["TABLE_THREADS"]
-TABLE_GROUP = CONSTANTS["TABLE_GROUP"]
 STATS_CHUNK = CONSTANTS["STATS_CHUNK"]
-
-
-def _whole_table_groups(entries: int) -> int:
-    """Factor-table entries that ``entries`` of one tensor occupy: whole groups (accumulators.cuh)."""
-    return -(-entries // TABLE_GROUP) * TABLE_GROUP
 
 
 @dataclass(frozen=True)
@@ -80,7 +74,6 @@ class GroupLayout:
         self.job_tensor = []  # the tensor of each axis job
         self.total_axis_blocks = self.total_axis_partials = self.total_axis_outputs = 0
         stats_chunks = slabs = col_entries = row_entries = apply_chunks = split_slab_sums = 0
-        row_table_entries = col_table_entries = 0  # the factor tables' entries, each tensor's from a new group
         reductions = []  # (tensor, q, x, i, divisor, which means, split)
         for index, (shape, dim, group) in enumerate(zip(self.shapes, dims, groups)):
             row = rows[index]
@@ -97,8 +90,8 @@ class GroupLayout:
             apply_chunks += row[_T["num_apply_chunks"]]
             row[_T["first_slab"]] = slabs
             row[_T["first_col_entry"]] = col_entries
-            row[_T["row_table"]] = row_table_entries
-            row[_T["col_table"]] = col_table_entries
+            row[_T["row_table"]] = row_entries
+            row[_T["col_table"]] = col_entries
             row[_T["row_col_sums"]] = -1
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = 1
@@ -126,8 +119,6 @@ class GroupLayout:
             slabs += slab_count
             col_entries += num_col_entries
             row_entries += num_row_entries
-            row_table_entries += _whole_table_groups(num_row_entries)
-            col_table_entries += _whole_table_groups(num_col_entries)
             # Two reductions of G: over axis a (output indexed without a) and over axis b. Their
             # outputs (the means of G) are R's and C's entries in order, so a job's first output is
             # where its accumulator's means start.
@@ -166,8 +157,6 @@ class GroupLayout:
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)
-        self.total_row_table_entries = int(row_table_entries)  # with each tensor's last group whole
-        self.total_col_table_entries = int(col_table_entries)
         self.sharded = any(r is not None for r in global_rows)
 
     def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, divisor) -> tuple[int, int]:

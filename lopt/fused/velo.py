@@ -91,8 +91,8 @@ class VeLOFused(FusedEngine):
         plan.hidden_new = plan.workspace(n * HIDDEN, torch.float64)
         plan.cell_new = plan.workspace(n * HIDDEN, torch.float64)
         plan.records = plan.workspace(n * RECORD_FLOATS, torch.float32)
-        plan.row_contributions = plan.workspace(layout.total_row_table_entries * 4, torch.float32)
-        plan.col_contributions = plan.workspace(layout.total_col_table_entries * 4, torch.float32)
+        plan.row_contributions = plan.workspace(layout.total_row_entries * 4, torch.float32)
+        plan.col_contributions = plan.workspace(layout.total_col_entries * 4, torch.float32)
         plan.loss = plan.workspace(1, torch.float32)  # a loss tensor of another dtype or device, converted
         plan.tensor_sums = plan.workspace(n * STATS_PER_CHUNK, torch.float64) if layout.sharded else None
         rows = empty_rows("VeloTensor", n)
@@ -166,11 +166,11 @@ class VeLOFused(FusedEngine):
                      ptr(rnn["step_size.bias"]), ptr(self.candidates), ptr(plan.feature_scales), ptr(plan.param_scales),
                      *flags, *loss_arguments, ptr(plan.records)))
         layout = plan.layout
-        entries = layout.total_row_table_entries + layout.total_col_table_entries
+        entries = layout.total_row_entries + layout.total_col_entries
         self.launch("velo_table_contributions", -(-entries // CONTRIBUTION_THREADS), CONTRIBUTION_THREADS,
                     (ptr(plan.tensor_table.table), np.int32(n), ptr(plan.records), ptr(plan.row_table), ptr(plan.col_table),
-                     np.int64(layout.total_row_table_entries), np.int64(layout.total_col_table_entries),
-                     ptr(plan.row_contributions), ptr(plan.col_contributions)))
+                     np.int64(layout.total_row_entries), np.int64(layout.total_col_entries), ptr(plan.row_contributions),
+                     ptr(plan.col_contributions)))
 
     def _apply(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
