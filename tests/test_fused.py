@@ -104,12 +104,13 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
     assert int(fused.state_dict()["param_groups"][0]["step"]) == steps
 
 
-# precision="fast" (small_fc_lopt): the 32-wide layers multiply BF16-rounded operands (8 significant
-# bits, float32 accumulation), so each product is off by up to ~2^-8 of its size and a step's update
-# by ~1e-3 (docs/small_fc_lopt.md, "Precision"). Bounds per step, each from the same state: the whole
-# step and tensors of >= 64 elements. Tensors of fewer elements get none: their update is one or two
-# MLP outputs, and where an output cancels, the BF16 error of its terms can exceed the output itself
-# (measured: a (1,) tensor's update off by 4.7x its size); they are only held to finite updates.
+# precision="fast" (small_fc_lopt): the 32-wide layers multiply BF16-rounded operands and the output
+# layer TF32 ones (float32 accumulation), so each product is off by up to ~2^-8 of its size and a
+# step's update by ~1e-3 (docs/small_fc_lopt.md §3.10). Bounds per step, each from the same state: the
+# whole step and tensors of >= 64 elements. Tensors of fewer elements get none: their update is one or
+# two MLP outputs, and where an output cancels, the BF16 error of its terms can exceed the output
+# itself (measured: a (1,) tensor's update off by 3.3x its size, 4.7x with the first fast build); they
+# are only held to finite updates.
 FAST_STEP_TOLERANCE = 5e-3
 FAST_TENSOR_TOLERANCE = 2e-2
 
