@@ -137,9 +137,34 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 // load_fragments(p, f) gives the thread's packed A fragments of k-steps 2p and 2p + 1 for both
 // m-tiles: f[m] = {row g, row g + 8 of k-step 2p, then of k-step 2p + 1}, each word the pair
 // (k = 8j + t, 8j + t + 4), the order of the B operand's uint2.
-template <typename LoadFragments>
-LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const float* operand,
+// Mode 2's B operand as write_split_operand lays it out in shared memory: the lane's uint2 of n-tile
+// c and k-step pair p. (RegisterOperand: the same held in registers.)
+struct SharedOperand {
+  const float* operand;
+  int lane;
+  LOPT_DEVICE uint2 operator()(int p, int c) const { return reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane]; }
+};
+struct RegisterOperand {
+  uint2 fragments[8];
+  // (An opaque load: the compiler would otherwise re-read the shared copy at each use, as it may for
+  // memory no thread writes again.)
+  LOPT_DEVICE void load(const float* operand, int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned address = static_cast<unsigned>(
+          __cvta_generic_to_shared(reinterpret_cast<const uint2*>(operand) + (i / 4 * 4 + i % 4) * 32 + lane));
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(fragments[i].x), "=r"(fragments[i].y) : "r"(address));
+    }
+  }
+  LOPT_DEVICE uint2 operator()(int p, int c) const { return fragments[p * 4 + c]; }
+};
+LOPT_DEVICE SharedOperand operand_reader(const float* operand, int lane) { return SharedOperand{operand, lane}; }
+LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand, int) { return operand; }
+
+template <typename LoadFragments, typename Operand>
+LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const Operand& operand_source,
                                   const float* bias, int lane) {
+  const auto operand = operand_reader(operand_source, lane);
   const int t = lane % 4;
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
@@ -147,7 +172,7 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
     load_fragments(p, f);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint2 b = reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane];
+      const uint2 b = operand(p, c);
       // (Read as a pair and copied in registers: a float4 {b, b', b, b'} per lane needs no copies but
       // costs twice the shared-memory wavefronts; H100, GPT-2 medium apply pass 10.42 against 10.24 ms.)
       const float2 bias_pair = bias != nullptr ? *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t) : make_float2(0.f, 0.f);
