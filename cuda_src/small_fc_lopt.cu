@@ -411,8 +411,7 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 }
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
-template <typename Layer1Operand>
-LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const Layer1Operand& l1,
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
                              const float* b1, int lane) {
   uint4* rows = reinterpret_cast<uint4*>(tile);  // 4 uint4 per row
 #pragma unroll
@@ -469,9 +468,10 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 #endif
 
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
-// tile: the warp's 32 x SFC_FEATURE_STRIDE floats; outputs: the warp's 32 (direction, magnitude).
-template <typename Layer1Operand, typename Layer2Operand>
-LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const Layer1Operand& l1,
+// tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand.
+template <typename Layer2Operand>
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
                              const float* b1, const Layer2Operand& l2, const float* b2, const float* w3, const uint2* w3_operand,
                              const float* b3) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -528,11 +528,12 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
-#ifndef SFC_L1_IN_REGISTERS
-#define SFC_L1_IN_REGISTERS 0  // (experiment, mode 2) the tensor's first layer held in 16 registers per thread
-#endif
 #ifndef SFC_L2_IN_REGISTERS
-#define SFC_L2_IN_REGISTERS 0  // (experiment, mode 2) layer 2's B operand held in 16 registers per thread
+// Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
+// from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
+// GPT-2 medium / ViT-B/16: 10.28 / 2.51 ms against 10.42 / 2.59; the first layer's held too, at 6 or 5
+// blocks/SM: 11.13 / 2.72 and 11.22 / 2.78).
+#define SFC_L2_IN_REGISTERS (LOPT_SPLIT_MODE == 2)
 #endif
 #ifndef SFC_APPLY_MIN_BLOCKS
 // Blocks per SM the registers must allow: the exact build needs 128 registers (4 blocks); precision
@@ -577,16 +578,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
 #endif
 #if SFC_L2_IN_REGISTERS
   __syncthreads();
-  RegisterOperand l2_registers;  // layer 2's B operand, the same for every tensor
-  l2_registers.load(l2, threadIdx.x % 32);
+  RegisterOperand l2_operand;  // layer 2's B operand, the same for every tensor
+  l2_operand.load(l2, threadIdx.x % 32);
 #else
-  const float* const l2_registers = l2;  // (read from shared memory at each use)
+  const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
-#if SFC_L1_IN_REGISTERS
-  RegisterOperand l1_registers;  // the current tensor's first layer, loaded at each change of tensor
-#else
-  const float* const l1_registers = l1;
-#endif
+
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
@@ -606,9 +603,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
         clip_factor = tensor_clip_factor(clip_factors, tensor);
       }
       __syncthreads();
-#if SFC_L1_IN_REGISTERS
-      l1_registers.load(l1, threadIdx.x % 32);
-#endif
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
@@ -624,8 +618,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
     const int warp = threadIdx.x / 32;
-    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1_registers, b1, l2_registers, b2, w3, w3_operand,
-                                        b3);
+    const float2 mlp_output =
+        mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2_operand, b2, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }
