@@ -112,30 +112,6 @@ LOPT_DEVICE void loaded_element_features(const TensorMeta& t, const FactorIndex&
   per_element_features(x, grad, param, s, factored, row, col);
 }
 
-// An element's streamed inputs: the gradient (unscaled, not yet clipped), the parameter, the old
-// momenta and rms (V, of non-factored tensors only, is loaded where it is used: element_state).
-struct ElementInputs {
-  float grad, param, mom[3], rms;
-};
-template <bool Streamed = false>
-LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, float inverse_scale) {
-  const float* mom = pointer<const float>(t.mom) + e * 3;
-  return ElementInputs{load_gradient<Streamed>(t, e, inverse_scale),
-                       load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype)),
-                       {element_load<Streamed>(mom), element_load<Streamed>(mom + 1), element_load<Streamed>(mom + 2)},
-                       element_load<Streamed>(pointer<const float>(t.rms) + e)};
-}
-template <bool Streamed = false>
-LOPT_DEVICE ElementState element_state(const ElementInputs& in, const TensorMeta& t, i64 e) {
-  ElementState s;
-  s.mom[0] = in.mom[0]; s.mom[1] = in.mom[1]; s.mom[2] = in.mom[2];
-  s.rms = in.rms;
-  const float* full = pointer<const float>(t.fac_full) + e * 3;
-#pragma unroll
-  for (int k = 0; k < 3; ++k) s.full[k] = t.factored ? 0.f : element_load<Streamed>(full + k);
-  return s;
-}
-
 // Loads one element's inputs and computes its features (loaded_element_features); returns the
 // unclipped gradient, which the check phase tests.
 template <bool FactorsOnly = false, bool Streamed = false>
@@ -552,9 +528,6 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
-#ifndef SFC_APPLY_PRELOAD
-#define SFC_APPLY_PRELOAD 0  // (experiment) each thread loads its element of the next chunk during this one
-#endif
 #ifndef SFC_L2_IN_REGISTERS
 // Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
 // from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
@@ -617,10 +590,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
-#if SFC_APPLY_PRELOAD
-  ElementInputs next = {};
-  bool preloaded = false;  // `next` holds this thread's element of the coming chunk
-#endif
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     if (chunk >= current_end) {
       const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
@@ -635,38 +604,16 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
-#if SFC_APPLY_PRELOAD
-      preloaded = false;
-#endif
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
-#if SFC_APPLY_PRELOAD
-    // This chunk's element as loaded during the previous chunk (same tensor), and the next chunk's
-    // loads issued now, to be in flight while this chunk's features and MLP run.
-    ElementInputs current = next;
-    const bool current_preloaded = preloaded;
-    preloaded = chunk + 1 < current_end && chunk + 1 < chunk_end;
-    if (valid && !current_preloaded) current = load_element_inputs<SFC_APPLY_STREAMED>(meta, index, inverse_scale);
-    if (preloaded && index + SFC_APPLY_CHUNK < meta.numel)
-      next = load_element_inputs<SFC_APPLY_STREAMED>(meta, index + SFC_APPLY_CHUNK, inverse_scale);
-    if (valid) {
-      ElementState state = element_state<SFC_APPLY_STREAMED>(current, meta, index);
-      param = current.param;
-      const FactorIndex f = meta.factored ? factor_index(meta, index) : FactorIndex{0, 0};
-      loaded_element_features(meta, f, group.decays, clip_factor, TableInputs{row_table, col_table, nullptr, nullptr},
-                              current.grad, param, state, x, grad);
-      store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
-    } else {
-#else
     if (valid) {
       ElementState state;
       element_features<false, SFC_APPLY_STREAMED>(meta, index, group.decays, inverse_scale, clip_factor,
                        TableInputs{row_table, col_table, nullptr, nullptr}, x, state, grad, param);
       store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
-#endif
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
