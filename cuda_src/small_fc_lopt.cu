@@ -472,8 +472,8 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             const float* b1, const Layer2Operand& l2, const float* b2, const float* w3, const uint2* w3_operand,
-                             const float* b3) {
+                             const float* b1, const Layer2Operand& l2, const float* b2, const float* w3,
+                             const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
@@ -583,7 +583,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
 #else
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
-
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;

@@ -132,27 +132,22 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 }
 
 #if LOPT_SPLIT_MODE == 2
-// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (bias: 32 floats,
-// or nullptr for a layer whose inputs carry it, as the first layer's constant ones do);
-// load_fragments(p, f) gives the thread's packed A fragments of k-steps 2p and 2p + 1 for both
-// m-tiles: f[m] = {row g, row g + 8 of k-step 2p, then of k-step 2p + 1}, each word the pair
-// (k = 8j + t, 8j + t + 4), the order of the B operand's uint2.
 // Mode 2's B operand as write_split_operand lays it out in shared memory: the lane's uint2 of n-tile
-// c and k-step pair p. (RegisterOperand: the same held in registers.)
+// c and k-step pair p, slot (4p + c) * 32 + lane. RegisterOperand holds the same in registers.
 struct SharedOperand {
   const float* operand;
   int lane;
   LOPT_DEVICE uint2 operator()(int p, int c) const { return reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane]; }
 };
 struct RegisterOperand {
-  uint2 fragments[8];
+  uint2 fragments[8];  // [4p + c]
   // (An opaque load: the compiler would otherwise re-read the shared copy at each use, as it may for
   // memory no thread writes again.)
   LOPT_DEVICE void load(const float* operand, int lane) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const unsigned address = static_cast<unsigned>(
-          __cvta_generic_to_shared(reinterpret_cast<const uint2*>(operand) + (i / 4 * 4 + i % 4) * 32 + lane));
+      const unsigned address =
+          static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<const uint2*>(operand) + i * 32 + lane));
       asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(fragments[i].x), "=r"(fragments[i].y) : "r"(address));
     }
   }
@@ -161,6 +156,12 @@ struct RegisterOperand {
 LOPT_DEVICE SharedOperand operand_reader(const float* operand, int lane) { return SharedOperand{operand, lane}; }
 LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand, int) { return operand; }
 
+// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (operand_source: the
+// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr for a layer whose
+// inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the thread's
+// packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
+// 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
+// operand's uint2.
 template <typename LoadFragments, typename Operand>
 LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const Operand& operand_source,
                                   const float* bias, int lane) {
