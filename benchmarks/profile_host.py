@@ -1,11 +1,17 @@
-"""The host's share of a fused step: wall time of ``step()`` on the CPU (no synchronisation) and
-where it goes (cProfile), after warm-up, with a fresh set of gradient tensors every step as in
-bench_fused.py:
+"""The host's share of a fused step: wall time of ``step()`` on the CPU (no synchronisation), when
+each phase ends and each kernel is launched (a timeline, medians over steps that each start on an
+idle device, as in a synchronised benchmark), and where the time goes (cProfile), after warm-up,
+with a fresh set of gradient tensors every step as in bench_fused.py:
 
     PYTHONPATH=. python benchmarks/profile_host.py [velo|small_fc_lopt] [gpt2-medium] > host.txt
+
+In a step timed with synchronisation the device waits for the host until the first launch: that
+offset is the part of the host's share the step pays in full.
 """
 
 import cProfile
+import collections
+import functools
 import pstats
 import statistics
 import sys
@@ -28,18 +34,60 @@ loss = torch.tensor(2.5, device="cuda")
 def one_step(i):
     for p, g in zip(params, grad_sets[i % len(grad_sets)]):
         p.grad = g
+    torch.cuda.synchronize()
     start = time.perf_counter()
     do_step(optimizer, loss)
     host = time.perf_counter() - start
     torch.cuda.synchronize()
-    return host
+    return host, start
 
 
 for i in range(5):
     one_step(i)
-hosts = [one_step(i) for i in range(30)]
+hosts = [one_step(i)[0] for i in range(30)]
 print(f"{name} on {param_set}: host time of step() (no sync): median {statistics.median(hosts) * 1e3:.3f} ms, "
       f"min {min(hosts) * 1e3:.3f} ms")
+
+# Timeline: the end of each phase and each launch, in ms from the call of step().
+marks = []
+
+
+def marked(label, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        marks.append((label, time.perf_counter()))
+        return result
+    return wrapper
+
+
+engine = optimizer._fused_engine
+optimizer._check_gradients = marked("check phase done", optimizer._check_gradients)
+for method in ("_plan_for", "_refresh", "flags", "_step_arguments", "_accumulate", "_statistics", "_control", "_apply"):
+    setattr(engine, method, marked(f"{method} done", getattr(engine, method)))
+original_launch = engine.launch
+
+
+def timed_launch(kernel_name, *args, **kwargs):
+    marks.append((f"launch {kernel_name}", time.perf_counter()))
+    original_launch(kernel_name, *args, **kwargs)
+
+
+engine.launch = timed_launch
+offsets = collections.defaultdict(list)
+for i in range(30):
+    marks.clear()
+    host, start = one_step(i)
+    seen = collections.Counter()
+    for label, at in marks:
+        seen[label] += 1
+        offsets[(label, seen[label])].append((at - start) * 1e3)
+    offsets[("step() returned", 1)].append(host * 1e3)
+engine.launch = original_launch
+print("\ntimeline of one step (median ms after step() is called; 30 steps):")
+for (label, n), values in sorted(offsets.items(), key=lambda item: statistics.median(item[1])):
+    print(f"  {statistics.median(values):7.3f}  {label}{f' ({n})' if n > 1 else ''}")
+
 profiler = cProfile.Profile()
 profiler.enable()
 for i in range(30):
