@@ -181,16 +181,17 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tens
   }
 }
 
-// The BF16 modes (2, precision="fast", and 3) carry the first layer's bias b1' in its spare inputs:
-// inputs 28 and 29 are constant ones, and their weights the BF16 value nearest b1' and the rest (b1'
-// to about 2^-17 in mode 2; mode 3 splits that rest again), so the layer needs no addend and its bias
-// is never read from shared memory (H100, GPT-2 medium apply pass in mode 2: 10.42 ms against 10.95).
-// Mode 0 adds b1' in float32 as the first product's addend.
+// Mode 2 (precision="fast") carries the first layer's bias b1' in its spare inputs: inputs 28 and 29
+// are constant ones, and their weights the BF16 value nearest b1' and the rest (b1' to about 2^-17),
+// so the layer needs no addend and its bias is never read from shared memory (H100, GPT-2 medium
+// apply pass: 10.42 ms against 10.95). The exact mode adds b1' in float32 as the first product's addend.
 #ifndef SFC_BIAS_INPUTS
-#define SFC_BIAS_INPUTS LOPT_SPLIT_BF16
+#define SFC_BIAS_INPUTS (LOPT_SPLIT_MODE == 2)
 #endif
 #define SFC_BIAS_INPUT_HI SFC_NUM_FEATURES
 #define SFC_BIAS_INPUT_LO (SFC_NUM_FEATURES + 1)
+// The BF16 value nearest x (round to nearest even), as a float.
+LOPT_DEVICE float bf16_part(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 // Input k of the first layer as the MMA takes it: a feature, a bias input's one, or padding.
 LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
   if (k < SFC_NUM_FEATURES) return x[k];
@@ -387,18 +388,17 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
-#if LOPT_SPLIT_BF16
-#define SFC_TILE_ROW_FLOATS (16 * LOPT_SPLIT_PARTS)  // a row's 32 features as BF16 pairs (mode 3: and their lo parts)
+#if LOPT_SPLIT_MODE == 2
+#define SFC_TILE_ROW_FLOATS 16  // a row's 32 features as BF16 pairs
 #else
 #define SFC_TILE_ROW_FLOATS SFC_FEATURE_STRIDE
 #endif
 
-#if LOPT_SPLIT_BF16
-// BF16 modes: a row holds its features as BF16 in the MMA's column order, 16 words: the uint4 of
-// k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's order), so
-// ldmatrix hands every thread its A fragments in place. The uint4s are swizzled by row (packed_chunk)
-// so that the row writes and ldmatrix's 8-row reads are conflict-free. Mode 3 keeps the lo parts in a
-// second tile of 32 such rows after the first.
+#if LOPT_SPLIT_MODE == 2
+// Mode 2 (precision="fast"): a row holds its features as BF16 in the MMA's column order, 16 words: the
+// uint4 of k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's
+// order), so ldmatrix hands every thread its A fragments in place. The uint4s are swizzled by row
+// (packed_chunk) so that the row writes and ldmatrix's 8-row reads are conflict-free.
 LOPT_DEVICE int packed_chunk(int row, int j) { return j ^ ((row >> 1) & 3); }
 
 // Four 8 x 8 matrices of 16-bit values from shared memory, in the MMA's fragment layout: lane l gives
@@ -414,33 +414,25 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
                              const float* b1, int lane) {
   uint4* rows = reinterpret_cast<uint4*>(tile);  // 4 uint4 per row
-  uint4* const low_rows = rows + 4 * 32;          // mode 3's lo parts
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    unsigned words[4], low_words[4];
+    unsigned words[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       const int k = 8 * j + t;
-      const float first = first_layer_input(x, k), second = first_layer_input(x, k + 4);
-      words[t] = pack_bf16x2(first, second);
-      if (LOPT_SPLIT_PARTS == 2) low_words[t] = pack_bf16x2_remainders(first, second, words[t]);
+      words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
     }
     rows[4 * lane + packed_chunk(lane, j)] = make_uint4(words[0], words[1], words[2], words[3]);
-    if (LOPT_SPLIT_PARTS == 2)
-      low_rows[4 * lane + packed_chunk(lane, j)] = make_uint4(low_words[0], low_words[1], low_words[2], low_words[3]);
   }
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
   const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_half = lane / 16;
-  bf16_layer_32x32(h1, [&](int p, PairFragments& f) {
+  bf16_layer_32x32(h1, [&](int p, unsigned f[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int row = 16 * m + matrix_row;
-      load_matrices_x4(f.hi[m], rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
-#if LOPT_SPLIT_MODE == 3
-      load_matrices_x4(f.lo[m], low_rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
-#endif
+      load_matrices_x4(f[m], rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
     }
   }, l1, SFC_BIAS_INPUTS ? nullptr : b1, lane);
 }
@@ -490,21 +482,16 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
   // 1 ms slower per GPT-2-medium step.)
-#if LOPT_SPLIT_BF16
+#if LOPT_SPLIT_MODE == 2
   // (The ReLU inside the BF16 conversion: one instruction per pair.)
-  bf16_layer_32x32(h2, [&](int p, PairFragments& f) {
+  bf16_layer_32x32(h2, [&](int p, unsigned f[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int j = 2 * p + half;
-        f.hi[m][2 * half] = pack_bf16x2_relu(h1[m][j][0], h1[m][j][1]);      // row g
-        f.hi[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
-#if LOPT_SPLIT_MODE == 3
-        f.lo[m][2 * half] = pack_bf16x2_remainders(fmaxf(h1[m][j][0], 0.f), fmaxf(h1[m][j][1], 0.f), f.hi[m][2 * half]);
-        f.lo[m][2 * half + 1] =
-            pack_bf16x2_remainders(fmaxf(h1[m][j][2], 0.f), fmaxf(h1[m][j][3], 0.f), f.hi[m][2 * half + 1]);
-#endif
+        f[m][2 * half] = pack_bf16x2_relu(h1[m][j][0], h1[m][j][1]);      // row g
+        f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
   }, l2, b2, lane);
 #else
@@ -552,7 +539,7 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // Blocks per SM the registers must allow: the exact build needs 128 registers (4 blocks); precision
 // "fast" fits in 72, and 7 blocks hide more of the element loads' latency (H100, GPT-2 medium apply
 // pass: 10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
-#define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : LOPT_SPLIT_MODE == 3 ? 5 : 4)
+#define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 4)
 #endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,

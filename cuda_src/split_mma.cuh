@@ -1,54 +1,38 @@
 // Float32-accurate 32 x 32 layers on tensor cores, for per-element MLPs.
 //
 // Tensor cores multiply TF32 (11 significant bits) or BF16 (8) operands and accumulate in float32.
-// Two ways to reach float32 accuracy, by LOPT_SPLIT_MODE:
-//
-// Mode 3 (the default): every operand x is split as x = hi + lo with hi = bf16(x) (round to nearest)
-// and lo = bf16(x - hi), and
-//
-//     a . b  ~=  a_lo . b_hi  +  a_hi . b_lo  +  a_hi . b_hi      (three BF16 products, 16 k each)
-//
-// The dropped a_lo b_lo and the rounding of the remainders leave about 3 * 2^-18 of sum |a_k b_k|
-// (a float64 simulation of small_fc_lopt's network: 6e-7 of the update against 9e-8 for mode 0).
-// A 32-deep layer costs six MMAs per tile, and its operands are read in the compact BF16 layouts of
-// mode 2 (ldmatrix-able A tiles, one 64-bit B read per n-tile and pair of k-steps).
-//
-// Mode 0: hi = tf32(x) (round to nearest), lo = x - hi (|lo| <= 2^-11 |x|, exact in float32), and
+// Every operand x is split as x = hi + lo with hi = tf32(x) (round to nearest) and lo = x - hi
+// (|lo| <= 2^-11 |x|, exact in float32), and
 //
 //     a . b  ~=  a_hi . b_hi  (TF32 product)  +  [a_lo | a_hi] . [b_hi ; b_lo]  (one BF16 product)
 //
 // The two correction terms are concatenated along k into a single BF16 MMA of twice the depth, so a
-// k-step costs one TF32 and one BF16 instruction (eight per tile over 32 k). The dropped a_lo b_lo
-// term and the BF16 rounding of the small corrections leave an error of about 2^-19 of
-// sum |a_k b_k|. BF16 keeps float32's exponent range in both modes, so no operand can overflow.
+// k-step costs one TF32 and one BF16 instruction (3-product split TF32 needs three TF32 ones). The
+// dropped a_lo b_lo term and the BF16 rounding of the small corrections leave an error of about
+// 2^-19 of sum |a_k b_k|; BF16 keeps float32's exponent range, so no operand can overflow.
 //
 // Each warp multiplies its own 32 rows (two 16-row m-tiles) with mma.sync (sm_80 and newer), A
-// fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats: 8 KiB
-// per layer in mode 0, 4 KiB in mode 3, 2 KiB in mode 2) from shared memory in "fragment order":
-// one float4 per lane, k-step and n-tile (modes 2 and 3: one uint2 per lane, n-tile and pair of
-// k-steps, for hi and in mode 3 again for lo).
+// fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats = 8 KiB
+// per layer, 2 KiB in mode 2) from shared memory in "fragment order": one float4 per lane, k-step and
+// n-tile (mode 2: one uint2 per lane, n-tile and pair of k-steps).
 // (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: benchmarks/RESULTS.md.)
 #pragma once
 #include "common.cuh"
 
 
-// How the layers multiply: 3 the three BF16 products above (the default), 0 the TF32 split above
-// (split_layer_32x32); cheaper and less accurate: 2 one BF16 product (a_hi, b_hi rounded to BF16, 16 k
-// per instruction; precision="fast"), and for measurements 1 the TF32 product alone.
+// How split_layer_32x32 multiplies: 0 the float32-accurate split above (the default); cheaper and
+// less accurate, for measurements: 1 the TF32 product alone, 2 one BF16 product (a_hi, b_hi rounded
+// to BF16, 16 k per instruction).
 #ifndef LOPT_SPLIT_MODE
-#define LOPT_SPLIT_MODE 3
+#define LOPT_SPLIT_MODE 0
 #endif
-// Modes 2 and 3 multiply BF16 operands in the compact layouts (bf16_layer_32x32); mode 3 adds the
-// low parts.
-#define LOPT_SPLIT_BF16 (LOPT_SPLIT_MODE >= 2)
-#define LOPT_SPLIT_PARTS (LOPT_SPLIT_MODE == 3 ? 2 : 1)
 
 // Floats of a 32 x 32 B operand: per k-step, n-tile and lane a float4 (the split's four words); in
-// modes 2 and 3 per pair of k-steps, n-tile and lane the two BF16 pairs alone (a uint2), so that one
+// mode 2 per pair of k-steps, n-tile and lane the two BF16 pairs alone (a uint2), so that one
 // conflict-free 64-bit load per n-tile feeds a 16-deep product (reading them out of the float4s
-// cost four shared-memory wavefronts per 32-bit load), in mode 3 the hi parts' then the lo parts'.
-#if LOPT_SPLIT_BF16
-#define LOPT_SPLIT_OPERAND_FLOATS (LOPT_SPLIT_PARTS * 2 * 4 * 32 * 2)
+// cost four shared-memory wavefronts per 32-bit load).
+#if LOPT_SPLIT_MODE == 2
+#define LOPT_SPLIT_OPERAND_FLOATS (2 * 4 * 32 * 2)
 #else
 #define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)
 #endif
@@ -70,19 +54,6 @@ LOPT_DEVICE unsigned pack_bf16x2_relu(float first, float second) {
   unsigned packed;
   asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
   return packed;
-}
-
-// The values of a packed BF16 pair as floats (exact).
-LOPT_DEVICE float unpacked_first(unsigned packed) { return __uint_as_float(packed << 16); }
-LOPT_DEVICE float unpacked_second(unsigned packed) { return __uint_as_float(packed & 0xFFFF0000u); }
-
-// The BF16 value nearest x (round to nearest even), as a float.
-LOPT_DEVICE float bf16_part(float x) { return unpacked_first(pack_bf16x2(x, 0.f)); }
-
-// Mode 3's lo parts of a pair whose hi parts are `hi` (pack_bf16x2 of the same values): the
-// remainders (exact in float32), rounded to BF16.
-LOPT_DEVICE unsigned pack_bf16x2_remainders(float first, float second, unsigned hi) {
-  return pack_bf16x2(__fsub_rn(first, unpacked_first(hi)), __fsub_rn(second, unpacked_second(hi)));
 }
 
 // x = hi + lo: hi rounded to TF32, lo the exact float32 remainder.
@@ -133,31 +104,21 @@ LOPT_DEVICE void mma_bf16_m16n8k16(float d[4], const unsigned a[4], unsigned b0,
 
 // B (k < 32, n < 32, given by weight(k, n)) in fragment order: for k-step j, n-tile c and lane,
 // one float4 {tf32 b_hi(8j + t), tf32 b_hi(8j + t + 4), bf16x2 b_hi(those two), bf16x2 b_lo(those two)}
-// of column n = 8c + g; in modes 2 and 3, for k-steps 2p and 2p + 1, n-tile c and lane, the uint2 of
-// those two k-steps' bf16x2 b_hi (mode 2: b rounded to TF32, then to BF16, as the float4's third
-// word; mode 3: b rounded to BF16), and in mode 3 after all of them the same uint2s of b_lo.
+// of column n = 8c + g; in mode 2, for k-steps 2p and 2p + 1, n-tile c and lane, the uint2 of those
+// two k-steps' bf16x2 b_hi (b_hi rounded to TF32, then to BF16, as the float4's third word).
 template <typename Weight>
 LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int num_threads) {
-#if LOPT_SPLIT_BF16
-  constexpr int kSlots = 2 * 4 * 32;
-  for (int slot = thread; slot < kSlots; slot += num_threads) {
+#if LOPT_SPLIT_MODE == 2
+  for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
     const int lane = slot % 32, tile = slot / 32, p = tile / 4, c = tile % 4;
     const int g = lane / 4, t = lane % 4;
-    unsigned hi[2], lo[2];
+    unsigned pair[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int j = 2 * p + half;
-      const float first = weight(8 * j + t, 8 * c + g), second = weight(8 * j + t + 4, 8 * c + g);
-#if LOPT_SPLIT_MODE == 3
-      hi[half] = pack_bf16x2(first, second);
-      lo[half] = pack_bf16x2_remainders(first, second, hi[half]);
-#else
-      hi[half] = pack_bf16x2(split(first).hi, split(second).hi);
-      lo[half] = 0u;
-#endif
+      pair[half] = pack_bf16x2(split(weight(8 * j + t, 8 * c + g)).hi, split(weight(8 * j + t + 4, 8 * c + g)).hi);
     }
-    reinterpret_cast<uint2*>(out)[slot] = make_uint2(hi[0], hi[1]);
-    if (LOPT_SPLIT_PARTS == 2) reinterpret_cast<uint2*>(out)[kSlots + slot] = make_uint2(lo[0], lo[1]);
+    reinterpret_cast<uint2*>(out)[slot] = make_uint2(pair[0], pair[1]);
   }
 #else
   for (int slot = thread; slot < 4 * 4 * 32; slot += num_threads) {
@@ -170,48 +131,37 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 #endif
 }
 
-#if LOPT_SPLIT_BF16
-// The B operand as write_split_operand lays it out in shared memory: the lane's uint2 of n-tile c
-// and k-step pair p, slot (4p + c) * 32 + lane (of the lo parts: 256 slots further). RegisterOperand
-// holds the same in registers.
+#if LOPT_SPLIT_MODE == 2
+// Mode 2's B operand as write_split_operand lays it out in shared memory: the lane's uint2 of n-tile
+// c and k-step pair p, slot (4p + c) * 32 + lane. RegisterOperand holds the same in registers.
 struct SharedOperand {
   const float* operand;
   int lane;
   LOPT_DEVICE uint2 operator()(int p, int c) const { return reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane]; }
-  LOPT_DEVICE uint2 low(int p, int c) const { return reinterpret_cast<const uint2*>(operand)[(8 + p * 4 + c) * 32 + lane]; }
 };
 struct RegisterOperand {
-  uint2 fragments[8 * LOPT_SPLIT_PARTS];  // [4p + c], then the lo parts'
+  uint2 fragments[8];  // [4p + c]
   // (An opaque load: the compiler would otherwise re-read the shared copy at each use, as it may for
   // memory no thread writes again.)
   LOPT_DEVICE void load(const float* operand, int lane) {
 #pragma unroll
-    for (int i = 0; i < 8 * LOPT_SPLIT_PARTS; ++i) {
+    for (int i = 0; i < 8; ++i) {
       const unsigned address =
           static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<const uint2*>(operand) + i * 32 + lane));
       asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(fragments[i].x), "=r"(fragments[i].y) : "r"(address));
     }
   }
   LOPT_DEVICE uint2 operator()(int p, int c) const { return fragments[p * 4 + c]; }
-  LOPT_DEVICE uint2 low(int p, int c) const { return fragments[(8 + p * 4 + c) % (8 * LOPT_SPLIT_PARTS)]; }
 };
 LOPT_DEVICE SharedOperand operand_reader(const float* operand, int lane) { return SharedOperand{operand, lane}; }
 LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand, int) { return operand; }
 
-// A thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: hi[m] = {row g, row g + 8
-// of k-step 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of
-// the B operand's uint2; in mode 3 lo[m] the same of the low parts.
-struct PairFragments {
-  unsigned hi[2][4];
-#if LOPT_SPLIT_MODE == 3
-  unsigned lo[2][4];
-#endif
-};
-
-// acc[m][c] = bias + A_m B over 32 k as 16-deep BF16 products (mode 3: a_lo b_hi + a_hi b_lo +
-// a_hi b_hi, the small terms first); operand_source: the B operand, in shared memory or a
-// RegisterOperand; bias: 32 floats, or nullptr for a layer whose inputs carry it, as the first
-// layer's constant ones do; load_fragments(p, f) fills the PairFragments of k-step pair p.
+// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (operand_source: the
+// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr for a layer whose
+// inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the thread's
+// packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
+// 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
+// operand's uint2.
 template <typename LoadFragments, typename Operand>
 LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const Operand& operand_source,
                                   const float* bias, int lane) {
@@ -219,7 +169,7 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
   const int t = lane % 4;
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
-    PairFragments f;
+    unsigned f[2][4];
     load_fragments(p, f);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -228,27 +178,32 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
       // costs twice the shared-memory wavefronts; H100, GPT-2 medium apply pass 10.42 against 10.24 ms.)
       const float2 bias_pair = bias != nullptr ? *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t) : make_float2(0.f, 0.f);
       const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
-#if LOPT_SPLIT_MODE == 3
-      const uint2 b_lo = operand.low(p, c);
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        mma_bf16_m16n8k16(acc[m][c], f.lo[m], b.x, b.y, p == 0 ? bias_fragment : acc[m][c]);
-        mma_bf16_m16n8k16(acc[m][c], f.hi[m], b_lo.x, b_lo.y, acc[m][c]);
-        mma_bf16_m16n8k16(acc[m][c], f.hi[m], b.x, b.y, acc[m][c]);
-      }
-#else
-#pragma unroll
-      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f.hi[m], b.x, b.y, p == 0 ? bias_fragment : acc[m][c]);
-#endif
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? bias_fragment : acc[m][c]);
     }
   }
 }
-#else
+#endif
+
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
 // values of k-step j for both m-tiles. The bias enters as the first product's addend (lane's
 // columns 8c + 2t, 8c + 2t + 1). Each B fragment is read from shared memory once for both m-tiles.
 template <typename LoadA>
 LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, const float* bias, int lane) {
+#if LOPT_SPLIT_MODE == 2
+  bf16_layer_32x32(acc, [&](int p, unsigned f[2][4]) {
+    float a0[2][4], a1[2][4];
+    load_a(2 * p, a0);
+    load_a(2 * p + 1, a1);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      f[m][0] = pack_bf16x2(a0[m][0], a0[m][2]);  // row g
+      f[m][1] = pack_bf16x2(a0[m][1], a0[m][3]);  // row g + 8
+      f[m][2] = pack_bf16x2(a1[m][0], a1[m][2]);
+      f[m][3] = pack_bf16x2(a1[m][1], a1[m][3]);
+    }
+  }, operand, bias, lane);
+#else
   const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -273,5 +228,5 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
       }
     }
   }
-}
 #endif
+}

@@ -57,11 +57,10 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
     assert result.returncode != 0 and field in result.stderr
 
 
-# LOPT_SPLIT_MODE -> (TF32, BF16) MMAs of the MLP: three BF16 products per two k-steps (mode 3, the
-# exact default: 2 layers x 2 pairs of k-steps x 4 n-tiles x 2 m-tiles x 3), 2 layers x 4 k-steps x 4
-# n-tiles x 2 m-tiles of each kind (mode 0), TF32 alone (mode 1), one BF16 product per two k-steps
-# (mode 2, precision="fast"), whose output layer adds 4 k-steps x 2 m-tiles of TF32.
-MMA_COUNTS = {3: (0, 96), 0: (64, 64), 1: (64, 0), 2: (8, 32)}
+# LOPT_SPLIT_MODE -> (TF32, BF16) MMAs of the MLP: 2 layers x 4 k-steps x 4 n-tiles x 2 m-tiles of each
+# kind (exact), TF32 alone (mode 1), one BF16 product per two k-steps (mode 2, precision="fast"), whose
+# output layer adds 4 k-steps x 2 m-tiles of TF32.
+MMA_COUNTS = {0: (64, 64), 1: (64, 0), 2: (8, 32)}
 
 
 @pytest.mark.parametrize("mode", sorted(MMA_COUNTS))
