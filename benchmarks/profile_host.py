@@ -5,6 +5,8 @@ with a fresh set of gradient tensors every step as in bench_fused.py:
 
     PYTHONPATH=. python benchmarks/profile_host.py [velo|small_fc_lopt] [gpt2-medium] > host.txt
 
+(HOST_CPROFILE=0: the times and the timeline alone.)
+
 In a step timed with synchronisation the device waits for the host until the first launch: that
 offset is the part of the host's share the step pays in full.
 """
@@ -12,6 +14,7 @@ offset is the part of the host's share the step pays in full.
 import cProfile
 import collections
 import functools
+import os
 import pstats
 import statistics
 import sys
@@ -20,6 +23,7 @@ import time
 import torch
 
 from benchmarks.bench_fused import do_step, gradient_sets, make
+from lopt.fused import launcher
 from lopt.param_sets import build_parameters
 from lopt.weights import random_weights
 
@@ -63,8 +67,10 @@ def marked(label, fn):
 
 engine = optimizer._fused_engine
 optimizer._check_gradients = marked("check phase done", optimizer._check_gradients)
-for method in ("_plan_for", "_refresh", "flags", "_step_arguments", "_accumulate", "_statistics", "_control", "_apply"):
+for method in ("_plan_for", "_refresh", "_refresh_groups", "flags", "_step_arguments", "_accumulate", "_statistics",
+               "_control", "_apply"):
     setattr(engine, method, marked(f"{method} done", getattr(engine, method)))
+launcher.MetadataTable.update = marked("a table's update done", launcher.MetadataTable.update)
 original_launch = engine.launch
 
 
@@ -88,6 +94,8 @@ print("\ntimeline of one step (median ms after step() is called; 30 steps):")
 for (label, n), values in sorted(offsets.items(), key=lambda item: statistics.median(item[1])):
     print(f"  {statistics.median(values):7.3f}  {label}{f' ({n})' if n > 1 else ''}")
 
+if os.environ.get("HOST_CPROFILE", "1") == "0":
+    sys.exit(0)
 profiler = cProfile.Profile()
 profiler.enable()
 for i in range(30):

@@ -59,12 +59,14 @@ def _dist():
 _DTENSOR_CLASS: list = []  # [DTensor] once looked up, [None] in a torch build without distributed support
 
 
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (no DTensor: decided without an isinstance)
+# Tensors that are not DTensors, known by their type alone (no isinstance; the check phase tests every
+# gradient and parameter against it in every step).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_dtensor(tensor) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (cheap: called for every parameter in every step)."""
-    if type(tensor) in _PLAIN_TENSOR_TYPES:
+    if type(tensor) in PLAIN_TENSOR_TYPES:
         return False
     if not _DTENSOR_CLASS:
         if _dist() is None:

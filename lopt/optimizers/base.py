@@ -231,16 +231,17 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         nothing; returns the participating parameters and GradScaler's tensors."""
         participating, gradients = [], []
         index = 0
-        strided, supported = torch.strided, SUPPORTED_DTYPES
+        strided, supported, plain = torch.strided, SUPPORTED_DTYPES, distributed.PLAIN_TENSOR_TYPES
         for group in self.param_groups:
             _validate_live_group(self, group)
             params, grads = [], []
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    # (the common case in one expression; _check_gradient says what is wrong)
-                    if not (g.layout == strided and g.dtype in supported and g.shape == p.shape
-                            and g.device == p.device and not is_dtensor(p) and not is_dtensor(g)):
+                    # (the common case in one expression, DTensors left to _check_gradient, which says
+                    # what is wrong, if anything)
+                    if not (type(g) in plain and type(p) in plain and g.layout == strided and g.dtype in supported
+                            and g.shape == p.shape and g.device == p.device):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
                         params.append(p)
