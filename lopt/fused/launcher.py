@@ -241,7 +241,7 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def current_stream_handle(device: torch.device) -> int:
     """The ``cudaStream_t`` of PyTorch's current stream on ``device``, as an integer."""
     if _current_raw_stream is not None:
-        return _current_raw_stream(device.index)
+        return _current_raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
