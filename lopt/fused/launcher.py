@@ -232,33 +232,17 @@ def _external_stream(handle: int, device_index: int):
         return cupy_or_none().cuda.ExternalStream(handle, device_index)  # wraps, never owns, torch's stream
 
 
-# The handle of PyTorch's current stream in one call into torch (what torch.compile's generated code
-# uses); torch.cuda.current_stream builds a Stream object each time, ~10 µs of a step's host time per
-# launch on a slow host.
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def current_stream_handle(device: torch.device) -> int:
-    """The ``cudaStream_t`` of PyTorch's current stream on ``device``, as an integer."""
-    if _current_raw_stream is not None:
-        return _current_raw_stream(device.index if device.index is not None else torch.cuda.current_device())
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def current_cupy_stream(device: torch.device):
-    """PyTorch's current stream on ``device`` as a CuPy stream (wrapped, not owned; cached per handle)."""
-    return _external_stream(current_stream_handle(device), device.index)
-
-
 def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
     """Launch ``kernel`` on PyTorch's current stream of ``device`` (``grid``: blocks, or a tuple of up to 3;
     an empty grid launches nothing)."""
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,))) + (1, 1)
     if min(grid[:3]) <= 0:
         return
-    kernel(grid[:3], (int(block), 1, 1), args, shared_mem=shared_mem, stream=current_cupy_stream(device))
+    stream = torch.cuda.current_stream(device)
+    cupy_stream = _external_stream(stream.cuda_stream, device.index)
+    kernel(grid[:3], (int(block), 1, 1), args, shared_mem=shared_mem, stream=cupy_stream)
     if _SYNC_CHECK:
-        torch.cuda.current_stream(device).synchronize()
+        stream.synchronize()
         cupy_or_none().cuda.runtime.getLastError()
 
 
@@ -274,8 +258,6 @@ class MetadataTable:
     only once its previous upload has run, which with :data:`STAGING_RING` of them is long done), so
     steady-state steps allocate nothing, never wait for the device, and the upload is a plain
     asynchronous copy (also inside CUDA graph capture, where replays re-read that staging buffer).
-    Each staging buffer keeps one CuPy event, re-recorded on the current stream (not a new
-    ``torch.cuda.Event`` and a ``torch.cuda.current_stream`` per upload: host time in every step).
     """
 
     STAGING_RING = 4
@@ -285,37 +267,31 @@ class MetadataTable:
         self.dtype = np.dtype(dtype)
         self.host = None
         self.table = None
-        self.staging = []  # [pinned buffer, its numpy view, the CuPy event of its last upload or None]
+        self.staging = []  # (pinned buffer, event of its last upload or None)
         self.next_staging = 0
 
     def update(self, rows: np.ndarray) -> torch.Tensor:
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
-        if self.table is not None and self.host.shape == rows.shape and self.host.tobytes() == rows.tobytes():
+        if self.table is not None and self.host.shape == rows.shape and np.array_equal(self.host, rows):
             return self.table
         torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}[self.dtype]
         if self.table is None or self.host.shape != rows.shape:
             self.table = torch.empty(rows.shape, dtype=torch_dtype, device=self.device)
             self.staging = []
         if len(self.staging) < self.STAGING_RING:
-            buffer = torch.empty(rows.shape, dtype=torch_dtype, pin_memory=True)
-            self.staging.append([buffer, buffer.numpy(), None])
+            self.staging.append([torch.empty(rows.shape, dtype=torch_dtype, pin_memory=True), None])
             slot = self.staging[-1]
         else:
             slot = self.staging[self.next_staging]
             self.next_staging = (self.next_staging + 1) % self.STAGING_RING
-            if slot[2] is not None and not slot[2].done:
-                slot[2].synchronize()  # (uploaded STAGING_RING updates ago: in practice done, never waited for)
-        slot[1][...] = rows
-        # (torch's copy, not a raw one: the pinned-memory allocator then knows the buffer is in use and
-        # hands it to no one else until the copy has run, should this table be dropped meanwhile.)
+            if slot[1] is not None and not slot[1].query():
+                slot[1].synchronize()  # (uploaded STAGING_RING updates ago: in practice done, never waited for)
+        slot[0].numpy()[...] = rows
         self.table.copy_(slot[0], non_blocking=True)
         if torch.cuda.is_current_stream_capturing():
-            slot[2] = None  # captured as a graph node; replays re-read this staging buffer
+            slot[1] = None  # captured as a graph node; replays re-read this staging buffer
         else:
-            if slot[2] is None:
-                cuda = cupy_or_none().cuda
-                with cuda.Device(self.device.index):  # (an event records on streams of its own device)
-                    slot[2] = cuda.Event(disable_timing=True)
-            slot[2].record(current_cupy_stream(self.device))
+            slot[1] = torch.cuda.Event()
+            slot[1].record(torch.cuda.current_stream(self.device))
         self.host = rows.copy()
         return self.table
