@@ -8,7 +8,8 @@ with a fresh set of gradient tensors every step as in bench_fused.py:
 (HOST_CPROFILE=0: the times and the timeline alone.)
 
 In a step timed with synchronisation the device waits for the host until the first launch: that
-offset is the part of the host's share the step pays in full.
+offset is the part of the host's share the step pays in full. A device timeline (CUDA events after
+each launch) shows when each kernel finishes in such a step.
 """
 
 import cProfile
@@ -93,6 +94,44 @@ engine.launch = original_launch
 print("\ntimeline of one step (median ms after step() is called; 30 steps):")
 for (label, n), values in sorted(offsets.items(), key=lambda item: statistics.median(item[1])):
     print(f"  {statistics.median(values):7.3f}  {label}{f' ({n})' if n > 1 else ''}")
+
+# The device's side of a synchronised step: when each kernel has finished, in ms after a CUDA event
+# recorded just before step() is called (as bench_fused.py times a step), from an event recorded
+# after each launch.
+kernel_ends = []
+
+
+def evented_launch(kernel_name, *args, **kwargs):
+    original_launch(kernel_name, *args, **kwargs)
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    kernel_ends.append((kernel_name, event))
+
+
+engine.launch = evented_launch
+device_offsets = collections.defaultdict(list)
+for i in range(30):
+    for p, g in zip(params, grad_sets[i % len(grad_sets)]):
+        p.grad = g
+    torch.cuda.synchronize()
+    kernel_ends.clear()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    do_step(optimizer, loss)
+    end.record()
+    end.synchronize()
+    seen = collections.Counter()
+    for kernel_name, event in kernel_ends:
+        seen[kernel_name] += 1
+        device_offsets[(f"{kernel_name} finished", seen[kernel_name])].append(start.elapsed_time(event))
+    device_offsets[("the step's end event", 1)].append(start.elapsed_time(end))
+engine.launch = original_launch
+print("\ndevice timeline of a synchronised step (median ms after the start event; 30 steps):")
+previous = 0.0
+for (label, n), values in sorted(device_offsets.items(), key=lambda item: statistics.median(item[1])):
+    at = statistics.median(values)
+    print(f"  {at:7.3f}  (+{at - previous:6.3f})  {label}{f' ({n})' if n > 1 else ''}")
+    previous = at
 
 if os.environ.get("HOST_CPROFILE", "1") == "0":
     sys.exit(0)
