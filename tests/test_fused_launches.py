@@ -194,6 +194,29 @@ def test_the_tensor_table_follows_gradients_and_parameters(name, recorded, monke
     assert step_and_table()[0] == 0
 
 
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_the_first_launch_precedes_the_tensor_tables_upload(name, recorded, monkeypatch):
+    """A synchronised step waits for the host until its first launch, so a step with new gradients
+    uploads only the axis table (what the gradients' sums read) before launching them; the tensor and
+    group tables follow while the device runs that launch, before any kernel that reads them."""
+    original = CpuTable.update
+    monkeypatch.setattr(CpuTable, "update", lambda self, rows: recorded.append(("upload", self)) or original(self, rows))
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
+    opt = engine_for(name, params)
+    for index in range(2):  # (the first step also builds the plan and its fixed tables)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        recorded.clear()
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+    plan = opt._fused_engine.plan
+    names = {id(plan.axis_table): "axis", id(plan.tensor_table): "tensor", id(plan.group_values): "group values",
+             id(plan.group_table): "groups"}
+    order = [("upload", names.get(id(event[1]), "other")) if event[0] == "upload" else event[0] for event in recorded]
+    first_launch = order.index("adafactor_axis_partials")
+    assert order[:first_launch] == [("upload", "axis")], order
+    assert ("upload", "tensor") in order[first_launch:order.index("adafactor_finalize")], order
+
+
 def sharded_worker(rank, name, init_file, out_file):
     """One of two gloo processes: a fused engine (kernels recorded, CPU tensors standing in for device
     memory) on DTensor parameters sharded on dim 0, two steps."""
