@@ -36,10 +36,14 @@ optimizer = make(name, params, "fused", random_weights(name))
 loss = torch.tensor(2.5, device="cuda")
 
 
-def one_step(i):
+def set_gradients(i):
     for p, g in zip(params, grad_sets[i % len(grad_sets)]):
         p.grad = g
     torch.cuda.synchronize()
+
+
+def one_step(i):
+    set_gradients(i)
     start = time.perf_counter()
     do_step(optimizer, loss)
     host = time.perf_counter() - start
@@ -52,6 +56,24 @@ for i in range(5):
 hosts = [one_step(i)[0] for i in range(30)]
 print(f"{name} on {param_set}: host time of step() (no sync): median {statistics.median(hosts) * 1e3:.3f} ms, "
       f"min {min(hosts) * 1e3:.3f} ms")
+
+def record_numbered(offsets, events):
+    """Add each (label, ms) to offsets[(label, n)], n counting the label's occurrences in this step."""
+    seen = collections.Counter()
+    for label, ms in events:
+        seen[label] += 1
+        offsets[(label, seen[label])].append(ms)
+
+
+def print_timeline(title, offsets):
+    """The median of each entry, in time order, with the gap since the one before."""
+    print(f"\n{title}")
+    previous = 0.0
+    for (label, n), values in sorted(offsets.items(), key=lambda item: statistics.median(item[1])):
+        at = statistics.median(values)
+        print(f"  {at:7.3f}  (+{at - previous:6.3f})  {label}{f' ({n})' if n > 1 else ''}")
+        previous = at
+
 
 # Timeline: the end of each phase and each launch, in ms from the call of step().
 marks = []
@@ -85,15 +107,9 @@ offsets = collections.defaultdict(list)
 for i in range(30):
     marks.clear()
     host, start = one_step(i)
-    seen = collections.Counter()
-    for label, at in marks:
-        seen[label] += 1
-        offsets[(label, seen[label])].append((at - start) * 1e3)
-    offsets[("step() returned", 1)].append(host * 1e3)
+    record_numbered(offsets, [(label, (at - start) * 1e3) for label, at in marks] + [("step() returned", host * 1e3)])
 engine.launch = original_launch
-print("\ntimeline of one step (median ms after step() is called; 30 steps):")
-for (label, n), values in sorted(offsets.items(), key=lambda item: statistics.median(item[1])):
-    print(f"  {statistics.median(values):7.3f}  {label}{f' ({n})' if n > 1 else ''}")
+print_timeline("timeline of one step (median ms after step() is called; 30 steps):", offsets)
 
 # The device's side of a synchronised step: when each kernel has finished, in ms after a CUDA event
 # recorded just before step() is called (as bench_fused.py times a step), from an event recorded
@@ -111,27 +127,19 @@ def evented_launch(kernel_name, *args, **kwargs):
 engine.launch = evented_launch
 device_offsets = collections.defaultdict(list)
 for i in range(30):
-    for p, g in zip(params, grad_sets[i % len(grad_sets)]):
-        p.grad = g
-    torch.cuda.synchronize()
+    set_gradients(i)
+    marks.clear()  # (the phases' marks are not read here)
     kernel_ends.clear()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     do_step(optimizer, loss)
     end.record()
     end.synchronize()
-    seen = collections.Counter()
-    for kernel_name, event in kernel_ends:
-        seen[kernel_name] += 1
-        device_offsets[(f"{kernel_name} finished", seen[kernel_name])].append(start.elapsed_time(event))
-    device_offsets[("the step's end event", 1)].append(start.elapsed_time(end))
+    record_numbered(device_offsets, [(f"{kernel_name} finished", start.elapsed_time(event))
+                                     for kernel_name, event in kernel_ends]
+                    + [("the step's end event", start.elapsed_time(end))])
 engine.launch = original_launch
-print("\ndevice timeline of a synchronised step (median ms after the start event; 30 steps):")
-previous = 0.0
-for (label, n), values in sorted(device_offsets.items(), key=lambda item: statistics.median(item[1])):
-    at = statistics.median(values)
-    print(f"  {at:7.3f}  (+{at - previous:6.3f})  {label}{f' ({n})' if n > 1 else ''}")
-    previous = at
+print_timeline("device timeline of a synchronised step (median ms after the start event; 30 steps):", device_offsets)
 
 if os.environ.get("HOST_CPROFILE", "1") == "0":
     sys.exit(0)

@@ -203,7 +203,7 @@ def test_the_first_launch_precedes_the_tensor_tables_upload(name, recorded, monk
     monkeypatch.setattr(CpuTable, "update", lambda self, rows: recorded.append(("upload", self)) or original(self, rows))
     params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
     opt = engine_for(name, params)
-    for index in range(2):  # (the first step also builds the plan and its fixed tables)
+    for _ in range(2):  # (the first step also builds the plan and its fixed tables)
         for p in params:
             p.grad = torch.randn_like(p)
         recorded.clear()
