@@ -217,6 +217,93 @@ def test_the_first_launch_precedes_the_tensor_tables_upload(name, recorded, monk
     assert ("upload", "tensor") in order[first_launch:order.index("adafactor_finalize")], order
 
 
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_to_it(name, recorded, monkeypatch):
+    """While the last plan fits, the check phase validates the gradients and reads their pointers in
+    one pass (FusedEngine.checked_gradients): the same parameters and gradients as the general check,
+    the same launches and tables. Anything it does not expect goes to the general check, which
+    refuses bad gradients with its own messages or re-plans, and the fast check resumes after."""
+    g = torch.Generator().manual_seed(3)
+    weight, bias, frozen = (torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((6, 4), (5,), (3,)))
+    opt = engine_for(name, [{"params": [weight, frozen]}, {"params": [bias]}])
+    engine = opt._fused_engine
+    general = []
+    original = type(opt)._check_gradients
+    monkeypatch.setattr(type(opt), "_check_gradients", lambda self: general.append(1) or original(self))
+
+    def new_gradients():
+        for p in (weight, bias):
+            p.grad = torch.randn(p.shape, generator=g)
+
+    def step():
+        general.clear()
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+        return not general  # (True: the fast check took the step)
+
+    new_gradients()
+    assert not step()  # (the first step plans)
+    new_gradients()
+    checked = engine.checked_gradients()
+    inputs = original(opt)
+    assert checked[0] == inputs.params and [list(map(id, grads)) for grads in checked[1]] == \
+        [list(map(id, grads)) for grads in inputs.grads]
+    assert checked[2].grad_pointers == [weight.grad.data_ptr(), bias.grad.data_ptr()]
+    assert checked[2].grad_dtypes == [torch.float32, torch.float32]
+    def launches_and_tables():  # (CpuTable re-creates its tensor on every update: tables by content)
+        plan = engine.plan
+        return [launch[:3] for launch in recorded], plan.tensor_table.host.copy(), plan.axis_table.host.copy()
+
+    recorded.clear()
+    assert step()
+    fast = launches_and_tables()
+    engine.checked_gradients = lambda: None  # the same step through the general check
+    recorded.clear()
+    assert not step()
+    del engine.checked_gradients
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(launches_and_tables(), fast))
+
+    refused = [  # (a gradient the general check refuses; its message)
+        (lambda: setattr(weight.grad, "data", torch.randn(4, 6)), RuntimeError,
+         r"gradient of parameter #0 has shape \(4, 6\) but the parameter has shape \(6, 4\)"),
+        (lambda: setattr(bias.grad, "data", torch.randn(5, dtype=torch.float64)), TypeError,
+         r"gradient of parameter #2 has unsupported dtype torch.float64"),
+        (lambda: setattr(bias, "grad", torch.randn(5, generator=g).to_sparse()), RuntimeError,
+         r"does not support sparse gradients \(parameter #2, shape \(5,\)\)"),
+    ]
+    for spoil, error, message in refused:
+        new_gradients()
+        spoil()
+        assert engine.checked_gradients() is None
+        with pytest.raises(error, match=message):
+            step()
+        new_gradients()
+        assert step()
+    taken = [  # (a change the general check takes; whether it re-plans)
+        (lambda: setattr(weight, "grad", torch.randn(4, 6, generator=g).t()), False),  # strides unlike the parameter's
+        (lambda: setattr(frozen, "grad", torch.randn(3, generator=g)), True),  # one more participating parameter
+        (lambda: setattr(bias, "grad", None), True),  # one less
+        (lambda: setattr(weight, "data", weight.data.clone()), False),  # the parameter's storage moved
+        (lambda: opt.param_groups[1].__setitem__("max_grad_norm", 1.0), True),  # clipping in a group
+        (lambda: setattr(bias.grad, "data", bias.grad.data.to(torch.bfloat16)), False),  # a new (supported) dtype
+    ]
+    for change, replans in taken:
+        new_gradients()
+        change()
+        assert engine.checked_gradients() is None
+        plan_before = engine.plan
+        assert not step()
+        assert (engine.plan is not plan_before) == replans
+        copies = engine.plan.grad_copies
+        assert engine.plan.grad_pointers == [p.grad.data_ptr() if p.grad.is_contiguous() else copies[0].data_ptr()
+                                             for p in (weight, frozen, bias) if p.grad is not None]
+        new_gradients()
+        frozen.grad = None
+        step()  # (back to the usual gradients: re-plans where the change did)
+        new_gradients()
+        assert step()  # the fast check again
+
+
 def sharded_worker(rank, name, init_file, out_file):
     """One of two gloo processes: a fused engine (kernels recorded, CPU tensors standing in for device
     memory) on DTensor parameters sharded on dim 0, two steps."""

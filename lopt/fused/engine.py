@@ -25,6 +25,7 @@ differ from their parameter's are copied into a buffer of the parameter's layout
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -73,6 +74,14 @@ def pack_decays(decays) -> torch.Tensor:
     """The ``Decays`` struct of accumulators.cuh: each decay and its float32 complement, as the reference forms them."""
     momentum, rms, adafactor = decays.momentum.cpu(), decays.rms.cpu(), decays.adafactor.cpu()
     return torch.cat([momentum, 1 - momentum, rms, 1 - rms, adafactor, 1 - adafactor, torch.zeros(2)])
+
+
+class GatheredGradients(NamedTuple):
+    """What the fast check (:meth:`FusedEngine.checked_gradients`) read beside the gradients."""
+
+    plan: "Plan"
+    grad_pointers: list
+    grad_dtypes: list
 
 
 class Plan:
@@ -126,6 +135,10 @@ class Plan:
         self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
         self.tensor_rows_stale = True  # (the gradient pointers changed since the tensor table's upload)
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
+        # The fast check's expectations (FusedEngine.checked_gradients): per group, every parameter
+        # with the shape of its gradient (None: it has none); None where every step takes the general check.
+        self.expected_gradients: list | None = None
+        self.group_params: list = []  # the participating parameters per group
 
 
 class FusedEngine:
@@ -151,6 +164,70 @@ class FusedEngine:
         names = ("adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables") + self.KERNELS
         self.kernels = {name: self.module.get_function(name) for name in names}
         self.plan: Plan | None = None
+        self.device_index = self.device.index if self.device.type == "cuda" else -1  # (as Tensor.get_device says)
+
+    # ------------------------------------------------------------------ check
+
+    def checked_gradients(self) -> tuple | None:
+        """The check phase's fast path: ``(params, grads, gathered)`` per group as the general check
+        (``_check_gradients``) would return them, or None to take that check.
+
+        It applies while the last plan fits: the groups hold the same parameters, each with a gradient
+        where the plan has one (none elsewhere), a dense contiguous tensor of the planned shape on this
+        device, of the dtype it had last step, and no parameter's storage has moved. Those gradients
+        are validated and their pointers read in one pass, the part of the host's work that grows with
+        the number of tensors (a synchronised step's device waits for it before its first launch)."""
+        plan = self.plan
+        expected = plan.expected_gradients if plan is not None else None
+        groups = self.optimizer.param_groups
+        if expected is None or len(groups) != len(expected):
+            return None
+        if tuple(group.get("max_grad_norm") is not None for group in groups) != plan.key[2]:
+            return None
+        tensor, strided, device_index = torch.Tensor, torch.strided, self.device_index
+        grads_by_group, grad_pointers, grad_dtypes, param_pointers = [], [], [], []
+        for group, group_expected in zip(groups, expected):
+            params = group["params"]
+            if len(params) != len(group_expected):
+                return None
+            grads = []
+            for p, (planned, shape) in zip(params, group_expected):
+                g = p.grad
+                if p is not planned:
+                    return None
+                if shape is None:  # (no gradient in the plan)
+                    if g is None:
+                        continue
+                    return None
+                if (type(g) is not tensor or g.layout is not strided or g.shape != shape
+                        or g.get_device() != device_index or not g.is_contiguous()):
+                    return None
+                grads.append(g)
+                grad_pointers.append(g.data_ptr())
+                grad_dtypes.append(g.dtype)
+                param_pointers.append(p.data_ptr())
+            grads_by_group.append(grads)
+        if grad_dtypes != plan.grad_dtypes or param_pointers != plan.param_pointers:
+            return None  # (a new dtype is validated by the general check; moved storage re-plans)
+        return plan.group_params, grads_by_group, GatheredGradients(plan, grad_pointers, grad_dtypes)
+
+    def _expected_gradients(self, plan: Plan) -> list | None:
+        """The fast check's expectations for a new plan (``Plan.expected_gradients``)."""
+        if plan.sharded_rows or plan.strided_rows:
+            return None  # (their gradients need local parts or copies, which the general path makes)
+        participating = set(map(id, plan.params))
+        expected = []
+        for group in self.optimizer.param_groups:
+            rows = []
+            for p in group["params"]:
+                if id(p) in participating:
+                    rows.append((p, p.shape))
+                elif p.grad is None:
+                    rows.append((p, None))
+                else:
+                    return None  # (a zero-element parameter with a gradient: the general check validates it)
+            expected.append(rows)
+        return expected
 
     # ------------------------------------------------------------------ plan
 
@@ -220,6 +297,8 @@ class FusedEngine:
             dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
         plan.pointers[:, -2] = [launcher.DTYPE_CODES[p.dtype] for p in params]
         self._allocate(plan)
+        plan.group_params = [list(group_params) for group_params in inputs.params]
+        plan.expected_gradients = self._expected_gradients(plan)
         self.plan = plan
         return plan
 
@@ -263,22 +342,11 @@ class FusedEngine:
         Per tensor only the gradient's pointer, dtype and layout are read (the parameters' pointers in
         _plan_for, the state's are fixed for the plan), so the host's share of a step stays small
         whether or not the gradients are new tensors every step; tables are uploaded only when changed."""
-        layout, params = plan.layout, plan.locals  # (this step's, from _plan_for)
-        grads = [g for group_grads in inputs.grads for g in group_grads]  # (as the check phase saw them)
-        if plan.sharded_rows:
-            grads = list(map(local_part, grads))
-        # A gradient laid out differently from its parameter is copied into the parameter's layout.
-        strided = plan.strided_rows
-        if strided or not all(map(torch.Tensor.is_contiguous, grads)):
-            for row, g in enumerate(grads):
-                if not g.is_contiguous() if row not in strided else g.stride() != params[row].stride():
-                    copy = plan.grad_copies.get(row)
-                    if copy is None or copy.dtype != g.dtype:
-                        copy = plan.grad_copies[row] = torch.empty_like(params[row], dtype=g.dtype)  # p's layout
-                    copy.copy_(g)
-                    grads[row] = copy
-        grad_pointers = list(map(torch.Tensor.data_ptr, grads))
-        grad_dtypes = [g.dtype for g in grads]
+        layout = plan.layout
+        if inputs.gathered is not None:  # (the fast check read them)
+            grad_pointers, grad_dtypes = inputs.gathered.grad_pointers, inputs.gathered.grad_dtypes
+        else:
+            grad_pointers, grad_dtypes = self._gradient_pointers(plan, inputs)
         if grad_pointers == plan.grad_pointers and grad_dtypes == plan.grad_dtypes:
             return
         if grad_dtypes != plan.grad_dtypes:
@@ -289,6 +357,25 @@ class FusedEngine:
         if layout.num_axis_jobs:
             plan.axis_table.update(layout.axis_rows(pointers, out=plan.axis_rows))
         plan.grad_pointers, plan.grad_dtypes, plan.tensor_rows_stale = grad_pointers, grad_dtypes, True
+
+    @staticmethod
+    def _gradient_pointers(plan: Plan, inputs) -> tuple[list, list]:
+        """The gradients' pointers and dtypes in the plan's row order: a DTensor's local rows, and a
+        gradient laid out differently from its parameter copied into the parameter's layout first."""
+        params = plan.locals  # (this step's, from _plan_for)
+        grads = [g for group_grads in inputs.grads for g in group_grads]  # (as the check phase saw them)
+        if plan.sharded_rows:
+            grads = list(map(local_part, grads))
+        strided = plan.strided_rows
+        if strided or not all(map(torch.Tensor.is_contiguous, grads)):
+            for row, g in enumerate(grads):
+                if not g.is_contiguous() if row not in strided else g.stride() != params[row].stride():
+                    copy = plan.grad_copies.get(row)
+                    if copy is None or copy.dtype != g.dtype:
+                        copy = plan.grad_copies[row] = torch.empty_like(params[row], dtype=g.dtype)  # p's layout
+                    copy.copy_(g)
+                    grads[row] = copy
+        return list(map(torch.Tensor.data_ptr, grads)), [g.dtype for g in grads]
 
     def _refresh_tables(self, plan: Plan) -> None:
         """The tables of the passes after the first: the tensor table (its parameter and gradient
@@ -365,7 +452,8 @@ class FusedEngine:
     def step(self, inputs, *args) -> None:
         """One step: ``inputs`` from the optimizer's check phase, ``args`` what the optimizer's own
         phases need (VeLO: the loss)."""
-        plan = self._plan_for(inputs)
+        gathered = inputs.gathered
+        plan = gathered.plan if gathered is not None and gathered.plan is self.plan else self._plan_for(inputs)
         self._refresh(plan, inputs)
         flags = self.flags(plan, inputs)
         extra = self._step_arguments(plan, *args)

@@ -226,6 +226,20 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             raise TypeError(f"{type(self).__name__}: {what} (shape {tuple(p.shape)}) is {reason}. "
                             f"{distributed.SUPPORTED_LAYOUTS}")
 
+    def _checked_inputs(self) -> StepInputs:
+        """Check phase. The fused engine first tries its fast check (the gradients of exactly the
+        tensors its last step planned, validated and read in one pass); anything else, including
+        anything wrong, goes through :meth:`_check_gradients`, which says what is wrong."""
+        if self.backend == "fused":
+            for group in self.param_groups:
+                _validate_live_group(self, group)
+            grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+            checked = self._fused_engine.checked_gradients()
+            if checked is not None:
+                params, grads, gathered = checked
+                return StepInputs(params, grads, grad_scale, found_inf, gathered)
+        return self._check_gradients()
+
     def _check_gradients(self) -> StepInputs:
         """Check phase, part 1: validate every gradient before touching any state, so a bad input changes
         nothing; returns the participating parameters and GradScaler's tensors."""

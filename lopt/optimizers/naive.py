@@ -34,13 +34,16 @@ class StepInputs:
     ``params[g]`` lists group ``g``'s parameters that take part in this step (a gradient and at
     least one element), ``grads[g]`` their gradients as checked (read once, so a backend steps
     exactly the tensors the check saw). ``grad_scale`` and ``found_inf`` are GradScaler's device
-    tensors when it drives the step (``_step_supports_amp_scaling``), else None.
+    tensors when it drives the step (``_step_supports_amp_scaling``), else None. ``gathered`` is
+    what the fused engine's fast check read beside them (its plan, the gradients' pointers and
+    dtypes), else None.
     """
 
     params: list
     grads: list
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
+    gathered: object = None
 
     def entries(self, groups):
         """(group, param, grad) for every participating parameter, in group order."""

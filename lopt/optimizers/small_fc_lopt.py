@@ -129,7 +129,7 @@ class SmallFCLOpt(LearnedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        inputs = self._check_gradients()
+        inputs = self._checked_inputs()
         if self.backend == "fused":
             self._check_fused_processes_hold_the_same_tensors()
             self._fused_engine.step(inputs)

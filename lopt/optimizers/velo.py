@@ -326,7 +326,7 @@ class VeLO(LearnedOptimizer):
             with torch.enable_grad():
                 returned = from_closure = closure()
         step_loss = self._step_loss(loss, from_closure)
-        inputs = self._check_gradients()
+        inputs = self._checked_inputs()
         step_loss = self._averaged_loss(step_loss)
         if self.backend == "fused":
             self._check_fused_processes_hold_the_same_tensors()
