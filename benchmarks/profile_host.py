@@ -89,7 +89,7 @@ def marked(label, fn):
 
 
 engine = optimizer._fused_engine
-optimizer._check_gradients = marked("check phase done", optimizer._check_gradients)
+optimizer._checked_inputs = marked("check phase done", optimizer._checked_inputs)
 for method in ("_plan_for", "_refresh", "_refresh_groups", "flags", "_step_arguments", "_accumulate", "_statistics",
                "_control", "_apply"):
     setattr(engine, method, marked(f"{method} done", getattr(engine, method)))
