@@ -5,7 +5,8 @@ with a fresh set of gradient tensors every step as in bench_fused.py:
 
     PYTHONPATH=. python benchmarks/profile_host.py [velo|small_fc_lopt] [gpt2-medium] > host.txt
 
-(HOST_CPROFILE=0: the times and the timeline alone.)
+(HOST_CPROFILE=0: the times and the timeline alone; HOST_GENERAL_CHECK=1: every step through the general
+check, not the fused engine's fast check, for an A/B.)
 
 In a step timed with synchronisation the device waits for the host until the first launch: that
 offset is the part of the host's share the step pays in full. A device timeline (CUDA events after
@@ -33,6 +34,8 @@ param_set = sys.argv[2] if len(sys.argv) > 2 else "gpt2-medium"
 params = build_parameters(param_set, "cuda")
 grad_sets = gradient_sets(params)
 optimizer = make(name, params, "fused", random_weights(name))
+if os.environ.get("HOST_GENERAL_CHECK") == "1":  # (A/B: every step through the general check)
+    optimizer._fused_engine.checked_gradients = lambda: None
 loss = torch.tensor(2.5, device="cuda")
 
 
