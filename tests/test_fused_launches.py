@@ -195,14 +195,19 @@ def test_the_tensor_table_follows_gradients_and_parameters(name, recorded, monke
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
-def test_the_first_launch_precedes_the_tensor_tables_upload(name, recorded, monkeypatch):
+@pytest.mark.parametrize("fast_check", [True, False])
+def test_the_first_launch_precedes_the_tensor_tables_upload(name, fast_check, recorded, monkeypatch):
     """A synchronised step waits for the host until its first launch, so a step with new gradients
-    uploads only the axis table (what the gradients' sums read) before launching them; the tensor and
-    group tables follow while the device runs that launch, before any kernel that reads them."""
+    uploads only the axis table (what the gradients' sums read) before launching them; the tensor
+    table follows before any kernel that reads its pointers. The fast check launches the whole
+    accumulate phase (which reads only what is fixed for the plan in the tensor table) before it
+    checks the other gradients; the general check's step refreshes the tensor table first."""
     original = CpuTable.update
     monkeypatch.setattr(CpuTable, "update", lambda self, rows: recorded.append(("upload", self)) or original(self, rows))
     params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
     opt = engine_for(name, params)
+    if not fast_check:
+        opt._fused_engine.checked_gradients = lambda grad_scale: None
     for _ in range(2):  # (the first step also builds the plan and its fixed tables)
         for p in params:
             p.grad = torch.randn_like(p)
@@ -214,7 +219,10 @@ def test_the_first_launch_precedes_the_tensor_tables_upload(name, recorded, monk
     order = [("upload", names.get(id(event[1]), "other")) if event[0] == "upload" else event[0] for event in recorded]
     first_launch = order.index("adafactor_axis_partials")
     assert order[:first_launch] == [("upload", "axis")], order
-    assert ("upload", "tensor") in order[first_launch:order.index("adafactor_finalize")], order
+    tensor_upload, finalize = order.index(("upload", "tensor")), order.index("adafactor_finalize")
+    assert (tensor_upload > order.index("adafactor_factor_tables")) if fast_check else (tensor_upload < finalize), order
+    assert tensor_upload < min(order.index(kernel) for kernel in order if isinstance(kernel, str)
+                               and not kernel.startswith("adafactor_")), order
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
@@ -256,7 +264,7 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
     recorded.clear()
     assert step()
     fast = launches_and_tables()
-    engine.checked_gradients = lambda: None  # the same step through the general check
+    engine.checked_gradients = lambda grad_scale: None  # the same step through the general check
     recorded.clear()
     assert not step()
     del engine.checked_gradients

@@ -24,6 +24,7 @@ differ from their parameter's are copied into a buffer of the parameter's layout
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import NamedTuple
 
@@ -135,10 +136,11 @@ class Plan:
         self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
         self.tensor_rows_stale = True  # (the gradient pointers changed since the tensor table's upload)
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
-        # The fast check's expectations (FusedEngine.checked_gradients): per group, every parameter
-        # with the shape of its gradient (None: it has none); None where every step takes the general check.
-        self.expected_gradients: list | None = None
         self.group_params: list = []  # the participating parameters per group
+        # The fast check's expectations (FusedEngine._fast_check_rows; group_members None: every step
+        # takes the general check), and whether it launched this step's accumulate phase.
+        self.group_members = self.without_gradients = None
+        self.accumulated = False
 
 
 class FusedEngine:
@@ -168,7 +170,7 @@ class FusedEngine:
 
     # ------------------------------------------------------------------ check
 
-    def checked_gradients(self) -> tuple | None:
+    def checked_gradients(self, grad_scale=None) -> tuple | None:
         """The check phase's fast path: ``(params, grads, gathered)`` per group as the general check
         (``_check_gradients``) would return them, or None to take that check.
 
@@ -176,58 +178,96 @@ class FusedEngine:
         where the plan has one (none elsewhere), a dense contiguous tensor of the planned shape on this
         device, of the dtype it had last step, and no parameter's storage has moved. Those gradients
         are validated and their pointers read in one pass, the part of the host's work that grows with
-        the number of tensors (a synchronised step's device waits for it before its first launch)."""
+        the number of tensors.
+
+        A synchronised step's device waits for the host until the first launch, so the gradients that
+        the accumulate phase reads (the factored tensors', and the clipped tensors' for their norms)
+        are checked first and that phase is launched on them (``_accumulate_early``) before the others
+        are checked: it writes only workspaces, so a check that fails after it changes nothing."""
         plan = self.plan
-        expected = plan.expected_gradients if plan is not None else None
+        if plan is None or plan.group_members is None:
+            return None
+        plan.accumulated = False
         groups = self.optimizer.param_groups
-        if expected is None or len(groups) != len(expected):
+        if len(groups) != len(plan.group_members):
             return None
         if tuple(group.get("max_grad_norm") is not None for group in groups) != plan.key[2]:
             return None
-        tensor, strided, device_index = torch.Tensor, torch.strided, self.device_index
-        grads_by_group, grad_pointers, grad_dtypes, param_pointers = [], [], [], []
-        for group, group_expected in zip(groups, expected):
+        for group, members in zip(groups, plan.group_members):
             params = group["params"]
-            if len(params) != len(group_expected):
+            if len(params) != len(members) or not all(map(operator.is_, params, members)):
                 return None
-            grads = []
-            for p, (planned, shape) in zip(params, group_expected):
-                g = p.grad
-                if p is not planned:
-                    return None
-                if shape is None:  # (no gradient in the plan)
-                    if g is None:
-                        continue
-                    return None
-                if (type(g) is not tensor or g.layout is not strided or g.shape != shape
-                        or g.get_device() != device_index or not g.is_contiguous()):
-                    return None
-                grads.append(g)
-                grad_pointers.append(g.data_ptr())
-                grad_dtypes.append(g.dtype)
-                param_pointers.append(p.data_ptr())
-            grads_by_group.append(grads)
-        if grad_dtypes != plan.grad_dtypes or param_pointers != plan.param_pointers:
-            return None  # (a new dtype is validated by the general check; moved storage re-plans)
+        if any(p.grad is not None for p in plan.without_gradients):
+            return None  # (one more participating parameter: the general check re-plans)
+        n = plan.layout.num_tensors
+        grads, grad_pointers, grad_dtypes, param_pointers = [None] * n, [0] * n, [None] * n, [0] * n
+        if not self._read_gradients(plan.source_rows, grads, grad_pointers, grad_dtypes, param_pointers):
+            return None
+        self._accumulate_early(plan, grad_pointers, grad_dtypes, grad_scale)
+        if (not self._read_gradients(plan.other_rows, grads, grad_pointers, grad_dtypes, param_pointers)
+                or grad_dtypes != plan.grad_dtypes or param_pointers != plan.param_pointers):
+            plan.accumulated = False  # (a new dtype is validated by the general check; moved storage re-plans)
+            return None
+        grads_by_group = [grads[start:end] for start, end in plan.group_row_ranges]
         return plan.group_params, grads_by_group, GatheredGradients(plan, grad_pointers, grad_dtypes)
 
-    def _expected_gradients(self, plan: Plan) -> list | None:
-        """The fast check's expectations for a new plan (``Plan.expected_gradients``)."""
+    def _read_gradients(self, rows, grads, grad_pointers, grad_dtypes, param_pointers) -> bool:
+        """Validate the gradients of ``rows`` ((row, parameter, planned shape)) and store each one, its
+        pointer and dtype and its parameter's pointer at its row; False at the first one the general
+        check must see."""
+        tensor, strided, device_index = torch.Tensor, torch.strided, self.device_index
+        for row, p, shape in rows:
+            g = p.grad
+            if (type(g) is not tensor or g.layout is not strided or g.shape != shape
+                    or g.get_device() != device_index or not g.is_contiguous()):
+                return False
+            grads[row] = g
+            grad_pointers[row] = g.data_ptr()
+            grad_dtypes[row] = g.dtype
+            param_pointers[row] = p.data_ptr()
+        return True
+
+    def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, grad_scale) -> None:
+        """The accumulate phase on the gradients checked so far (the axis jobs' sources), from the fast
+        check: it reads the tensor table only for what is fixed for the plan (geometry, the factored
+        accumulators), so the table's refresh with this step's pointers can follow it."""
+        codes = launcher.DTYPE_CODES
+        rows = plan.source_row_indices
+        if not len(rows) or any(grad_dtypes[row] not in codes for row in rows):
+            return
+        pointers = plan.early_pointers  # (plan.pointers is left to _refresh, which compares against it)
+        pointers[rows, 1] = [grad_pointers[row] for row in rows]
+        pointers[rows, -1] = [codes[grad_dtypes[row]] for row in rows]
+        plan.axis_table.update(plan.layout.axis_rows(pointers, out=plan.axis_rows))
+        self._launch_axis_sums(plan, grad_scale)
+        self._refresh_groups(plan)
+        self._finish_accumulate(plan)
+        plan.accumulated = True
+
+    def _fast_check_rows(self, plan: Plan) -> None:
+        """What the fast check expects of a new plan's step (``plan.group_members`` None: every step
+        takes the general check)."""
+        plan.group_members = plan.without_gradients = None
         if plan.sharded_rows or plan.strided_rows:
-            return None  # (their gradients need local parts or copies, which the general path makes)
-        participating = set(map(id, plan.params))
-        expected = []
+            return  # (their gradients need local parts or copies, which the general path makes)
+        participating = {id(p): row for row, p in enumerate(plan.params)}
+        members, without = [], []
         for group in self.optimizer.param_groups:
-            rows = []
             for p in group["params"]:
-                if id(p) in participating:
-                    rows.append((p, p.shape))
-                elif p.grad is None:
-                    rows.append((p, None))
-                else:
-                    return None  # (a zero-element parameter with a gradient: the general check validates it)
-            expected.append(rows)
-        return expected
+                if id(p) not in participating:
+                    if p.grad is not None:
+                        return  # (a zero-element parameter with a gradient: the general check validates it)
+                    without.append(p)
+            members.append(list(group["params"]))
+        sources = set(plan.layout.job_tensor)
+        rows = [(row, p, p.shape) for row, p in enumerate(plan.params)]
+        plan.source_rows = [entry for entry in rows if entry[0] in sources]
+        plan.other_rows = [entry for entry in rows if entry[0] not in sources]
+        plan.source_row_indices = [row for row, _, _ in plan.source_rows]
+        plan.early_pointers = plan.pointers.copy()
+        ends = np.cumsum([len(group_params) for group_params in plan.group_params])
+        plan.group_row_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
+        plan.group_members, plan.without_gradients = members, without
 
     # ------------------------------------------------------------------ plan
 
@@ -260,7 +300,7 @@ class FusedEngine:
                 plan.locals = locals_
                 return plan
             if all((tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
-                plan.param_pointers, plan.locals = param_pointers, locals_  # (moved storage: _refresh_tables re-uploads)
+                plan.param_pointers, plan.locals = param_pointers, locals_  # (moved storage: _refresh_tensor_table re-uploads)
                 return plan
         locals_ = list(map(local_part, params))  # (a DTensor's rows in this process; else the tensor)
         entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
@@ -298,7 +338,7 @@ class FusedEngine:
         plan.pointers[:, -2] = [launcher.DTYPE_CODES[p.dtype] for p in params]
         self._allocate(plan)
         plan.group_params = [list(group_params) for group_params in inputs.params]
-        plan.expected_gradients = self._expected_gradients(plan)
+        self._fast_check_rows(plan)
         self.plan = plan
         return plan
 
@@ -335,13 +375,15 @@ class FusedEngine:
 
     def _refresh(self, plan: Plan, inputs) -> None:
         """Point the axis table at this step's gradients: all that the first launch (the gradients'
-        sums along axes) reads. The other tables are brought up to date by _refresh_tables while the
-        device runs that launch: a step timed with synchronisation waits for the host until the first
-        launch, and rebuilding the tensor table before it cost 0.3-0.4 ms (GPT-2 medium, H100 host).
+        sums along axes) reads. The tensor and group tables are brought up to date while the device
+        runs that launch (_accumulate): a step timed with synchronisation waits for the host until
+        the first launch, and rebuilding the tensor table before it cost 0.3-0.4 ms (GPT-2 medium,
+        H100 host). After the fast check's early accumulate phase the axis table is up to date already.
 
         Per tensor only the gradient's pointer, dtype and layout are read (the parameters' pointers in
-        _plan_for, the state's are fixed for the plan), so the host's share of a step stays small
-        whether or not the gradients are new tensors every step; tables are uploaded only when changed."""
+        _plan_for or the fast check, the state's are fixed for the plan), so the host's share of a step
+        stays small whether or not the gradients are new tensors every step; tables are uploaded only
+        when changed."""
         layout = plan.layout
         if inputs.gathered is not None:  # (the fast check read them)
             grad_pointers, grad_dtypes = inputs.gathered.grad_pointers, inputs.gathered.grad_dtypes
@@ -377,14 +419,13 @@ class FusedEngine:
                     grads[row] = copy
         return list(map(torch.Tensor.data_ptr, grads)), [g.dtype for g in grads]
 
-    def _refresh_tables(self, plan: Plan) -> None:
-        """The tables of the passes after the first: the tensor table (its parameter and gradient
-        pointers, where they changed) and the groups' hyper-parameters."""
+    def _refresh_tensor_table(self, plan: Plan) -> None:
+        """The tensor table of the passes after the accumulate phase's first: its parameter and
+        gradient pointers, where they changed."""
         if plan.tensor_rows_stale or plan.param_pointers is not plan.uploaded_param_pointers:
             plan.pointers[:, 0] = plan.param_pointers
             plan.tensor_table.update(plan.layout.tensor_rows(plan.pointers, out=plan.tensor_rows))
             plan.uploaded_param_pointers, plan.tensor_rows_stale = plan.param_pointers, False
-        self._refresh_groups(plan)
 
     def _refresh_groups(self, plan: Plan) -> None:
         groups = self.optimizer.param_groups
@@ -470,14 +511,26 @@ class FusedEngine:
 
     def _accumulate(self, plan: Plan, inputs) -> None:
         """The accumulate phase; with sharded parameters, what is partial in each process (the means over
-        a split axis, the norms, the slab sums of row_col_mean) is summed across processes in between."""
+        a split axis, the norms, the slab sums of row_col_mean) is summed across processes in between.
+        Where the fast check launched it already (on these gradients), only the tensor table is left."""
+        if plan.accumulated:
+            plan.accumulated = False
+            self._refresh_tensor_table(plan)
+            return
+        self._launch_axis_sums(plan, inputs.grad_scale)
+        self._refresh_tensor_table(plan)  # (while the device runs the launch above)
+        self._refresh_groups(plan)
+        self._finish_accumulate(plan)
+
+    def _launch_axis_sums(self, plan: Plan, grad_scale) -> None:
+        layout, ptr = plan.layout, launcher.pointer
+        self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
+                    (ptr(plan.axis_table.table if layout.num_axis_jobs else None), np.int32(layout.num_axis_jobs),
+                     ptr(plan.axis_partials), ptr(self._on_device(grad_scale)), np.float32(self.GRADIENT_CLIP)))
+
+    def _finish_accumulate(self, plan: Plan) -> None:
         layout, ptr = plan.layout, launcher.pointer
         axis_table = plan.axis_table.table if layout.num_axis_jobs else None
-        jobs = np.int32(layout.num_axis_jobs)
-        self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
-                    (ptr(axis_table), jobs, ptr(plan.axis_partials), ptr(self._on_device(inputs.grad_scale)),
-                     np.float32(self.GRADIENT_CLIP)))
-        self._refresh_tables(plan)  # (while the device runs the launch above)
         mean_blocks = max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS))  # (finalize_mean_blocks)
         self.launch("adafactor_finalize", mean_blocks + layout.num_norm_jobs, FINALIZE_THREADS,
                     (ptr(axis_table), np.int32(layout.num_mean_jobs), np.int64(layout.total_axis_outputs),

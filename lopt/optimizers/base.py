@@ -234,7 +234,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             for group in self.param_groups:
                 _validate_live_group(self, group)
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-            checked = self._fused_engine.checked_gradients()
+            checked = self._fused_engine.checked_gradients(grad_scale)
             if checked is not None:
                 params, grads, gathered = checked
                 return StepInputs(params, grads, grad_scale, found_inf, gathered)
