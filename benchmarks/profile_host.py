@@ -6,7 +6,7 @@ with a fresh set of gradient tensors every step as in bench_fused.py:
     PYTHONPATH=. python benchmarks/profile_host.py [velo|small_fc_lopt] [gpt2-medium] > host.txt
 
 (HOST_CPROFILE=0: the times and the timeline alone; HOST_GENERAL_CHECK=1: every step through the general
-check, not the fused engine's fast check, for an A/B.)
+check, not the fused engine's fast check, for an A/B; HOST_GC_OFF=1: the garbage collector off.)
 
 In a step timed with synchronisation the device waits for the host until the first launch: that
 offset is the part of the host's share the step pays in full. A device timeline (CUDA events after
@@ -34,8 +34,12 @@ param_set = sys.argv[2] if len(sys.argv) > 2 else "gpt2-medium"
 params = build_parameters(param_set, "cuda")
 grad_sets = gradient_sets(params)
 optimizer = make(name, params, "fused", random_weights(name))
+if os.environ.get("HOST_GC_OFF") == "1":  # (A/B: Python's cyclic garbage collector off for the whole run)
+    import gc
+
+    gc.disable()
 if os.environ.get("HOST_GENERAL_CHECK") == "1":  # (A/B: every step through the general check)
-    optimizer._fused_engine.checked_gradients = lambda: None
+    optimizer._fused_engine.checked_gradients = lambda grad_scale: None
 loss = torch.tensor(2.5, device="cuda")
 
 
@@ -91,8 +95,20 @@ def marked(label, fn):
     return wrapper
 
 
+def entered(label, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        marks.append((label, time.perf_counter()))
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 engine = optimizer._fused_engine
-optimizer._checked_inputs = marked("check phase done", optimizer._checked_inputs)
+if hasattr(optimizer, "_step_loss"):
+    optimizer._step_loss = entered("VeLO.step entered (_step_loss)", optimizer._step_loss)
+engine._accumulate_early = entered("_accumulate_early entered", engine._accumulate_early)
+engine._read_gradients = marked("_read_gradients done", engine._read_gradients)
+optimizer._checked_inputs = marked("check phase done", entered("check phase entered", optimizer._checked_inputs))
 for method in ("_plan_for", "_refresh", "_refresh_groups", "flags", "_step_arguments", "_accumulate", "_statistics",
                "_control", "_apply"):
     setattr(engine, method, marked(f"{method} done", getattr(engine, method)))
