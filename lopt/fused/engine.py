@@ -40,6 +40,7 @@ from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, 
 FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
 STATS_THREADS = CONSTANTS["STATS_THREADS"]
 _G = FIELD["GroupMeta"]
+_J = FIELD["AxisJob"]
 STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[2:7]
 assert TENSOR_POINTER_FIELDS[2:7] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
 assert TENSOR_POINTER_FIELDS[:2] == ("param", "grad") and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
@@ -231,14 +232,18 @@ class FusedEngine:
         """The accumulate phase on the gradients checked so far (the axis jobs' sources), from the fast
         check: it reads the tensor table only for what is fixed for the plan (geometry, the factored
         accumulators), so the table's refresh with this step's pointers can follow it."""
-        codes = launcher.DTYPE_CODES
         rows = plan.source_row_indices
-        if not len(rows) or any(grad_dtypes[row] not in codes for row in rows):
-            return
-        pointers = plan.early_pointers  # (plan.pointers is left to _refresh, which compares against it)
-        pointers[rows, 1] = [grad_pointers[row] for row in rows]
-        pointers[rows, -1] = [codes[grad_dtypes[row]] for row in rows]
-        plan.axis_table.update(plan.layout.axis_rows(pointers, out=plan.axis_rows))
+        dtypes = [grad_dtypes[row] for row in rows]
+        if dtypes != plan.source_dtypes:
+            codes = launcher.DTYPE_CODES
+            if not all(dtype in codes for dtype in dtypes):
+                return  # (the general check refuses it)
+            plan.job_dtype_codes = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[plan.job_source]
+            plan.source_dtypes = dtypes
+        jobs = plan.axis_rows  # (its other columns are fixed for the plan)
+        jobs[:, _J["src"]] = np.array([grad_pointers[row] for row in rows], dtype=np.int64)[plan.job_source]
+        jobs[:, _J["dtype"]] = plan.job_dtype_codes
+        plan.axis_table.update(jobs)
         self._launch_axis_sums(plan, grad_scale)
         self._refresh_groups(plan)
         self._finish_accumulate(plan)
@@ -264,7 +269,8 @@ class FusedEngine:
         plan.source_rows = [entry for entry in rows if entry[0] in sources]
         plan.other_rows = [entry for entry in rows if entry[0] not in sources]
         plan.source_row_indices = [row for row, _, _ in plan.source_rows]
-        plan.early_pointers = plan.pointers.copy()
+        plan.job_source = np.searchsorted(plan.source_row_indices, plan.layout.job_tensor)  # (each job's source)
+        plan.source_dtypes = None  # (their dtypes when the job_dtype_codes were built)
         ends = np.cumsum([len(group_params) for group_params in plan.group_params])
         plan.group_row_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
         plan.group_members, plan.without_gradients = members, without
@@ -396,7 +402,7 @@ class FusedEngine:
         pointers = plan.pointers  # (the state's pointers and the parameters' dtypes are fixed for the plan)
         pointers[:, 1] = grad_pointers
         pointers[:, -1] = plan.grad_dtype_codes
-        if layout.num_axis_jobs:
+        if layout.num_axis_jobs and not plan.accumulated:  # (else _accumulate_early uploaded it)
             plan.axis_table.update(layout.axis_rows(pointers, out=plan.axis_rows))
         plan.grad_pointers, plan.grad_dtypes, plan.tensor_rows_stale = grad_pointers, grad_dtypes, True
 
