@@ -413,6 +413,46 @@ def test_views_with_gaps_are_refused_at_construction(name, weights):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_steps_the_fast_check_hands_to_the_general_check_match_naive(name, weights):
+    """The fused check phase launches the accumulate phase once the gradients it reads are checked, then
+    checks the others; a gradient it does not take there (strides unlike its parameter's, another dtype)
+    sends the step through the general check, which must redo that phase on what it reads. Each such
+    step, and the fast steps around them, against naive from the same state."""
+    shapes = [(12, 10), (9,), (8, 6), (5,)]
+    fused_params, naive_params = make_params(shapes, seed=3), make_params(shapes, seed=3)
+    fused = make_optimizer(name, fused_params, "fused", weights[name], lr=0.7)
+    naive = make_optimizer(name, naive_params, "naive", weights[name], lr=0.7)
+
+    def strided_vector(grad):  # (the same values with a stride of 2: not contiguous)
+        spread = torch.randn(grad.numel() * 2, device="cuda")
+        spread[::2] = grad
+        return spread[::2]
+
+    changes = {  # step -> (parameter, how its gradient is changed); the (9,) and (5,) tensors are not factored
+        2: (1, strided_vector),  # after the early accumulate phase: the general check copies it
+        4: (0, lambda grad: grad.t().contiguous().t()),  # a factored tensor's: before it
+        5: (3, lambda grad: grad.to(torch.bfloat16)),  # another dtype, after it (bypassing the grad setter)
+    }
+    for index in range(8):
+        grads = random_grads(fused_params, seed=40 + index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        if index in changes:
+            which, change = changes[index]
+            for params in (fused_params, naive_params):
+                params[which].grad.data = change(params[which].grad.data)
+        before = [p.detach().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
+        naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
+        error = relative_error(flat(fused_updates), flat(naive_updates))
+        assert error <= STEP_TOLERANCE, f"step {index}: relative update error {error:.2e}"
+        sync_into(naive, naive_params, fused, fused_params)
+    assert fused._fused_engine.checked_gradients(None) is not None  # (the fast check takes plain steps again)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_mixed_dtypes_and_tensors_without_gradient(name, weights):
     def build():
         g = torch.Generator().manual_seed(4)
