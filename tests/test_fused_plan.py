@@ -202,6 +202,30 @@ def emulated_means(layout: GroupLayout, partials: np.ndarray) -> np.ndarray:
     return means
 
 
+def test_a_long_strided_axis_is_summed_in_at_most_max_strided_xchunks_chunks():
+    """adafactor_finalize sums each output's partials in one thread, so the strided mode's chunks grow
+    with a long axis (GPT-2's 50257-row embedding) to keep at most MAX_STRIDED_XCHUNKS partials per
+    output; short axes keep STRIDED_XCHUNK rows per chunk. The chunk sums still give the means."""
+    from lopt.fused.plan import MAX_STRIDED_XCHUNKS, STRIDED_XCHUNK
+
+    shapes = [(50257, 3), (4096, 5), (300, 7)]
+    dims = [factored_dims(s) for s in shapes]
+    layout = GroupLayout(shapes, dims, [0] * len(shapes), apply_chunk=128)
+    col = contract.FIELD["AxisJob"]
+    strided = [job for job in layout.static_jobs if job[col["mode"]] == 0]
+    assert [(int(job[col["x"]]), int(job[col["xchunk"]]), int(job[col["num_xchunks"]])) for job in strided] == [
+        (50257, 786, 64), (4096, STRIDED_XCHUNK, 64), (300, STRIDED_XCHUNK, 5)]
+    assert all(job[col["num_xchunks"]] <= MAX_STRIDED_XCHUNKS for job in strided)
+    rng = np.random.default_rng(1)
+    squares = [rng.random(math.prod(s)) for s in shapes]
+    means = emulated_means(layout, emulated_axis_partials(layout, squares))
+    for tensor, job in zip(layout.job_tensor, layout.static_jobs):
+        q, x, i = (int(job[col[name]]) for name in ("q", "x", "i"))
+        first, outputs = int(job[col["first_output"]]), int(job[col["num_outputs"]])
+        expected = squares[tensor].reshape(q, x, i).mean(axis=1).reshape(-1)
+        np.testing.assert_allclose(means[first:first + outputs], expected, rtol=1e-12)
+
+
 def test_sharded_layouts_agree_across_processes_and_their_reduced_means_are_the_whole_tensors():
     """FSDP2's Shard(0) over 2 processes (uneven, and one empty shard): every range the reduce phase
     sums (the means over the split axis, the row-factor normalisers' slab sums, the norm jobs) has the

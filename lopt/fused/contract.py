@@ -74,7 +74,7 @@ CONSTANTS: dict = {
     "STATS_THREADS": 256,
     "STATS_PER_THREAD": 32,
     "AXIS_THREADS": 256,
-    "STRIDED_XCHUNK": 64,  # rows summed per thread in the strided mode
+    "STRIDED_XCHUNK": 64,  # rows summed per thread in the strided mode (at least; plan.MAX_STRIDED_XCHUNKS)
     "CONTIGUOUS_XCHUNK": 2048,  # elements summed per warp in the contiguous mode
     "TABLE_THREADS": 256,
     "TABLE_FLOATS": 12,  # per factor-table entry: {acc[3], pad}, {factor[3], pad}, {rsqrt(acc + 1e-8)[3], pad}

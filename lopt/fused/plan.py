@@ -25,6 +25,10 @@ AXIS_THREADS = CONSTANTS["AXIS_THREADS"]
 STRIDED_XCHUNK = CONSTANTS["STRIDED_XCHUNK"]
 CONTIGUOUS_XCHUNK = CONSTANTS["CONTIGUOUS_XCHUNK"]
 TABLE_THREADS = CONSTANTS["TABLE_THREADS"]
+# At most this many partial sums per output in the strided mode: adafactor_finalize sums an output's
+# partials in one thread, so a long axis (GPT-2's 50257-row embedding: 786 chunks of 64 rows) would
+# leave a few blocks summing long after the others; its chunks grow instead.
+MAX_STRIDED_XCHUNKS = 64
 STATS_CHUNK = CONSTANTS["STATS_CHUNK"]
 
 
@@ -165,7 +169,7 @@ class GroupLayout:
         partials, for a norm)."""
         job = np.zeros(len(_J), dtype=np.int64)
         contiguous = i == 1
-        xchunk = CONTIGUOUS_XCHUNK if contiguous else STRIDED_XCHUNK
+        xchunk = CONTIGUOUS_XCHUNK if contiguous else max(STRIDED_XCHUNK, -(-x // MAX_STRIDED_XCHUNKS))
         num_xchunks = -(-x // xchunk)
         num_outputs = q * i
         if contiguous:
