@@ -417,7 +417,8 @@ def test_steps_the_fast_check_hands_to_the_general_check_match_naive(name, weigh
     """The fused check phase launches the accumulate phase once the gradients it reads are checked, then
     checks the others; a gradient it does not take there (strides unlike its parameter's, another dtype)
     sends the step through the general check, which must redo that phase on what it reads. Each such
-    step, and the fast steps around them, against naive from the same state."""
+    step, and the fast steps around them, against naive from the same state; a gradient the general
+    check refuses after that phase ran leaves parameters, state and step counter as they were."""
     shapes = [(12, 10), (9,), (8, 6), (5,)]
     fused_params, naive_params = make_params(shapes, seed=3), make_params(shapes, seed=3)
     fused = make_optimizer(name, fused_params, "fused", weights[name], lr=0.7)
@@ -433,10 +434,21 @@ def test_steps_the_fast_check_hands_to_the_general_check_match_naive(name, weigh
         4: (0, lambda grad: grad.t().contiguous().t()),  # a factored tensor's: before it
         5: (3, lambda grad: grad.to(torch.bfloat16)),  # another dtype, after it (bypassing the grad setter)
     }
-    for index in range(8):
+    for index in range(9):
         grads = random_grads(fused_params, seed=40 + index)
         set_grads(fused_params, grads)
         set_grads(naive_params, grads)
+        if index == 6:  # refused, after the early accumulate phase read the factored tensors' gradients
+            fused_params[1].grad.data = fused_params[1].grad.data.double()
+            before = [p.detach().clone() for p in fused_params]
+            state_before = [{key: value.clone() for key, value in fused.state[p].items()} for p in fused_params]
+            with pytest.raises(TypeError, match=r"gradient of parameter #1 has unsupported dtype torch.float64"):
+                step(fused, loss_of(index))
+            assert all(torch.equal(p, b) for p, b in zip(fused_params, before))
+            assert all(torch.equal(fused.state[p][key], value)
+                       for p, state in zip(fused_params, state_before) for key, value in state.items())
+            assert int(fused.state_dict()["param_groups"][0]["step"]) == 6
+            continue
         if index in changes:
             which, change = changes[index]
             for params in (fused_params, naive_params):

@@ -282,9 +282,17 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
     for spoil, error, message in refused:
         new_gradients()
         spoil()
+        recorded.clear()
         assert engine.checked_gradients() is None
+        # (the bias is not factored: its gradient is checked after the accumulate phase was launched on
+        # the weight's, which then does not count for the step)
+        early = [launch[0] for launch in recorded]
+        assert early == (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables"]
+                         if spoil is not refused[0][0] else [])
+        assert not engine.plan.accumulated
         with pytest.raises(error, match=message):
             step()
+        assert not engine.plan.accumulated
         new_gradients()
         assert step()
     taken = [  # (a change the general check takes; whether it re-plans)
