@@ -70,13 +70,18 @@ def recorded(monkeypatch):
     return launches
 
 
-def engine_for(name, params, **kwargs):
+def naive_for(name, params, **kwargs):
     weights = lopt.random_weights(name, seed=1)
     if name == "velo":
-        opt = lopt.VeLO(params, num_steps=10, weights=weights, backend="naive", **kwargs)
+        return lopt.VeLO(params, num_steps=10, weights=weights, backend="naive", **kwargs)
+    return lopt.SmallFCLOpt(params, weights=weights, backend="naive", **kwargs)
+
+
+def engine_for(name, params, **kwargs):
+    opt = naive_for(name, params, **kwargs)
+    if name == "velo":
         from lopt.fused.velo import VeLOFused as Engine
     else:
-        opt = lopt.SmallFCLOpt(params, weights=weights, backend="naive", **kwargs)
         from lopt.fused.small_fc_lopt import SmallFCLOptFused as Engine
     opt.backend, opt._fused_engine = "fused", Engine(opt)  # the CPU tensors stand in for device memory
     return opt
@@ -318,6 +323,37 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         step()  # (back to the usual gradients: re-plans where the change did)
         new_gradients()
         assert step()  # the fast check again
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+@pytest.mark.parametrize("backend", ["naive", "fused"])
+def test_a_parameter_resized_after_its_first_step_is_refused_and_nothing_changes(name, backend, recorded):
+    """A parameter given another shape through .data after it took a step no longer matches its state:
+    both backends refuse the step in the check phase, naming both shapes (the naive math would fail
+    half-way, the fused kernels would index the state by the new shape), and change nothing."""
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))
+    opt = (engine_for if backend == "fused" else naive_for)(name, [weight, bias])
+
+    def step():
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+
+    for _ in range(2):
+        weight.grad, bias.grad = torch.randn(6, 4, generator=g), torch.randn(5, generator=g)
+        step()
+    weight.data = torch.randn(8, 4, generator=g)
+    weight.grad, bias.grad = torch.randn(8, 4, generator=g), torch.randn(5, generator=g)
+    before = [weight.detach().clone(), bias.detach().clone()]
+    state_before = [{key: value.clone() for key, value in opt.state[p].items()} for p in (weight, bias)]
+    steps_before = int(opt.state_dict()["param_groups"][0]["step"])  # (2; 0 here where the kernels are recorders)
+    recorded.clear()
+    with pytest.raises(RuntimeError, match=r"parameter #0 has shape \(8, 4\), but its optimizer state was made for "
+                                           r"shape \(6, 4\).*build a new optimizer for the resized parameters"):
+        step()
+    assert torch.equal(weight, before[0]) and torch.equal(bias, before[1]) and recorded == []
+    assert all(torch.equal(opt.state[p][key], value)
+               for p, state in zip((weight, bias), state_before) for key, value in state.items())
+    assert int(opt.state_dict()["param_groups"][0]["step"]) == steps_before
 
 
 def sharded_worker(rank, name, init_file, out_file):

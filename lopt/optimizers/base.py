@@ -246,6 +246,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         participating, gradients = [], []
         index = 0
         strided, supported, plain = torch.strided, SUPPORTED_DTYPES, distributed.PLAIN_TENSOR_TYPES
+        states = self.state
         for group in self.param_groups:
             _validate_live_group(self, group)
             params, grads = [], []
@@ -258,12 +259,24 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                             and g.shape == p.shape and g.device == p.device):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
+                        momentum = states[p].get("mom") if p in states else None
+                        if momentum is not None and momentum.shape[:-1] != p.shape:
+                            self._refuse_resized_parameter(index, p, momentum)
                         params.append(p)
                         grads.append(g)
                 index += 1
             participating.append(params)
             gradients.append(grads)
         return StepInputs(participating, gradients, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+
+    def _refuse_resized_parameter(self, index: int, p, momentum) -> None:
+        """A parameter whose shape changed (``p.data = ...``) after its state was made: its accumulators
+        no longer match its elements, so no step can be exact (and the fused kernels would index the
+        state by the new shape)."""
+        raise RuntimeError(
+            f"{type(self).__name__}: parameter #{index} has shape {tuple(p.shape)}, but its optimizer state was "
+            f"made for shape {tuple(momentum.shape[:-1])} (it was resized, e.g. through .data, after it took a "
+            f"step); build a new optimizer for the resized parameters. Nothing was changed")
 
     def _check_gradient(self, index: int, p, g) -> None:
         name = type(self).__name__
