@@ -356,6 +356,36 @@ def test_a_parameter_resized_after_its_first_step_is_refused_and_nothing_changes
     assert int(opt.state_dict()["param_groups"][0]["step"]) == steps_before
 
 
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_a_square_parameter_transposed_in_place_is_replanned_in_its_new_order(name, recorded):
+    """p.data = p.data.t() on a square matrix keeps the address and the shape, so only the strides tell
+    the plan its element order changed: both checks look at them for parameters with two axes of one
+    size, and the step re-plans in the new memory order (state re-arranged to follow the logical
+    elements, gradients copied into the parameter's layout), as the naive backend indexes them."""
+    g = torch.Generator().manual_seed(6)
+    square, vector = torch.nn.Parameter(torch.randn(4, 4, generator=g)), torch.nn.Parameter(torch.randn(3, generator=g))
+    opt = engine_for(name, [square, vector])
+    engine = opt._fused_engine
+
+    def step():
+        square.grad, vector.grad = torch.randn(4, 4, generator=g), torch.randn(3, generator=g)
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+
+    step()
+    step()
+    plan = engine.plan
+    assert plan.permutable_rows == [(0, (4, 1))]
+    address, momentum = square.data_ptr(), opt.state[square]["mom"].clone()
+    square.data = square.data.t()  # (the same storage, read column-major)
+    assert square.data_ptr() == address and square.stride() == (1, 4)
+    square.grad, vector.grad = torch.randn(4, 4, generator=g), torch.randn(3, generator=g)
+    assert engine.checked_gradients() is None
+    step()
+    assert engine.plan is not plan and engine.plan.memory_orders[0] == (1, 0) and 0 in engine.plan.strided_rows
+    state = opt.state[square]["mom"]
+    assert torch.equal(state, momentum) and state.permute(1, 0, 2).is_contiguous()  # (same values, new order)
+
+
 def sharded_worker(rank, name, init_file, out_file):
     """One of two gloo processes: a fused engine (kernels recorded, CPU tensors standing in for device
     memory) on DTensor parameters sharded on dim 0, two steps."""

@@ -142,6 +142,7 @@ class Plan:
         # takes the general check), and whether it launched this step's accumulate phase.
         self.group_members = self.without_gradients = None
         self.accumulated = False
+        self.permutable_rows: list = []  # (row, strides) of parameters with two axes of one size (_same_strides)
 
 
 class FusedEngine:
@@ -206,8 +207,9 @@ class FusedEngine:
             return None
         self._accumulate_early(plan, grad_pointers, grad_dtypes, grad_scale)
         if (not self._read_gradients(plan.other_rows, grads, grad_pointers, grad_dtypes, param_pointers)
-                or grad_dtypes != plan.grad_dtypes or param_pointers != plan.param_pointers):
-            plan.accumulated = False  # (a new dtype is validated by the general check; moved storage re-plans)
+                or grad_dtypes != plan.grad_dtypes or param_pointers != plan.param_pointers
+                or not self._same_strides(plan, plan.params)):
+            plan.accumulated = False  # (a new dtype is validated by the general check; a new layout re-plans)
             return None
         grads_by_group = [grads[start:end] for start, end in plan.group_row_ranges]
         return plan.group_params, grads_by_group, GatheredGradients(plan, grad_pointers, grad_dtypes)
@@ -248,6 +250,13 @@ class FusedEngine:
         self._refresh_groups(plan)
         self._finish_accumulate(plan)
         plan.accumulated = True
+
+    @staticmethod
+    def _same_strides(plan: Plan, params) -> bool:
+        """Whether the parameters with two axes of one size keep their strides. Those axes can be
+        swapped at the same address (``p.data = p.data.t()`` for a square matrix), which changes no
+        pointer and no shape: the element order the plan steps in."""
+        return all(params[row].stride() == strides for row, strides in plan.permutable_rows)
 
     def _fast_check_rows(self, plan: Plan) -> None:
         """What the fast check expects of a new plan's step (``plan.group_members`` None: every step
@@ -302,7 +311,7 @@ class FusedEngine:
         if plan is not None and plan.key == key:
             locals_ = list(map(local_part, params)) if plan.sharded_rows else params
             param_pointers = list(map(torch.Tensor.data_ptr, locals_))
-            if param_pointers == plan.param_pointers:
+            if param_pointers == plan.param_pointers and self._same_strides(plan, locals_):
                 plan.locals = locals_
                 return plan
             if all((tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
@@ -336,6 +345,7 @@ class FusedEngine:
         plan.param_pointers, plan.locals = [p.data_ptr() for p in locals_], locals_
         plan.sharded_rows = any(map(distributed.is_dtensor, params))  # (else each step skips local_part)
         plan.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
+        plan.permutable_rows = [(row, p.stride()) for row, p in enumerate(locals_) if permutable(p.shape)]
         plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
         state = self.optimizer.state
         plan.pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = np.array(
@@ -606,6 +616,12 @@ class FusedEngine:
 
     def skipped_counter(self) -> np.uint64:
         return launcher.pointer(self.optimizer.param_groups[0]["skipped_steps"])
+
+
+def permutable(shape) -> bool:
+    """Whether two axes of ``shape`` have the same size (> 1): a permutation of them keeps the shape."""
+    sizes = [size for size in shape if size > 1]
+    return len(set(sizes)) < len(sizes)
 
 
 def non_dense_parameter(params) -> str | None:
