@@ -357,6 +357,30 @@ def test_a_parameter_resized_after_its_first_step_is_refused_and_nothing_changes
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_the_fast_check_without_factored_tensors_launches_the_accumulate_phase_first(name, recorded):
+    """Vectors only: no axis jobs, so nothing to upload before the accumulate phase (its finalize still
+    resets the status flags), which goes out before the gradients are read and matches the general
+    check's step."""
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(size, generator=g)) for size in (5, 3, 1)]
+    opt = engine_for(name, params)
+    engine = opt._fused_engine
+    for index in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        recorded.clear()
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+    assert engine.plan.layout.num_axis_jobs == 0 and engine.plan.axis_table.table is None
+    launched = [launch[0] for launch in recorded  # (an empty grid launches nothing: launcher.launch)
+                if min(launch[1] if isinstance(launch[1], tuple) else (launch[1],)) > 0]
+    assert launched[0] == "adafactor_finalize" and launched.count("adafactor_finalize") == 1
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    checked = engine.checked_gradients()
+    assert checked is not None and checked[2].grad_pointers == [p.grad.data_ptr() for p in params]
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
 def test_a_square_parameter_transposed_in_place_is_replanned_in_its_new_order(name, recorded):
     """p.data = p.data.t() on a square matrix keeps the address and the shape, so only the strides tell
     the plan its element order changed: both checks look at them for parameters with two axes of one

@@ -242,10 +242,11 @@ class FusedEngine:
                 return  # (the general check refuses it)
             plan.job_dtype_codes = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[plan.job_source]
             plan.source_dtypes = dtypes
-        jobs = plan.axis_rows  # (its other columns are fixed for the plan)
-        jobs[:, _J["src"]] = np.array([grad_pointers[row] for row in rows], dtype=np.int64)[plan.job_source]
-        jobs[:, _J["dtype"]] = plan.job_dtype_codes
-        plan.axis_table.update(jobs)
+        if rows:  # (else no axis jobs: the launches below only reset the status flags)
+            jobs = plan.axis_rows  # (its other columns are fixed for the plan)
+            jobs[:, _J["src"]] = np.array([grad_pointers[row] for row in rows], dtype=np.int64)[plan.job_source]
+            jobs[:, _J["dtype"]] = plan.job_dtype_codes
+            plan.axis_table.update(jobs)
         self._launch_axis_sums(plan, grad_scale)
         self._refresh_groups(plan)
         self._finish_accumulate(plan)
