@@ -2,7 +2,9 @@
 # One device call: CUDA tests, sanitizers, benchmark. Run from the repository root on the GPU machine:
 #   bash benchmarks/device_fused.sh            (writes logs and bench.json under $OUT)
 # PYTEST_ARGS (split on spaces), PYTEST_K (a -k expression, spaces allowed), TESTS=0, FRAMEWORKS=0, SANITIZE=0 (SANITIZERS="memcheck"), BENCH=0, BENCH_ARGS, SOAK=1,
-# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER, PROFILE_SECTIONS: Nsight Compute section names) adjust it.
+# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER, PROFILE_SECTIONS: Nsight Compute section names),
+# HOST_TIMELINE=1 (profile_host.py's timelines, the fast check against the general one, interleaved;
+# HOST_OPTIMIZERS, HOST_PARAM_SET) adjust it.
 set -u
 export PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
@@ -29,6 +31,17 @@ if [ "${BENCH:-1}" = 1 ]; then
 fi
 if [ "${SOAK:-0}" = 1 ]; then
   timeout ${SOAK_TIMEOUT:-120} python3 benchmarks/soak.py --device cuda --backends fused --out "$OUT/soak.json" 2>&1 | tail -3
+fi
+if [ "${HOST_TIMELINE:-0}" = 1 ]; then
+  for optimizer in ${HOST_OPTIMIZERS:-velo}; do
+    for general in 0 1 0 1; do
+      echo "== $optimizer ${HOST_PARAM_SET:-gpt2-medium} general_check=$general" >> "$OUT/host_timelines.txt"
+      HOST_GENERAL_CHECK=$general HOST_CPROFILE=0 timeout 120 python3 benchmarks/profile_host.py $optimizer \
+          ${HOST_PARAM_SET:-gpt2-medium} >> "$OUT/host_timelines.txt" 2>&1
+      echo "host timeline $optimizer general_check=$general: exit $?"
+      tail -1 "$OUT/host_timelines.txt"
+    done
+  done
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in ${PROFILE_KERNELS:-velo_apply velo_statistics}; do
