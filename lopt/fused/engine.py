@@ -178,9 +178,9 @@ class FusedEngine:
 
         It applies while the last plan fits: the groups hold the same parameters, each with a gradient
         where the plan has one (none elsewhere), a dense contiguous tensor of the planned shape on this
-        device, of the dtype it had last step, and no parameter's storage has moved. Those gradients
-        are validated and their pointers read in one pass, the part of the host's work that grows with
-        the number of tensors.
+        device, of the dtype it had last step, no parameter's storage has moved and none with two axes
+        of one size has new strides (_same_strides). Those gradients are validated and their pointers
+        read in one pass, the part of the host's work that grows with the number of tensors.
 
         A synchronised step's device waits for the host until the first launch, so the gradients that
         the accumulate phase reads (the factored tensors', and the clipped tensors' for their norms)

@@ -230,9 +230,9 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         """Check phase. The fused engine first tries its fast check (the gradients of exactly the
         tensors its last step planned, validated and read in one pass); anything else, including
         anything wrong, goes through :meth:`_check_gradients`, which says what is wrong."""
+        for group in self.param_groups:
+            _validate_live_group(self, group)
         if self.backend == "fused":
-            for group in self.param_groups:
-                _validate_live_group(self, group)
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
             checked = self._fused_engine.checked_gradients(grad_scale)
             if checked is not None:
@@ -241,14 +241,14 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         return self._check_gradients()
 
     def _check_gradients(self) -> StepInputs:
-        """Check phase, part 1: validate every gradient before touching any state, so a bad input changes
-        nothing; returns the participating parameters and GradScaler's tensors."""
+        """Check phase, part 1 (after the groups' live hyper-parameters, :meth:`_checked_inputs`):
+        validate every gradient before touching any state, so a bad input changes nothing; returns the
+        participating parameters and GradScaler's tensors."""
         participating, gradients = [], []
         index = 0
         strided, supported, plain = torch.strided, SUPPORTED_DTYPES, distributed.PLAIN_TENSOR_TYPES
         states = self.state
         for group in self.param_groups:
-            _validate_live_group(self, group)
             params, grads = [], []
             for p in group["params"]:
                 g = p.grad
@@ -259,7 +259,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                             and g.shape == p.shape and g.device == p.device):
                         self._check_gradient(index, p, g)
                     if p.numel() > 0:  # zero-element parameters take no part (no state, no statistics)
-                        momentum = states[p].get("mom") if p in states else None
+                        momentum = states.get(p, {}).get("mom")
                         if momentum is not None and momentum.shape[:-1] != p.shape:
                             self._refuse_resized_parameter(index, p, momentum)
                         params.append(p)
