@@ -67,8 +67,8 @@ def launch_noop():
     launcher.launch(noop, 1, 32, (), device)
 
 
-def pointers_column():
-    plan.pointers[:, 1] = plan.grad_pointers
+def addresses_column():
+    plan.grad_addresses[:, 0] = plan.grad_pointers
 
 
 def axis_rows():
@@ -79,6 +79,12 @@ def table_update():
     plan.axis_rows[0, 0] += 1  # (a change, so it uploads)
     plan.axis_table.update(plan.axis_rows)
     plan.axis_rows[0, 0] -= 1
+
+
+def gradients_update():
+    plan.grad_addresses[0, 0] += 1  # (a change, so it uploads)
+    plan.gradients.update(plan.grad_addresses)
+    plan.grad_addresses[0, 0] -= 1
 
 
 def per_tensor(fn):
@@ -96,9 +102,10 @@ operations = {
     "g.is_contiguous() x all": per_tensor(lambda g: g.is_contiguous()),
     "g.data_ptr() x all": per_tensor(lambda g: g.data_ptr()),
     "empty loop x all": per_tensor(lambda g: None),
-    "pointers[:, 1] = list": pointers_column,
+    "grad_addresses[:, 0] = list": addresses_column,
     "layout.axis_rows": axis_rows,
     "MetadataTable.update (axis table, changed)": table_update,
+    "MetadataTable.update (gradient array, changed)": gradients_update,
     "torch copy_ H2D pinned (axis table)": upload_torch,
     "cupy memcpyAsync H2D pinned (axis table)": upload_cupy,
     "torch.cuda.Event().record": event_torch,

@@ -430,11 +430,11 @@ LOPT_DEVICE float adafactor_gradient(const void* src, i64 index, int dtype, floa
 
 // Partial sums of G in float64 (large finite gradients make G approach float32's largest value).
 extern "C" __global__ void __launch_bounds__(LOPT_AXIS_THREADS)
-adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, double* __restrict__ partials,
-                        const float* grad_scale, float gradient_clip) {
+adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i64* __restrict__ gradients,
+                        double* __restrict__ partials, const float* grad_scale, float gradient_clip) {
   const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_BLOCK>(jobs, num_jobs, blockIdx.x)];
   const i64 local_block = blockIdx.x - job.first_block;
-  const void* src = pointer<const void>(job.src);
+  const void* src = pointer<const void>(gradients[job.tensor]);
   const int dtype = static_cast<int>(job.dtype);
   const float inverse_scale = grad_scale != nullptr ? __frcp_rn(*grad_scale) : 1.0f;
   if (job.mode == 0) {

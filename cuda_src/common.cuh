@@ -161,6 +161,16 @@ LOPT_DEVICE int find_row(const Row* rows, int num_rows, i64 index) {
   return lo;
 }
 
+// Row `tensor` of the tensor table with this step's gradient address in its `grad` field. The
+// gradients are new tensors at new addresses every step (PyTorch frees them in zero_grad), so their
+// addresses come from an array of their own, one int64 per row (8 bytes a tensor uploaded per step,
+// where the table's rows are 272 bytes and change only with the plan).
+LOPT_DEVICE TensorMeta tensor_row(const TensorMeta* tensors, const i64* gradients, int tensor) {
+  TensorMeta t = tensors[tensor];
+  t.grad = gradients[tensor];
+  return t;
+}
+
 // Indices of an element's Adafactor row (R) and column (C) accumulator entries.
 struct FactorIndex { i64 row, col; };
 

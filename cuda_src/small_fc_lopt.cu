@@ -148,13 +148,14 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
 }
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
-small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                            const GroupMeta* __restrict__ groups,
                             const float4* __restrict__ row_factors, const float4* __restrict__ col_factors,
                             const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                             int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x);
-  const TensorMeta t = tensors[tensor];
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
   const float clip_factor = tensor_clip_factor(clip_factors, tensor);
   const i64 chunk = blockIdx.x - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
@@ -234,7 +235,8 @@ LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays&
 // writes each tensor's sums to tensor_sums, the caller sums them over the processes, and phase 2
 // folds from the totals.
 extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
-small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                   const GroupMeta* __restrict__ groups,
                    const double* __restrict__ stats_partials, const float* __restrict__ row_table,
                    const float* __restrict__ col_table, const float* __restrict__ network,
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
@@ -254,7 +256,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, int num_tensors, cons
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
     return;
   }
-  const TensorMeta t = tensors[blockIdx.x];
+  const TensorMeta t = tensor_row(tensors, gradients, blockIdx.x);  // (its gradient: the float64 fallback's)
   const bool skipped = step_is_skipped(flags);
   if (!skipped && phase != 1) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
@@ -542,7 +544,8 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 4)
 #endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
-small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                    const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
                     const float* __restrict__ col_table, const float* __restrict__ clip_factors,
@@ -597,7 +600,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, int num_tensors, con
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
       if (!SFC_BIAS_INPUTS && threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) {
-        meta = tensors[tensor];
+        meta = tensor_row(tensors, gradients, tensor);
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
       }

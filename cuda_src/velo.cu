@@ -209,11 +209,13 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
 }
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, VELO_STATS_MIN_BLOCKS)
-velo_statistics(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+velo_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                const GroupMeta* __restrict__ groups,
                 const float4* __restrict__ row_factors, const float4* __restrict__ col_factors, const float* grad_scale,
                 const float* found_inf, int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const TensorMeta t = tensors[find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x)];
+  const TensorMeta t =
+      tensor_row(tensors, gradients, find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x));
   const i64 chunk = blockIdx.x - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
   const float inverse_scale = inverse_grad_scale(flags);
@@ -691,7 +693,8 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
 }
 
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
-velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups, int num_groups,
+velo_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+           const GroupMeta* __restrict__ groups, int num_groups,
            i64 total_chunks, const float* __restrict__ records, const float4* __restrict__ row_factors,
            const float4* __restrict__ col_factors, const float4* __restrict__ row_contributions,
            const float4* __restrict__ col_contributions, const float* grad_scale, const float* found_inf, int* status,
@@ -725,7 +728,7 @@ velo_apply(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupM
     for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
       record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
     __syncthreads();
-    const TensorMeta t = tensors[tensor];
+    const TensorMeta t = tensor_row(tensors, gradients, tensor);
     const ApplyScalars a = read_apply_scalars(groups[t.group]);
     const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
     if (t.factored) {

@@ -54,8 +54,20 @@ class CpuTable(launcher.MetadataTable):
     def update(self, rows):
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
         self.table = torch.from_numpy(rows.copy())
-        self.host = rows
+        self.host = rows.copy()  # (as MetadataTable: callers update their rows in place)
         return self.table
+
+
+def record_uploads(monkeypatch, record) -> None:
+    """record(table, rows) for each update that changes a table's content: what MetadataTable uploads."""
+    original = CpuTable.update
+
+    def update(self, rows):
+        if self.host is None or not np.array_equal(self.host, rows):
+            record(self, rows.copy())
+        return original(self, rows)
+
+    monkeypatch.setattr(CpuTable, "update", update)
 
 
 @pytest.fixture
@@ -164,70 +176,114 @@ def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
-def test_the_tensor_table_follows_gradients_and_parameters(name, recorded, monkeypatch):
-    """A step uploads the tensor table only when what it was built from changed: each gradient's
-    address and dtype and each parameter's address (a step with the same tensors uploads nothing)."""
+def test_a_step_uploads_only_what_changed(name, recorded, monkeypatch):
+    """New gradient tensors (every step, after zero_grad) upload the gradient array alone, one address
+    per tensor row; the tensor table follows the gradients' dtypes and the parameters' addresses, the
+    axis table the dtypes of the gradients it sums; a step with the same tensors uploads nothing."""
     from lopt.fused.contract import FIELD
 
     uploads = []
-    original = CpuTable.update
-    monkeypatch.setattr(CpuTable, "update", lambda self, rows: uploads.append(rows.copy()) or original(self, rows))
+    record_uploads(monkeypatch, lambda table, rows: uploads.append((table, rows)))
     params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
     opt = engine_for(name, params)
     engine = opt._fused_engine
 
-    def step_and_table():
+    def step_and_uploads():
         uploads.clear()
         opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
-        rows = engine.plan.tensor_table.host
-        return [np.array_equal(u, rows) for u in uploads].count(True), rows
+        plan = engine.plan
+        names = {id(plan.gradients): "gradients", id(plan.tensor_table): "tensor", id(plan.axis_table): "axis"}
+        return sorted({names[id(table)] for table, _ in uploads if id(table) in names})
+
+    def addresses():
+        return [p.grad.data_ptr() for p in params]
 
     for p in params:
         p.grad = torch.randn_like(p)
-    step_and_table()
-    count, rows = step_and_table()  # the same gradient tensors
-    assert count == 0
+    step_and_uploads()
+    assert step_and_uploads() == []  # the same gradient tensors
     params[0].grad = torch.randn_like(params[0])  # a new tensor at a new address
-    count, rows = step_and_table()
-    assert count == 1 and rows[0, FIELD["TensorMeta"]["grad"]] == params[0].grad.data_ptr()
-    params[1].grad.data = params[1].grad.data.to(torch.bfloat16)  # another dtype (PyTorch's grad check is bypassed)
-    count, rows = step_and_table()
-    assert count == 1 and rows[1, FIELD["TensorMeta"]["grad_dtype"]] == launcher.DTYPE_CODES[torch.bfloat16]
+    assert step_and_uploads() == ["gradients"]
+    assert engine.plan.gradients.host[:, 0].tolist() == addresses()
+    assert engine.plan.tensor_table.host[0, FIELD["TensorMeta"]["grad"]] == 0  # (the kernels read the array)
+    params[0].grad.data = params[0].grad.data.to(torch.bfloat16)  # another dtype (PyTorch's grad check is bypassed)
+    assert step_and_uploads() == ["axis", "gradients", "tensor"]
+    bf16 = launcher.DTYPE_CODES[torch.bfloat16]
+    assert engine.plan.tensor_table.host[0, FIELD["TensorMeta"]["grad_dtype"]] == bf16
+    assert set(engine.plan.axis_table.host[:, FIELD["AxisJob"]["dtype"]]) == {bf16}
+    assert engine.plan.axis_table.host[:, FIELD["AxisJob"]["tensor"]].tolist() == [0, 0]  # (the weight's two sums)
+    params[1].grad = torch.randn_like(params[1])
+    assert step_and_uploads() == ["gradients"] and engine.plan.gradients.host[:, 0].tolist() == addresses()
     params[0].data = params[0].data.clone()  # the parameter moved to new storage, same shape
-    count, rows = step_and_table()
-    assert count == 1 and rows[0, FIELD["TensorMeta"]["param"]] == params[0].data_ptr()
-    assert step_and_table()[0] == 0
+    assert step_and_uploads() == ["tensor"]
+    assert engine.plan.tensor_table.host[0, FIELD["TensorMeta"]["param"]] == params[0].data_ptr()
+    assert step_and_uploads() == []
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_a_refused_step_leaves_no_stale_gradient_address(name, recorded):
+    """The fast check uploads the summed gradients' addresses before it reads the others. When the step
+    is then refused, the next step still brings the whole array to its own gradients' addresses, also
+    where they are those of the last step taken and the general check takes it."""
+    g = torch.Generator().manual_seed(8)
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))
+    opt = engine_for(name, [weight, bias])
+    engine = opt._fused_engine
+
+    def step():
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+
+    taken = [torch.randn(6, 4, generator=g), torch.randn(5, generator=g)]
+    for _ in range(2):  # (the plan, then the fast check)
+        weight.grad, bias.grad = taken
+        step()
+    weight.grad, bias.grad = torch.randn(6, 4, generator=g), torch.randn(5, generator=g)
+    bias.grad.data = bias.grad.data.to(torch.float64)  # (refused after the weight's sums were launched)
+    with pytest.raises(TypeError, match="unsupported dtype torch.float64"):
+        step()
+    assert engine.plan.gradients.host[0, 0] == weight.grad.data_ptr()
+    weight.grad, bias.grad = taken
+    engine.checked_gradients = lambda grad_scale: None
+    step()
+    assert engine.plan.gradients.host[:, 0].tolist() == [t.data_ptr() for t in taken]
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
 @pytest.mark.parametrize("fast_check", [True, False])
-def test_the_first_launch_precedes_the_tensor_tables_upload(name, fast_check, recorded, monkeypatch):
+def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_check, recorded, monkeypatch):
     """A synchronised step waits for the host until its first launch, so a step with new gradients
-    uploads only the axis table (what the gradients' sums read) before launching them; the tensor
-    table follows before any kernel that reads its pointers. The fast check launches the whole
-    accumulate phase (which reads only what is fixed for the plan in the tensor table) before it
-    checks the other gradients; the general check's step refreshes the tensor table first."""
-    original = CpuTable.update
-    monkeypatch.setattr(CpuTable, "update", lambda self, rows: recorded.append(("upload", self)) or original(self, rows))
-    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))]
-    opt = engine_for(name, params)
+    uploads only the gradient array (what the gradients' sums read besides the plan's fixed tables)
+    before launching them. The fast check uploads the summed gradients' addresses, launches the
+    whole accumulate phase (which reads no other gradient), checks the other gradients, and uploads
+    the whole array before the first kernel that reads it; no table is uploaded."""
+    record_uploads(monkeypatch, lambda table, rows: recorded.append(("upload", table, rows)))
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = engine_for(name, [weight, bias])
     if not fast_check:
         opt._fused_engine.checked_gradients = lambda grad_scale: None
     for _ in range(2):  # (the first step also builds the plan and its fixed tables)
-        for p in params:
+        previous_bias_grad = bias.grad
+        for p in (weight, bias):
             p.grad = torch.randn_like(p)
         recorded.clear()
         opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
     plan = opt._fused_engine.plan
-    names = {id(plan.axis_table): "axis", id(plan.tensor_table): "tensor", id(plan.group_values): "group values",
-             id(plan.group_table): "groups"}
+    names = {id(plan.axis_table): "axis", id(plan.tensor_table): "tensor", id(plan.gradients): "gradients",
+             id(plan.group_values): "group values", id(plan.group_table): "groups"}
     order = [("upload", names.get(id(event[1]), "other")) if event[0] == "upload" else event[0] for event in recorded]
+    uploads = [event[2] for event in recorded if event[0] == "upload" and event[1] is plan.gradients]
     first_launch = order.index("adafactor_axis_partials")
-    assert order[:first_launch] == [("upload", "axis")], order
-    tensor_upload, finalize = order.index(("upload", "tensor")), order.index("adafactor_finalize")
-    assert (tensor_upload > order.index("adafactor_factor_tables")) if fast_check else (tensor_upload < finalize), order
-    assert tensor_upload < min(order.index(kernel) for kernel in order if isinstance(kernel, str)
-                               and not kernel.startswith("adafactor_")), order
+    assert order[:first_launch] == [("upload", "gradients")], order
+    assert ("upload", "tensor") not in order and ("upload", "axis") not in order, order
+    gradient_uploads = [index for index, event in enumerate(order) if event == ("upload", "gradients")]
+    first_reader = min(order.index(kernel) for kernel in order if isinstance(kernel, str)
+                       and not kernel.startswith("adafactor_"))
+    if fast_check:  # (the weight is summed along its axes; the bias is checked after the accumulate phase)
+        assert len(gradient_uploads) == 2 and order.index("adafactor_factor_tables") < gradient_uploads[1] < first_reader
+        assert uploads[0][:, 0].tolist() == [weight.grad.data_ptr(), previous_bias_grad.data_ptr()]
+    else:
+        assert len(gradient_uploads) == 1
+    assert uploads[-1][:, 0].tolist() == [weight.grad.data_ptr(), bias.grad.data_ptr()]
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])

@@ -24,7 +24,10 @@ STRUCTS: dict = {
     # >= 2) is viewed as (outer, a, mid, b, inner), a and b its two factored axes in memory order;
     # d0 (the larger) is a when d0_is_a.
     "TensorMeta": (
-        "param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full",  # device pointers
+        # Device pointers. `grad` is not uploaded with the table: the gradients' addresses change every
+        # step and come from the step's gradient array (one int64 per row), which the kernels read
+        # into this field (tensor_row in common.cuh).
+        "param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full",
         "numel", "outer", "a", "mid", "b", "inner", "d0_is_a", "factored", "param_dtype", "grad_dtype",
         "group",  # row of the GroupMeta table
         "first_stats_chunk", "num_stats_chunks",  # statistics pass: chunks of LOPT_STATS_CHUNK elements
@@ -43,9 +46,10 @@ STRUCTS: dict = {
     # One Adafactor reduction: means[first_output + q*i_len + i] = Σ_x G[(q*X + x)*I + i] / divisor, G = g² + 1e-30
     # (divisor: X, or the whole tensor's length of the axis where it is split among processes).
     # mode 0 ("strided", I > 1): a thread per output column, a block covers 256 columns x one x-chunk;
-    # mode 1 ("contiguous", I == 1): a warp per (q, x-chunk), 8 per block.
+    # mode 1 ("contiguous", I == 1): a warp per (q, x-chunk), 8 per block. `tensor`: the row of the
+    # source gradient (its address in the step's gradient array), `dtype` its dtype.
     "AxisJob": (
-        "src", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
+        "tensor", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
         "num_outputs", "first_output", "num_col_blocks", "divisor",
     ),
     # max_grad_norm (small_fc_lopt), one row per clipped tensor: Σ g² of the tensor is the sum of the

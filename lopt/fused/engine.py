@@ -41,9 +41,9 @@ FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
 STATS_THREADS = CONSTANTS["STATS_THREADS"]
 _G = FIELD["GroupMeta"]
 _J = FIELD["AxisJob"]
-STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[2:7]
-assert TENSOR_POINTER_FIELDS[2:7] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
-assert TENSOR_POINTER_FIELDS[:2] == ("param", "grad") and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
+STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[1:6]
+assert TENSOR_POINTER_FIELDS[1:6] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
+assert TENSOR_POINTER_FIELDS[0] == "param" and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
 
 
 def memory_order(t: torch.Tensor) -> tuple | None:
@@ -128,6 +128,11 @@ class Plan:
             self.norm_sums = None
         self.group_values = launcher.MetadataTable(device, dtype=np.float32)
         self.group_table = launcher.MetadataTable(device)
+        # The step's gradient addresses, one int64 per tensor row: the kernels read them instead of a
+        # field of the tensor table, so new gradient tensors (every step, after zero_grad) upload 8 bytes
+        # a tensor and the tables stay as they are (tensor_row in cuda_src/common.cuh).
+        self.gradients = launcher.MetadataTable(device)
+        self.grad_addresses = np.zeros((layout.num_tensors, 1), dtype=np.int64)  # (its host side, in place)
         self.grad_copies: dict = {}  # tensor index -> buffer in the parameter's layout (mismatched gradient strides)
         # The tables' rows on the host, updated in place: the pointer columns (TENSOR_POINTER_FIELDS),
         # and what they were last built from.
@@ -135,7 +140,7 @@ class Plan:
         self.tensor_rows = layout.static_rows.copy()
         self.axis_rows = layout.static_jobs.copy()
         self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
-        self.tensor_rows_stale = True  # (the gradient pointers changed since the tensor table's upload)
+        self.tensor_rows_stale = True  # (the gradients' dtypes changed since the tensor table's upload)
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
         self.group_params: list = []  # the participating parameters per group
         # The fast check's expectations (FusedEngine._fast_check_rows; group_members None: every step
@@ -233,20 +238,21 @@ class FusedEngine:
     def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, grad_scale) -> None:
         """The accumulate phase on the gradients checked so far (the axis jobs' sources), from the fast
         check: it reads the tensor table only for what is fixed for the plan (geometry, the factored
-        accumulators), so the table's refresh with this step's pointers can follow it."""
+        accumulators) and the gradient array only at the sources' rows, which are uploaded first (the
+        whole array follows in _refresh, once the other gradients are checked)."""
         rows = plan.source_row_indices
-        dtypes = [grad_dtypes[row] for row in rows]
-        if dtypes != plan.source_dtypes:
-            codes = launcher.DTYPE_CODES
-            if not all(dtype in codes for dtype in dtypes):
-                return  # (the general check refuses it)
-            plan.job_dtype_codes = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[plan.job_source]
-            plan.source_dtypes = dtypes
         if rows:  # (else no axis jobs: the launches below only reset the status flags)
-            jobs = plan.axis_rows  # (its other columns are fixed for the plan)
-            jobs[:, _J["src"]] = np.array([grad_pointers[row] for row in rows], dtype=np.int64)[plan.job_source]
-            jobs[:, _J["dtype"]] = plan.job_dtype_codes
-            plan.axis_table.update(jobs)
+            dtypes = [grad_dtypes[row] for row in rows]
+            if dtypes != plan.source_dtypes:
+                codes = launcher.DTYPE_CODES
+                if not all(dtype in codes for dtype in dtypes):
+                    return  # (the general check refuses it)
+                jobs = plan.axis_rows  # (its other columns are fixed for the plan)
+                jobs[:, _J["dtype"]] = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[plan.job_source]
+                plan.axis_table.update(jobs)
+                plan.source_dtypes = dtypes
+            plan.grad_addresses[rows, 0] = [grad_pointers[row] for row in rows]
+            plan.gradients.update(plan.grad_addresses)
         self._launch_axis_sums(plan, grad_scale)
         self._refresh_groups(plan)
         self._finish_accumulate(plan)
@@ -280,7 +286,7 @@ class FusedEngine:
         plan.other_rows = [entry for entry in rows if entry[0] not in sources]
         plan.source_row_indices = [row for row, _, _ in plan.source_rows]
         plan.job_source = np.searchsorted(plan.source_row_indices, plan.layout.job_tensor)  # (each job's source)
-        plan.source_dtypes = None  # (their dtypes when the job_dtype_codes were built)
+        plan.source_dtypes = None  # (their dtypes as the axis table holds them)
         ends = np.cumsum([len(group_params) for group_params in plan.group_params])
         plan.group_row_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
         plan.group_members, plan.without_gradients = members, without
@@ -349,7 +355,7 @@ class FusedEngine:
         plan.permutable_rows = [(row, p.stride()) for row, p in enumerate(locals_) if permutable(p.shape)]
         plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
         state = self.optimizer.state
-        plan.pointers[:, 2:2 + len(STATE_POINTER_FIELDS)] = np.array(
+        plan.pointers[:, 1:1 + len(STATE_POINTER_FIELDS)] = np.array(
             [[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
             dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
         plan.pointers[:, -2] = [launcher.DTYPE_CODES[p.dtype] for p in params]
@@ -391,31 +397,30 @@ class FusedEngine:
     # ------------------------------------------------------------------ per step
 
     def _refresh(self, plan: Plan, inputs) -> None:
-        """Point the axis table at this step's gradients: all that the first launch (the gradients'
-        sums along axes) reads. The tensor and group tables are brought up to date while the device
-        runs that launch (_accumulate): a step timed with synchronisation waits for the host until
-        the first launch, and rebuilding the tensor table before it cost 0.3-0.4 ms (GPT-2 medium,
-        H100 host). After the fast check's early accumulate phase the axis table is up to date already.
+        """Upload this step's gradient addresses (the gradient array: all that the first launch, the
+        gradients' sums along axes, needs besides what is fixed for the plan) and, where the
+        gradients' dtypes changed, the dtype columns of the axis and tensor tables. After the fast
+        check's early accumulate phase the array holds the sources' addresses already; this completes it.
 
         Per tensor only the gradient's pointer, dtype and layout are read (the parameters' pointers in
         _plan_for or the fast check, the state's are fixed for the plan), so the host's share of a step
-        stays small whether or not the gradients are new tensors every step; tables are uploaded only
-        when changed."""
-        layout = plan.layout
+        stays small whether or not the gradients are new tensors every step: new tensors cost one
+        upload of 8 bytes a tensor, and the tables are uploaded only when what they hold changed."""
         if inputs.gathered is not None:  # (the fast check read them)
             grad_pointers, grad_dtypes = inputs.gathered.grad_pointers, inputs.gathered.grad_dtypes
         else:
             grad_pointers, grad_dtypes = self._gradient_pointers(plan, inputs)
-        if grad_pointers == plan.grad_pointers and grad_dtypes == plan.grad_dtypes:
-            return
         if grad_dtypes != plan.grad_dtypes:
             plan.grad_dtype_codes = [launcher.DTYPE_CODES[dtype] for dtype in grad_dtypes]
-        pointers = plan.pointers  # (the state's pointers and the parameters' dtypes are fixed for the plan)
-        pointers[:, 1] = grad_pointers
-        pointers[:, -1] = plan.grad_dtype_codes
-        if layout.num_axis_jobs and not plan.accumulated:  # (else _accumulate_early uploaded it)
-            plan.axis_table.update(layout.axis_rows(pointers, out=plan.axis_rows))
-        plan.grad_pointers, plan.grad_dtypes, plan.tensor_rows_stale = grad_pointers, grad_dtypes, True
+            plan.pointers[:, -1] = plan.grad_dtype_codes
+            if plan.layout.num_axis_jobs and not plan.accumulated:  # (else _accumulate_early uploaded it)
+                plan.axis_table.update(plan.layout.axis_rows(plan.pointers, out=plan.axis_rows))
+            plan.grad_dtypes, plan.tensor_rows_stale = grad_dtypes, True
+        # (Always offered: the table compares with what it last uploaded, which an early accumulate
+        # phase of a step that its check then refused may have changed.)
+        plan.grad_addresses[:, 0] = grad_pointers
+        plan.gradients.update(plan.grad_addresses)
+        plan.grad_pointers = grad_pointers
 
     @staticmethod
     def _gradient_pointers(plan: Plan, inputs) -> tuple[list, list]:
@@ -437,8 +442,8 @@ class FusedEngine:
         return list(map(torch.Tensor.data_ptr, grads)), [g.dtype for g in grads]
 
     def _refresh_tensor_table(self, plan: Plan) -> None:
-        """The tensor table of the passes after the accumulate phase's first: its parameter and
-        gradient pointers, where they changed."""
+        """The tensor table of the passes after the accumulate phase's first: its parameter pointers
+        and gradient dtypes, where they changed."""
         if plan.tensor_rows_stale or plan.param_pointers is not plan.uploaded_param_pointers:
             plan.pointers[:, 0] = plan.param_pointers
             plan.tensor_table.update(plan.layout.tensor_rows(plan.pointers, out=plan.tensor_rows))
@@ -543,7 +548,7 @@ class FusedEngine:
         layout, ptr = plan.layout, launcher.pointer
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
                     (ptr(plan.axis_table.table if layout.num_axis_jobs else None), np.int32(layout.num_axis_jobs),
-                     ptr(plan.axis_partials), ptr(self._on_device(grad_scale)), np.float32(self.GRADIENT_CLIP)))
+                     ptr(plan.gradients.table), ptr(plan.axis_partials), ptr(self._on_device(grad_scale)), np.float32(self.GRADIENT_CLIP)))
 
     def _finish_accumulate(self, plan: Plan) -> None:
         layout, ptr = plan.layout, launcher.pointer

@@ -2,9 +2,11 @@
 
 Everything here depends only on the tensors' shapes (in memory order), their factored axes and their
 groups: per-tensor metadata rows (geometry of the factored axes, chunk ranges of each pass, offsets
-into the workspaces) and the Adafactor reduction jobs. Pointers are filled in per step
-(:meth:`GroupLayout.tensor_rows`, :meth:`GroupLayout.axis_rows`). Field names and block sizes come
-from :mod:`lopt.fused.contract`, the one description both sides compile against.
+into the workspaces) and the Adafactor reduction jobs. Pointers and dtypes are filled in per plan
+(:meth:`GroupLayout.tensor_rows`, :meth:`GroupLayout.axis_rows`); the gradients' addresses, new every
+step, are not in these tables but in an array of their own (``Plan.gradients``), indexed by row.
+Field names and block sizes come from :mod:`lopt.fused.contract`, the one description both sides
+compile against.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
 _T = FIELD["TensorMeta"]
 _J = FIELD["AxisJob"]
 _N = FIELD["NormJob"]
-TENSOR_POINTER_FIELDS = ("param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full", "param_dtype", "grad_dtype")
+TENSOR_POINTER_FIELDS = ("param", "mom", "rms", "fac_row", "fac_col", "fac_full", "param_dtype", "grad_dtype")
 
 AXIS_THREADS = CONSTANTS["AXIS_THREADS"]
 STRIDED_XCHUNK = CONSTANTS["STRIDED_XCHUNK"]
@@ -178,7 +180,7 @@ class GroupLayout:
         else:
             num_col_blocks = -(-num_outputs // AXIS_THREADS)
             num_blocks = num_col_blocks * num_xchunks
-        for name, value in (("q", q), ("x", x), ("i", i), ("mode", int(contiguous)),
+        for name, value in (("tensor", tensor), ("q", q), ("x", x), ("i", i), ("mode", int(contiguous)),
                             ("first_block", self.total_axis_blocks), ("num_xchunks", num_xchunks), ("xchunk", xchunk),
                             ("partial_offset", self.total_axis_partials), ("num_outputs", num_outputs),
                             ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks),
@@ -210,11 +212,9 @@ class GroupLayout:
         return rows
 
     def axis_rows(self, pointers: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Reduction jobs with their source (the gradient) and its dtype filled in (into ``out``, a copy
-        of ``static_jobs``, if given)."""
+        """Reduction jobs with their source gradient's dtype filled in from ``pointers`` (into ``out``, a
+        copy of ``static_jobs``, if given); the source's address is read from the gradient array."""
         jobs = self.static_jobs.copy() if out is None else out
         if len(jobs):
-            tensors = np.asarray(self.job_tensor)
-            jobs[:, _J["src"]] = pointers[tensors, TENSOR_POINTER_FIELDS.index("grad")]
-            jobs[:, _J["dtype"]] = pointers[tensors, TENSOR_POINTER_FIELDS.index("grad_dtype")]
+            jobs[:, _J["dtype"]] = pointers[np.asarray(self.job_tensor), TENSOR_POINTER_FIELDS.index("grad_dtype")]
         return jobs

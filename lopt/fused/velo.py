@@ -131,8 +131,9 @@ class VeLOFused(FusedEngine):
     def _statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
         self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
-                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
+                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
+                     ptr(plan.group_table.table), ptr(plan.row_factors), ptr(plan.col_factors), *flags,
+                     ptr(plan.stats_partials)))
         if layout.sharded:  # a bad gradient element in any process's rows skips the step in all of them
             self.optimizer.reducer.max_(plan.status)
 
@@ -175,7 +176,7 @@ class VeLOFused(FusedEngine):
     def _apply(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
         self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
-                    (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), *self.group_arguments(plan),
-                     np.int64(layout.total_apply_chunks), ptr(plan.records), ptr(plan.row_factors), ptr(plan.col_factors),
+                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
+                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.records), ptr(plan.row_factors), ptr(plan.col_factors),
                      ptr(plan.row_contributions), ptr(plan.col_contributions), *flags, self.skipped_counter(),
                      *self._loss_buffer_arguments(), *loss_arguments))
