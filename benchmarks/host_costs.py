@@ -75,16 +75,18 @@ def axis_rows():
     plan.layout.axis_rows(plan.pointers, out=plan.axis_rows)
 
 
-def table_update():
-    plan.axis_rows[0, 0] += 1  # (a change, so it uploads)
-    plan.axis_table.update(plan.axis_rows)
-    plan.axis_rows[0, 0] -= 1
+scratch_axis_rows, scratch_addresses = plan.axis_rows.copy(), plan.grad_addresses.copy()
+scratch_axis_table, scratch_gradients = launcher.MetadataTable(device), launcher.MetadataTable(device)
+
+
+def table_update():  # (tables of the plan's sizes that the kernels do not read; a change every call, so it uploads)
+    scratch_axis_rows[0, 0] += 1
+    scratch_axis_table.update(scratch_axis_rows)
 
 
 def gradients_update():
-    plan.grad_addresses[0, 0] += 1  # (a change, so it uploads)
-    plan.gradients.update(plan.grad_addresses)
-    plan.grad_addresses[0, 0] -= 1
+    scratch_addresses[0, 0] += 1
+    scratch_gradients.update(scratch_addresses)
 
 
 def per_tensor(fn):

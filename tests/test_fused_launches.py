@@ -53,7 +53,10 @@ class FakeModule:
 class CpuTable(launcher.MetadataTable):
     def update(self, rows):
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
-        self.table = torch.from_numpy(rows.copy())
+        if self.table is None or tuple(self.table.shape) != rows.shape:
+            self.table = torch.from_numpy(rows.copy())
+        else:
+            self.table.copy_(torch.from_numpy(rows))  # (as MetadataTable: the same table, new content)
         self.host = rows.copy()  # (as MetadataTable: callers update their rows in place)
         return self.table
 
@@ -221,6 +224,50 @@ def test_a_step_uploads_only_what_changed(name, recorded, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_the_group_tables_follow_the_groups_hyper_parameters(name, recorded, monkeypatch):
+    """The group tables are rebuilt only where what they hold changed: a value changed by a user or a
+    scheduler, a tensor replaced; a tensor read on the device (float32 there) is read by address, so
+    its in-place updates need nothing; a step with the same groups uploads nothing."""
+    from lopt.fused.contract import FIELD, GROUP_VALUES
+
+    uploads = []
+    record_uploads(monkeypatch, lambda table, rows: uploads.append((table, rows)))
+    g = torch.Generator().manual_seed(9)
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))
+    opt = engine_for(name, [{"params": [weight]}, {"params": [bias], "lr": torch.tensor(0.25)}])
+    engine = opt._fused_engine
+
+    def step():
+        uploads.clear()
+        weight.grad, bias.grad = torch.randn(6, 4, generator=g), torch.randn(5, generator=g)
+        opt.step(torch.tensor(1.5)) if opt.requires_loss else opt.step()
+        plan = engine.plan
+        return sorted({"values" if table is plan.group_values else "groups" for table, _ in uploads
+                       if table is plan.group_values or table is plan.group_table})
+
+    def value(group, name):
+        return float(engine.plan.group_values.host[group, GROUP_VALUES[name]])
+
+    step()
+    assert step() == []
+    opt.param_groups[0]["lr"] = 0.5  # (a number: read here, each step)
+    assert step() == ["values"] and value(0, "lr") == 0.5
+    opt.param_groups[0]["weight_decay"] = 0.125
+    assert step() == ["values"] and value(0, "weight_decay") == 0.125
+    opt.param_groups[1]["lr"].fill_(0.75)  # (float32 where the kernels run: read there, by address)
+    assert step() == []
+    lr = torch.tensor(0.375)
+    opt.param_groups[1]["lr"] = lr  # (another tensor: its address goes into the table)
+    assert step() == ["groups"]
+    assert engine.plan.group_table.host[1, FIELD["GroupMeta"]["lr"]] == lr.data_ptr()
+    opt.param_groups[1]["lr"] = torch.tensor(0.5, dtype=torch.float64)  # (read here by value, each step)
+    assert step() == ["groups", "values"] and value(1, "lr") == 0.5
+    opt.param_groups[1]["lr"].fill_(0.25)
+    assert step() == ["values"] and value(1, "lr") == 0.25
+    assert step() == []
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
 def test_a_refused_step_leaves_no_stale_gradient_address(name, recorded):
     """The fast check uploads the summed gradients' addresses before it reads the others. When the step
     is then refused, the next step still brings the whole array to its own gradients' addresses, also
@@ -318,7 +365,7 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         [list(map(id, grads)) for grads in inputs.grads]
     assert checked[2].grad_pointers == [weight.grad.data_ptr(), bias.grad.data_ptr()]
     assert checked[2].grad_dtypes == [torch.float32, torch.float32]
-    def launches_and_tables():  # (CpuTable re-creates its tensor on every update: tables by content)
+    def launches_and_tables():  # (tables by content)
         plan = engine.plan
         return [launch[:3] for launch in recorded], plan.tensor_table.host.copy(), plan.axis_table.host.copy()
 

@@ -141,6 +141,7 @@ class Plan:
         self.axis_rows = layout.static_jobs.copy()
         self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
         self.tensor_rows_stale = True  # (the gradients' dtypes changed since the tensor table's upload)
+        self.groups_signature = None  # (what the group tables were last built from: _groups_signature)
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
         self.group_params: list = []  # the participating parameters per group
         # The fast check's expectations (FusedEngine._fast_check_rows; group_members None: every step
@@ -450,7 +451,11 @@ class FusedEngine:
             plan.uploaded_param_pointers, plan.tensor_rows_stale = plan.param_pointers, False
 
     def _refresh_groups(self, plan: Plan) -> None:
+        """The group tables (decays, multipliers, lr and weight decay as values or device pointers, the
+        step counters), rebuilt only where what they are built from changed (_groups_signature)."""
         groups = self.optimizer.param_groups
+        if plan.groups_signature is not None and self._groups_signature(groups) == plan.groups_signature:
+            return
         values = np.zeros((len(groups), GROUP_VALUE_FLOATS), dtype=np.float32)
         device_scalars = {}
         for g, group in enumerate(groups):
@@ -462,7 +467,7 @@ class FusedEngine:
             row[GROUP_VALUES["max_grad_norm"]] = group.get("max_grad_norm") or 0.0
             for name in ("lr", "weight_decay"):
                 value = group[name]
-                if torch.is_tensor(value) and value.device == self.device and value.dtype == torch.float32:
+                if self._read_on_device(value):
                     device_scalars[g, name] = value  # read on the device: schedulers update it in place
                 else:
                     row[GROUP_VALUES[name]] = float(value)
@@ -480,6 +485,27 @@ class FusedEngine:
                 rows[g, _G[name]] = scalar.data_ptr() if scalar is not None else base + GROUP_VALUES[name] * slot
             rows[g, _G["step"]] = group["step"].data_ptr()
         plan.group_table.update(rows)
+        plan.groups_signature = self._groups_signature(groups)
+
+    GROUP_TABLE_KEYS = ("momentum_decays", "rms_decays", "adafactor_decays", "exp_mult", "step_mult", "max_grad_norm",
+                        "lr", "weight_decay", "step")
+
+    def _read_on_device(self, value) -> bool:
+        """Whether a group's lr or weight decay is a tensor the kernels read where it lies (float32 on
+        this device); any other value is read here, each step."""
+        return torch.is_tensor(value) and value.device == self.device and value.dtype == torch.float32
+
+    def _groups_signature(self, groups) -> tuple:
+        """What the group tables are built from: a tensor the kernels read (or the step counter) by its
+        identity and address, any other value as the table holds it."""
+        def key(value):
+            if not torch.is_tensor(value):
+                return value
+            return (id(value), value.data_ptr()) if self._read_on_device(value) or value.dtype == torch.int64 \
+                else float(value)
+
+        return (tuple(tuple(key(group.get(name)) for name in self.GROUP_TABLE_KEYS) for group in groups),
+                key(groups[0].get("skipped_steps")))
 
     def _packed_decays(self, group) -> torch.Tensor:
         key = (group["momentum_decays"], group["rms_decays"], group["adafactor_decays"])

@@ -232,17 +232,28 @@ def _external_stream(handle: int, device_index: int):
         return cupy_or_none().cuda.ExternalStream(handle, device_index)  # wraps, never owns, torch's stream
 
 
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The handle of PyTorch's current stream on ``device``: what ``torch.cuda.current_stream(device)
+    .cuda_stream`` is, without building a Stream object (~5 µs, paid by every launch and upload)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _raw_current_stream is None:  # (a PyTorch without the private accessor)
+        return torch.cuda.current_stream(index).cuda_stream
+    return _raw_current_stream(index)
+
+
 def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
     """Launch ``kernel`` on PyTorch's current stream of ``device`` (``grid``: blocks, or a tuple of up to 3;
     an empty grid launches nothing)."""
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,))) + (1, 1)
     if min(grid[:3]) <= 0:
         return
-    stream = torch.cuda.current_stream(device)
-    cupy_stream = _external_stream(stream.cuda_stream, device.index)
+    cupy_stream = _external_stream(current_stream_handle(device), device.index)
     kernel(grid[:3], (int(block), 1, 1), args, shared_mem=shared_mem, stream=cupy_stream)
     if _SYNC_CHECK:
-        stream.synchronize()
+        torch.cuda.current_stream(device).synchronize()
         cupy_or_none().cuda.runtime.getLastError()
 
 
@@ -258,6 +269,11 @@ class MetadataTable:
     only once its previous upload has run, which with :data:`STAGING_RING` of them is long done), so
     steady-state steps allocate nothing, never wait for the device, and the upload is a plain
     asynchronous copy (also inside CUDA graph capture, where replays re-read that staging buffer).
+
+    The copy and the event that guards its staging buffer are CUDA runtime calls on PyTorch's current
+    stream, each staging buffer with its own event made once: a step uploads this way two to four
+    times before its kernels read the tables, and a PyTorch ``copy_`` with a new ``Event`` cost
+    ~0.1-0.2 ms each there on an H100 host (``benchmarks/profile_host.py``).
     """
 
     STAGING_RING = 4
@@ -267,31 +283,62 @@ class MetadataTable:
         self.dtype = np.dtype(dtype)
         self.host = None
         self.table = None
-        self.staging = []  # (pinned buffer, event of its last upload or None)
+        self.staging = []  # _Staging buffers
         self.next_staging = 0
 
     def update(self, rows: np.ndarray) -> torch.Tensor:
         rows = np.ascontiguousarray(rows, dtype=self.dtype)
         if self.table is not None and self.host.shape == rows.shape and np.array_equal(self.host, rows):
             return self.table
-        torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}[self.dtype]
         if self.table is None or self.host.shape != rows.shape:
+            torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}[self.dtype]
             self.table = torch.empty(rows.shape, dtype=torch_dtype, device=self.device)
+            self.host = np.empty_like(rows)
             self.staging = []
         if len(self.staging) < self.STAGING_RING:
-            self.staging.append([torch.empty(rows.shape, dtype=torch_dtype, pin_memory=True), None])
-            slot = self.staging[-1]
+            staging = _Staging(rows, self.device)
+            self.staging.append(staging)
         else:
-            slot = self.staging[self.next_staging]
+            staging = self.staging[self.next_staging]
             self.next_staging = (self.next_staging + 1) % self.STAGING_RING
-            if slot[1] is not None and not slot[1].query():
-                slot[1].synchronize()  # (uploaded STAGING_RING updates ago: in practice done, never waited for)
-        slot[0].numpy()[...] = rows
-        self.table.copy_(slot[0], non_blocking=True)
-        if torch.cuda.is_current_stream_capturing():
-            slot[1] = None  # captured as a graph node; replays re-read this staging buffer
-        else:
-            slot[1] = torch.cuda.Event()
-            slot[1].record(torch.cuda.current_stream(self.device))
-        self.host = rows.copy()
+            staging.wait()
+        staging.upload(rows, self.table, current_stream_handle(self.device))
+        np.copyto(self.host, rows)
         return self.table
+
+
+class _Staging:
+    """A pinned host buffer of a table's size and the event of its last upload."""
+
+    def __init__(self, rows: np.ndarray, device: torch.device):
+        self.buffer = torch.empty(rows.shape, dtype=torch.from_numpy(rows[:0]).dtype, pin_memory=True)
+        self.view = self.buffer.numpy()
+        cupy = cupy_or_none()
+        with cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
+            self.event = cupy.cuda.Event(disable_timing=True)
+        self.pending = False  # (an upload recorded the event and may not have run)
+
+    def __del__(self):
+        # PyTorch's pinned-memory cache may hand this buffer out again as soon as it is freed, and it does
+        # not know of the copy above: a table dropped (a new plan) before its last upload ran waits for it.
+        try:
+            self.wait()
+        except Exception:  # (interpreter shutdown: CuPy may be gone, and so is every stream)
+            pass
+
+    def wait(self) -> None:
+        """Until the buffer's last upload has run (uploaded STAGING_RING updates ago: in practice done)."""
+        runtime = cupy_or_none().cuda.runtime
+        if self.pending and runtime.eventQuery(self.event.ptr) != 0:  # (0: cudaSuccess, the work is done)
+            runtime.eventSynchronize(self.event.ptr)
+        self.pending = False
+
+    def upload(self, rows: np.ndarray, table: torch.Tensor, stream: int) -> None:
+        runtime = cupy_or_none().cuda.runtime
+        np.copyto(self.view, rows)
+        runtime.memcpyAsync(table.data_ptr(), self.buffer.data_ptr(), rows.nbytes, runtime.memcpyHostToDevice, stream)
+        if torch.cuda.is_current_stream_capturing():
+            self.pending = False  # captured as a graph node; replays re-read this buffer
+        else:
+            runtime.eventRecord(self.event.ptr, stream)
+            self.pending = True
