@@ -403,6 +403,15 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         assert not engine.plan.accumulated
         new_gradients()
         assert step()
+    # A layout whose is_contiguous() raises (CSR; PyTorch refuses it as a dense parameter's .grad, so a
+    # stand-in holds it) is left to the general check too, without an exception.
+    import warnings
+    from types import SimpleNamespace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (PyTorch calls its CSR support beta)
+        csr = SimpleNamespace(grad=torch.randn(6, 4, generator=g).to_sparse_csr())
+    assert not engine._read_gradients([(0, csr, (6, 4))], [None], [0], [None], [0])
     taken = [  # (a change the general check takes; whether it re-plans)
         (lambda: setattr(weight, "grad", torch.randn(4, 6, generator=g).t()), False),  # strides unlike the parameter's
         (lambda: setattr(frozen, "grad", torch.randn(3, generator=g)), True),  # one more participating parameter
