@@ -326,7 +326,8 @@ def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_
     first_reader = min(order.index(kernel) for kernel in order if isinstance(kernel, str)
                        and not kernel.startswith("adafactor_"))
     if fast_check:  # (the weight is summed along its axes; the bias is checked after the accumulate phase)
-        assert len(gradient_uploads) == 2 and order.index("adafactor_factor_tables") < gradient_uploads[1] < first_reader
+        assert len(gradient_uploads) == 2
+        assert order.index("adafactor_factor_tables") < gradient_uploads[1] < first_reader
         assert uploads[0][:, 0].tolist() == [weight.grad.data_ptr(), previous_bias_grad.data_ptr()]
     else:
         assert len(gradient_uploads) == 1

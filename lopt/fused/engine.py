@@ -328,7 +328,8 @@ class FusedEngine:
                 plan.locals = locals_
                 return plan
             if all((tuple(p.shape), p.stride()) == geometry for p, geometry in zip(locals_, plan.geometries)):
-                plan.param_pointers, plan.locals = param_pointers, locals_  # (moved storage: _refresh_tensor_table re-uploads)
+                # (moved storage: _refresh_tensor_table re-uploads)
+                plan.param_pointers, plan.locals = param_pointers, locals_
                 return plan
         locals_ = list(map(local_part, params))  # (a DTensor's rows in this process; else the tensor)
         entries = [(g, p) for g, group_params in enumerate(inputs.params) for p in group_params]
@@ -579,7 +580,8 @@ class FusedEngine:
         layout, ptr = plan.layout, launcher.pointer
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
                     (ptr(plan.axis_table.table if layout.num_axis_jobs else None), np.int32(layout.num_axis_jobs),
-                     ptr(plan.gradients.table), ptr(plan.axis_partials), ptr(self._on_device(grad_scale)), np.float32(self.GRADIENT_CLIP)))
+                     ptr(plan.gradients.table), ptr(plan.axis_partials), ptr(self._on_device(grad_scale)),
+                     np.float32(self.GRADIENT_CLIP)))
 
     def _finish_accumulate(self, plan: Plan) -> None:
         layout, ptr = plan.layout, launcher.pointer

@@ -71,8 +71,8 @@ class SmallFCLOptFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table), ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.clip_factors), *flags,
-                     ptr(plan.stats_partials)))
+                     ptr(plan.group_table.table), ptr(plan.row_factors), ptr(plan.col_factors),
+                     ptr(plan.clip_factors), *flags, ptr(plan.stats_partials)))
         if layout.sharded:  # a bad gradient element in any process's rows skips the step in all of them
             self.optimizer.reducer.max_(plan.status)
 
@@ -83,8 +83,8 @@ class SmallFCLOptFused(FusedEngine):
         for phase in ((1, 2) if layout.sharded else (0,)):
             self.launch("small_fc_lopt_fold", layout.num_tensors + 1, FOLD_THREADS,
                         (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                         ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table), ptr(plan.col_table), ptr(self.network),
-                         ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
+                         ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
+                         ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
                          ptr(plan.tensor_sums)))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
@@ -93,5 +93,5 @@ class SmallFCLOptFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.folded), ptr(plan.shared_frags), ptr(plan.row_table),
-                     ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter()))
+                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.folded),
+                     ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter()))

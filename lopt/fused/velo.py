@@ -177,6 +177,6 @@ class VeLOFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.records), ptr(plan.row_factors), ptr(plan.col_factors),
-                     ptr(plan.row_contributions), ptr(plan.col_contributions), *flags, self.skipped_counter(),
+                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.records),
+                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.row_contributions), ptr(plan.col_contributions), *flags, self.skipped_counter(),
                      *self._loss_buffer_arguments(), *loss_arguments))
