@@ -555,7 +555,7 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 #if SFC_STAGED
 // Each warp's ring of staged slices: the warp's 32 elements of the chunks it computes next. Lane 0
 // keeps `source` (the tensor of the last slice it staged) and starts the copies.
-struct ApplyStaging {
+struct __align__(LOPT_BULK_ALIGNMENT) ApplyStaging {  // (so that every warp's slices are aligned for bulk copies)
   StagedSlice slices[SFC_APPLY_STAGES];
   unsigned long long landed[SFC_APPLY_STAGES];
   SliceSource source;
@@ -623,7 +623,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   const int warp = threadIdx.x / 32;
 #if SFC_STAGED
   const int lane = threadIdx.x % 32;
-  __shared__ __align__(128) ApplyStaging stagings[SFC_APPLY_WARPS];
+  __shared__ ApplyStaging stagings[SFC_APPLY_WARPS];
   ApplyStaging& staging = stagings[warp];
   if (lane == 0) {
     for (int stage = 0; stage < SFC_APPLY_STAGES; ++stage) mbarrier_init(&staging.landed[stage], 1);
