@@ -13,7 +13,6 @@
 // Nothing is written to parameters or state before the apply pass knows the step is kept.
 #include "common.cuh"
 #include "accumulators.cuh"
-#include "element_staging.cuh"
 #include "split_mma.cuh"
 
 #define SFC_NUM_FEATURES 28
@@ -544,36 +543,6 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // pass: 10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 4)
 #endif
-#ifndef SFC_APPLY_STAGES
-// Slices per warp in shared memory (element_staging.cuh): the one being computed and those whose
-// copies are in flight; 0: every element loaded directly. The exact build has room for two under
-// the 48 KiB of static shared memory, precision "fast" (7 blocks/SM) for three.
-#define SFC_APPLY_STAGES (LOPT_BULK_COPY ? (LOPT_SPLIT_MODE == 2 ? 3 : 2) : 0)
-#endif
-#define SFC_STAGED (SFC_APPLY_STAGES >= 2)
-
-#if SFC_STAGED
-// Each warp's ring of staged slices: the warp's 32 elements of the chunks it computes next. Lane 0
-// keeps `source` (the tensor of the last slice it staged) and starts the copies.
-struct __align__(LOPT_BULK_ALIGNMENT) ApplyStaging {  // (so that every warp's slices are aligned for bulk copies)
-  StagedSlice slices[SFC_APPLY_STAGES];
-  unsigned long long landed[SFC_APPLY_STAGES];
-  SliceSource source;
-};
-
-// Lane 0: stages the warp's slice of apply chunk `chunk` (if it is in the block's range and stageable).
-LOPT_DEVICE void stage_chunk(ApplyStaging& staging, int stage, i64 chunk, i64 chunk_end, int warp,
-                             const TensorMeta* tensors, const i64* gradients, int num_tensors) {
-  if (chunk >= chunk_end) return;
-  SliceSource& s = staging.source;
-  if (chunk >= s.end_chunk) s = slice_source(tensors, gradients, num_tensors, chunk);
-  const i64 start = (chunk - s.first_chunk) * SFC_APPLY_CHUNK + LOPT_SLICE_ELEMENTS * warp;
-  if (!slice_stageable(start, s.numel, s.param, s.grad, s.mom, s.rms, s.full)) return;
-  fence_before_bulk_copy();  // the warp's reads of this slot's previous slice come first
-  stage_slice(staging.slices[stage], &staging.landed[stage], s, start, evict_first_policy());
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
@@ -620,22 +589,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 
   const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
   const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  const int warp = threadIdx.x / 32;
-#if SFC_STAGED
-  const int lane = threadIdx.x % 32;
-  __shared__ ApplyStaging stagings[SFC_APPLY_WARPS];
-  ApplyStaging& staging = stagings[warp];
-  if (lane == 0) {
-    for (int stage = 0; stage < SFC_APPLY_STAGES; ++stage) mbarrier_init(&staging.landed[stage], 1);
-    fence_barrier_init();
-    staging.source.end_chunk = -1;
-    for (int ahead = 0; ahead + 1 < SFC_APPLY_STAGES; ++ahead)
-      stage_chunk(staging, ahead, chunk_begin + ahead, chunk_end, warp, tensors, gradients, num_tensors);
-  }
-  __syncwarp();
-  int stage = 0;           // the slot of this chunk's slice
-  unsigned parities = 0u;  // bit s: the parity of slot s's next phase
-#endif
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
@@ -657,35 +610,16 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     float x[SFC_NUM_FEATURES], grad, param = 0.f;
-    const TableInputs tables{row_table, col_table, nullptr, nullptr};
-#if SFC_STAGED
-    // The slice SFC_APPLY_STAGES - 1 chunks ahead goes into the slot the previous chunk used.
-    if (lane == 0)
-      stage_chunk(staging, stage == 0 ? SFC_APPLY_STAGES - 1 : stage - 1, chunk + SFC_APPLY_STAGES - 1, chunk_end, warp,
-                  tensors, gradients, num_tensors);
-    const bool staged = slice_stageable(meta, index - lane);
-    const int slot = stage;
-    stage = stage + 1 == SFC_APPLY_STAGES ? 0 : stage + 1;
-    if (staged) {  // (then every element of the slice exists)
-      mbarrier_wait(&staging.landed[slot], (parities >> slot) & 1u);
-      parities ^= 1u << slot;
-      ElementState state;
-      float unclipped_grad;
-      read_staged_element(staging.slices[slot], lane, meta, inverse_scale, unclipped_grad, param, state);
-      const FactorIndex f = meta.factored ? factor_index(meta, index) : FactorIndex{0, 0};
-      loaded_element_features(meta, f, group.decays, clip_factor, tables, unclipped_grad, param, state, x, grad);
-      store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
-    } else
-#endif
     if (valid) {
       ElementState state;
-      element_features<false, SFC_APPLY_STREAMED>(meta, index, group.decays, inverse_scale, clip_factor, tables, x,
-                                                  state, grad, param);
+      element_features<false, SFC_APPLY_STREAMED>(meta, index, group.decays, inverse_scale, clip_factor,
+                       TableInputs{row_table, col_table, nullptr, nullptr}, x, state, grad, param);
       store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // the new accumulators do not depend on the MLP
     } else {
 #pragma unroll
       for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
     }
+    const int warp = threadIdx.x / 32;
     const float2 mlp_output =
         mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2_operand, b2, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);

@@ -403,50 +403,6 @@ def test_parameters_and_gradients_at_odd_offsets_match_naive(name, dtype, weight
         sync_into(naive, naive_params, fused, fused_params)
 
 
-def views_at_offsets(tensors, offsets):
-    """Copies of ``tensors`` as views into one flat buffer, tensor i starting ``offsets[i]`` elements past
-    a 64-byte boundary."""
-    element = tensors[0].element_size()
-    sizes = [-(-(t.numel() + offset) * element // 64) * 64 // element for t, offset in zip(tensors, offsets)]
-    buffer = torch.empty(sum(sizes), dtype=tensors[0].dtype, device=tensors[0].device)
-    views, start = [], 0
-    for t, offset, size in zip(tensors, offsets, sizes):
-        views.append(buffer[start + offset:start + offset + t.numel()].view(t.shape).copy_(t))
-        start += size
-    return views
-
-
-@pytest.mark.parametrize("precision", ["exact", "fast"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_staged_and_direct_element_loads_step_bit_identically(precision, dtype, weights):
-    """small_fc_lopt's apply pass stages each warp's 32 elements in shared memory by bulk copies where
-    the GPU has them and a tensor's arrays are 16-byte aligned, and loads the rest (tails of 32, views at
-    other offsets) directly. A build that loads everything directly must give the same bits: parameters
-    16-byte aligned, 8-byte aligned, and at odd offsets, in one step."""
-    from lopt.fused.small_fc_lopt import SmallFCLOptFused
-
-    shapes = [(300, 129), (70001,), (64, 32, 36), (37,), (16, 16, 3, 3), (5, 5)]
-    per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
-    offsets = [0, per_16_bytes // 2, 1, 0, 0, per_16_bytes // 2]
-    grad_offsets = [0, 0, 1, 0, per_16_bytes // 2, 0]
-    results = []
-    for defines in [(), ("SFC_APPLY_STAGES=0",)]:
-        params = [torch.nn.Parameter(v) for v in views_at_offsets(make_params(shapes, dtype, seed=11), offsets)]
-        opt = make_optimizer("small_fc_lopt", params, "fused", weights["small_fc_lopt"], lr=0.7, precision=precision)
-        if defines:
-            opt._fused_engine = SmallFCLOptFused(opt, defines=defines)
-        for index in range(4):
-            grads = random_grads(params, seed=40 + index)
-            for p, g in zip(params, views_at_offsets(grads, grad_offsets)):
-                p.grad = g
-            step(opt, loss_of(index))
-        results.append([p.detach().clone() for p in params]
-                       + [v.clone() for p in params for v in opt.state[p].values() if torch.is_tensor(v)])
-    assert len(results[0]) >= 4 * len(shapes)  # parameters, momentum, rms, and Adafactor's state
-    for staged, direct in zip(*results):
-        assert torch.equal(staged, direct)
-
-
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_views_with_gaps_are_refused_at_construction(name, weights):
     gapped = torch.nn.Parameter(torch.randn(6, 8, device="cuda")[:, ::2])
