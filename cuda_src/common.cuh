@@ -174,13 +174,25 @@ LOPT_DEVICE TensorMeta tensor_row(const TensorMeta* tensors, const i64* gradient
 // Indices of an element's Adafactor row (R) and column (C) accumulator entries.
 struct FactorIndex { i64 row, col; };
 
+// n / d for n < 2^32 and 1 <= d < 2^32, from reciprocal = ceil(2^64 / d) as int64 bits (0 for d = 1;
+// lopt.fused.plan.division_reciprocal): the high 64 bits of n · reciprocal, exact because they exceed
+// n / d by less than n / 2^64 < 1 / d. Two multiplications, where a division by a value known only at
+// run time takes about twenty instructions.
+LOPT_DEVICE unsigned divide_by_reciprocal(unsigned n, i64 reciprocal) {
+  const unsigned long long r = static_cast<unsigned long long>(reciprocal);
+  if (r == 0) return n;
+  return static_cast<unsigned>((static_cast<unsigned long long>(n) * (r >> 32) + __umulhi(n, static_cast<unsigned>(r))) >> 32);
+}
+
 // Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever
-// the tensor's element count allows.
+// the tensor's element count allows; a plain matrix's index then divides by its reciprocal.
 template <typename I>
 LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& without_a, i64& without_b) {
   const I e = static_cast<I>(element);
   if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
-    const I a = e / static_cast<I>(t.b);
+    I a;
+    if constexpr (sizeof(I) == 4) a = divide_by_reciprocal(e, t.b_reciprocal);
+    else a = e / static_cast<I>(t.b);
     without_a = static_cast<i64>(e - a * static_cast<I>(t.b));
     without_b = static_cast<i64>(a);
     return;

@@ -104,12 +104,14 @@ LOPT_DEVICE void loaded_element_features(const TensorMeta& t, const FactorIndex&
   grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
   const bool factored = t.factored != 0;
   update_accumulators(s, grad, decays, factored);
-  FactorEntry row = {}, col = {};
   if (factored) {
+    FactorEntry row, col;
     if (FactorsOnly) load_factors(t, f, tables.row_factors, tables.col_factors, row, col);
     else load_factor_entries(t, f, tables.row_table, tables.col_table, row, col);
+    per_element_features(x, grad, param, s, true, row, col);
+  } else {  // (no table entries: the features' code reads none, and nothing is zeroed to merge with them)
+    per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
   }
-  per_element_features(x, grad, param, s, factored, row, col);
 }
 
 // Loads one element's inputs and computes its features (loaded_element_features); returns the
@@ -436,7 +438,13 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       const int row = 16 * m + matrix_row;
       load_matrices_x4(f[m], rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
     }
-  }, l1, SFC_BIAS_INPUTS ? nullptr : b1, lane);
+  }, l1,
+#if SFC_BIAS_INPUTS
+  nullptr,  // (b1' rides in the inputs)
+#else
+  b1,
+#endif
+  lane);
 }
 #else
 // Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
@@ -458,7 +466,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   // A fragment values of k-step j for rows g and g + 8 of m-tile m: (g, k = 8j + t), (g + 8, 8j + t),
   // (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in the tile (feature_column), read as
   // they are needed to keep registers free.
-  split_layer_32x32(h1, [&](int j, float a[2][4]) {
+  split_layer_32x32</*Truncate=*/false>(h1, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
@@ -497,7 +505,10 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       }
   }, l2, b2, lane);
 #else
-  split_layer_32x32(h2, [&](int j, float a[2][4]) {
+  // (Layer 2's activations are split by truncation, layer 1's rounded: the exact apply pass then issues
+  // 867 instructions per chunk on its common path (float32, factored matrix), against 898 with both
+  // rounded and 955 with both truncated, where the compiler adds moves to form the MMA's operands.)
+  split_layer_32x32</*Truncate=*/true>(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
@@ -609,16 +620,14 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
-    float x[SFC_NUM_FEATURES], grad, param = 0.f;
-    if (valid) {
-      ElementState state;
-      element_features<false, SFC_APPLY_STREAMED>(meta, index, group.decays, inverse_scale, clip_factor,
-                       TableInputs{row_table, col_table, nullptr, nullptr}, x, state, grad, param);
-      store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // the new accumulators do not depend on the MLP
-    } else {
-#pragma unroll
-      for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 0.f;
-    }
+    // A lane past the tensor's end computes the features of its last element (every lane takes part in
+    // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
+    float x[SFC_NUM_FEATURES], grad, param;
+    ElementState state;
+    element_features<false, SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
+                                                clip_factor, TableInputs{row_table, col_table, nullptr, nullptr}, x,
+                                                state, grad, param);
+    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (the new accumulators do not depend on the MLP)
     const int warp = threadIdx.x / 32;
     const float2 mlp_output =
         mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2_operand, b2, w3, w3_operand, b3);

@@ -273,3 +273,35 @@ def test_sharded_layouts_agree_across_processes_and_their_reduced_means_are_the_
     # Where d1 is axis 0, row_col_mean divides by the whole axis; elsewhere by the local one.
     assert a.static_rows[1][t["row_col_divisor"]] == 5 and a.static_rows[1][t["row_col_sums"]] >= 0
     assert a.static_rows[0][t["row_col_sums"]] == -1
+
+
+def high_64_bits_as_the_kernels_form_them(n: int, reciprocal_bits: int) -> int:
+    """divide_by_reciprocal (common.cuh) step by step: n · r_hi + umulhi(n, r_lo), then its high 32 bits,
+    each product in the width the GPU computes it in."""
+    r = reciprocal_bits % 2**64
+    if r == 0:
+        return n
+    r_hi, r_lo = r >> 32, r % 2**32
+    total = n * r_hi + ((n * r_lo) >> 32)
+    assert total < 2**64  # (the kernels' 64-bit sum does not wrap)
+    return total >> 32
+
+
+def test_division_by_reciprocal_is_exact_for_32_bit_indices():
+    from lopt.fused.plan import division_reciprocal
+
+    rng = np.random.default_rng(0)
+    divisors = ([1, 2, 3, 5, 7, 129, 1000, 1024, 4096, 50257, 2**16 + 1, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 1]
+                + [int(d) for d in rng.integers(2, 2**32, 200)])
+    for divisor in divisors:
+        reciprocal = division_reciprocal(divisor)
+        assert -2**63 <= reciprocal < 2**63
+        quotients = [int(q) for q in rng.integers(0, 2**32 // divisor + 1, 20)]
+        # Numerators where the quotient changes (multiples of the divisor and one less), and the largest.
+        numerators = {q * divisor + delta for q in quotients for delta in (-1, 0, 1, divisor - 1)} | {2**32 - 1, 0}
+        for n in sorted(m for m in numerators if 0 <= m < 2**32):
+            assert high_64_bits_as_the_kernels_form_them(n, reciprocal) == n // divisor, (n, divisor)
+    assert division_reciprocal(1) == 0 and division_reciprocal(2) == -2**63 and division_reciprocal(3) == 6148914691236517206
+    assert division_reciprocal(2**32) == 0  # (such a tensor's indices divide in 64 bits)
+    with pytest.raises(ValueError, match="divisor 0 is not positive"):
+        division_reciprocal(0)

@@ -55,6 +55,19 @@ def factored_geometry(shape, dims) -> FactoredGeometry:
     )
 
 
+def division_reciprocal(divisor: int) -> int:
+    """ceil(2^64 / divisor) as the bits of an int64 (0 for a divisor of 1). For n < 2^32 and divisor < 2^32
+    the high 64 bits of n · ceil(2^64 / divisor) are exactly n // divisor (the excess over n / divisor is
+    below n / 2^64 < 1 / divisor), so the kernels split an element index into its factored coordinates
+    with two multiplications instead of a division sequence (divide_by_reciprocal, common.cuh)."""
+    if divisor < 1:
+        raise ValueError(f"divisor {divisor} is not positive")
+    if divisor == 1 or divisor >= 2**32:  # (a tensor with b >= 2^32 has more elements than 32-bit indices reach:
+        return 0                         # the kernels divide its indices in 64 bits, without the reciprocal)
+    reciprocal = (2**64 - 1) // divisor + 1
+    return reciprocal - 2**64 if reciprocal >= 2**63 else reciprocal
+
+
 class GroupLayout:
     """The shape-dependent part of a fused step for a list of tensors.
 
@@ -108,6 +121,7 @@ class GroupLayout:
             row[_T["d0_is_a"]] = int(g.d0_is_a)
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = getattr(g, name)
+            row[_T["b_reciprocal"]] = division_reciprocal(g.b)
             d1, d0 = dim
             # A split tensor's axis 0 is one of its factored axes (then it is axis a, with outer = 1) or
             # neither (then every sum over a factored axis is complete in this process).
