@@ -466,7 +466,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   // A fragment values of k-step j for rows g and g + 8 of m-tile m: (g, k = 8j + t), (g + 8, 8j + t),
   // (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in the tile (feature_column), read as
   // they are needed to keep registers free.
-  split_layer_32x32</*Truncate=*/false>(h1, [&](int j, float a[2][4]) {
+  split_layer_32x32(h1, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
@@ -505,10 +505,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       }
   }, l2, b2, lane);
 #else
-  // (Layer 2's activations are split by truncation, layer 1's rounded: the exact apply pass then issues
-  // 867 instructions per chunk on its common path (float32, factored matrix), against 898 with both
-  // rounded and 955 with both truncated, where the compiler adds moves to form the MMA's operands.)
-  split_layer_32x32</*Truncate=*/true>(h2, [&](int j, float a[2][4]) {
+  split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);

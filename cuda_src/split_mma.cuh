@@ -1,19 +1,15 @@
 // Float32-accurate 32 x 32 layers on tensor cores, for per-element MLPs.
 //
 // Tensor cores multiply TF32 (11 significant bits) or BF16 (8) operands and accumulate in float32.
-// Every operand x is split as x = hi + lo, hi a TF32 value and lo = x - hi (exact in float32), and
+// Every operand x is split as x = hi + lo with hi = tf32(x) (round to nearest) and lo = x - hi
+// (|lo| <= 2^-11 |x|, exact in float32), and
 //
 //     a . b  ~=  a_hi . b_hi  (TF32 product)  +  [a_lo | a_hi] . [b_hi ; b_lo]  (one BF16 product)
 //
 // The two correction terms are concatenated along k into a single BF16 MMA of twice the depth, so a
-// k-step costs one TF32 and one BF16 instruction (3-product split TF32 needs three TF32 ones).
-// hi is x rounded to TF32 (|lo| <= 2^-11 |x|) for the weights (B, split once per tensor) and for
-// activations split with Truncate = false; with Truncate = true it is x with its low 13 bits cleared,
-// the TF32 value the tensor core reads of x (|lo| < 2^-10 |x|), and a_hi's BF16 is the top half of
-// x's bits: a value then costs a logic op and a subtraction (rounding costs one integer add more),
-// and a pair a conversion and a byte permute. The BF16 rounding of the corrections and the dropped
-// a_lo b_lo term leave an error of about 2^-19 (rounded) to 2^-18 (truncated) of sum |a_k b_k|;
-// BF16 keeps float32's exponent range, so no operand can overflow.
+// k-step costs one TF32 and one BF16 instruction (3-product split TF32 needs three TF32 ones). The
+// dropped a_lo b_lo term and the BF16 rounding of the small corrections leave an error of about
+// 2^-19 of sum |a_k b_k|; BF16 keeps float32's exponent range, so no operand can overflow.
 //
 // Each warp multiplies its own 32 rows (two 16-row m-tiles) with mma.sync (sm_80 and newer), A
 // fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats = 8 KiB
@@ -60,24 +56,13 @@ LOPT_DEVICE unsigned pack_bf16x2_relu(float first, float second) {
   return packed;
 }
 
-// x = hi + lo: hi rounded to TF32, lo the exact float32 remainder (the weights' split).
+// x = hi + lo: hi rounded to TF32, lo the exact float32 remainder.
 struct SplitValue {
   float hi, lo;
 };
 LOPT_DEVICE SplitValue split(float x) {
   const float hi = __uint_as_float(to_tf32(x));
   return SplitValue{hi, __fsub_rn(x, hi)};
-}
-
-// x = hi + lo: hi x truncated to TF32 (its low 13 bits cleared), lo the exact float32 remainder.
-LOPT_DEVICE SplitValue split_truncated(float x) {
-  const float hi = __uint_as_float(__float_as_uint(x) & 0xFFFFE000u);
-  return SplitValue{hi, __fsub_rn(x, hi)};
-}
-
-// The BF16 values of two TF32 values' top halves (their BF16 truncations), packed as pack_bf16x2 packs.
-LOPT_DEVICE unsigned pack_top_halves(float first, float second) {
-  return __byte_perm(__float_as_uint(first), __float_as_uint(second), 0x7632);
 }
 
 // A thread's A fragment of one k-step (8 inputs) of a 16-row m-tile, from its four values
@@ -88,18 +73,17 @@ struct SplitFragment {
   unsigned hi[4];
   unsigned correction[4];
 };
-template <bool Truncate>
 LOPT_DEVICE SplitFragment split_fragment(const float a[4]) {
   SplitValue v[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = Truncate ? split_truncated(a[i]) : split(a[i]);
+  for (int i = 0; i < 4; ++i) v[i] = split(a[i]);
   SplitFragment f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) f.hi[i] = __float_as_uint(v[i].hi);
   f.correction[0] = pack_bf16x2(v[0].lo, v[2].lo);  // row g
   f.correction[1] = pack_bf16x2(v[1].lo, v[3].lo);  // row g + 8
-  f.correction[2] = Truncate ? pack_top_halves(a[0], a[2]) : pack_bf16x2(v[0].hi, v[2].hi);  // (a's top half is a_hi's)
-  f.correction[3] = Truncate ? pack_top_halves(a[1], a[3]) : pack_bf16x2(v[1].hi, v[3].hi);
+  f.correction[2] = pack_bf16x2(v[0].hi, v[2].hi);
+  f.correction[3] = pack_bf16x2(v[1].hi, v[3].hi);
   return f;
 }
 
@@ -208,9 +192,9 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 #endif
 
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
-// values of k-step j for both m-tiles, split by truncation or rounding (Truncate, above). The bias enters as the first product's addend (lane's
+// values of k-step j for both m-tiles. The bias enters as the first product's addend (lane's
 // columns 8c + 2t, 8c + 2t + 1). Each B fragment is read from shared memory once for both m-tiles.
-template <bool Truncate, typename LoadA>
+template <typename LoadA>
 LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, const float* bias, int lane) {
 #if LOPT_SPLIT_MODE == 2
   bf16_layer_32x32(acc, [&](int p, unsigned f[2][4]) {
@@ -233,7 +217,7 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
     load_a(j, a);
     SplitFragment f[2];
 #pragma unroll
-    for (int m = 0; m < 2; ++m) f[m] = split_fragment<Truncate>(a[m]);
+    for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint4 b = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane];
