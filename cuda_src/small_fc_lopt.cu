@@ -393,7 +393,7 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
 #if LOPT_SPLIT_MODE == 2
-#define SFC_TILE_ROW_FLOATS 16  // a row's 32 features as BF16 pairs
+#define SFC_TILE_ROW_FLOATS 20  // a row's 32 features as BF16 pairs, and 4 words of padding
 #else
 #define SFC_TILE_ROW_FLOATS SFC_FEATURE_STRIDE
 #endif
@@ -401,9 +401,11 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
 #if LOPT_SPLIT_MODE == 2
 // Mode 2 (precision="fast"): a row holds its features as BF16 in the MMA's column order, 16 words: the
 // uint4 of k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's
-// order), so ldmatrix hands every thread its A fragments in place. The uint4s are swizzled by row
-// (packed_chunk) so that the row writes and ldmatrix's 8-row reads are conflict-free.
-LOPT_DEVICE int packed_chunk(int row, int j) { return j ^ ((row >> 1) & 3); }
+// order), so ldmatrix hands every thread its A fragments in place. Rows are 20 words apart: any 8
+// consecutive rows' uint4s of one k-step then fall in distinct banks (20 r mod 32 = 0, 20, 8, 28, 16,
+// 4, 24, 12), so the row writes and ldmatrix's 8-row reads are conflict-free, and every address is a
+// lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
+#define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
 // Four 8 x 8 matrices of 16-bit values from shared memory, in the MMA's fragment layout: lane l gives
 // the address of row l % 8 of matrix l / 8, and receives in word i its row (l / 4) and columns
@@ -417,7 +419,7 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
                              const float* b1, int lane) {
-  uint4* rows = reinterpret_cast<uint4*>(tile);  // 4 uint4 per row
+  uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     unsigned words[4];
@@ -426,7 +428,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       const int k = 8 * j + t;
       words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
     }
-    rows[4 * lane + packed_chunk(lane, j)] = make_uint4(words[0], words[1], words[2], words[3]);
+    rows[SFC_TILE_ROW_CHUNKS * lane + j] = make_uint4(words[0], words[1], words[2], words[3]);
   }
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
@@ -436,7 +438,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int row = 16 * m + matrix_row;
-      load_matrices_x4(f[m], rows + 4 * row + packed_chunk(row, 2 * p + matrix_half));
+      load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
     }
   }, l1,
 #if SFC_BIAS_INPUTS
