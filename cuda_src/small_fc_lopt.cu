@@ -389,45 +389,6 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
   }
 }
 
-#ifndef SFC_OUTPUT_BF16
-#define SFC_OUTPUT_BF16 0  // (mode 2, for measurements: layer 3 as BF16 products instead of TF32)
-#endif
-#if SFC_OUTPUT_BF16
-// Layer 3 as BF16 products: per m-tile and 16 hidden units one m16n8k16 MMA, the A fragments layer 2's
-// accumulators after the ReLU (inside the conversion), k = unit - 16p; the B operand W3's two rows as
-// columns 0 and 1, rounded to BF16. out[m] as output_layer_tf32's.
-// w3_operand: for p and lane, {W3[g][16p + 2t], W3[g][16p + 2t + 1]}, {W3[g][16p + 2t + 8], W3[g][16p + 2t + 9]}.
-LOPT_DEVICE void write_output_operand_bf16(uint2* w3_operand, const float* w3, int thread, int num_threads) {
-  for (int slot = thread; slot < 2 * 32; slot += num_threads) {
-    const int lane = slot % 32, p = slot / 32, g = lane / 4, t = lane % 4;
-    const float* row = w3 + g * SFC_HIDDEN + 16 * p + 2 * t;
-    w3_operand[slot] = g < 2 ? make_uint2(pack_bf16x2(row[0], row[1]), pack_bf16x2(row[8], row[9])) : make_uint2(0u, 0u);
-  }
-}
-LOPT_DEVICE void output_layer_bf16(const float h2[2][4][4], const uint2* w3_operand, const float* b3, int lane,
-                                   float out[2][4]) {
-  const bool holds_outputs = lane % 4 == 0;  // columns 0 and 1 of the product
-  const float bias_direction = holds_outputs ? b3[0] : 0.f, bias_magnitude = holds_outputs ? b3[1] : 0.f;
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    out[m][0] = bias_direction; out[m][1] = bias_magnitude;
-    out[m][2] = bias_direction; out[m][3] = bias_magnitude;
-  }
-#pragma unroll
-  for (int p = 0; p < 2; ++p) {
-    const uint2 b = w3_operand[p * 32 + lane];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const unsigned a[4] = {pack_bf16x2_relu(h2[m][2 * p][0], h2[m][2 * p][1]),
-                             pack_bf16x2_relu(h2[m][2 * p][2], h2[m][2 * p][3]),
-                             pack_bf16x2_relu(h2[m][2 * p + 1][0], h2[m][2 * p + 1][1]),
-                             pack_bf16x2_relu(h2[m][2 * p + 1][2], h2[m][2 * p + 1][3])};
-      mma_bf16_m16n8k16(out[m], a, b.x, b.y, out[m]);
-    }
-  }
-}
-#endif
-
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
@@ -555,9 +516,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   }, l2, b2, lane);
 #endif
   float out[2][4];
-#if SFC_OUTPUT_BF16
-  output_layer_bf16(h2, w3_operand, b3, lane, out);
-#elif SFC_OUTPUT_MMA
+#if SFC_OUTPUT_MMA
   output_layer_tf32(h2, w3_operand, b3, lane, out);
 #else
   output_layer(h2, w3, b3, t, out);
@@ -628,11 +587,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
   __syncthreads();
-#if SFC_OUTPUT_BF16
-  write_output_operand_bf16(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
-#else
   write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
-#endif
 #endif
 #if SFC_L2_IN_REGISTERS
   __syncthreads();
