@@ -185,14 +185,12 @@ LOPT_DEVICE unsigned divide_by_reciprocal(unsigned n, i64 reciprocal) {
 }
 
 // Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever
-// the tensor's element count allows; a plain matrix's index then divides by its reciprocal.
+// the tensor's element count allows.
 template <typename I>
 LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 element, i64& without_a, i64& without_b) {
   const I e = static_cast<I>(element);
-  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix: the common case
-    I a;
-    if constexpr (sizeof(I) == 4) a = divide_by_reciprocal(e, t.b_reciprocal);
-    else a = e / static_cast<I>(t.b);
+  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // plain matrix
+    const I a = e / static_cast<I>(t.b);
     without_a = static_cast<i64>(e - a * static_cast<I>(t.b));
     without_b = static_cast<i64>(a);
     return;
@@ -217,6 +215,12 @@ LOPT_DEVICE FactorIndex factor_index_from(const TensorMeta& t, i64 without_a, i6
 }
 
 LOPT_DEVICE void split_factored_index(const TensorMeta& t, i64 e, i64& without_a, i64& without_b) {
+  if (t.plain_index) {  // the common case: one test, and the division by b as two multiplications
+    const unsigned q = divide_by_reciprocal(static_cast<unsigned>(e), t.b_reciprocal);
+    without_a = static_cast<i64>(static_cast<unsigned>(e) - q * static_cast<unsigned>(t.b));
+    without_b = static_cast<i64>(q);
+    return;
+  }
   if (t.numel <= 0xffffffffLL) {
     split_factored_index<unsigned int>(t, e, without_a, without_b);
   } else {

@@ -305,3 +305,21 @@ def test_division_by_reciprocal_is_exact_for_32_bit_indices():
     assert division_reciprocal(2**32) == 0  # (such a tensor's indices divide in 64 bits)
     with pytest.raises(ValueError, match="divisor 0 is not positive"):
         division_reciprocal(0)
+
+
+def test_plain_matrices_take_the_reciprocal_index_path():
+    """The kernels split a factored element index with b_reciprocal only where plain_index is set: a matrix
+    (no other axis longer than 1 around its factored axes) of fewer than 2^32 elements."""
+    from lopt.fused.plan import division_reciprocal
+
+    shapes = [(300, 129), (129, 300), (7, 1), (8, 3, 3, 3), (3, 1, 5, 1), (1, 7), (5,), (2**16, 2**16)]
+    dims = [factored_dims(s) for s in shapes]
+    layout = GroupLayout(shapes, dims, [0] * len(shapes), stats_chunk=64, apply_chunk=16)
+    t = contract.FIELD["TensorMeta"]
+    for shape, row in zip(shapes, layout.static_rows):
+        geometry = {name: int(row[t[name]]) for name in ("outer", "mid", "inner", "b")}
+        plain = geometry["outer"] == geometry["mid"] == geometry["inner"] == 1 and math.prod(shape) < 2**32
+        assert int(row[t["plain_index"]]) == (plain and int(row[t["factored"]]) == 1), shape
+        assert int(row[t["b_reciprocal"]]) == division_reciprocal(geometry["b"]), shape
+    # ((3, 1, 5, 1) factors its axes 0 and 2, and the axes of length 1 around them change no index.)
+    assert [int(row[t["plain_index"]]) for row in layout.static_rows] == [1, 1, 1, 0, 1, 1, 0, 0]

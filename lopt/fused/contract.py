@@ -30,6 +30,7 @@ STRUCTS: dict = {
         "param", "grad", "mom", "rms", "fac_row", "fac_col", "fac_full",
         "numel", "outer", "a", "mid", "b", "inner", "d0_is_a", "factored", "param_dtype", "grad_dtype",
         "b_reciprocal",  # ceil(2^64 / b) as int64 bits (0 for b = 1): the kernels divide indices by b with it
+        "plain_index",  # 1: a factored matrix (outer = mid = inner = 1) of fewer than 2^32 elements
         "group",  # row of the GroupMeta table
         "first_stats_chunk", "num_stats_chunks",  # statistics pass: chunks of LOPT_STATS_CHUNK elements
         "first_slab", "num_slabs",  # factor tables: slabs of R (one row_col_mean each)

@@ -122,6 +122,7 @@ class GroupLayout:
             for name in ("outer", "a", "mid", "b", "inner"):
                 row[_T[name]] = getattr(g, name)
             row[_T["b_reciprocal"]] = division_reciprocal(g.b)
+            row[_T["plain_index"]] = int(g.outer == g.mid == g.inner == 1 and numel < 2**32)
             d1, d0 = dim
             # A split tensor's axis 0 is one of its factored axes (then it is axis a, with outer = 1) or
             # neither (then every sum over a factored axis is complete in this process).
