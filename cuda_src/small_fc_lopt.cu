@@ -193,6 +193,12 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
 #endif
 #define SFC_BIAS_INPUT_HI SFC_NUM_FEATURES
 #define SFC_BIAS_INPUT_LO (SFC_NUM_FEATURES + 1)
+// The first layer's bias as the layer takes it: none where its inputs carry it (known when compiled).
+#if SFC_BIAS_INPUTS
+LOPT_DEVICE decltype(nullptr) first_layer_bias(const float*) { return nullptr; }
+#else
+LOPT_DEVICE const float* first_layer_bias(const float* b1) { return b1; }
+#endif
 // The BF16 value nearest x (round to nearest even), as a float.
 LOPT_DEVICE float bf16_part(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 // Input k of the first layer as the MMA takes it: a feature, a bias input's one, or padding.
@@ -440,13 +446,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       const int row = 16 * m + matrix_row;
       load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
     }
-  }, l1,
-#if SFC_BIAS_INPUTS
-  nullptr,  // (b1' rides in the inputs)
-#else
-  b1,
-#endif
-  lane);
+  }, l1, first_layer_bias(b1), lane);
 }
 #else
 // Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
