@@ -181,7 +181,8 @@ struct FactorIndex { i64 row, col; };
 LOPT_DEVICE unsigned divide_by_reciprocal(unsigned n, i64 reciprocal) {
   const unsigned long long r = static_cast<unsigned long long>(reciprocal);
   if (r == 0) return n;
-  return static_cast<unsigned>((static_cast<unsigned long long>(n) * (r >> 32) + __umulhi(n, static_cast<unsigned>(r))) >> 32);
+  const unsigned long long high = static_cast<unsigned long long>(n) * (r >> 32) + __umulhi(n, static_cast<unsigned>(r));
+  return static_cast<unsigned>(high >> 32);
 }
 
 // Index type I: 32-bit division is several times cheaper than 64-bit, so it is used whenever

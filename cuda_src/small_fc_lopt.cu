@@ -626,7 +626,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     element_features<false, SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
                                                 clip_factor, TableInputs{row_table, col_table, nullptr, nullptr}, x,
                                                 state, grad, param);
-    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (the new accumulators do not depend on the MLP)
+    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
     const float2 mlp_output =
         mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2_operand, b2, w3, w3_operand, b3);

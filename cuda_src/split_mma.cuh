@@ -156,18 +156,20 @@ struct RegisterOperand {
 LOPT_DEVICE SharedOperand operand_reader(const float* operand, int lane) { return SharedOperand{operand, lane}; }
 LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand, int) { return operand; }
 
-// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (operand_source: the
-// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr (bias_pair) for a
-// layer whose inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the thread's
-// packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
-// 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
-// operand's uint2.
 // A layer's bias pair for the lane's columns 8c + 2t, 8c + 2t + 1: read from the 32 floats, or zeros
 // for a layer without (nullptr: known when compiled, where a pointer to shared memory is tested for
 // null at run time).
-LOPT_DEVICE float2 bias_pair(const float* bias, int c, int t) { return *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t); }
+LOPT_DEVICE float2 bias_pair(const float* bias, int c, int t) {
+  return *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
+}
 LOPT_DEVICE float2 bias_pair(decltype(nullptr), int, int) { return make_float2(0.f, 0.f); }
 
+// Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (operand_source: the
+// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr (bias_pair) for a
+// layer whose inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the
+// thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
+// 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
+// operand's uint2.
 template <typename LoadFragments, typename Operand, typename Bias>
 LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const Operand& operand_source,
                                   Bias bias, int lane) {

@@ -301,7 +301,8 @@ def test_division_by_reciprocal_is_exact_for_32_bit_indices():
         numerators = {q * divisor + delta for q in quotients for delta in (-1, 0, 1, divisor - 1)} | {2**32 - 1, 0}
         for n in sorted(m for m in numerators if 0 <= m < 2**32):
             assert high_64_bits_as_the_kernels_form_them(n, reciprocal) == n // divisor, (n, divisor)
-    assert division_reciprocal(1) == 0 and division_reciprocal(2) == -2**63 and division_reciprocal(3) == 6148914691236517206
+    assert division_reciprocal(1) == 0 and division_reciprocal(2) == -2**63
+    assert division_reciprocal(3) == 6148914691236517206  # ceil(2^64 / 3)
     assert division_reciprocal(2**32) == 0  # (such a tensor's indices divide in 64 bits)
     with pytest.raises(ValueError, match="divisor 0 is not positive"):
         division_reciprocal(0)
