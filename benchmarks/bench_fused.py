@@ -182,6 +182,13 @@ def measure(name, backend, param_set, weights, steps, warmup, defines=(), option
     return row
 
 
+def write_record(path, env, rows) -> None:
+    """The run's JSON so far: written after every measurement, so a run cut short by a time limit keeps
+    the rows it measured."""
+    with open(path, "w") as f:
+        json.dump({"environment": env, "weights": "random (timing only)", "results": rows}, f, indent=2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -213,22 +220,27 @@ def main() -> int:
         rows.append(adamw)
         if args.graph:
             adamw["graph_ms_per_step"] = graph_step_ms("adamw", param_set, None, args.steps, args.warmup)
+        write_record(args.out, env, rows)
         for name in optimizers:
             fused = measure(name, "fused", param_set, weights[name], args.steps, args.warmup)
             fused["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name])
             rows.append(fused)
+            write_record(args.out, env, rows)
             for target, macros in variants:
                 if target == name:
                     defines = tuple(macros.split(","))
                     rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines))
                     rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines)
+                    write_record(args.out, env, rows)
             for options in option_rows.get(name, ()):
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
+                write_record(args.out, env, rows)
             if args.graph:
                 fused["graph_ms_per_step"] = graph_step_ms(name, param_set, weights[name], args.steps, args.warmup)
             if args.naive_steps:
                 rows.append(measure(name, "naive", param_set, weights[name], args.naive_steps, 1))
+            write_record(args.out, env, rows)
         for row in rows:
             if row["param_set"] == param_set:
                 row["overhead_vs_adamw"] = round(row["ms_per_step"] / adamw["ms_per_step"], 3)
@@ -247,8 +259,7 @@ def main() -> int:
                 if row["backend"].startswith("fused") and row["optimizer"] != "adamw":
                     print("    " + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(row["kernel_ms"].items(), key=lambda kv: -kv[1])))
         sys.stdout.flush()
-    with open(args.out, "w") as f:
-        json.dump({"environment": env, "weights": "random (timing only)", "results": rows}, f, indent=2)
+    write_record(args.out, env, rows)
     print(json.dumps(env))
     return 0
 
