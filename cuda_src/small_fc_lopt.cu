@@ -33,10 +33,9 @@
 // layout split_mma.cuh's layer expects (SFC_OPERAND_32x32 floats each).
 #define SFC_OPERAND_32x32 LOPT_SPLIT_OPERAND_FLOATS
 #define SFC_K 32                                          // 28 features padded to 4 k-steps
-// Per tensor: the folded first layer (W1' = W1 scaled per feature) as a B operand, and b1' (time
-// features folded in).
-#define SFC_FOLDED_B1 SFC_OPERAND_32x32
-#define SFC_FOLDED (SFC_FOLDED_B1 + SFC_HIDDEN)
+// Per tensor: the folded first layer as a B operand: W1' = W1 scaled per feature, and b1' (time
+// features folded in) as the weights of two constant inputs.
+#define SFC_FOLDED SFC_OPERAND_32x32
 #ifndef LOPT_STATS_UNROLL
 #define LOPT_STATS_UNROLL 1  // pairs of elements (one element per iteration unrolled by 2: 4.27 vs 4.49 ms, GPT-2 medium)
 #endif
@@ -184,27 +183,16 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
   }
 }
 
-// Mode 2 (precision="fast") carries the first layer's bias b1' in its spare inputs: inputs 28 and 29
-// are constant ones, and their weights the BF16 value nearest b1' and the rest (b1' to about 2^-17),
-// so the layer needs no addend and its bias is never read from shared memory (H100, GPT-2 medium
-// apply pass: 10.42 ms against 10.95). The exact mode adds b1' in float32 as the first product's addend.
-#ifndef SFC_BIAS_INPUTS
-#define SFC_BIAS_INPUTS (LOPT_SPLIT_MODE == 2)
-#endif
+// The first layer's bias b1' rides on its spare inputs: inputs 28 and 29 are constant ones, with
+// weights b1' and the rest b1' - split_effective(b1'), so the products carry b1' to float32 accuracy,
+// the layer needs no addend, and b1' is never read per chunk (precision="fast", H100, GPT-2 medium
+// apply pass: 10.42 ms against 10.95; the exact mode saves the register copies of an addend).
 #define SFC_BIAS_INPUT_HI SFC_NUM_FEATURES
 #define SFC_BIAS_INPUT_LO (SFC_NUM_FEATURES + 1)
-// The first layer's bias as the layer takes it: none where its inputs carry it (known when compiled).
-#if SFC_BIAS_INPUTS
-LOPT_DEVICE decltype(nullptr) first_layer_bias(const float*) { return nullptr; }
-#else
-LOPT_DEVICE const float* first_layer_bias(const float* b1) { return b1; }
-#endif
-// The BF16 value nearest x (round to nearest even), as a float.
-LOPT_DEVICE float bf16_part(float x) { return __uint_as_float(pack_bf16x2(x, 0.f) << 16); }
 // Input k of the first layer as the MMA takes it: a feature, a bias input's one, or padding.
 LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
   if (k < SFC_NUM_FEATURES) return x[k];
-  return SFC_BIAS_INPUTS && (k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO) ? 1.f : 0.f;
+  return k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO ? 1.f : 0.f;
 }
 
 // The hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
@@ -298,25 +286,18 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     }
   }
   if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.count);
-#if SFC_BIAS_INPUTS
   __shared__ float bias[SFC_HIDDEN];  // b1', for the weights of the bias inputs
-#endif
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
   if (tid < SFC_HIDDEN) {
     float b = network[SFC_B1 + tid];
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) b = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], b);
-    out[SFC_FOLDED_B1 + tid] = b;
-#if SFC_BIAS_INPUTS
     bias[tid] = b;
-#endif
   }
   __syncthreads();
   write_split_operand(out, [&](int k, int n) {
     if (k < SFC_NUM_FEATURES) return __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]);
-#if SFC_BIAS_INPUTS
-    if (k == SFC_BIAS_INPUT_HI) return bf16_part(bias[n]);
-    if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(bias[n], bf16_part(bias[n]));
-#endif
+    if (k == SFC_BIAS_INPUT_HI) return bias[n];
+    if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(bias[n], split_effective(bias[n]));
     return 0.f;
   }, tid, SFC_FOLD_THREADS);
 }
@@ -329,30 +310,40 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
 // ------------------------------------------------------------------------------------------
 
 // Layer 3 (2 outputs) on the CUDA cores, in float32: each thread takes the 8 hidden units of its
-// accumulator fragments, then the quad (4 threads) sums its partials. out[m] holds (direction,
-// magnitude) of the fragment's rows g (out[m][0], out[m][1]) and g + 8 (out[m][2], out[m][3]).
-LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const float* b3, int t, float out[2][4]) {
+// accumulator fragments, for the 4 rows they hold (g and g + 8 of both m-tiles); the quad (4 threads)
+// then sums its partials by halves (a reduce-scatter: 6 shuffles and adds, where summing all 8 in every
+// thread took 16): lane t ends with (direction, magnitude) of row output_layer_row(lane).
+LOPT_DEVICE int output_layer_row(int lane) { return 16 * ((lane % 4) / 2) + lane / 4 + 8 * (lane % 2); }
+LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const float* b3, int t) {
+  float partial[2][4] = {};  // [m]: direction(g), magnitude(g), direction(g+8), magnitude(g+8)
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    float partial[4] = {0.f, 0.f, 0.f, 0.f};  // direction(g), magnitude(g), direction(g+8), magnitude(g+8)
+  for (int m = 0; m < 2; ++m)
 #pragma unroll
     for (int c = 0; c < 4; ++c)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int unit = 8 * c + 2 * t + half;
         const float h_g = fmaxf(h2[m][c][half], 0.f), h_g8 = fmaxf(h2[m][c][2 + half], 0.f);
-        partial[0] = fmaf(w3[unit], h_g, partial[0]);
-        partial[1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[1]);
-        partial[2] = fmaf(w3[unit], h_g8, partial[2]);
-        partial[3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[3]);
+        partial[m][0] = fmaf(w3[unit], h_g, partial[m][0]);
+        partial[m][1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[m][1]);
+        partial[m][2] = fmaf(w3[unit], h_g8, partial[m][2]);
+        partial[m][3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[m][3]);
       }
+  // Lanes t = 2, 3 keep m-tile 1 and hand m-tile 0 to their partner t ^ 2; then odd lanes keep row g + 8.
+  const bool upper = (t & 2) != 0, odd = (t & 1) != 0;
+  float row_pair[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 1);
-      partial[i] += __shfl_xor_sync(0xffffffffu, partial[i], 2);
-      out[m][i] = __fadd_rn(partial[i], b3[i % 2]);
-    }
+  for (int i = 0; i < 4; ++i) {
+    const float given = upper ? partial[0][i] : partial[1][i], kept = upper ? partial[1][i] : partial[0][i];
+    row_pair[i] = __fadd_rn(kept, __shfl_xor_sync(0xffffffffu, given, 2));
   }
+  float sums[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float given = odd ? row_pair[i] : row_pair[2 + i], kept = odd ? row_pair[2 + i] : row_pair[i];
+    sums[i] = __fadd_rn(kept, __shfl_xor_sync(0xffffffffu, given, 1));
+  }
+  return make_float2(__fadd_rn(sums[0], b3[0]), __fadd_rn(sums[1], b3[1]));
 }
 
 #ifndef SFC_OUTPUT_MMA
@@ -363,7 +354,7 @@ LOPT_DEVICE void output_layer(const float h2[2][4][4], const float* w3, const fl
 // Layer 3 as TF32 products: per m-tile and k-step one m16n8k8 MMA whose B operand holds W3's two rows
 // as columns 0 and 1 (lanes g >= 2 hold zeros), the A fragments layer 2's accumulators after the ReLU
 // in layer2_input_unit order, their low 13 bits left for the tensor core to drop (truncated to TF32,
-// at most 2^-10 of each value). out[m] as output_layer's: lanes t == 0 hold (direction, magnitude) of
+// at most 2^-10 of each value). out[m]: lanes t == 0 hold (direction, magnitude) of
 // rows g and g + 8.
 // w3_operand: for k-step j and lane, {W3[g][8j + 2t], W3[g][8j + 2t + 1]} rounded to TF32.
 LOPT_DEVICE void write_output_operand(uint2* w3_operand, const float* w3, int thread, int num_threads) {
@@ -422,9 +413,9 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
                : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3]) : "r"(address));
 }
 
-// Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
+// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             const float* b1, int lane) {
+                             int lane) {
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -446,20 +437,20 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       const int row = 16 * m + matrix_row;
       load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
     }
-  }, l1, first_layer_bias(b1), lane);
+  }, l1, nullptr, lane);
 }
 #else
 // Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
-// Layer 1: h1 = W1' x + b1' (before the ReLU) for the warp's 32 elements.
+// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             const float* b1, int lane) {
+                             int lane) {
   const int g = lane / 4, t = lane % 4;
   float row[SFC_K];
 #pragma unroll
-  for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = k < SFC_NUM_FEATURES ? x[k] : 0.f;
+  for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
@@ -475,21 +466,36 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
     }
-  }, l1, b1, lane);
+  }, l1, nullptr, lane);
 }
 #endif
 
+// Layer 2's bias in shared memory, as its layer reads it: mode 2 the 32 floats (a pair per lane,
+// copied in registers), the exact mode a BiasQuads's 16 quads (no register copies; with the first
+// layer's bias on its inputs, 887 -> 849 instructions per chunk, benchmarks/sass_path.py).
+struct Layer2Bias {
+#if LOPT_SPLIT_MODE == 2
+  float bias[SFC_HIDDEN];
+  LOPT_DEVICE void write(const float* b2, int thread, int num_threads) {
+    for (int i = thread; i < SFC_HIDDEN; i += num_threads) bias[i] = b2[i];
+  }
+#else
+  float4 quads[16];
+  LOPT_DEVICE void write(const float* b2, int thread, int num_threads) { write_bias_quads(quads, b2, thread, num_threads); }
+#endif
+};
+
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
-// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand.
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias (Layer2Bias).
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             const float* b1, const Layer2Operand& l2, const float* b2, const float* w3,
+                             const Layer2Operand& l2, const Layer2Bias& b2, const float* w3,
                              const uint2* w3_operand, const float* b3) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-  first_layer(h1, x, tile, l1, b1, lane);
+  first_layer(h1, x, tile, l1, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -505,7 +511,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half] = pack_bf16x2_relu(h1[m][j][0], h1[m][j][1]);      // row g
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
-  }, l2, b2, lane);
+  }, l2, b2.bias, lane);
 #else
   split_layer_32x32(h2, [&](int j, float a[2][4]) {
 #pragma unroll
@@ -513,14 +519,12 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
       a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
     }
-  }, l2, b2, lane);
+  }, l2, BiasQuads{b2.quads}, lane);
 #endif
-  float out[2][4];
 #if SFC_OUTPUT_MMA
+  float out[2][4];
   output_layer_tf32(h2, w3_operand, b3, lane, out);
-#else
-  output_layer(h2, w3, b3, t, out);
-#endif
+  const int g = lane / 4;
   if (t == 0) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -530,6 +534,12 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   }
   __syncwarp();
   return outputs[lane];
+#else
+  // Row r's outputs are in the lane whose output_layer_row is r: 4 (r % 8) + 2 (r / 16) + (r / 8) % 2.
+  const float2 held = output_layer(h2, w3, b3, t);
+  const int source = 4 * (lane % 8) + 2 * (lane / 16) + (lane / 8) % 2;
+  return make_float2(__shfl_sync(0xffffffffu, held.x, source), __shfl_sync(0xffffffffu, held.y, source));
+#endif
 }
 
 // update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
@@ -567,8 +577,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
-  __shared__ __align__(16) float b1[SFC_HIDDEN];
-  __shared__ __align__(16) float b2[SFC_HIDDEN];
+  __shared__ Layer2Bias b2;
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
 #if SFC_OUTPUT_MMA
   __shared__ uint2 w3_operand[4 * 32];
@@ -582,7 +591,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  if (threadIdx.x < SFC_HIDDEN) b2[threadIdx.x] = shared_frags[SFC_SHARED_B2 + threadIdx.x];
+  b2.write(shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
@@ -608,7 +617,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
-      if (!SFC_BIAS_INPUTS && threadIdx.x < SFC_HIDDEN) b1[threadIdx.x] = f[SFC_FOLDED_B1 + threadIdx.x];
       if (threadIdx.x == 0) {
         meta = tensor_row(tensors, gradients, tensor);
         group = read_apply_scalars(groups[meta.group]);
@@ -629,7 +637,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
     const float2 mlp_output =
-        mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, b1, l2_operand, b2, w3, w3_operand, b3);
+        mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, l2_operand, b2, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

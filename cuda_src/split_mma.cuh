@@ -102,6 +102,20 @@ LOPT_DEVICE void mma_bf16_m16n8k16(float d[4], const unsigned a[4], unsigned b0,
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
+// The value a weight w stands for once write_split_operand has split it: tf32(w) + bf16(w - tf32(w))
+// (mode 0), tf32(w) (mode 1), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
+// w, and the rest b - split_effective(b), which brings it to float32 accuracy.
+LOPT_DEVICE float split_effective(float w) {
+  const SplitValue v = split(w);
+#if LOPT_SPLIT_MODE == 0
+  return __fadd_rn(v.hi, __uint_as_float(pack_bf16x2(v.lo, 0.f) << 16));
+#elif LOPT_SPLIT_MODE == 1
+  return v.hi;
+#else
+  return __uint_as_float(pack_bf16x2(v.hi, 0.f) << 16);
+#endif
+}
+
 // B (k < 32, n < 32, given by weight(k, n)) in fragment order: for k-step j, n-tile c and lane,
 // one float4 {tf32 b_hi(8j + t), tf32 b_hi(8j + t + 4), bf16x2 b_hi(those two), bf16x2 b_lo(those two)}
 // of column n = 8c + g; in mode 2, for k-steps 2p and 2p + 1, n-tile c and lane, the uint2 of those
@@ -131,6 +145,29 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 #endif
 }
 
+// A layer's bias for the lane's columns 8c + 2t, 8c + 2t + 1, in the accumulator's order {row g, row g + 8}:
+// read as a pair from the 32 floats and copied into the four registers the product adds (mode 2), or
+// as the whole quad from a BiasQuads (no register copies: each m-tile's first product adds the same
+// four registers); zeros for a layer whose inputs carry its bias (nullptr: known when compiled, where
+// a pointer to shared memory would be tested for null at run time).
+struct BiasQuads {
+  const float4* quads;  // [4c + t] = {b(8c + 2t), b(8c + 2t + 1), b(8c + 2t), b(8c + 2t + 1)}
+};
+// The quads of 32 biases, written by threads thread, thread + num_threads, ... of 16.
+LOPT_DEVICE void write_bias_quads(float4* quads, const float* bias, int thread, int num_threads) {
+  for (int i = thread; i < 16; i += num_threads) {
+    const int c = i / 4, t = i % 4;
+    const float first = bias[8 * c + 2 * t], second = bias[8 * c + 2 * t + 1];
+    quads[i] = make_float4(first, second, first, second);
+  }
+}
+LOPT_DEVICE float4 bias_fragment(const float* bias, int c, int t) {
+  const float2 pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
+  return make_float4(pair.x, pair.y, pair.x, pair.y);
+}
+LOPT_DEVICE float4 bias_fragment(BiasQuads bias, int c, int t) { return bias.quads[4 * c + t]; }
+LOPT_DEVICE float4 bias_fragment(decltype(nullptr), int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); }
+
 #if LOPT_SPLIT_MODE == 2
 // Mode 2's B operand as write_split_operand lays it out in shared memory: the lane's uint2 of n-tile
 // c and k-step pair p, slot (4p + c) * 32 + lane. RegisterOperand holds the same in registers.
@@ -156,16 +193,8 @@ struct RegisterOperand {
 LOPT_DEVICE SharedOperand operand_reader(const float* operand, int lane) { return SharedOperand{operand, lane}; }
 LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand, int) { return operand; }
 
-// A layer's bias pair for the lane's columns 8c + 2t, 8c + 2t + 1: read from the 32 floats, or zeros
-// for a layer without (nullptr: known when compiled, where a pointer to shared memory is tested for
-// null at run time).
-LOPT_DEVICE float2 bias_pair(const float* bias, int c, int t) {
-  return *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
-}
-LOPT_DEVICE float2 bias_pair(decltype(nullptr), int, int) { return make_float2(0.f, 0.f); }
-
 // Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (operand_source: the
-// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr (bias_pair) for a
+// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr (bias_fragment) for a
 // layer whose inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the
 // thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
 // 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
@@ -182,22 +211,23 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint2 b = operand(p, c);
-      // (Read as a pair and copied in registers: a float4 {b, b', b, b'} per lane needs no copies but
-      // costs twice the shared-memory wavefronts; H100, GPT-2 medium apply pass 10.42 against 10.24 ms.)
-      const float2 pair = bias_pair(bias, c, t);
-      const float bias_fragment[4] = {pair.x, pair.y, pair.x, pair.y};
+      // (Mode 2 reads a pair and copies it in registers: a BiasQuads costs twice the shared-memory
+      // wavefronts; H100, GPT-2 medium apply pass 10.42 against 10.24 ms.)
+      const float4 quad = bias_fragment(bias, c, t);
+      const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
-      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? bias_fragment : acc[m][c]);
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? initial : acc[m][c]);
     }
   }
 }
 #endif
 
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
-// values of k-step j for both m-tiles. The bias enters as the first product's addend (lane's
-// columns 8c + 2t, 8c + 2t + 1). Each B fragment is read from shared memory once for both m-tiles.
-template <typename LoadA>
-LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, const float* bias, int lane) {
+// values of k-step j for both m-tiles. The bias (bias_fragment: BiasQuads, or nullptr where the inputs
+// carry it; mode 2 also takes the 32 floats) enters as the first product's addend. Each B fragment is
+// read from shared memory once for both m-tiles.
+template <typename LoadA, typename Bias>
+LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, Bias bias, int lane) {
 #if LOPT_SPLIT_MODE == 2
   bf16_layer_32x32(acc, [&](int p, unsigned f[2][4]) {
     float a0[2][4], a1[2][4];
@@ -223,15 +253,16 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint4 b = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane];
-      const float2 bias_pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
-      const float bias_fragment[4] = {bias_pair.x, bias_pair.y, bias_pair.x, bias_pair.y};
+      float4 quad = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (j == 0) quad = bias_fragment(bias, c, t);
+      const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
 #if LOPT_SPLIT_MODE == 0
-        mma_bf16_m16n8k16(acc[m][c], f[m].correction, b.z, b.w, j == 0 ? bias_fragment : acc[m][c]);  // small terms first
+        mma_bf16_m16n8k16(acc[m][c], f[m].correction, b.z, b.w, j == 0 ? initial : acc[m][c]);  // small terms first
         mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, acc[m][c]);
 #else
-        mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, j == 0 ? bias_fragment : acc[m][c]);
+        mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, j == 0 ? initial : acc[m][c]);
 #endif
       }
     }
