@@ -195,7 +195,14 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
   return k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO ? 1.f : 0.f;
 }
 
-// The hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
+// 2^e as a float (|e| < 127).
+LOPT_DEVICE float exp2_of(int e) { return __int_as_float((127 + e) << 23); }
+
+// Layer 2's weights are scaled by 2^e and layer 1's by 2^-e (powers of two: exact), with e from the
+// host (lopt.fused.small_fc_lopt.layer2_exponent, 0 but for very large tensors or weights): the exact
+// mode's layer 2 takes its inputs' high parts in FP16 (split_mma.cuh), which must stay below 65504.
+
+// Modes 1 and 2: the hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
 // Layer 2's A fragments are read straight from layer 1's accumulators: a thread's fragment of
 // n-tile j holds columns 8j + 2t and 8j + 2t + 1, and k-step j's A fragment wants k = 8j + t and
 // k = 8j + t + 4, so those are units 8j + 2t and 8j + 2t + 1; no data moves between threads.
@@ -237,7 +244,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    const float* __restrict__ col_table, const float* __restrict__ network,
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
-                   double* __restrict__ tensor_sums) {
+                   double* __restrict__ tensor_sums, int layer2_exponent) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
@@ -245,8 +252,14 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (phase == 1) return;
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
+#if LOPT_SPLIT_MODE == 0
+    const float up = exp2_of(layer2_exponent);  // layer 1 comes scaled by 2^-e (layer2_exponent)
+    write_half_split_operand(shared_frags + SFC_SHARED_L2,
+                             [&](int k, int n) { return __fmul_rn(w2[n * SFC_HIDDEN + k], up); }, tid, SFC_FOLD_THREADS);
+#else
     write_split_operand(shared_frags + SFC_SHARED_L2,
                         [&](int k, int n) { return w2[n * SFC_HIDDEN + layer2_input_unit(k)]; }, tid, SFC_FOLD_THREADS);
+#endif
     if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
     if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = network[SFC_B2 + tid];
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
@@ -294,10 +307,13 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     bias[tid] = b;
   }
   __syncthreads();
+  // The whole layer scaled by 2^-e (exact), so that layer 2's FP16 inputs stay in range (layer2_exponent).
+  const float down = exp2_of(-layer2_exponent);
   write_split_operand(out, [&](int k, int n) {
-    if (k < SFC_NUM_FEATURES) return __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]);
-    if (k == SFC_BIAS_INPUT_HI) return bias[n];
-    if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(bias[n], split_effective(bias[n]));
+    if (k < SFC_NUM_FEATURES) return __fmul_rn(__fmul_rn(w1[n * SFC_INPUTS + k], scale[k]), down);
+    const float b = __fmul_rn(bias[n], down);
+    if (k == SFC_BIAS_INPUT_HI) return b;
+    if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(b, split_effective(b));
     return 0.f;
   }, tid, SFC_FOLD_THREADS);
 }
@@ -496,7 +512,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
   first_layer(h1, x, tile, l1, lane);
-  // Layer 2: its A fragments are layer 1's accumulators after the ReLU (layer2_input_unit order).
+  // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
   // 1 ms slower per GPT-2-medium step.)
@@ -512,8 +528,10 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
   }, l2, b2.bias, lane);
+#elif LOPT_SPLIT_MODE == 0
+  half_split_layer_32x32(h2, h1, l2, BiasQuads{b2.quads}, lane);  // (FP16 high parts, natural unit order)
 #else
-  split_layer_32x32(h2, [&](int j, float a[2][4]) {
+  split_layer_32x32(h2, [&](int j, float a[2][4]) {  // (layer2_input_unit order)
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);

@@ -222,6 +222,118 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 }
 #endif
 
+#if LOPT_SPLIT_MODE == 0
+// ------------------------------------------------------------------------------------------
+// A second float32-accurate split, for a layer whose inputs are the previous layer's accumulators:
+// the high part in FP16 (11 significant bits, as TF32, but 16 k per product where TF32 takes 8), so a
+// 16-deep step costs three products where the TF32 split above takes four:
+//
+//     a . b  ~=  fp16(a) . fp16(b)  +  bf16(a_lo) . bf16(b_hi)  +  bf16(a) . bf16(b_lo)
+//
+// (hi = fp16(x) rounded to nearest, lo = x - hi exact in float32; the error is about 2^-20 of
+// sum |a_k b_k|, as the TF32 split's.) FP16's range is the price: an input must stay below 65504.
+// The caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do
+// (small_fc_lopt's layer2_exponent); the conversion saturates rather than overflow. Small inputs lose
+// nothing that matters: below FP16's normal range the part hi misses is < 2^-25 and carried by lo,
+// whose BF16 keeps float32's exponent range.
+// ------------------------------------------------------------------------------------------
+
+// Two floats rounded to FP16 (to nearest, saturating at +-65504) and packed, `first` in the low half.
+LOPT_DEVICE unsigned pack_f16x2_satfinite(float first, float second) {
+  unsigned packed;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
+  return packed;
+}
+LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
+  float2 v;
+  asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(v.x), "=f"(v.y) : "r"(packed));
+  return v;
+}
+
+LOPT_DEVICE void mma_f16_m16n8k16(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// One input pair (first, second) = (x(k), x(k + 1)) after the ReLU, as the three products take it.
+struct HalfSplitPair {
+  unsigned hi;        // f16x2 of hi
+  unsigned lo;        // bf16x2 of lo = x - hi
+  unsigned rounded;   // bf16x2 of x (the factor of b_lo)
+};
+LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
+  const float a = fmaxf(first, 0.f), b = fmaxf(second, 0.f);
+  const unsigned hi = pack_f16x2_satfinite(a, b);
+  const float2 h = unpack_f16x2(hi);
+  return HalfSplitPair{hi, pack_bf16x2(__fsub_rn(a, h.x), __fsub_rn(b, h.y)), pack_bf16x2(a, b)};
+}
+
+// B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
+// lane (slot (4p + c) * 32 + lane), column n = 8c + g, rows k = 16p + 2t, +1 (word 0) and 16p + 2t + 8,
+// +9 (word 1): a uint4 {f16x2 hi, f16x2 hi, bf16x2 hi, bf16x2 hi} and, 1024 floats on, a uint2
+// {bf16x2 lo, bf16x2 lo}: 1536 floats.
+#define LOPT_HALF_SPLIT_OPERAND_FLOATS 1536
+template <typename Weight>
+LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread, int num_threads) {
+  for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
+    const int lane = slot % 32, tile = slot / 32, p = tile / 4, c = tile % 4;
+    const int g = lane / 4, t = lane % 4, n = 8 * c + g;
+    unsigned hi[2], rounded[2], lo[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const int k = 16 * p + 2 * t + 8 * w;
+      const float b0 = weight(k, n), b1 = weight(k + 1, n);
+      hi[w] = pack_f16x2_satfinite(b0, b1);
+      const float2 h = unpack_f16x2(hi[w]);
+      rounded[w] = pack_bf16x2(h.x, h.y);
+      lo[w] = pack_bf16x2(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
+    }
+    reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], rounded[0], rounded[1]);
+    reinterpret_cast<uint2*>(out + 1024)[slot] = make_uint2(lo[0], lo[1]);
+  }
+}
+
+// acc[m][c] = bias + relu(in_m) B over 32 k, in_m the accumulators of a previous 32 x 32 layer
+// (in[m][c]: rows g, g + 8 at columns 8c + 2t, 8c + 2t + 1): the A fragment of 16-deep step p is
+// columns 16p ... 16p + 15 of `in` in place (in[m][2p] and in[m][2p + 1]), no data moves between
+// threads. Small terms first: a_lo b_hi, a b_lo, then a_hi b_hi.
+template <typename Bias>
+LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4][4], const float* operand, Bias bias,
+                                        int lane) {
+  const int t = lane % 4;
+  const uint4* high = reinterpret_cast<const uint4*>(operand);
+  const uint2* low = reinterpret_cast<const uint2*>(operand + 1024);
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    unsigned hi[2][4], lo[2][4], rounded[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // a0: row g of 2p, a1: row g + 8 of 2p, a2, a3: the same of 2p + 1
+        const float* v = &in[m][2 * p + i / 2][2 * (i % 2)];
+        const HalfSplitPair pair = half_split_relu(v[0], v[1]);
+        hi[m][i] = pair.hi; lo[m][i] = pair.lo; rounded[m][i] = pair.rounded;
+      }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint4 b = high[(p * 4 + c) * 32 + lane];
+      const uint2 b_lo = low[(p * 4 + c) * 32 + lane];
+      float4 quad = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (p == 0) quad = bias_fragment(bias, c, t);
+      const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        mma_bf16_m16n8k16(acc[m][c], lo[m], b.z, b.w, p == 0 ? initial : acc[m][c]);
+        mma_bf16_m16n8k16(acc[m][c], rounded[m], b_lo.x, b_lo.y, acc[m][c]);
+        mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
+      }
+    }
+  }
+}
+#endif
+
 // acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
 // values of k-step j for both m-tiles. The bias (bias_fragment: BiasQuads, or nullptr where the inputs
 // carry it; mode 2 also takes the 32 floats) enters as the first product's addend. Each B fragment is

@@ -111,6 +111,33 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
 # two MLP outputs, and where an output cancels, the BF16 error of its terms can exceed the output
 # itself (measured: a (1,) tensor's update off by 3.3x its size, 4.7x with the first fast build); they
 # are only held to finite updates.
+@pytest.mark.parametrize("exponent", [0, 9])
+def test_small_fc_exact_layer2_scaling_keeps_the_steps(exponent, weights, monkeypatch):
+    """The exact mode scales layer 1 by 2^-e and layer 2 by 2^e so that layer 2's FP16 high parts stay
+    in range (layer2_exponent, 0 but for huge tensors): with e forced to 9, most of layer 2's inputs
+    fall below FP16's normal range, and every step still matches naive as closely (1e-5 per step and
+    per tensor of 64 elements or more, 1e-4 below)."""
+    import lopt.fused.small_fc_lopt as fused_module
+
+    monkeypatch.setattr(fused_module, "layer2_exponent", lambda network, max_count: exponent)
+    fused, fused_params, naive, naive_params = twin_optimizers("small_fc_lopt", weights, lr=0.7)
+    for index in range(12):
+        grads = random_grads(fused_params, seed=100 + index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        step(fused)
+        step(naive)
+        assert fused._fused_engine.plan.layer2_exponent == exponent
+        fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
+        naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
+        assert relative_error(flat(fused_updates), flat(naive_updates)) <= STEP_TOLERANCE, index
+        for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
+            tolerance = TINY_TENSOR_TOLERANCE if uf.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
+            assert relative_error(uf, un) <= tolerance, (index, shape)
+        sync_into(naive, naive_params, fused, fused_params)
+
+
 FAST_STEP_TOLERANCE = 5e-3
 FAST_TENSOR_TOLERANCE = 2e-2
 

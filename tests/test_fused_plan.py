@@ -324,3 +324,16 @@ def test_plain_matrices_take_the_reciprocal_index_path():
         assert int(row[t["b_reciprocal"]]) == division_reciprocal(geometry["b"]), shape
     # ((3, 1, 5, 1) factors its axes 0 and 2, and the axes of length 1 around them change no index.)
     assert [int(row[t["plain_index"]]) for row in layout.static_rows] == [1, 1, 1, 0, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("count, expected", [(1, 0), (1000, 0), (2**28, 4), (2**31, 5)])
+def test_layer2_exponent_keeps_the_first_layers_bound_within_half_fp16_range(count, expected):
+    """layer2_exponent: the least e with sqrt(count)·Σ|W1 features| + |b1| + Σ|W1 time| <= 2^15·2^e."""
+    from lopt.fused.small_fc_lopt import layer2_exponent
+
+    w1 = torch.full((32, 39), 0.5)
+    w1[3, :28] = -0.6  # the largest unit: sum 16.8 over the features
+    network = {"network.input.weight": w1, "network.input.bias": torch.full((32,), -0.25)}
+    bound = math.sqrt(count) * 16.8 + 0.25 + 11 * 0.5  # written from the docstring's bound
+    assert layer2_exponent(network, count) == expected
+    assert bound <= 2.0**15 * 2.0**expected and (expected == 0 or bound > 2.0**15 * 2.0 ** (expected - 1))

@@ -57,10 +57,11 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
     assert result.returncode != 0 and field in result.stderr
 
 
-# LOPT_SPLIT_MODE -> (TF32, BF16) MMAs of the MLP: 2 layers x 4 k-steps x 4 n-tiles x 2 m-tiles of each
-# kind (exact), TF32 alone (mode 1), one BF16 product per two k-steps (mode 2, precision="fast"), whose
+# LOPT_SPLIT_MODE -> (TF32, BF16, FP16) MMAs of the MLP, per n-tile and m-tile (4 x 2): exact (mode 0),
+# layer 1 a TF32 and a BF16 product per k-step (4), layer 2 two BF16 and one FP16 product per 16-deep
+# step (2); TF32 alone (mode 1); one BF16 product per two k-steps (mode 2, precision="fast"), whose
 # output layer adds 4 k-steps x 2 m-tiles of TF32.
-MMA_COUNTS = {0: (64, 64), 1: (64, 0), 2: (8, 32)}
+MMA_COUNTS = {0: (32, 32 + 32, 16), 1: (64, 0, 0), 2: (8, 32, 0)}
 
 
 @pytest.mark.parametrize("mode", sorted(MMA_COUNTS))
@@ -72,7 +73,8 @@ def test_mlp_layers_mma_counts(mode, tmp_path):
     assert result.returncode == 0, result.stderr
     ptx = (tmp_path / "out.ptx").read_text()
     assert (ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
-            ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")) == MMA_COUNTS[mode]
+            ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+            ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")) == MMA_COUNTS[mode]
 
 
 def test_kernel_source_inlines_each_header_once():

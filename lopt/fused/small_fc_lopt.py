@@ -22,10 +22,13 @@ flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from lopt.fused import launcher
+from lopt.fused.contract import FIELD
 from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan
 from lopt.reference import small_fc_lopt as reference
 
@@ -36,6 +39,24 @@ FOLDED_FLOATS = OPERAND_32x32  # per tensor: the folded first layer, its bias on
 SHARED_FRAGS_FLOATS = OPERAND_32x32 + 32 + 2 * 32 + 2  # layer 2 (operand) + bias, layer 3 + bias
 NETWORK_TENSORS = ("network.input.weight", "network.input.bias", "network.linear_0.weight", "network.linear_0.bias",
                    "network.output.weight", "network.output.bias")
+
+
+def layer2_exponent(network: dict, max_count: int) -> int:
+    """The e by which the exact mode scales layer 1 down (2^-e) and layer 2 up (2^e), powers of two so
+    that nothing rounds differently: layer 2 takes its inputs' high parts in FP16 (``cuda_src/split_mma.cuh``),
+    which must stay below 65504. A normalised feature is at most sqrt(count) in magnitude (its
+    square is at most the sum of squares, count times their mean; the time features at most 1), so
+    |h1_n| <= sqrt(count) · Σ_k |W1[n, k]| (k over the 28 features) + |b1_n| + Σ_j |W1[n, 28 + j]|; e is
+    the least that keeps this below 2^15 (half FP16's range): 0 for tensors of up to 10^8 elements
+    with weights of torch.nn.Linear's initial scale (Σ_k |W1[n, k]| ~ 4), 3 at 2^31.
+    ``max_count``: the largest tensor's element count.
+    """
+    w1 = network["network.input.weight"].detach().double().cpu().abs()
+    b1 = network["network.input.bias"].detach().double().cpu().abs()
+    features = w1[:, :NUM_FEATURES].sum(dim=1)
+    constant = b1 + w1[:, NUM_FEATURES:].sum(dim=1)
+    bound = float((math.sqrt(max(int(max_count), 1)) * features + constant).max())
+    return max(0, math.ceil(math.log2(bound / 2.0**15))) if bound > 0 else 0
 
 
 def pack_network(network: dict) -> torch.Tensor:
@@ -57,7 +78,8 @@ class SmallFCLOptFused(FusedEngine):
 
     def __init__(self, optimizer, defines: tuple = ()):
         super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
-        self.network = pack_network(optimizer.meta_weights.tensors["mlp"]).to(self.device)
+        self.mlp = optimizer.meta_weights.tensors["mlp"]
+        self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
 
     def _allocate(self, plan: Plan) -> None:
@@ -66,6 +88,8 @@ class SmallFCLOptFused(FusedEngine):
         plan.folded = plan.workspace(layout.num_tensors * FOLDED_FLOATS, torch.float32)
         plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS, torch.float32)
         plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
+        max_count = int(layout.static_rows[:, FIELD["TensorMeta"]["count"]].max()) if layout.num_tensors else 1
+        plan.layer2_exponent = layer2_exponent(self.mlp, max_count) if self.optimizer.precision == "exact" else 0
 
     def _statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
@@ -85,7 +109,7 @@ class SmallFCLOptFused(FusedEngine):
                         (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                          ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
                          ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
-                         ptr(plan.tensor_sums)))
+                         ptr(plan.tensor_sums), np.int32(plan.layer2_exponent)))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
 
