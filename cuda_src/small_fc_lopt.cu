@@ -195,6 +195,12 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
   return k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO ? 1.f : 0.f;
 }
 
+// The exact mode's layer 2: 1 with FP16 high parts (split_mma.cuh's half_split_layer_32x32), 0 with
+// the TF32 split of layer 1 (measured against each other; 1 the default).
+#ifndef SFC_LAYER2_FP16
+#define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
+#endif
+
 // 2^e as a float (|e| < 127).
 LOPT_DEVICE float exp2_of(int e) { return __int_as_float((127 + e) << 23); }
 
@@ -252,7 +258,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (phase == 1) return;
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
-#if LOPT_SPLIT_MODE == 0
+#if SFC_LAYER2_FP16
     const float up = exp2_of(layer2_exponent);  // layer 1 comes scaled by 2^-e (layer2_exponent)
     write_half_split_operand(shared_frags + SFC_SHARED_L2,
                              [&](int k, int n) { return __fmul_rn(w2[n * SFC_HIDDEN + k], up); }, tid, SFC_FOLD_THREADS);
@@ -528,7 +534,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
   }, l2, b2.bias, lane);
-#elif LOPT_SPLIT_MODE == 0
+#elif SFC_LAYER2_FP16
   half_split_layer_32x32(h2, h1, l2, BiasQuads{b2.quads}, lane);  // (FP16 high parts, natural unit order)
 #else
   split_layer_32x32(h2, [&](int j, float a[2][4]) {  // (layer2_input_unit order)

@@ -1,0 +1,85 @@
+"""Fused-vs-naive update errors of small_fc_lopt over the CUDA tests' step sequence, per kernel build.
+
+Runs the sequence of ``tests/test_fused.py::test_fused_matches_naive_every_rank_and_dtype`` (float32,
+every test shape, the test's random weights, each step from the same state) once per build and
+prints, per build, the worst per-step error, the worst and the 99th percentile of the per-tensor
+errors (tensors of 64 elements or more), the tensor-steps above 5e-6 and 1e-5, and the worst tiny
+tensor. For comparing arithmetic designs; the tests hold the bounds.
+
+    PYTHONPATH=. python benchmarks/accuracy_small_fc.py --steps 200 --out acc.json \
+        --variants "SFC_LAYER2_FP16=0;LOPT_FP16_FLUSH=1"
+
+(the default build always comes first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import lopt  # noqa: E402
+from fused_helpers import (ALL_SHAPES, flat, make_params, random_grads, relative_error, set_grads,  # noqa: E402
+                           sync_into)
+from lopt.fused.small_fc_lopt import SmallFCLOptFused  # noqa: E402
+
+TINY = 64
+
+
+def errors_of_build(defines: tuple, steps: int) -> dict:
+    weights = lopt.random_weights("small_fc_lopt", seed=7)
+    fused_params, naive_params = make_params(ALL_SHAPES, seed=0), make_params(ALL_SHAPES, seed=0)
+    options = dict(weights=weights, lr=0.7, weight_decay=0.007 / 0.7)
+    fused = lopt.SmallFCLOpt(fused_params, backend="fused", **options)
+    if defines:
+        fused._fused_engine = SmallFCLOptFused(fused, defines=defines)
+    naive = lopt.SmallFCLOpt(naive_params, backend="naive", **options)
+    step_errors, tensor_errors, tiny_errors = [], [], []
+    for index in range(steps):
+        grads = random_grads(fused_params, seed=index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        fused.step()
+        naive.step()
+        fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
+        naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
+        step_errors.append(relative_error(flat(fused_updates), flat(naive_updates)))
+        for uf, un in zip(fused_updates, naive_updates):
+            (tensor_errors if uf.numel() >= TINY else tiny_errors).append(relative_error(uf, un))
+        sync_into(naive, naive_params, fused, fused_params)
+    tensor = torch.tensor(tensor_errors, dtype=torch.float64)
+    return {
+        "defines": list(defines), "steps": steps,
+        "worst_step": max(step_errors),
+        "worst_tensor": float(tensor.max()), "p99_tensor": float(tensor.quantile(0.99)),
+        "median_tensor": float(tensor.median()),
+        "tensor_steps_above_5e-6": int((tensor > 5e-6).sum()), "tensor_steps_above_1e-5": int((tensor > 1e-5).sum()),
+        "tensor_steps": len(tensor_errors), "worst_tiny": max(tiny_errors),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    builds = [()] + [tuple(v.split(",")) for v in args.variants.split(";") if v]
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": os.environ.get("LOPT_COMMIT", "unknown"), "builds": []}
+    for defines in builds:
+        row = errors_of_build(defines, args.steps)
+        record["builds"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
