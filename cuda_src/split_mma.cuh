@@ -235,7 +235,8 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 // The caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do
 // (small_fc_lopt's layer2_exponent); the conversion saturates rather than overflow. Small inputs lose
 // nothing that matters: below FP16's normal range the part hi misses is < 2^-25 and carried by lo,
-// whose BF16 keeps float32's exponent range.
+// whose BF16 keeps float32's exponent range. (The tensor cores multiply FP16 subnormals as they are:
+// zeroing them first measured the same, benchmarks/RESULTS.md.)
 // ------------------------------------------------------------------------------------------
 
 // Two floats rounded to FP16 (to nearest, saturating at +-65504) and packed, `first` in the low half.
@@ -263,23 +264,9 @@ struct HalfSplitPair {
   unsigned lo;        // bf16x2 of lo = x - hi
   unsigned rounded;   // bf16x2 of x (the factor of b_lo)
 };
-// LOPT_FP16_FLUSH 1: high parts below FP16's normal range (2^-14) are zeroed, lo then carries the whole
-// value (for a tensor core that would flush FP16 subnormal inputs; measured, not the default).
-#ifndef LOPT_FP16_FLUSH
-#define LOPT_FP16_FLUSH 0
-#endif
-LOPT_DEVICE unsigned flush_f16x2(unsigned packed) {
-#if LOPT_FP16_FLUSH
-  unsigned flushed;
-  asm("mul.ftz.f16x2 %0, %1, %2;" : "=r"(flushed) : "r"(packed), "r"(0x3C003C00u));  // x 1.0, subnormals to zero
-  return flushed;
-#else
-  return packed;
-#endif
-}
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
   const float a = fmaxf(first, 0.f), b = fmaxf(second, 0.f);
-  const unsigned hi = flush_f16x2(pack_f16x2_satfinite(a, b));
+  const unsigned hi = pack_f16x2_satfinite(a, b);
   const float2 h = unpack_f16x2(hi);
   return HalfSplitPair{hi, pack_bf16x2(__fsub_rn(a, h.x), __fsub_rn(b, h.y)), pack_bf16x2(a, b)};
 }
@@ -299,7 +286,7 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
     for (int w = 0; w < 2; ++w) {
       const int k = 16 * p + 2 * t + 8 * w;
       const float b0 = weight(k, n), b1 = weight(k + 1, n);
-      hi[w] = flush_f16x2(pack_f16x2_satfinite(b0, b1));
+      hi[w] = pack_f16x2_satfinite(b0, b1);
       const float2 h = unpack_f16x2(hi[w]);
       rounded[w] = pack_bf16x2(h.x, h.y);
       lo[w] = pack_bf16x2(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
