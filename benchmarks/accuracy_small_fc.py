@@ -4,7 +4,7 @@ Runs the sequence of ``tests/test_fused.py::test_fused_matches_naive_every_rank_
 every test shape, the test's random weights, each step from the same state) once per build and
 prints, per build, the worst per-step error, the worst and the 99th percentile of the per-tensor
 errors (tensors of 64 elements or more), the tensor-steps above 5e-6 and 1e-5, and the worst tiny
-tensor. For comparing arithmetic designs; the tests hold the bounds.
+tensor (relative to its own update, and as the tests judge it, fused_helpers.tensor_update_error). For comparing arithmetic designs; the tests hold the bounds.
 
     PYTHONPATH=. python benchmarks/accuracy_small_fc.py --steps 200 --out acc.json \
         --variants "SFC_LAYER2_FP16=0;LOPT_FP16_FLUSH=1"
@@ -24,12 +24,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import lopt  # noqa: E402
-from fused_helpers import (ALL_SHAPES, flat, make_params, random_grads, relative_error, set_grads,  # noqa: E402
-                           sync_into)
+from fused_helpers import (ALL_SHAPES, TINY_TENSOR_NUMEL, flat, make_params, random_grads, relative_error,  # noqa: E402
+                           set_grads, sync_into, tensor_update_error, update_scale)
 from lopt.fused.small_fc_lopt import SmallFCLOptFused  # noqa: E402
-
-TINY = 64
-
 
 def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
     weights = lopt.random_weights("small_fc_lopt", seed=7)
@@ -39,7 +36,7 @@ def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
     if defines:
         fused._fused_engine = SmallFCLOptFused(fused, defines=defines)
     naive = lopt.SmallFCLOpt(naive_params, backend="naive", **options)
-    step_errors, tensor_errors, tiny_errors, where = [], [], [], []
+    step_errors, tensor_errors, tiny_errors, tiny_against_step, where = [], [], [], [], []
     for index in range(steps):
         grads = random_grads(fused_params, seed=first_seed + index)
         set_grads(fused_params, grads)
@@ -50,12 +47,14 @@ def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
         fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
         naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
         step_errors.append(relative_error(flat(fused_updates), flat(naive_updates)))
+        scale = update_scale(naive_updates)
         for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
-            if uf.numel() >= TINY:
+            if uf.numel() >= TINY_TENSOR_NUMEL:
                 tensor_errors.append(relative_error(uf, un))
                 where.append((first_seed + index, list(shape)))
             else:
                 tiny_errors.append(relative_error(uf, un))
+                tiny_against_step.append(tensor_update_error(uf, un, scale))
         sync_into(naive, naive_params, fused, fused_params)
     tensor = torch.tensor(tensor_errors, dtype=torch.float64)
     return {
@@ -66,6 +65,7 @@ def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
         "median_tensor": float(tensor.median()),
         "tensor_steps_above_5e-6": int((tensor > 5e-6).sum()), "tensor_steps_above_1e-5": int((tensor > 1e-5).sum()),
         "tensor_steps": len(tensor_errors), "worst_tiny": max(tiny_errors),
+        "worst_tiny_against_step_scale": max(tiny_against_step),
     }
 
 

@@ -26,7 +26,7 @@ STEPS = 12
 # (3, 4, 5, 6): axis 0 is neither; (11,), (3,): not factored; (300, 129), (64, 64, 3, 3): many blocks.
 SHAPES = [(7, 5), (5, 9), (3, 4, 5, 6), (11,), (1, 8), (9, 2, 9), (300, 129), (64, 64, 3, 3), (3,)]
 CLIPPED = 4  # the first CLIPPED tensors form a group with max_grad_norm
-TINY_TENSOR_NUMEL = 64  # held to 1e-4 instead of 1e-5, as in test_fused.py
+TINY_TENSOR_NUMEL = 64  # held to 1e-4 instead of 1e-5 (sharded fused against one-process fused)
 
 
 def initial_tensors():
