@@ -49,16 +49,17 @@ def update_scale(updates) -> float:
 
 def tensor_update_error(fused_update, naive_update, step_scale: float) -> float:
     """How far one tensor's fused update is from the naive one, for the float32 bounds: relative to its
-    own update (relative_error) for tensors of TINY_TENSOR_NUMEL elements or more; for fewer, the
-    root-mean-square difference per element relative to the step's (``step_scale``, update_scale).
-    A tensor of a handful of elements has an update of a few MLP outputs, and where the output layer
-    cancels, that update is near zero: float32 rounding in either backend then moves it by up to 1e-3
-    of itself (the exact mode's TF32 and FP16 builds alike: benchmarks/RESULTS.md), a difference far
-    below the step's scale."""
+    own update (relative_error) for tensors of TINY_TENSOR_NUMEL elements or more; for fewer, relative
+    to the larger of its own update and the step's scale for its elements (``step_scale``:
+    update_scale, the root-mean-square update per element). A tensor of a handful of elements has an
+    update of a few MLP outputs, and where the output layer cancels, that update is near zero: float32
+    rounding in either backend then moves it by up to 1e-3 of itself (the exact mode's TF32 and FP16
+    builds alike: benchmarks/RESULTS.md), a difference far below the step's scale."""
     if fused_update.numel() >= TINY_TENSOR_NUMEL:
         return relative_error(fused_update, naive_update)
-    difference = (fused_update.double() - naive_update.double()).norm() / max(fused_update.numel(), 1) ** 0.5
-    return float(difference / max(step_scale, 1e-30))
+    fused, naive = fused_update.double(), naive_update.double()
+    yardstick = max(float(naive.norm()), step_scale * max(naive.numel(), 1) ** 0.5, 1e-30)
+    return float((fused - naive).norm()) / yardstick
 
 
 def flat(tensors):
