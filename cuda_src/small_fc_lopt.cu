@@ -34,8 +34,9 @@
 #define SFC_OPERAND_32x32 LOPT_SPLIT_OPERAND_FLOATS
 #define SFC_K 32                                          // 28 features padded to 4 k-steps
 // Per tensor: the folded first layer as a B operand: W1' = W1 scaled per feature, and b1' (time
-// features folded in) as the weights of two constant inputs.
-#define SFC_FOLDED SFC_OPERAND_32x32
+// features folded in) as the weights of two constant inputs (first_layer_input's order)
+#define SFC_FOLDED_SLOW SFC_OPERAND_32x32               // and W1' of the 6 slow inputs, [input][unit]
+#define SFC_FOLDED (SFC_FOLDED_SLOW + 6 * SFC_HIDDEN)
 #ifndef LOPT_STATS_UNROLL
 #define LOPT_STATS_UNROLL 1  // pairs of elements (one element per iteration unrolled by 2: 4.27 vs 4.49 ms, GPT-2 medium)
 #endif
@@ -183,16 +184,52 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
   }
 }
 
-// The first layer's bias b1' rides on its spare inputs: inputs 28 and 29 are constant ones, with
-// weights b1' and the rest b1' - split_effective(b1'), so the products carry b1' to float32 accuracy,
-// the layer needs no addend, and b1' is never read per chunk (precision="fast", H100, GPT-2 medium
-// apply pass: 10.42 ms against 10.95; the exact mode saves the register copies of an addend).
-#define SFC_BIAS_INPUT_HI SFC_NUM_FEATURES
-#define SFC_BIAS_INPUT_LO (SFC_NUM_FEATURES + 1)
-// Input k of the first layer as the MMA takes it: a feature, a bias input's one, or padding.
+// The first layer's inputs, in the order the MMA takes them (the fold lays W1's columns out to match):
+//
+//   0 ... 12   the features 0 ... 12 (gradient, parameter, momenta, rms, ..., the factored gradient)
+//   13 ... 15  features 25 ... 27 (the momenta preconditioned by the factors)
+//   16 ... 21  the "fast" factor entry's accumulators and their rsqrt (three each)
+//   22, 23     constant ones carrying the bias b1' (below)
+//   24 ... 29  the "slow" factor entry's accumulators and their rsqrt
+//   30, 31     zeros
+//
+// A factored tensor's element has two factor-table entries, R's and C's: the one indexed by its
+// position without axis b (the "slow" one: in a tensor laid out (outer, a, mid, b) every run of
+// consecutive elements along b shares it; R's where d0 is b, C's where d0 is a) and the other
+// ("fast"). Features 13 ... 24 are R's and C's values, so which of them inputs 16 ... 21 and 24 ... 29
+// take depends on the tensor (input_feature). With the slow entry's six inputs last, the exact mode
+// adds their share of layer 1 for a whole warp of elements sharing that entry as one vector,
+// and multiplies only inputs 0 ... 23 (apply pass, below). (A non-factored tensor's features 13 ... 24
+// are V's, the same for "R" and "C".)
+//
+// The bias b1' rides on inputs 22 and 23: constant ones, with weights b1' and the rest
+// b1' - split_effective(b1'), so the products carry b1' to float32 accuracy, the layer needs no
+// addend, and b1' is never read per chunk (precision="fast", H100, GPT-2 medium apply pass: 10.42 ms
+// against 10.95; the exact mode saves the register copies of an addend).
+#define SFC_BIAS_INPUT_HI 22
+#define SFC_BIAS_INPUT_LO 23
+#define SFC_SLOW_INPUTS_FIRST 24
+#define SFC_SLOW_INPUTS 6
+// The feature input k is: 0 ... 27, or -1 for a bias input or padding. `slow_is_col`: the tensor's
+// slow entry is C's (d0_is_a). Features 13 ... 15 are R's accumulators, 16 ... 18 C's, 19 ... 21 the
+// rsqrt of R's, 22 ... 24 of C's.
+LOPT_DEVICE constexpr int input_feature(int k, bool slow_is_col) {
+  return k < 13 ? k
+       : k < 16 ? k + 12
+       : k < 19 ? (slow_is_col ? k - 3 : k)                // fast accumulators
+       : k < 22 ? (slow_is_col ? k : k + 3)                // fast rsqrt
+       : k < 24 ? -1
+       : k < 27 ? (slow_is_col ? k - 8 : k - 11)          // slow accumulators
+       : k < 30 ? (slow_is_col ? k - 5 : k - 8)           // slow rsqrt
+       : -1;
+}
+// Input k of the first layer as the MMA takes it, from the features in the apply pass's order: x as
+// per_element_features computes them from (slow, fast) entries in the places of (R, C)
+// (apply_element_features), so x[13 ...] hold the slow entry's values whatever the tensor.
 LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
-  if (k < SFC_NUM_FEATURES) return x[k];
-  return k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO ? 1.f : 0.f;
+  if (k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO) return 1.f;
+  const int feature = input_feature(k, false);
+  return feature >= 0 ? x[feature] : 0.f;
 }
 
 // The exact mode's layer 2: 1 with FP16 high parts (split_mma.cuh's half_split_layer_32x32), 0 with
@@ -315,13 +352,19 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   __syncthreads();
   // The whole layer scaled by 2^-e (exact), so that layer 2's FP16 inputs stay in range (layer2_exponent).
   const float down = exp2_of(-layer2_exponent);
-  write_split_operand(out, [&](int k, int n) {
-    if (k < SFC_NUM_FEATURES) return __fmul_rn(__fmul_rn(w1[n * SFC_INPUTS + k], scale[k]), down);
+  const bool slow_is_col = t.d0_is_a != 0;
+  const auto folded_weight = [&](int k, int n) {  // W1' of input k, unit n
+    const int feature = input_feature(k, slow_is_col);
+    if (feature >= 0) return __fmul_rn(__fmul_rn(w1[n * SFC_INPUTS + feature], scale[feature]), down);
     const float b = __fmul_rn(bias[n], down);
     if (k == SFC_BIAS_INPUT_HI) return b;
     if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(b, split_effective(b));
     return 0.f;
-  }, tid, SFC_FOLD_THREADS);
+  };
+  write_split_operand(out, folded_weight, tid, SFC_FOLD_THREADS);
+  // The slow inputs' weights once more, whole: the apply pass forms their share of layer 1 per entry.
+  for (int i = tid; i < SFC_SLOW_INPUTS * SFC_HIDDEN; i += SFC_FOLD_THREADS)
+    out[SFC_FOLDED_SLOW + i] = folded_weight(SFC_SLOW_INPUTS_FIRST + i / SFC_HIDDEN, i % SFC_HIDDEN);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -437,7 +480,7 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             int lane) {
+                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -467,8 +510,10 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
+// use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
+// (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             int lane) {
+                             bool use_quads, const float4* slow_quads, int lane) {
   const int g = lane / 4, t = lane % 4;
   float row[SFC_K];
 #pragma unroll
@@ -481,14 +526,16 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   // A fragment values of k-step j for rows g and g + 8 of m-tile m: (g, k = 8j + t), (g + 8, 8j + t),
   // (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in the tile (feature_column), read as
   // they are needed to keep registers free.
-  split_layer_32x32(h1, [&](int j, float a[2][4]) {
+  const auto load_a = [&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
     }
-  }, l1, nullptr, lane);
+  };
+  if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_a, l1, BiasQuads{slow_quads}, lane);
+  else split_layer_32x32(h1, load_a, l1, nullptr, lane);
 }
 #endif
 
@@ -509,15 +556,16 @@ struct Layer2Bias {
 
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
-// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias (Layer2Bias).
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias (Layer2Bias);
+// use_quads, slow_quads: first_layer's.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             const Layer2Operand& l2, const Layer2Bias& b2, const float* w3,
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, const Layer2Bias& b2, const float* w3,
                              const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-  first_layer(h1, x, tile, l1, lane);
+  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -571,6 +619,80 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
   return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
 }
 
+// The apply pass's element features: element_features's, with a factored tensor's two entries read
+// by role (slow: indexed by the position without axis b; fast: without axis a) and handed to
+// per_element_features in the places of (R, C), so that x[13 ...] hold the slow entry's values
+// whatever the tensor (first_layer_input's order); the factors keep their R and C roles, so the
+// factored features' products stay in the reference's order. slow_entries / fast_entries: the
+// tensor's first entry of each (TensorEntries). Returns the unclipped gradient; slow_entry: the
+// element's slow index (-1 where the tensor is not factored).
+template <bool Streamed>
+LOPT_DEVICE float apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                         float clip_factor, const float* slow_entries, const float* fast_entries,
+                                         float x[SFC_NUM_FEATURES], ElementState& s, float& grad, float& param,
+                                         i64& slow_entry) {
+  const float unclipped_grad = load_gradient<Streamed>(t, e, inverse_scale);
+  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  s = load_element_state<Streamed>(t, e);
+  grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
+  const bool factored = t.factored != 0;
+  update_accumulators(s, grad, decays, factored);
+  slow_entry = -1;
+  if (factored) {
+    i64 without_a, without_b;
+    split_factored_index(t, e, without_a, without_b);
+    slow_entry = without_b;
+    const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
+    const FactorEntry slow = read_factor_entry(slow_entries, without_b);
+    const FactorEntry fast = read_factor_entry(fast_entries, without_a);
+    FactorEntry row = slow, col = fast;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      row.factor[k] = slow_is_col ? fast.factor[k] : slow.factor[k];
+      col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
+    }
+    per_element_features(x, grad, param, s, true, row, col);
+  } else {
+    per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
+  }
+  return unclipped_grad;
+}
+
+// Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
+struct TensorEntries {
+  const float* slow;
+  const float* fast;
+};
+LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const float* row_table, const float* col_table) {
+  const float* row = row_table + t.row_table * LOPT_TABLE_FLOATS;
+  const float* col = col_table + t.col_table * LOPT_TABLE_FLOATS;
+  return t.d0_is_a ? TensorEntries{col, row} : TensorEntries{row, col};
+}
+
+// The exact mode's first layer for a warp whose 32 elements share their slow entry: the slow inputs'
+// share of the layer, W1'[:, 24 ... 29] times the entry's values, is the same vector for all 32, formed
+// once per entry (lane n: unit n, six float32 products) into the warp's quads (BiasQuads layout),
+// which the layer then takes as its addend in place of inputs 24 ... 31 (one k-step fewer: 112 -> 96
+// MMAs per 32 elements). A warp's 32 elements (32 consecutive ones from a multiple of 32) share it
+// in every tensor laid out (outer, a, mid, b) with b a multiple of 32 (shares_slow_entries: linear
+// layers' weights, embeddings); other tensors multiply all 32 inputs.
+LOPT_DEVICE bool shares_slow_entries(const TensorMeta& t) { return t.factored && t.inner == 1 && t.b % 32 == 0; }
+#ifndef SFC_SLOW_VECTORS
+#define SFC_SLOW_VECTORS (LOPT_SPLIT_MODE == 0)
+#endif
+LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES], int lane) {
+  float v = 0.f;
+#pragma unroll
+  for (int i = 0; i < 3; ++i) v = fmaf(slow_weights[i * SFC_HIDDEN + lane], x[13 + i], v);        // accumulators
+#pragma unroll
+  for (int i = 0; i < 3; ++i) v = fmaf(slow_weights[(3 + i) * SFC_HIDDEN + lane], x[19 + i], v);  // their rsqrt
+  float* q = reinterpret_cast<float*>(quads);
+  const int quad = 4 * (lane / 8) + (lane % 8) / 2, component = lane % 2;  // unit lane = 8c + 2t + component
+  q[4 * quad + component] = v;
+  q[4 * quad + component + 2] = v;
+  __syncwarp();
+}
+
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
@@ -609,6 +731,13 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   uint2* const w3_operand = nullptr;
 #endif
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
+#if SFC_SLOW_VECTORS
+  __shared__ float slow_weights[SFC_SLOW_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the slow inputs
+  __shared__ float4 slow_quads[SFC_APPLY_WARPS][16];             // each warp's current slow vector
+  __shared__ bool slow_vectors;                                  // shares_slow_entries
+  i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
+#endif
+  __shared__ TensorEntries entries;
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
@@ -641,10 +770,19 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
+#if SFC_SLOW_VECTORS
+      for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_THREADS)
+        slow_weights[k] = f[SFC_FOLDED_SLOW + k];
+      quads_entry = -1;
+#endif
       if (threadIdx.x == 0) {
         meta = tensor_row(tensors, gradients, tensor);
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
+        entries = tensor_entries(meta, row_table, col_table);
+#if SFC_SLOW_VECTORS
+        slow_vectors = shares_slow_entries(meta);
+#endif
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
@@ -655,13 +793,27 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
     float x[SFC_NUM_FEATURES], grad, param;
     ElementState state;
-    element_features<false, SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
-                                                clip_factor, TableInputs{row_table, col_table, nullptr, nullptr}, x,
-                                                state, grad, param);
+    i64 slow_entry;
+    apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
+                                               clip_factor, entries.slow, entries.fast, x, state, grad, param,
+                                               slow_entry);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
-    const float2 mlp_output =
-        mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, l2_operand, b2, w3, w3_operand, b3);
+#if SFC_SLOW_VECTORS
+    // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
+    // warp's elements share slow_entry.)
+    if (slow_vectors && slow_entry != quads_entry) {
+      write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
+      quads_entry = slow_entry;
+    }
+    const float4* const warp_quads = slow_quads[warp];
+    const bool use_quads = slow_vectors;
+#else
+    const float4* const warp_quads = nullptr;
+    const bool use_quads = false;
+#endif
+    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
+                                        l2_operand, b2, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

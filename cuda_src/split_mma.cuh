@@ -339,7 +339,8 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 // values of k-step j for both m-tiles. The bias (bias_fragment: BiasQuads, or nullptr where the inputs
 // carry it; mode 2 also takes the 32 floats) enters as the first product's addend. Each B fragment is
 // read from shared memory once for both m-tiles.
-template <typename LoadA, typename Bias>
+// (Steps < 4: only the first Steps k-steps, the rest of the inputs being carried by the bias.)
+template <int Steps = 4, typename LoadA, typename Bias>
 LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, Bias bias, int lane) {
 #if LOPT_SPLIT_MODE == 2
   bf16_layer_32x32(acc, [&](int p, unsigned f[2][4]) {
@@ -357,7 +358,7 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
 #else
   const int t = lane % 4;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < Steps; ++j) {
     float a[2][4];
     load_a(j, a);
     SplitFragment f[2];
