@@ -540,13 +540,11 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 #endif
 
 // Layer 2's bias in shared memory, as its layer reads it: mode 2 the 32 floats (a pair per lane,
-// copied in registers), the exact mode a BiasQuads's 16 quads (no register copies; with the first
+// copied in registers; quads measured the same there: H100, GPT-2 medium 9.54 ms both), the exact
+// mode a BiasQuads's 16 quads (no register copies; with the first
 // layer's bias on its inputs, 887 -> 849 instructions per chunk, benchmarks/sass_path.py).
-#ifndef SFC_FAST_B2_QUADS
-#define SFC_FAST_B2_QUADS 0  // 1: mode 2 reads BiasQuads too (measured against the pairs)
-#endif
 struct Layer2Bias {
-#if LOPT_SPLIT_MODE == 2 && !SFC_FAST_B2_QUADS
+#if LOPT_SPLIT_MODE == 2
   float bias[SFC_HIDDEN];
   LOPT_DEVICE void write(const float* b2, int thread, int num_threads) {
     for (int i = thread; i < SFC_HIDDEN; i += num_threads) bias[i] = b2[i];
@@ -584,11 +582,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half] = pack_bf16x2_relu(h1[m][j][0], h1[m][j][1]);      // row g
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
-#if SFC_FAST_B2_QUADS
-  }, l2, BiasQuads{b2.quads}, lane);
-#else
   }, l2, b2.bias, lane);
-#endif
 #elif SFC_LAYER2_FP16
   half_split_layer_32x32(h2, h1, l2, BiasQuads{b2.quads}, lane);  // (FP16 high parts, natural unit order)
 #else

@@ -230,8 +230,9 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 //
 //     a . b  ~=  fp16(a) . fp16(b)  +  bf16(a_lo) . bf16(b_hi)  +  bf16(a) . bf16(b_lo)
 //
-// (hi = fp16(x) rounded to nearest, lo = x - hi exact in float32; the error is about 2^-20 of
-// sum |a_k b_k|, as the TF32 split's.) FP16's range is the price: an input must stay below 65504.
+// (hi = fp16(x), lo = x - hi exact in float32; the error is about 2^-20 of sum |a_k b_k|, as the
+// TF32 split's, where hi is rounded to nearest, as the weights' are; the inputs' hi is rounded toward
+// zero, below.) FP16's range is the price: an input must stay below 65504.
 // The caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do
 // (small_fc_lopt's layer2_exponent); the conversion saturates rather than overflow. Small inputs lose
 // nothing that matters: below FP16's normal range the part hi misses is < 2^-25 and carried by lo,
@@ -264,25 +265,16 @@ struct HalfSplitPair {
   unsigned lo;        // bf16x2 of lo = x - hi
   unsigned rounded;   // bf16x2 of x (the factor of b_lo)
 };
-// LOPT_HALF_SPLIT_RZ 1: hi rounded toward zero, so lo >= 0 wherever x >= 0 and the ReLU can ride on
-// the conversions (two instructions fewer per pair; |lo| < 2^-10 |x|, twice the bound). Measured, not
-// the default.
-#ifndef LOPT_HALF_SPLIT_RZ
-#define LOPT_HALF_SPLIT_RZ 0
-#endif
+// The ReLU rides on the conversions: hi is rounded toward zero, so lo = x - hi >= 0 wherever x >= 0,
+// and where x < 0 (hi = 0, lo = x) the BF16 conversion's ReLU zeroes lo (two instructions fewer per
+// pair than a ReLU first and hi to nearest; |lo| < 2^-10 |x| instead of 2^-11, measured: the update
+// errors grow by ~5%, H100 apply pass 18.62 -> 18.32 ms, benchmarks/RESULTS.md).
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
-#if LOPT_HALF_SPLIT_RZ
   unsigned hi;
   asm("cvt.rz.satfinite.relu.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(second), "f"(first));
-  const float2 h = unpack_f16x2(hi);  // (0 where x < 0: lo = x then, which the ReLU zeroes)
+  const float2 h = unpack_f16x2(hi);
   return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y)),
                        pack_bf16x2_relu(first, second)};
-#else
-  const float a = fmaxf(first, 0.f), b = fmaxf(second, 0.f);
-  const unsigned hi = pack_f16x2_satfinite(a, b);
-  const float2 h = unpack_f16x2(hi);
-  return HalfSplitPair{hi, pack_bf16x2(__fsub_rn(a, h.x), __fsub_rn(b, h.y)), pack_bf16x2(a, b)};
-#endif
 }
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
