@@ -705,10 +705,11 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #define SFC_L2_IN_REGISTERS (LOPT_SPLIT_MODE == 2)
 #endif
 #ifndef SFC_APPLY_MIN_BLOCKS
-// Blocks per SM the registers must allow: the exact build needs 128 registers (4 blocks); precision
-// "fast" fits in 72, and 7 blocks hide more of the element loads' latency (H100, GPT-2 medium apply
-// pass: 10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
-#define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 4)
+// Blocks per SM the registers must allow: the exact build at 5 (96 registers; H100, GPT-2 medium apply
+// pass 17.73 ms against 18.30 at 4 blocks and 20.57 at 3, since its first layer lost a k-step and its
+// layer 2 the TF32 split); precision "fast" fits in 72, and 7 blocks hide more of the element loads'
+// latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
+#define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
