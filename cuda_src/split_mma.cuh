@@ -87,20 +87,18 @@ LOPT_DEVICE SplitFragment split_fragment(const float a[4]) {
   return f;
 }
 
-// d = A B + c (c may be d itself).
-LOPT_DEVICE void mma_tf32_m16n8k8(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
-LOPT_DEVICE void mma_bf16_m16n8k16(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
+// d = A B + c (c may be d itself) for one warp: mma.sync of the given shape and operand types, A and
+// B fragments as 32-bit registers (4 and 2), float32 accumulators.
+#define LOPT_MMA_F32(name, shape_and_types)                                                                     \
+  LOPT_DEVICE void name(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {        \
+    asm volatile("mma.sync.aligned." shape_and_types " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n" \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]),      \
+                   "f"(c[2]), "f"(c[3]));                                                                     \
+  }
+LOPT_MMA_F32(mma_tf32_m16n8k8, "m16n8k8.row.col.f32.tf32.tf32.f32")
+LOPT_MMA_F32(mma_bf16_m16n8k16, "m16n8k16.row.col.f32.bf16.bf16.f32")
+LOPT_MMA_F32(mma_f16_m16n8k16, "m16n8k16.row.col.f32.f16.f16.f32")
 
 // The value a weight w stands for once write_split_operand has split it: tf32(w) + bf16(w - tf32(w))
 // (mode 0), tf32(w) (mode 1), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
@@ -250,13 +248,6 @@ LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
   float2 v;
   asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(v.x), "=f"(v.y) : "r"(packed));
   return v;
-}
-
-LOPT_DEVICE void mma_f16_m16n8k16(float d[4], const unsigned a[4], unsigned b0, unsigned b1, const float c[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
 // One input pair (first, second) = (x(k), x(k + 1)) after the ReLU, as the three products take it.
