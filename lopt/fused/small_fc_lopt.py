@@ -16,8 +16,9 @@ flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer; a kept
    step's R and C written to the state
 6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
-   split products: a TF32 product plus a BF16 correction product), update_from_mlp, apply_update;
-   the step counters advance (or a skipped step is counted)
+   split products: layer 1 a TF32 product plus a BF16 correction product per 8 inputs, layer 2 an
+   FP16 product plus two BF16 ones per 16; docs/small_fc_lopt.md §3.10), update_from_mlp,
+   apply_update; the step counters advance (or a skipped step is counted)
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class SmallFCLOptFused(FusedEngine):
     APPLY_CHUNK = 128  # one element per thread of a 4-warp block
     APPLY_THREADS = 128
 
-    # The kernels' arithmetic per the optimizer's precision: split_mma.cuh's LOPT_SPLIT_MODE (0: a TF32
-    # and a BF16 product per k-step, float32-accurate; 2: one BF16 product per two k-steps).
+    # The kernels' arithmetic per the optimizer's precision: split_mma.cuh's LOPT_SPLIT_MODE (0: split
+    # products, float32-accurate; 2: one BF16 product per two k-steps).
     PRECISION_DEFINES = {"exact": (), "fast": ("LOPT_SPLIT_MODE=2",)}
 
     def __init__(self, optimizer, defines: tuple = ()):
