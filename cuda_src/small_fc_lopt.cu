@@ -350,8 +350,9 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     bias[tid] = b;
   }
   __syncthreads();
-  // The whole layer scaled by 2^-e (exact), so that layer 2's FP16 inputs stay in range (layer2_exponent).
-  const float down = exp2_of(-layer2_exponent);
+  // The whole layer scaled by 2^-e (exact), so that layer 2's FP16 inputs stay in range (layer2_exponent;
+  // a build whose layer 2 has no FP16 parts leaves both layers unscaled).
+  const float down = SFC_LAYER2_FP16 ? exp2_of(-layer2_exponent) : 1.f;
   const bool slow_is_col = t.d0_is_a != 0;
   const auto folded_weight = [&](int k, int n) {  // W1' of input k, unit n
     const int feature = input_feature(k, slow_is_col);
