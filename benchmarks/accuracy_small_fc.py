@@ -4,10 +4,11 @@ Runs the sequence of ``tests/test_fused.py::test_fused_matches_naive_every_rank_
 every test shape, the test's random weights, each step from the same state) once per build and
 prints, per build, the worst per-step error, the worst and the 99th percentile of the per-tensor
 errors (tensors of 64 elements or more), the tensor-steps above 5e-6 and 1e-5, and the worst tiny
-tensor (relative to its own update, and as the tests judge it, fused_helpers.tensor_update_error). For comparing arithmetic designs; the tests hold the bounds.
+tensor (relative to its own update, and as the tests judge it: fused_helpers.tensor_update_error).
+For comparing arithmetic designs; the tests hold the bounds.
 
     PYTHONPATH=. python benchmarks/accuracy_small_fc.py --steps 200 --out acc.json \
-        --variants "SFC_LAYER2_FP16=0;LOPT_FP16_FLUSH=1"
+        --variants "SFC_LAYER2_FP16=0"
 
 (the default build always comes first).
 """
@@ -27,6 +28,7 @@ import lopt  # noqa: E402
 from fused_helpers import (ALL_SHAPES, TINY_TENSOR_NUMEL, flat, make_params, random_grads, relative_error,  # noqa: E402
                            set_grads, sync_into, tensor_update_error, update_scale)
 from lopt.fused.small_fc_lopt import SmallFCLOptFused  # noqa: E402
+
 
 def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
     weights = lopt.random_weights("small_fc_lopt", seed=7)

@@ -32,7 +32,7 @@
 // plus one BF16 product for the correction terms); their weights are kept as B operands in the
 // layout split_mma.cuh's layer expects (SFC_OPERAND_32x32 floats each).
 #define SFC_OPERAND_32x32 LOPT_SPLIT_OPERAND_FLOATS
-#define SFC_K 32                                          // 28 features padded to 4 k-steps
+#define SFC_K 32                                          // 28 features, 2 bias inputs, padded to 4 k-steps
 // Per tensor: the folded first layer as a B operand: W1' = W1 scaled per feature, and b1' (time
 // features folded in) as the weights of two constant inputs (first_layer_input's order)
 #define SFC_FOLDED_SLOW SFC_OPERAND_32x32               // and W1' of the 6 slow inputs, [input][unit]
@@ -540,29 +540,14 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 }
 #endif
 
-// Layer 2's bias in shared memory, as its layer reads it: mode 2 the 32 floats (a pair per lane,
-// copied in registers; quads measured the same there: H100, GPT-2 medium 9.54 ms both), the exact
-// mode a BiasQuads's 16 quads (no register copies; with the first
-// layer's bias on its inputs, 887 -> 849 instructions per chunk, benchmarks/sass_path.py).
-struct Layer2Bias {
-#if LOPT_SPLIT_MODE == 2
-  float bias[SFC_HIDDEN];
-  LOPT_DEVICE void write(const float* b2, int thread, int num_threads) {
-    for (int i = thread; i < SFC_HIDDEN; i += num_threads) bias[i] = b2[i];
-  }
-#else
-  float4 quads[16];
-  LOPT_DEVICE void write(const float* b2, int thread, int num_threads) { write_bias_quads(quads, b2, thread, num_threads); }
-#endif
-};
-
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
-// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias (Layer2Bias);
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
+// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
 // use_quads, slow_quads: first_layer's.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, const Layer2Bias& b2, const float* w3,
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
                              const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
@@ -583,9 +568,9 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half] = pack_bf16x2_relu(h1[m][j][0], h1[m][j][1]);      // row g
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
-  }, l2, b2.bias, lane);
+  }, l2, b2, lane);
 #elif SFC_LAYER2_FP16
-  half_split_layer_32x32(h2, h1, l2, BiasQuads{b2.quads}, lane);  // (FP16 high parts, natural unit order)
+  half_split_layer_32x32(h2, h1, l2, b2, lane);  // (FP16 high parts, natural unit order)
 #else
   split_layer_32x32(h2, [&](int j, float a[2][4]) {  // (layer2_input_unit order)
 #pragma unroll
@@ -593,7 +578,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
       a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
       a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
     }
-  }, l2, BiasQuads{b2.quads}, lane);
+  }, l2, b2, lane);
 #endif
 #if SFC_OUTPUT_MMA
   float out[2][4];
@@ -685,9 +670,8 @@ LOPT_DEVICE bool shares_slow_entries(const TensorMeta& t) { return t.factored &&
 LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES], int lane) {
   float v = 0.f;
 #pragma unroll
-  for (int i = 0; i < 3; ++i) v = fmaf(slow_weights[i * SFC_HIDDEN + lane], x[13 + i], v);        // accumulators
-#pragma unroll
-  for (int i = 0; i < 3; ++i) v = fmaf(slow_weights[(3 + i) * SFC_HIDDEN + lane], x[19 + i], v);  // their rsqrt
+  for (int i = 0; i < SFC_SLOW_INPUTS; ++i)
+    v = fmaf(slow_weights[i * SFC_HIDDEN + lane], first_layer_input(x, SFC_SLOW_INPUTS_FIRST + i), v);
   float* q = reinterpret_cast<float*>(quads);
   const int quad = 4 * (lane / 8) + (lane % 8) / 2, component = lane % 2;  // unit lane = 8c + 2t + component
   q[4 * quad + component] = v;
@@ -726,7 +710,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
-  __shared__ Layer2Bias b2;
+  __shared__ float4 b2[16];  // layer 2's bias (BiasQuads)
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
 #if SFC_OUTPUT_MMA
   __shared__ uint2 w3_operand[4 * 32];
@@ -747,7 +731,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  b2.write(shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
+  write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
@@ -816,7 +800,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool use_quads = false;
 #endif
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
-                                        l2_operand, b2, w3, w3_operand, b3);
+                                        l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

@@ -144,10 +144,9 @@ LOPT_DEVICE void write_split_operand(float* out, Weight weight, int thread, int 
 }
 
 // A layer's bias for the lane's columns 8c + 2t, 8c + 2t + 1, in the accumulator's order {row g, row g + 8}:
-// read as a pair from the 32 floats and copied into the four registers the product adds (mode 2), or
-// as the whole quad from a BiasQuads (no register copies: each m-tile's first product adds the same
-// four registers); zeros for a layer whose inputs carry its bias (nullptr: known when compiled, where
-// a pointer to shared memory would be tested for null at run time).
+// the whole quad from a BiasQuads (no register copies: each m-tile's first product adds the same four
+// registers), or zeros for a layer whose inputs carry its bias (nullptr: known when compiled, where a
+// pointer to shared memory would be tested for null at run time).
 struct BiasQuads {
   const float4* quads;  // [4c + t] = {b(8c + 2t), b(8c + 2t + 1), b(8c + 2t), b(8c + 2t + 1)}
 };
@@ -158,10 +157,6 @@ LOPT_DEVICE void write_bias_quads(float4* quads, const float* bias, int thread, 
     const float first = bias[8 * c + 2 * t], second = bias[8 * c + 2 * t + 1];
     quads[i] = make_float4(first, second, first, second);
   }
-}
-LOPT_DEVICE float4 bias_fragment(const float* bias, int c, int t) {
-  const float2 pair = *reinterpret_cast<const float2*>(bias + 8 * c + 2 * t);
-  return make_float4(pair.x, pair.y, pair.x, pair.y);
 }
 LOPT_DEVICE float4 bias_fragment(BiasQuads bias, int c, int t) { return bias.quads[4 * c + t]; }
 LOPT_DEVICE float4 bias_fragment(decltype(nullptr), int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); }
@@ -192,7 +187,7 @@ LOPT_DEVICE SharedOperand operand_reader(const float* operand, int lane) { retur
 LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand, int) { return operand; }
 
 // Mode 2's layer: acc[m][c] = bias + A_m B over 32 k as two 16-deep BF16 products (operand_source: the
-// B operand, in shared memory or a RegisterOperand; bias: 32 floats, or nullptr (bias_fragment) for a
+// B operand, in shared memory or a RegisterOperand; bias: a BiasQuads, or nullptr (bias_fragment) for a
 // layer whose inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the
 // thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
 // 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
@@ -209,8 +204,8 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint2 b = operand(p, c);
-      // (Mode 2 reads a pair and copies it in registers: a BiasQuads costs twice the shared-memory
-      // wavefronts; H100, GPT-2 medium apply pass 10.42 against 10.24 ms.)
+      // (Quads against a pair read and copied in registers: 9.54 ms both, H100 apply pass at 98dc422;
+      // 10.42 against 10.24 for the pair in an earlier build.)
       const float4 quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
@@ -270,9 +265,10 @@ LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
 // lane (slot (4p + c) * 32 + lane), column n = 8c + g, rows k = 16p + 2t, +1 (word 0) and 16p + 2t + 8,
-// +9 (word 1): a uint4 {f16x2 hi, f16x2 hi, bf16x2 hi, bf16x2 hi} and, 1024 floats on, a uint2
-// {bf16x2 lo, bf16x2 lo}: 1536 floats.
-#define LOPT_HALF_SPLIT_OPERAND_FLOATS 1536
+// +9 (word 1): a uint4 {f16x2 hi, f16x2 hi, bf16x2 hi, bf16x2 hi} and, LOPT_HALF_SPLIT_LOW floats on, a
+// uint2 {bf16x2 lo, bf16x2 lo}: 1536 floats, within the split operand's LOPT_SPLIT_OPERAND_FLOATS.
+#define LOPT_HALF_SPLIT_LOW (2 * 4 * 32 * 4)
+static_assert(LOPT_HALF_SPLIT_LOW + 2 * 4 * 32 * 2 <= LOPT_SPLIT_OPERAND_FLOATS, "fits a split operand's space");
 template <typename Weight>
 LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread, int num_threads) {
   for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
@@ -289,7 +285,7 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
       lo[w] = pack_bf16x2(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
     }
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], rounded[0], rounded[1]);
-    reinterpret_cast<uint2*>(out + 1024)[slot] = make_uint2(lo[0], lo[1]);
+    reinterpret_cast<uint2*>(out + LOPT_HALF_SPLIT_LOW)[slot] = make_uint2(lo[0], lo[1]);
   }
 }
 
@@ -302,7 +298,7 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
                                         int lane) {
   const int t = lane % 4;
   const uint4* high = reinterpret_cast<const uint4*>(operand);
-  const uint2* low = reinterpret_cast<const uint2*>(operand + 1024);
+  const uint2* low = reinterpret_cast<const uint2*>(operand + LOPT_HALF_SPLIT_LOW);
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     unsigned hi[2][4], lo[2][4], rounded[2][4];

@@ -29,6 +29,11 @@ STEP_TOLERANCE = 1e-5
 TINY_TENSOR_TOLERANCE = 1e-4
 
 
+def tensor_tolerance(tensor) -> float:
+    """The bound on tensor_update_error for a tensor of this size."""
+    return TINY_TENSOR_TOLERANCE if tensor.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def weights():
     return {"small_fc_lopt": lopt.random_weights("small_fc_lopt", seed=7), "velo": lopt.random_weights("velo", seed=8)}
@@ -86,8 +91,7 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
                     worst_tensor = max(worst_tensor, error)
                 else:
                     worst_tiny = max(worst_tiny, error)
-                tolerance = TINY_TENSOR_TOLERANCE if uf.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
-                assert error <= tolerance, f"step {index} shape {shape}: update error {error:.2e}"
+                assert error <= tensor_tolerance(uf), f"step {index} shape {shape}: update error {error:.2e}"
         else:
             for f, n, b, shape in zip(fused_params, naive_params, before, ALL_SHAPES):
                 excess = low_precision_excess(f, n, b)
@@ -129,8 +133,7 @@ def test_small_fc_exact_layer2_scaling_keeps_the_steps(exponent, weights, monkey
         assert relative_error(flat(fused_updates), flat(naive_updates)) <= STEP_TOLERANCE, index
         scale = update_scale(naive_updates)
         for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
-            tolerance = TINY_TENSOR_TOLERANCE if uf.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
-            assert tensor_update_error(uf, un, scale) <= tolerance, (index, shape)
+            assert tensor_update_error(uf, un, scale) <= tensor_tolerance(uf), (index, shape)
         sync_into(naive, naive_params, fused, fused_params)
 
 
@@ -427,8 +430,7 @@ def test_parameters_and_gradients_at_odd_offsets_match_naive(name, dtype, weight
         scale = update_scale([n.detach().float() - b for n, b in zip(naive_params, before)])
         for f, n, b, shape in zip(fused_params, naive_params, before, shapes):
             if dtype == torch.float32:
-                tolerance = TINY_TENSOR_TOLERANCE if f.numel() < TINY_TENSOR_NUMEL else STEP_TOLERANCE
-                assert tensor_update_error(f.detach() - b, n.detach() - b, scale) <= tolerance, f"step {index} shape {shape}"
+                assert tensor_update_error(f.detach() - b, n.detach() - b, scale) <= tensor_tolerance(f), f"step {index} shape {shape}"
             else:
                 assert float(low_precision_excess(f, n, b).max()) <= 0, f"step {index} shape {shape}"
         sync_into(naive, naive_params, fused, fused_params)
