@@ -238,12 +238,24 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
 
+#ifndef SFC_OUTPUT_MMA
+// precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
+// against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
+#define SFC_OUTPUT_MMA (LOPT_SPLIT_MODE == 2)
+#endif
+#ifndef SFC_OUTPUT_FP16
+// Layer 3 on tensor cores as FP16 products (1, the default) or TF32 ones (0, the earlier build, kept
+// to measure against).
+#define SFC_OUTPUT_FP16 SFC_OUTPUT_MMA
+#endif
 // 2^e as a float (|e| < 127).
 LOPT_DEVICE float exp2_of(int e) { return __int_as_float((127 + e) << 23); }
 
-// Layer 2's weights are scaled by 2^e and layer 1's by 2^-e (powers of two: exact), with e from the
-// host (lopt.fused.small_fc_lopt.layer2_exponent, 0 but for very large tensors or weights): the exact
-// mode's layer 2 takes its inputs' high parts in FP16 (split_mma.cuh), which must stay below 65504.
+// The layer whose inputs go to FP16 is scaled by 2^e and the one before it by 2^-e (powers of two:
+// exact), so that those inputs stay below FP16's 65504; e (the fold's fp16_exponent, 0 but for very
+// large tensors or weights) comes from the host: lopt.fused.small_fc_lopt.layer2_exponent for the
+// exact mode, whose layer 2 takes its inputs' high parts in FP16 (split_mma.cuh), layer3_exponent for
+// precision "fast", whose layer 3 takes FP16 inputs (output_layer_mma).
 
 // Modes 1 and 2: the hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
 // Layer 2's A fragments are read straight from layer 1's accumulators: a thread's fragment of
@@ -287,7 +299,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    const float* __restrict__ col_table, const float* __restrict__ network,
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
-                   double* __restrict__ tensor_sums, int layer2_exponent) {
+                   double* __restrict__ tensor_sums, int fp16_exponent) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
@@ -296,15 +308,20 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
 #if SFC_LAYER2_FP16
-    const float up = exp2_of(layer2_exponent);  // layer 1 comes scaled by 2^-e (layer2_exponent)
+    const float up = exp2_of(fp16_exponent);  // layer 1 comes scaled by 2^-e
     write_half_split_operand(shared_frags + SFC_SHARED_L2,
                              [&](int k, int n) { return __fmul_rn(w2[n * SFC_HIDDEN + k], up); }, tid, SFC_FOLD_THREADS);
+    const float layer2_scale = 1.f, layer3_scale = 1.f;
 #else
+    // (With FP16 products in layer 3: layer 2 scaled by 2^-e, layer 3 by 2^e.)
+    const float layer2_scale = SFC_OUTPUT_FP16 ? exp2_of(-fp16_exponent) : 1.f;
+    const float layer3_scale = SFC_OUTPUT_FP16 ? exp2_of(fp16_exponent) : 1.f;
     write_split_operand(shared_frags + SFC_SHARED_L2,
-                        [&](int k, int n) { return w2[n * SFC_HIDDEN + layer2_input_unit(k)]; }, tid, SFC_FOLD_THREADS);
+                        [&](int k, int n) { return __fmul_rn(w2[n * SFC_HIDDEN + layer2_input_unit(k)], layer2_scale); },
+                        tid, SFC_FOLD_THREADS);
 #endif
-    if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = w3[tid];
-    if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = network[SFC_B2 + tid];
+    if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = __fmul_rn(w3[tid], layer3_scale);
+    if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = __fmul_rn(network[SFC_B2 + tid], layer2_scale);
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
     return;
   }
@@ -350,9 +367,9 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     bias[tid] = b;
   }
   __syncthreads();
-  // The whole layer scaled by 2^-e (exact), so that layer 2's FP16 inputs stay in range (layer2_exponent;
-  // a build whose layer 2 has no FP16 parts leaves both layers unscaled).
-  const float down = SFC_LAYER2_FP16 ? exp2_of(-layer2_exponent) : 1.f;
+  // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
+  // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
+  const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
   const bool slow_is_col = t.d0_is_a != 0;
   const auto folded_weight = [&](int k, int n) {  // W1' of input k, unit n
     const int feature = input_feature(k, slow_is_col);
@@ -412,27 +429,36 @@ LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const 
   return make_float2(__fadd_rn(sums[0], b3[0]), __fadd_rn(sums[1], b3[1]));
 }
 
-#ifndef SFC_OUTPUT_MMA
-// precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
-// against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
-#define SFC_OUTPUT_MMA (LOPT_SPLIT_MODE == 2)
-#endif
-// Layer 3 as TF32 products: per m-tile and k-step one m16n8k8 MMA whose B operand holds W3's two rows
-// as columns 0 and 1 (lanes g >= 2 hold zeros), the A fragments layer 2's accumulators after the ReLU
-// in layer2_input_unit order, their low 13 bits left for the tensor core to drop (truncated to TF32,
-// at most 2^-10 of each value). out[m]: lanes t == 0 hold (direction, magnitude) of
-// rows g and g + 8.
-// w3_operand: for k-step j and lane, {W3[g][8j + 2t], W3[g][8j + 2t + 1]} rounded to TF32.
+// The B operand of layer 3 on tensor cores, W3's two rows as columns 0 and 1 (lanes g >= 2 hold
+// zeros), per k-step and lane a uint2:
+// - FP16, 16-deep steps p = 0, 1: {f16x2 W3[g][16p + 2t, +1], f16x2 W3[g][16p + 2t + 8, +9]}, W3 scaled
+//   by 2^e beforehand (the fold's fp16_exponent) and rounded to nearest;
+// - TF32, 8-deep steps j = 0 ... 3: {W3[g][8j + 2t], W3[g][8j + 2t + 1]} rounded to TF32.
 LOPT_DEVICE void write_output_operand(uint2* w3_operand, const float* w3, int thread, int num_threads) {
-  for (int slot = thread; slot < 4 * 32; slot += num_threads) {
-    const int lane = slot % 32, j = slot / 32, g = lane / 4, t = lane % 4;
-    w3_operand[slot] = g < 2 ? make_uint2(to_tf32(w3[g * SFC_HIDDEN + 8 * j + 2 * t]),
-                                          to_tf32(w3[g * SFC_HIDDEN + 8 * j + 2 * t + 1]))
+  for (int slot = thread; slot < (SFC_OUTPUT_FP16 ? 2 : 4) * 32; slot += num_threads) {
+    const int lane = slot % 32, step = slot / 32, g = lane / 4, t = lane % 4;
+    const float* row = w3 + g * SFC_HIDDEN;
+#if SFC_OUTPUT_FP16
+    const int k = 16 * step + 2 * t;
+    w3_operand[slot] = g < 2 ? make_uint2(pack_f16x2_satfinite(row[k], row[k + 1]),
+                                          pack_f16x2_satfinite(row[k + 8], row[k + 9]))
                              : make_uint2(0u, 0u);
+#else
+    const int k = 8 * step + 2 * t;
+    w3_operand[slot] = g < 2 ? make_uint2(to_tf32(row[k]), to_tf32(row[k + 1])) : make_uint2(0u, 0u);
+#endif
   }
 }
-LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_operand, const float* b3, int lane,
-                                   float out[2][4]) {
+// Layer 3 as tensor-core products: per m-tile and k-step one MMA with write_output_operand's B, the A
+// fragments layer 2's accumulators after the ReLU:
+// - FP16 (16 inputs per product): rounded to nearest inside a conversion that also applies the ReLU
+//   (one instruction per pair) and saturates at 65504, which the fold keeps them below by scaling
+//   layer 2 by 2^-e (fp16_exponent; W3 by 2^e); units in their natural order;
+// - TF32 (8 inputs): in layer2_input_unit order, their low 13 bits left for the tensor core to drop
+//   (truncated to TF32, at most 2^-10 of each value).
+// out[m]: lanes t == 0 hold (direction, magnitude) of rows g and g + 8.
+LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_operand, const float* b3, int lane,
+                                  float out[2][4]) {
   const bool holds_outputs = lane % 4 == 0;  // columns 0 and 1 of the product
   const float bias_direction = holds_outputs ? b3[0] : 0.f, bias_magnitude = holds_outputs ? b3[1] : 0.f;
 #pragma unroll
@@ -441,13 +467,21 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
     out[m][2] = bias_direction; out[m][3] = bias_magnitude;
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint2 b = w3_operand[j * 32 + lane];
+  for (int step = 0; step < (SFC_OUTPUT_FP16 ? 2 : 4); ++step) {
+    const uint2 b = w3_operand[step * 32 + lane];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const unsigned a[4] = {__float_as_uint(fmaxf(h2[m][j][0], 0.f)), __float_as_uint(fmaxf(h2[m][j][2], 0.f)),
-                             __float_as_uint(fmaxf(h2[m][j][1], 0.f)), __float_as_uint(fmaxf(h2[m][j][3], 0.f))};
+#if SFC_OUTPUT_FP16
+      const float(&low)[4] = h2[m][2 * step], (&high)[4] = h2[m][2 * step + 1];  // units 16 step + 0 ... 7, 8 ... 15
+      const unsigned a[4] = {pack_f16x2_relu_satfinite(low[0], low[1]), pack_f16x2_relu_satfinite(low[2], low[3]),
+                             pack_f16x2_relu_satfinite(high[0], high[1]), pack_f16x2_relu_satfinite(high[2], high[3])};
+      mma_f16_m16n8k16(out[m], a, b.x, b.y, out[m]);
+#else
+      const float(&acc)[4] = h2[m][step];
+      const unsigned a[4] = {__float_as_uint(fmaxf(acc[0], 0.f)), __float_as_uint(fmaxf(acc[2], 0.f)),
+                             __float_as_uint(fmaxf(acc[1], 0.f)), __float_as_uint(fmaxf(acc[3], 0.f))};
       mma_tf32_m16n8k8(out[m], a, b.x, b.y, out[m]);
+#endif
     }
   }
 }
@@ -461,15 +495,6 @@ LOPT_DEVICE void output_layer_tf32(const float h2[2][4][4], const uint2* w3_oper
 #define SFC_TILE_ROW_FLOATS SFC_FEATURE_STRIDE
 #endif
 
-#if LOPT_SPLIT_MODE == 2
-// Mode 2 (precision="fast"): a row holds its features as BF16 in the MMA's column order, 16 words: the
-// uint4 of k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's
-// order), so ldmatrix hands every thread its A fragments in place. Rows are 20 words apart: any 8
-// consecutive rows' uint4s of one k-step then fall in distinct banks (20 r mod 32 = 0, 20, 8, 28, 16,
-// 4, 24, 12), so the row writes and ldmatrix's 8-row reads are conflict-free, and every address is a
-// lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
-#define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
-
 // Four 8 x 8 matrices of 16-bit values from shared memory, in the MMA's fragment layout: lane l gives
 // the address of row l % 8 of matrix l / 8, and receives in word i its row (l / 4) and columns
 // 2 (l % 4), 2 (l % 4) + 1 of matrix i.
@@ -478,6 +503,15 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3]) : "r"(address));
 }
+
+#if LOPT_SPLIT_MODE == 2
+// Mode 2 (precision="fast"): a row holds its features as BF16 in the MMA's column order, 16 words: the
+// uint4 of k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's
+// order), so ldmatrix hands every thread its A fragments in place. Rows are 20 words apart: any 8
+// consecutive rows' uint4s of one k-step then fall in distinct banks (20 r mod 32 = 0, 20, 8, 28, 16,
+// 4, 24, 12), so the row writes and ldmatrix's 8-row reads are conflict-free, and every address is a
+// lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
+#define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
@@ -506,16 +540,27 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   }, l1, nullptr, lane);
 }
 #else
-// Column of feature k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
+#ifndef SFC_LAYER1_TRUNCATED
+// The exact mode's layer 1: 1, A fragments by ldmatrix and TF32 parts truncated by the tensor core
+// (truncated_split_fragment); 0, float loads and TF32 parts rounded to nearest (split_fragment; the
+// earlier build, kept to measure against).
+#define SFC_LAYER1_TRUNCATED 1
+#endif
+#if SFC_LAYER1_TRUNCATED
+// Column of input k in a feature-tile row: k itself (rows SFC_FEATURE_STRIDE = 36 words apart, so
+// ldmatrix's 8-row reads of 16 bytes fall in distinct banks).
+LOPT_DEVICE constexpr int feature_column(int k) { return k; }
+#else
+// Column of input k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
 // thread's A fragments for all four k-steps are two float4 loads per row.
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
+#endif
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 // use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
 // (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
                              bool use_quads, const float4* slow_quads, int lane) {
-  const int g = lane / 4, t = lane % 4;
   float row[SFC_K];
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
@@ -524,19 +569,35 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
+#if SFC_LAYER1_TRUNCATED
+  // The A fragment of k-step j in m-tile m, {(g, 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)},
+  // is four 8 x 4 blocks of 32-bit values (rows 16m ... +7 and +8 ... +15, columns 8j ... +3 and +4 ... +7):
+  // ldmatrix of them as 8 x 8 blocks of 16-bit values hands each thread its four in place.
+  const int matrix = lane / 8, matrix_row = 8 * (matrix % 2) + lane % 8, matrix_column = 4 * (matrix / 2);
+  const auto load_fragments = [&](int j, SplitFragment f[2]) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      unsigned a[4];
+      load_matrices_x4(a, tile + (16 * m + matrix_row) * SFC_FEATURE_STRIDE + 8 * j + matrix_column);
+      f[m] = truncated_split_fragment(a);
+    }
+  };
+#else
   // A fragment values of k-step j for rows g and g + 8 of m-tile m: (g, k = 8j + t), (g + 8, 8j + t),
   // (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in the tile (feature_column), read as
   // they are needed to keep registers free.
-  const auto load_a = [&](int j, float a[2][4]) {
+  const int g = lane / 4, t = lane % 4;
+  const auto load_fragments = split_values([&](int j, float a[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
       a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
     }
-  };
-  if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_a, l1, BiasQuads{slow_quads}, lane);
-  else split_layer_32x32(h1, load_a, l1, nullptr, lane);
+  });
+#endif
+  if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
+  else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
 #endif
 
@@ -572,17 +633,17 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
 #elif SFC_LAYER2_FP16
   half_split_layer_32x32(h2, h1, l2, b2, lane);  // (FP16 high parts, natural unit order)
 #else
-  split_layer_32x32(h2, [&](int j, float a[2][4]) {  // (layer2_input_unit order)
+  split_layer_32x32(h2, split_values([&](int j, float a[2][4]) {  // (layer2_input_unit order)
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
       a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
     }
-  }, l2, b2, lane);
+  }), l2, b2, lane);
 #endif
 #if SFC_OUTPUT_MMA
   float out[2][4];
-  output_layer_tf32(h2, w3_operand, b3, lane, out);
+  output_layer_mma(h2, w3_operand, b3, lane, out);
   const int g = lane / 4;
   if (t == 0) {
 #pragma unroll

@@ -56,6 +56,20 @@ LOPT_DEVICE unsigned pack_bf16x2_relu(float first, float second) {
   return packed;
 }
 
+// Two floats rounded to FP16 (to nearest, saturating at +-65504) and packed, `first` in the low half.
+LOPT_DEVICE unsigned pack_f16x2_satfinite(float first, float second) {
+  unsigned packed;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
+  return packed;
+}
+
+// The same of max(first, 0) and max(second, 0).
+LOPT_DEVICE unsigned pack_f16x2_relu_satfinite(float first, float second) {
+  unsigned packed;
+  asm("cvt.rn.satfinite.relu.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
+  return packed;
+}
+
 // x = hi + lo: hi rounded to TF32, lo the exact float32 remainder.
 struct SplitValue {
   float hi, lo;
@@ -84,6 +98,28 @@ LOPT_DEVICE SplitFragment split_fragment(const float a[4]) {
   f.correction[1] = pack_bf16x2(v[1].lo, v[3].lo);  // row g + 8
   f.correction[2] = pack_bf16x2(v[0].hi, v[2].hi);
   f.correction[3] = pack_bf16x2(v[1].hi, v[3].hi);
+  return f;
+}
+
+// split_fragment of values as the MMA's A registers already hold them (x[i]: the float32 bits, in
+// split_fragment's order): the TF32 product takes x itself, the tensor core dropping its low 13 bits (hi
+// = x truncated to TF32), lo = x - hi is exact, |lo| < 2^-10 |x|, and the correction product's high
+// words are x rounded to BF16. Against split_fragment, the rounding of hi costs no instructions (two
+// fewer per value) and lo's BF16 error is at most 2^-19 of x instead of 2^-20.
+LOPT_DEVICE SplitFragment truncated_split_fragment(const unsigned x[4]) {
+  float lo[4], value[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    value[i] = __uint_as_float(x[i]);
+    lo[i] = __fsub_rn(value[i], __uint_as_float(x[i] & 0xFFFFE000u));
+  }
+  SplitFragment f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f.hi[i] = x[i];
+  f.correction[0] = pack_bf16x2(lo[0], lo[2]);  // row g
+  f.correction[1] = pack_bf16x2(lo[1], lo[3]);  // row g + 8
+  f.correction[2] = pack_bf16x2(value[0], value[2]);
+  f.correction[3] = pack_bf16x2(value[1], value[3]);
   return f;
 }
 
@@ -233,12 +269,6 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 // zeroing them first measured the same, benchmarks/RESULTS.md.)
 // ------------------------------------------------------------------------------------------
 
-// Two floats rounded to FP16 (to nearest, saturating at +-65504) and packed, `first` in the low half.
-LOPT_DEVICE unsigned pack_f16x2_satfinite(float first, float second) {
-  unsigned packed;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
-  return packed;
-}
 LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
   float2 v;
   asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(v.x), "=f"(v.y) : "r"(packed));
@@ -328,35 +358,19 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 }
 #endif
 
-// acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles; load_a(j, a) gives the thread's A
-// values of k-step j for both m-tiles. The bias (bias_fragment: BiasQuads, or nullptr where the inputs
-// carry it; mode 2 also takes the 32 floats) enters as the first product's addend. Each B fragment is
-// read from shared memory once for both m-tiles.
+// acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles (modes 0 and 1); load_fragments(j, f)
+// gives the thread's split A fragments of k-step j for both m-tiles (split_values, or
+// truncated_split_fragment). The bias (bias_fragment: BiasQuads, or nullptr where the inputs carry it)
+// enters as the first product's addend. Each B fragment is read from shared memory once for both m-tiles.
 // (Steps < 4: only the first Steps k-steps, the rest of the inputs being carried by the bias.)
-template <int Steps = 4, typename LoadA, typename Bias>
-LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float* operand, Bias bias, int lane) {
-#if LOPT_SPLIT_MODE == 2
-  bf16_layer_32x32(acc, [&](int p, unsigned f[2][4]) {
-    float a0[2][4], a1[2][4];
-    load_a(2 * p, a0);
-    load_a(2 * p + 1, a1);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      f[m][0] = pack_bf16x2(a0[m][0], a0[m][2]);  // row g
-      f[m][1] = pack_bf16x2(a0[m][1], a0[m][3]);  // row g + 8
-      f[m][2] = pack_bf16x2(a1[m][0], a1[m][2]);
-      f[m][3] = pack_bf16x2(a1[m][1], a1[m][3]);
-    }
-  }, operand, bias, lane);
-#else
+template <int Steps = 4, typename LoadFragments, typename Bias>
+LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const float* operand, Bias bias,
+                                   int lane) {
   const int t = lane % 4;
 #pragma unroll
   for (int j = 0; j < Steps; ++j) {
-    float a[2][4];
-    load_a(j, a);
     SplitFragment f[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
+    load_fragments(j, f);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint4 b = reinterpret_cast<const uint4*>(operand)[(j * 4 + c) * 32 + lane];
@@ -374,5 +388,16 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadA load_a, const float
       }
     }
   }
-#endif
+}
+
+// load_fragments for split_layer_32x32 from the A values (load_a(j, a): a[m] the four values of
+// k-step j in m-tile m, split_fragment's order), split with TF32 parts rounded to nearest.
+template <typename LoadA>
+LOPT_DEVICE auto split_values(LoadA load_a) {
+  return [=](int j, SplitFragment f[2]) {
+    float a[2][4];
+    load_a(j, a);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
+  };
 }

@@ -337,3 +337,21 @@ def test_layer2_exponent_keeps_the_first_layers_bound_within_half_fp16_range(cou
     bound = math.sqrt(count) * 16.8 + 0.25 + 11 * 0.5  # written from the docstring's bound
     assert layer2_exponent(network, count) == expected
     assert bound <= 2.0**15 * 2.0**expected and (expected == 0 or bound > 2.0**15 * 2.0 ** (expected - 1))
+
+
+@pytest.mark.parametrize("count, expected", [(1, 0), (1000, 0), (2**20, 3), (2**31, 8)])
+def test_layer3_exponent_keeps_the_second_layers_bound_within_half_fp16_range(count, expected):
+    """layer3_exponent: the least e with max_n Σ_k |W2[n, k]|·B1_k + |b2_n| <= 2^15·2^e, B1_k the first
+    layer's bound (sqrt(count)·Σ|W1 features| + |b1| + Σ|W1 time|)."""
+    from lopt.fused.small_fc_lopt import layer3_exponent
+
+    w1 = torch.full((32, 39), 0.5)
+    w1[3, :28] = -0.6  # unit 3's features: 16.8 where the others' are 14
+    w2 = torch.full((32, 32), -0.25)
+    w2[7, 3] = 2.0  # unit 7 of layer 2 weighs unit 3 of layer 1 most
+    network = {"network.input.weight": w1, "network.input.bias": torch.full((32,), -0.25),
+               "network.linear_0.weight": w2, "network.linear_0.bias": torch.full((32,), 3.0)}
+    b1 = [math.sqrt(count) * (16.8 if k == 3 else 14.0) + 0.25 + 11 * 0.5 for k in range(32)]
+    bound = 2.0 * b1[3] + sum(0.25 * b1[k] for k in range(32) if k != 3) + 3.0  # unit 7, from the docstring's bound
+    assert layer3_exponent(network, count) == expected
+    assert bound <= 2.0**15 * 2.0**expected and (expected == 0 or bound > 2.0**15 * 2.0 ** (expected - 1))

@@ -61,8 +61,8 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
 # exact (mode 0), layer 1 a TF32 and a BF16 product per k-step, in two versions (4 k-steps, and 3 for
 # warps whose elements share their slow entry), layer 2 two BF16 and one FP16 product per 16-deep step
 # (2); TF32 alone (mode 1); one BF16 product per two k-steps (mode 2, precision="fast"), whose output
-# layer adds 4 k-steps x 2 m-tiles of TF32.
-MMA_COUNTS = {0: (32 + 24, 32 + 24 + 32, 16), 1: (64, 0, 0), 2: (8, 32, 0)}
+# layer adds 2 16-deep steps x 2 m-tiles of FP16.
+MMA_COUNTS = {0: (32 + 24, 32 + 24 + 32, 16), 1: (64, 0, 0), 2: (0, 32, 4)}
 
 
 @pytest.mark.parametrize("mode", sorted(MMA_COUNTS))

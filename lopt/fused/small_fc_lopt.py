@@ -42,22 +42,40 @@ NETWORK_TENSORS = ("network.input.weight", "network.input.bias", "network.linear
                    "network.output.weight", "network.output.bias")
 
 
-def layer2_exponent(network: dict, max_count: int) -> int:
-    """The e by which the exact mode scales layer 1 down (2^-e) and layer 2 up (2^e), powers of two so
-    that nothing rounds differently: layer 2 takes its inputs' high parts in FP16 (``cuda_src/split_mma.cuh``),
-    which must stay below 65504. A normalised feature is at most sqrt(count) in magnitude (its
-    square is at most the sum of squares, count times their mean; the time features at most 1), so
-    |h1_n| <= sqrt(count) · Σ_k |W1[n, k]| (k over the 28 features) + |b1_n| + Σ_j |W1[n, 28 + j]|; e is
-    the least that keeps this below 2^15 (half FP16's range): 0 for tensors of up to 10^8 elements
-    with weights of torch.nn.Linear's initial scale (Σ_k |W1[n, k]| ~ 4), 3 at 2^31.
-    ``max_count``: the largest tensor's element count.
-    """
+def first_layer_bounds(network: dict, max_count: int) -> torch.Tensor:
+    """A bound on each first-layer unit's |h1| (before the ReLU), float64: a normalised feature is at most
+    sqrt(count) in magnitude (its square is at most the sum of squares, count times their mean; the time
+    features at most 1), so |h1_n| <= sqrt(count) · Σ_k |W1[n, k]| (k over the 28 features) + |b1_n| +
+    Σ_j |W1[n, 28 + j]|. ``max_count``: the largest tensor's element count."""
     w1 = network["network.input.weight"].detach().double().cpu().abs()
     b1 = network["network.input.bias"].detach().double().cpu().abs()
     features = w1[:, :NUM_FEATURES].sum(dim=1)
     constant = b1 + w1[:, NUM_FEATURES:].sum(dim=1)
-    bound = float((math.sqrt(max(int(max_count), 1)) * features + constant).max())
+    return math.sqrt(max(int(max_count), 1)) * features + constant
+
+
+def fp16_exponent(bound: float) -> int:
+    """The least e >= 0 with ``bound`` <= 2^15 · 2^e (half FP16's range, the rest a margin for rounding)."""
     return max(0, math.ceil(math.log2(bound / 2.0**15))) if bound > 0 else 0
+
+
+def layer2_exponent(network: dict, max_count: int) -> int:
+    """The e by which the exact mode scales layer 1 down (2^-e) and layer 2 up (2^e), powers of two so
+    that nothing rounds differently: layer 2 takes its inputs' high parts in FP16 (``cuda_src/split_mma.cuh``),
+    which must stay below 65504. e keeps ``first_layer_bounds`` below 2^15: 0 for tensors of up to 10^8
+    elements with weights of torch.nn.Linear's initial scale (Σ_k |W1[n, k]| ~ 4), 3 at 2^31.
+    """
+    return fp16_exponent(float(first_layer_bounds(network, max_count).max()))
+
+
+def layer3_exponent(network: dict, max_count: int) -> int:
+    """The e by which precision "fast" scales layer 2 down (2^-e) and layer 3 up (2^e): layer 3 takes its
+    inputs in FP16 (``output_layer_mma`` in ``cuda_src/small_fc_lopt.cu``). e keeps the bound
+    |h2_n| <= Σ_k |W2[n, k]| · first_layer_bounds_k + |b2_n| below 2^15: 1 for GPT-2 medium's largest
+    tensor (51 M elements) with weights of torch.nn.Linear's initial scale."""
+    w2 = network["network.linear_0.weight"].detach().double().cpu().abs()
+    b2 = network["network.linear_0.bias"].detach().double().cpu().abs()
+    return fp16_exponent(float((w2 @ first_layer_bounds(network, max_count) + b2).max()))
 
 
 def pack_network(network: dict) -> torch.Tensor:
@@ -90,7 +108,8 @@ class SmallFCLOptFused(FusedEngine):
         plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS, torch.float32)
         plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
         max_count = int(layout.static_rows[:, FIELD["TensorMeta"]["count"]].max()) if layout.num_tensors else 1
-        plan.layer2_exponent = layer2_exponent(self.mlp, max_count) if self.optimizer.precision == "exact" else 0
+        exponent = layer2_exponent if self.optimizer.precision == "exact" else layer3_exponent
+        plan.fp16_exponent = exponent(self.mlp, max_count)
 
     def _statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
@@ -110,7 +129,7 @@ class SmallFCLOptFused(FusedEngine):
                         (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                          ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
                          ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
-                         ptr(plan.tensor_sums), np.int32(plan.layer2_exponent)))
+                         ptr(plan.tensor_sums), np.int32(plan.fp16_exponent)))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
 
