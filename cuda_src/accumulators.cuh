@@ -97,29 +97,6 @@ LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementSt
   }
 }
 
-// Three floats per element (momentum, V) of elements e and e + 1, as three 8-byte stores.
-template <bool Streamed>
-LOPT_DEVICE void store_three_pair(float* base, i64 e, const float (&first)[3], const float (&second)[3]) {
-  float2* p = reinterpret_cast<float2*>(base + e * 3);
-  element_store<Streamed>(p, make_float2(first[0], first[1]));
-  element_store<Streamed>(p + 1, make_float2(first[2], second[0]));
-  element_store<Streamed>(p + 2, make_float2(second[1], second[2]));
-}
-
-// The accumulators of elements e and e + 1 (both in the tensor); `vector`: pairs_aligned, e even.
-template <bool Streamed>
-LOPT_DEVICE void store_element_state_pair(const TensorMeta& t, i64 e, const ElementState& s0, const ElementState& s1,
-                                          bool vector) {
-  if (!vector) {
-    store_element_state<Streamed>(t, e, s0);
-    store_element_state<Streamed>(t, e + 1, s1);
-    return;
-  }
-  store_three_pair<Streamed>(pointer<float>(t.mom), e, s0.mom, s1.mom);
-  element_store<Streamed>(reinterpret_cast<float2*>(pointer<float>(t.rms) + e), make_float2(s0.rms, s1.rms));
-  if (!t.factored) store_three_pair<Streamed>(pointer<float>(t.fac_full), e, s0.full, s1.full);
-}
-
 // A thread's pair of adjacent elements e, e + 1 (e even), as the statistics passes take them: where
 // the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in one load per
 // array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte loads), and
@@ -433,22 +410,11 @@ LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
 
 // reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
 // in the parameter's dtype.
-LOPT_DEVICE float updated_parameter(float param, float update, const ApplyScalars& a) {
-  float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
-  if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
-  return new_param;
-}
 template <bool Streamed = false>
 LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
-  store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), updated_parameter(param, update, a));
-}
-// The same for elements e and e + 1 (both in the tensor); `vector`: pairs_aligned, e even.
-template <bool Streamed = false>
-LOPT_DEVICE void apply_update_pair(const TensorMeta& t, i64 e, float2 param, float2 update, const ApplyScalars& a,
-                                   bool vector) {
-  store_pair_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype),
-                                  make_float2(updated_parameter(param.x, update.x, a), updated_parameter(param.y, update.y, a)),
-                                  vector);
+  float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
+  if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
+  store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
 }
 
 // ------------------------------------------------------------------------------------------

@@ -68,28 +68,6 @@ LOPT_DEVICE void store_from_float(void* base, i64 index, int dtype, float value)
   element_store<Streamed>(static_cast<unsigned short*>(base) + index, bits);
 }
 
-// Values index and index + 1 from float, as store_from_float rounds them. `vector`: base + index is
-// aligned to two values, so one store (8 bytes, or 4 for 16-bit values) writes both.
-template <bool Streamed = false>
-LOPT_DEVICE void store_pair_from_float(void* base, i64 index, int dtype, float2 value, bool vector) {
-  if (!vector) {
-    store_from_float<Streamed>(base, index, dtype, value.x);
-    store_from_float<Streamed>(base, index + 1, dtype, value.y);
-    return;
-  }
-  if (dtype == LOPT_F32) {
-    element_store<Streamed>(reinterpret_cast<float2*>(static_cast<float*>(base) + index), value);
-    return;
-  }
-  unsigned int bits;  // (value.x in the low half: the lower address)
-  if (dtype == LOPT_BF16) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(value.y), "f"(value.x));
-  } else {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(value.y), "f"(value.x));
-  }
-  element_store<Streamed>(reinterpret_cast<unsigned int*>(static_cast<unsigned short*>(base) + index), bits);
-}
-
 template <typename T>
 LOPT_DEVICE T* pointer(i64 address) { return reinterpret_cast<T*>(address); }
 
@@ -257,25 +235,18 @@ LOPT_DEVICE FactorIndex factor_index(const TensorMeta& t, i64 e) {
   return factor_index_from(t, without_a, without_b);
 }
 
-// split_factored_index of elements e and e + 1. In a plain matrix (the common case) e + 1 is the next
-// column of e's row, or the first of the next row: one division for the two.
-LOPT_DEVICE void split_factored_index_pair(const TensorMeta& t, i64 e, i64 (&without_a)[2], i64 (&without_b)[2]) {
-  split_factored_index(t, e, without_a[0], without_b[0]);
-  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // without_a: e's column, without_b: its row
-    const bool next_row = without_a[0] + 1 == t.b;
-    without_a[1] = next_row ? 0 : without_a[0] + 1;
-    without_b[1] = next_row ? without_b[0] + 1 : without_b[0];
-  } else {
-    split_factored_index(t, e + 1, without_a[1], without_b[1]);
-  }
-}
-
-// The factor indices of elements e and e + 1.
+// The indices of elements e and e + 1. In a plain matrix (the common case) e + 1 is the next column
+// of e's row, or the first of the next row: one division for the two.
 LOPT_DEVICE void factor_index_pair(const TensorMeta& t, i64 e, FactorIndex (&f)[2]) {
-  i64 without_a[2], without_b[2];
-  split_factored_index_pair(t, e, without_a, without_b);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) f[h] = factor_index_from(t, without_a[h], without_b[h]);
+  i64 without_a, without_b;
+  split_factored_index(t, e, without_a, without_b);
+  f[0] = factor_index_from(t, without_a, without_b);
+  if (t.outer == 1 && t.mid == 1 && t.inner == 1) {  // without_a: e's column, without_b: its row
+    const bool next_row = without_a + 1 == t.b;
+    f[1] = factor_index_from(t, next_row ? 0 : without_a + 1, next_row ? without_b + 1 : without_b);
+  } else {
+    f[1] = factor_index(t, e + 1);
+  }
 }
 
 // ------------------------------------------------------------------------------------------

@@ -56,13 +56,7 @@ constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a cons
 
 #define SFC_APPLY_WARPS 4
 #define SFC_APPLY_THREADS (32 * SFC_APPLY_WARPS)
-#ifndef SFC_APPLY_ELEMENTS
-// Elements per thread of an apply chunk: 1, or 2 (adjacent, loaded and stored as pairs where the
-// arrays allow: load_element_pair), which precision "fast" takes (below). The host sets it, since it
-// sizes the chunks (lopt.fused.small_fc_lopt).
-#define SFC_APPLY_ELEMENTS 1
-#endif
-#define SFC_APPLY_CHUNK (SFC_APPLY_THREADS * SFC_APPLY_ELEMENTS)
+#define SFC_APPLY_CHUNK SFC_APPLY_THREADS  // one element per thread per chunk
 
 __constant__ float SFC_TIMESCALES[SFC_NUM_TIME_FEATURES] = {1.f, 3.f, 10.f, 30.f, 100.f, 300.f, 1000.f,
                                                           3000.f, 10000.f, 30000.f, 100000.f};
@@ -519,8 +513,9 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
 #define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
-// An element's row of a feature tile: its 32 first-layer inputs, as BF16 in the MMA's column order.
-LOPT_DEVICE void write_feature_row(const float x[SFC_NUM_FEATURES], float* tile, int row) {
+// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
+                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -530,14 +525,9 @@ LOPT_DEVICE void write_feature_row(const float x[SFC_NUM_FEATURES], float* tile,
       const int k = 8 * j + t;
       words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
     }
-    rows[SFC_TILE_ROW_CHUNKS * row + j] = make_uint4(words[0], words[1], words[2], words[3]);
+    rows[SFC_TILE_ROW_CHUNKS * lane + j] = make_uint4(words[0], words[1], words[2], words[3]);
   }
-}
-
-// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the 32 rows of a tile.
-LOPT_DEVICE void first_layer(float h1[2][4][4], const float* tile, const float* l1, bool, const float4*,
-                             int lane) {  // (always all 32 inputs: 16 per product)
-  const uint4* rows = reinterpret_cast<const uint4*>(tile);
+  __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
   const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_half = lane / 16;
@@ -566,22 +556,19 @@ LOPT_DEVICE constexpr int feature_column(int k) { return k; }
 LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
 #endif
 
-// An element's row of a feature tile: its 32 first-layer inputs, float32, in feature_column's order.
-LOPT_DEVICE void write_feature_row(const float x[SFC_NUM_FEATURES], float* tile, int row) {
-  float values[SFC_K];
+// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
+// use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
+// (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
+                             bool use_quads, const float4* slow_quads, int lane) {
+  float row[SFC_K];
 #pragma unroll
-  for (int k = 0; k < SFC_K; ++k) values[feature_column(k)] = first_layer_input(x, k);
+  for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
-    reinterpret_cast<float4*>(tile + row * SFC_FEATURE_STRIDE)[q] =
-        make_float4(values[4 * q], values[4 * q + 1], values[4 * q + 2], values[4 * q + 3]);
-}
-
-// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the 32 rows of a tile.
-// use_quads: the 32 elements share their slow entry, and slow_quads hold its share of the layer
-// (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
-LOPT_DEVICE void first_layer(float h1[2][4][4], const float* tile, const float* l1, bool use_quads,
-                             const float4* slow_quads, int lane) {
+    reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
+        make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+  __syncwarp();
 #if SFC_LAYER1_TRUNCATED
   // The A fragment of k-step j in m-tile m, {(g, 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)},
   // is four 8 x 4 blocks of 32-bit values (rows 16m ... +7 and +8 ... +15, columns 8j ... +3 and +4 ... +7):
@@ -614,19 +601,19 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float* tile, const float* 
 }
 #endif
 
-// The MLP for 32 rows of a feature tile (written by write_feature_row, then __syncwarp); every lane of
-// the warp calls it together, and gets row `lane`'s (direction, magnitude).
-// tile: 32 x SFC_TILE_ROW_FLOATS floats; outputs: the 32 rows' (direction, magnitude) in mode 2 (where
-// they pass through shared memory); l2: layer 2's B operand in shared memory, or (mode 2) a
-// RegisterOperand; b2: its bias as quads (BiasQuads; with the first layer's bias on its inputs, no
-// register copies: 887 -> 849 instructions per chunk); use_quads, slow_quads: first_layer's.
+// The MLP for the thread's element (features x); every lane of the warp calls it together.
+// tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
+// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
+// use_quads, slow_quads: first_layer's.
 template <typename Layer2Operand>
-LOPT_DEVICE float2 mlp_rows(const float* tile, float2* outputs, const float* l1, bool use_quads,
-                            const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
-                            const uint2* w3_operand, const float* b3) {
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
+                             const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
+  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-  first_layer(h1, tile, l1, use_quads, slow_quads, lane);
+  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -680,23 +667,29 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
   return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
 }
 
-// The apply pass's element features: element_features's, from the element's loaded values (grad
-// clipped, the accumulators before this step's update) and its indices without axis a and without
-// axis b, with a factored tensor's two entries read by role (slow: indexed by the position without
-// axis b; fast: without axis a) and handed to per_element_features in the places of (R, C), so that
-// x[13 ...] hold the slow entry's values whatever the tensor (first_layer_input's order); the factors
-// keep their R and C roles, so the factored features' products stay in the reference's order.
-// slow_entries / fast_entries: the tensor's first entry of each (TensorEntries); indices(without_a,
-// without_b) sets the element's two indices (called for a factored tensor only: one branch on it).
-template <typename Indices>
-LOPT_DEVICE void apply_features(const TensorMeta& t, float grad, float param, ElementState& s, const Decays& decays,
-                                Indices indices, const float* slow_entries, const float* fast_entries,
-                                float x[SFC_NUM_FEATURES]) {
+// The apply pass's element features: element_features's, with a factored tensor's two entries read
+// by role (slow: indexed by the position without axis b; fast: without axis a) and handed to
+// per_element_features in the places of (R, C), so that x[13 ...] hold the slow entry's values
+// whatever the tensor (first_layer_input's order); the factors keep their R and C roles, so the
+// factored features' products stay in the reference's order. slow_entries / fast_entries: the
+// tensor's first entry of each (TensorEntries). Returns the unclipped gradient; slow_entry: the
+// element's slow index (-1 where the tensor is not factored).
+template <bool Streamed>
+LOPT_DEVICE float apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                         float clip_factor, const float* slow_entries, const float* fast_entries,
+                                         float x[SFC_NUM_FEATURES], ElementState& s, float& grad, float& param,
+                                         i64& slow_entry) {
+  const float unclipped_grad = load_gradient<Streamed>(t, e, inverse_scale);
+  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  s = load_element_state<Streamed>(t, e);
+  grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
   const bool factored = t.factored != 0;
   update_accumulators(s, grad, decays, factored);
+  slow_entry = -1;
   if (factored) {
     i64 without_a, without_b;
-    indices(without_a, without_b);
+    split_factored_index(t, e, without_a, without_b);
+    slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
     const FactorEntry slow = read_factor_entry(slow_entries, without_b);
     const FactorEntry fast = read_factor_entry(fast_entries, without_a);
@@ -710,44 +703,7 @@ LOPT_DEVICE void apply_features(const TensorMeta& t, float grad, float param, El
   } else {
     per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
   }
-}
-
-// apply_features of element e, loaded here. slow_entry: its slow index (-1 where the tensor is not factored).
-template <bool Streamed>
-LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                        float clip_factor, const float* slow_entries, const float* fast_entries,
-                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry) {
-  const float grad = __fmul_rn(load_gradient<Streamed>(t, e, inverse_scale), clip_factor);  // (exact for a factor of 1)
-  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  s = load_element_state<Streamed>(t, e);
-  slow_entry = -1;
-  apply_features(t, grad, param, s, decays, [&](i64& without_a, i64& without_b) {
-    split_factored_index(t, e, without_a, without_b);
-    slow_entry = without_b;
-  }, slow_entries, fast_entries, x);
-}
-
-// apply_features of elements e and e + 1 (e even), loaded together (load_element_pair: one load per
-// array where `aligned`), handed to visit(h, x, state, param) for h = 0, 1 in turn. Where e + 1 is past
-// the tensor's end, h = 1 gets element e's again (the caller writes nothing for it).
-template <bool Streamed, typename Visit>
-LOPT_DEVICE void apply_pair_features(const TensorMeta& t, i64 e, bool aligned, const Decays& decays,
-                                     float inverse_scale, float clip_factor, const float* slow_entries,
-                                     const float* fast_entries, Visit visit) {
-  ElementPair pair = load_element_pair<Streamed>(t, e, inverse_scale, aligned);
-  i64 without_a[2] = {0, 0}, without_b[2] = {0, 0};
-  if (t.factored) split_factored_index_pair(t, e, without_a, without_b);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int k = pair.second ? h : 0;
-    float x[SFC_NUM_FEATURES];
-    ElementState s = pair.state[k];
-    apply_features(t, __fmul_rn(pair.grad[k], clip_factor), pair.param[k], s, decays, [&](i64& a, i64& b) {
-      a = without_a[k];
-      b = without_b[k];
-    }, slow_entries, fast_entries, x);
-    visit(h, x, s, pair.param[k]);
-  }
+  return unclipped_grad;
 }
 
 // Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
@@ -801,8 +757,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
-static_assert(SFC_APPLY_ELEMENTS == 1 || (SFC_APPLY_ELEMENTS == 2 && SFC_OUTPUT_MMA && !SFC_SLOW_VECTORS),
-              "pairs of elements per thread take the MLP's outputs through shared memory, without slow-entry vectors");
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
@@ -824,7 +778,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #else
   uint2* const w3_operand = nullptr;
 #endif
-  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32 * SFC_APPLY_ELEMENTS][SFC_TILE_ROW_FLOATS];
+  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
 #if SFC_SLOW_VECTORS
   __shared__ float slow_weights[SFC_SLOW_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the slow inputs
   __shared__ float4 slow_quads[SFC_APPLY_WARPS][16];             // each warp's current slow vector
@@ -832,7 +786,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
   __shared__ TensorEntries entries;
-  __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32 * SFC_APPLY_ELEMENTS];
+  __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
@@ -881,27 +835,23 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float* const tile = &feature_tiles[warp][0][0];
-    float2* const outputs = mlp_outputs[warp];
-#if SFC_APPLY_ELEMENTS == 1
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     // A lane past the tensor's end computes the features of its last element (every lane takes part in
     // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
-    float x[SFC_NUM_FEATURES], param;
+    float x[SFC_NUM_FEATURES], grad, param;
     ElementState state;
     i64 slow_entry;
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
-                                               clip_factor, entries.slow, entries.fast, x, state, param, slow_entry);
+                                               clip_factor, entries.slow, entries.fast, x, state, grad, param,
+                                               slow_entry);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
-    __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
-    write_feature_row(x, tile, lane);
+    const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
     // warp's elements share slow_entry.)
     if (slow_vectors && slow_entry != quads_entry) {
-      write_slow_quads(slow_quads[warp], slow_weights, x, lane);
+      write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
       quads_entry = slow_entry;
     }
     const float4* const warp_quads = slow_quads[warp];
@@ -910,39 +860,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const float4* const warp_quads = nullptr;
     const bool use_quads = false;
 #endif
-    __syncwarp();
-    const float2 mlp_output = mlp_rows(tile, outputs, l1, use_quads, warp_quads, l2_operand, BiasQuads{b2}, w3,
-                                       w3_operand, b3);
+    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
+                                        l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
-#else
-    // The thread's pair, elements first and first + 1 of the tensor, are rows lane and 32 + lane of the
-    // warp's tile (conflict-free row writes), so that each of the two 32-row MLPs hands every lane one
-    // of its outputs. A pair past the tensor's end computes its last pair's features and writes nothing.
-    const i64 first = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 2 * threadIdx.x;
-    const bool valid = first < meta.numel, second = first + 1 < meta.numel;
-    const bool vector = pairs_aligned(meta);
-    float params[2];
-    ElementState states[2];
-    apply_pair_features<SFC_APPLY_STREAMED>(
-        meta, valid ? first : (meta.numel - 1) & ~1LL, vector, group.decays, inverse_scale, clip_factor, entries.slow,
-        entries.fast, [&](int h, const float x[SFC_NUM_FEATURES], const ElementState& s, float p) {
-          if (h == 0) __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
-          write_feature_row(x, tile, 32 * h + lane);
-          states[h] = s;
-          params[h] = p;
-        });
-    if (valid && second) store_element_state_pair<SFC_APPLY_STREAMED>(meta, first, states[0], states[1], vector);
-    else if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, first, states[0]);
-    __syncwarp();
-    float2 updates;
-    updates.x = update_from_mlp(mlp_rows(tile, outputs, l1, false, nullptr, l2_operand, BiasQuads{b2}, w3, w3_operand, b3),
-                                group);
-    updates.y = update_from_mlp(mlp_rows(tile + 32 * SFC_TILE_ROW_FLOATS, outputs + 32, l1, false, nullptr, l2_operand,
-                                         BiasQuads{b2}, w3, w3_operand, b3), group);
-    if (valid && second)
-      apply_update_pair<SFC_APPLY_STREAMED>(meta, first, make_float2(params[0], params[1]), updates, group, vector);
-    else if (valid)
-      apply_update<SFC_APPLY_STREAMED>(meta, first, params[0], updates.x, group);
-#endif
   }
 }

@@ -202,41 +202,6 @@ def test_fast_precision_stays_within_its_bounds(weights):
     assert worst_step > STEP_TOLERANCE  # the BF16 kernels ran, not the exact ones
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["contiguous", "odd offsets"])
-def test_fast_pairs_step_as_single_elements(dtype, layout, weights):
-    """precision='fast' takes two adjacent elements per thread (SFC_APPLY_ELEMENTS=2: pair loads and
-    stores where a tensor is aligned, element by element where not, a last pair of one element in tensors
-    of odd size); each element's arithmetic is the one-element build's, so both builds step
-    bit-identically: parameters of every dtype, and the state."""
-    from lopt.fused.small_fc_lopt import SmallFCLOptFused
-
-    lr = 0.7 if dtype == torch.float32 else 50.0
-    runs = []
-    for defines in ((), ("SFC_APPLY_ELEMENTS=1",)):
-        params = make_params(ALL_SHAPES, dtype, seed=2)
-        if layout == "odd offsets":
-            params = [torch.nn.Parameter(v) for v in odd_offset_views(params)]
-        opt = make_optimizer("small_fc_lopt", params, "fused", weights["small_fc_lopt"], lr=lr,
-                             weight_decay=0.007 / lr, precision="fast")
-        if defines:
-            opt._fused_engine = SmallFCLOptFused(opt, defines=defines)
-        assert opt._fused_engine.APPLY_CHUNK == (128 if defines else 256)
-        for index in range(4):
-            grads = random_grads(params, seed=20 + index)
-            for p, g in zip(params, odd_offset_views(grads) if layout == "odd offsets" else grads):
-                p.grad = g.clone()
-            step(opt)
-        runs.append((params, opt))
-    (pairs, pairs_opt), (singles, singles_opt) = runs
-    for a, b, shape in zip(pairs, singles, ALL_SHAPES):
-        assert torch.equal(a, b), shape
-    for a, b in zip(pairs, singles):
-        for key, value in pairs_opt.state[a].items():
-            if torch.is_tensor(value):
-                assert torch.equal(value, singles_opt.state[b][key]), key
-
-
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as

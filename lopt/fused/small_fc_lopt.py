@@ -88,27 +88,15 @@ class SmallFCLOptFused(FusedEngine):
 
     SOURCE = "small_fc_lopt.cu"
     KERNELS = ("small_fc_lopt_feature_stats", "small_fc_lopt_fold", "small_fc_lopt_apply")
-    APPLY_THREADS = 128  # a 4-warp block
+    APPLY_CHUNK = 128  # one element per thread of a 4-warp block
+    APPLY_THREADS = 128
 
     # The kernels' arithmetic per the optimizer's precision: split_mma.cuh's LOPT_SPLIT_MODE (0: split
     # products, float32-accurate; 2: one BF16 product per two k-steps).
     PRECISION_DEFINES = {"exact": (), "fast": ("LOPT_SPLIT_MODE=2",)}
-    # Elements per thread of an apply chunk (SFC_APPLY_ELEMENTS; a build may name its own): the fast
-    # mode takes adjacent pairs.
-    APPLY_ELEMENTS = {"exact": 1, "fast": 2}
-
-    @classmethod
-    def build(cls, precision: str, defines: tuple = ()) -> tuple[tuple, int]:
-        """The kernels' macros for ``precision`` (with ``defines``, a benchmark's, on top) and the apply
-        chunk they imply."""
-        named = dict(d.split("=", 1) for d in defines if "=" in d)
-        elements = int(named.get("SFC_APPLY_ELEMENTS", cls.APPLY_ELEMENTS[precision]))
-        implied = () if "SFC_APPLY_ELEMENTS" in named else (f"SFC_APPLY_ELEMENTS={elements}",)
-        return (*cls.PRECISION_DEFINES[precision], *implied, *defines), cls.APPLY_THREADS * elements
 
     def __init__(self, optimizer, defines: tuple = ()):
-        defines, self.APPLY_CHUNK = self.build(optimizer.precision, defines)  # (the plan's chunks are the kernel's)
-        super().__init__(optimizer, defines)
+        super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
