@@ -57,7 +57,8 @@ class SmallFCLOpt(LearnedOptimizer):
         precision: the arithmetic of the fused backend's MLP, in the spirit of torch's TF32 switches.
             ``"exact"`` (default): float32-accurate products (per-step updates within 1e-5 of the
             naive backend). ``"fast"``: the two 32-wide hidden layers multiply BF16-rounded operands
-            (float32 accumulation; one tensor-core product instead of three or four): a faster step whose
+            and the output layer FP16 ones (float32 accumulation; one tensor-core product instead of
+            three or four, none on the CUDA cores): a faster step whose
             updates differ from the naive backend's by about 1e-3 per step (bounds, loss curves
             and times: docs/small_fc_lopt.md §3.10). The naive backend always computes in
             float32, whatever this says.
