@@ -42,33 +42,19 @@
 // that instruction's four (it also guards the overflow to infinity, which no input here comes near).
 LOPT_DEVICE unsigned to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u; }
 
-// Two floats rounded to BF16 and packed: `first` in the low half (the lower k index of a fragment).
-LOPT_DEVICE unsigned pack_bf16x2(float first, float second) {
-  unsigned packed;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
-  return packed;
-}
-
-// The same of max(first, 0) and max(second, 0): the ReLU inside the conversion.
-LOPT_DEVICE unsigned pack_bf16x2_relu(float first, float second) {
-  unsigned packed;
-  asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
-  return packed;
-}
-
-// Two floats rounded to FP16 (to nearest, saturating at +-65504) and packed, `first` in the low half.
-LOPT_DEVICE unsigned pack_f16x2_satfinite(float first, float second) {
-  unsigned packed;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
-  return packed;
-}
-
-// The same of max(first, 0) and max(second, 0).
-LOPT_DEVICE unsigned pack_f16x2_relu_satfinite(float first, float second) {
-  unsigned packed;
-  asm("cvt.rn.satfinite.relu.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));
-  return packed;
-}
+// Two floats converted by `conversion` (a cvt to .bf16x2 or .f16x2 from .f32) and packed: `first` in the
+// low half (the lower k index of a fragment).
+#define LOPT_PACK_X2(name, conversion)                                                  \
+  LOPT_DEVICE unsigned name(float first, float second) {                                \
+    unsigned packed;                                                                    \
+    asm(conversion " %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));           \
+    return packed;                                                                      \
+  }
+LOPT_PACK_X2(pack_bf16x2, "cvt.rn.bf16x2.f32")                  // to BF16, to nearest
+LOPT_PACK_X2(pack_bf16x2_relu, "cvt.rn.relu.bf16x2.f32")        // max(x, 0) to BF16: the ReLU inside the conversion
+LOPT_PACK_X2(pack_f16x2_satfinite, "cvt.rn.satfinite.f16x2.f32")  // to FP16, to nearest, saturating at +-65504
+LOPT_PACK_X2(pack_f16x2_relu_satfinite, "cvt.rn.satfinite.relu.f16x2.f32")  // max(x, 0) the same
+LOPT_PACK_X2(pack_f16x2_relu_toward_zero, "cvt.rz.satfinite.relu.f16x2.f32")  // max(x, 0) to FP16, toward zero
 
 // x = hi + lo: hi rounded to TF32, lo the exact float32 remainder.
 struct SplitValue {
@@ -286,8 +272,7 @@ struct HalfSplitPair {
 // pair than a ReLU first and hi to nearest; |lo| < 2^-10 |x| instead of 2^-11, measured: the update
 // errors grow by ~5%, H100 apply pass 18.62 -> 18.32 ms, benchmarks/RESULTS.md).
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
-  unsigned hi;
-  asm("cvt.rz.satfinite.relu.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(second), "f"(first));
+  const unsigned hi = pack_f16x2_relu_toward_zero(first, second);
   const float2 h = unpack_f16x2(hi);
   return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y)),
                        pack_bf16x2_relu(first, second)};
