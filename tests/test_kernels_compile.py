@@ -44,6 +44,18 @@ def test_kernel_compiles(source, arch, tmp_path):
     assert (tmp_path / "out.cubin").stat().st_size > 0
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_small_fc_lopt_builds_of_each_precision_compile(precision, arch, tmp_path):
+    """small_fc_lopt.cu as the engine builds it for each precision, without warnings."""
+    from lopt.fused.small_fc_lopt import SmallFCLOptFused
+
+    defines = SmallFCLOptFused.PRECISION_DEFINES[precision]
+    result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), arch, tmp_path,
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in defines]))
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("source, struct, field", [("velo.cu", "VeloTensor", "rank_class"),
                                                    ("small_fc_lopt.cu", "TensorMeta", "row_means"),
                                                    ("velo.cu", "GroupMeta", "weight_decay")])
