@@ -94,24 +94,44 @@ struct TableInputs {
 };
 
 // An element's features from its loaded values: updates its accumulators (in `s`) and computes the
-// 28 features (FactorsOnly: of a factored tensor, all but the table features, which are left at zero).
-// `grad` becomes the gradient the math uses: the unscaled one clipped by the tensor's max_grad_norm
-// factor (1: none). `f`: the element's factor index (factored tensors).
-template <bool FactorsOnly = false>
-LOPT_DEVICE void loaded_element_features(const TensorMeta& t, const FactorIndex& f, const Decays& decays,
-                                         float clip_factor, const TableInputs& tables, float unclipped_grad,
-                                         float param, ElementState& s, float x[SFC_NUM_FEATURES], float& grad) {
+// 28 features. `grad` becomes the gradient the math uses: the unscaled one clipped by the tensor's
+// max_grad_norm factor (1: none). read_entries(row, col) gives a factored tensor's two table entries
+// (called for a factored tensor only: one branch on it).
+template <typename ReadEntries>
+LOPT_DEVICE void features_of_loaded(const TensorMeta& t, const Decays& decays, float clip_factor, float unclipped_grad,
+                                    float param, ElementState& s, float x[SFC_NUM_FEATURES], float& grad,
+                                    ReadEntries read_entries) {
   grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
   const bool factored = t.factored != 0;
   update_accumulators(s, grad, decays, factored);
   if (factored) {
     FactorEntry row, col;
-    if (FactorsOnly) load_factors(t, f, tables.row_factors, tables.col_factors, row, col);
-    else load_factor_entries(t, f, tables.row_table, tables.col_table, row, col);
+    read_entries(row, col);
     per_element_features(x, grad, param, s, true, row, col);
   } else {  // (no table entries: the features' code reads none, and nothing is zeroed to merge with them)
     per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
   }
+}
+
+// features_of_loaded with R's and C's entries at `f`, the element's factor index (FactorsOnly: their
+// compact factors alone, the table features left at zero).
+template <bool FactorsOnly = false>
+LOPT_DEVICE void loaded_element_features(const TensorMeta& t, const FactorIndex& f, const Decays& decays,
+                                         float clip_factor, const TableInputs& tables, float unclipped_grad,
+                                         float param, ElementState& s, float x[SFC_NUM_FEATURES], float& grad) {
+  features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
+    if (FactorsOnly) load_factors(t, f, tables.row_factors, tables.col_factors, row, col);
+    else load_factor_entries(t, f, tables.row_table, tables.col_table, row, col);
+  });
+}
+
+// One element's inputs: its parameter and accumulators, and (returned) its unscaled gradient.
+template <bool Streamed = false>
+LOPT_DEVICE float load_element(const TensorMeta& t, i64 e, float inverse_scale, float& param, ElementState& s) {
+  const float unclipped_grad = load_gradient<Streamed>(t, e, inverse_scale);
+  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  s = load_element_state<Streamed>(t, e);
+  return unclipped_grad;
 }
 
 // Loads one element's inputs and computes its features (loaded_element_features); returns the
@@ -120,9 +140,7 @@ template <bool FactorsOnly = false, bool Streamed = false>
 LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                    float clip_factor, const TableInputs& tables, float x[SFC_NUM_FEATURES],
                                    ElementState& s, float& grad, float& param) {
-  const float unclipped_grad = load_gradient<Streamed>(t, e, inverse_scale);
-  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  s = load_element_state<Streamed>(t, e);
+  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   const FactorIndex f = t.factored ? factor_index(t, e) : FactorIndex{0, 0};
   loaded_element_features<FactorsOnly>(t, f, decays, clip_factor, tables, unclipped_grad, param, s, x, grad);
   return unclipped_grad;
@@ -672,38 +690,30 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // per_element_features in the places of (R, C), so that x[13 ...] hold the slow entry's values
 // whatever the tensor (first_layer_input's order); the factors keep their R and C roles, so the
 // factored features' products stay in the reference's order. slow_entries / fast_entries: the
-// tensor's first entry of each (TensorEntries). Returns the unclipped gradient; slow_entry: the
-// element's slow index (-1 where the tensor is not factored).
+// tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
+// tensor is not factored).
 template <bool Streamed>
-LOPT_DEVICE float apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                         float clip_factor, const float* slow_entries, const float* fast_entries,
-                                         float x[SFC_NUM_FEATURES], ElementState& s, float& grad, float& param,
-                                         i64& slow_entry) {
-  const float unclipped_grad = load_gradient<Streamed>(t, e, inverse_scale);
-  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  s = load_element_state<Streamed>(t, e);
-  grad = __fmul_rn(unclipped_grad, clip_factor);  // (exact for a factor of 1)
-  const bool factored = t.factored != 0;
-  update_accumulators(s, grad, decays, factored);
+LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                        float clip_factor, const float* slow_entries, const float* fast_entries,
+                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry) {
+  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
-  if (factored) {
+  float grad;
+  features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
     i64 without_a, without_b;
     split_factored_index(t, e, without_a, without_b);
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
     const FactorEntry slow = read_factor_entry(slow_entries, without_b);
     const FactorEntry fast = read_factor_entry(fast_entries, without_a);
-    FactorEntry row = slow, col = fast;
+    row = slow;
+    col = fast;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       row.factor[k] = slow_is_col ? fast.factor[k] : slow.factor[k];
       col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
     }
-    per_element_features(x, grad, param, s, true, row, col);
-  } else {
-    per_element_features(x, grad, param, s, false, FactorEntry{}, FactorEntry{});
-  }
-  return unclipped_grad;
+  });
 }
 
 // Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
@@ -839,12 +849,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool valid = index < meta.numel;
     // A lane past the tensor's end computes the features of its last element (every lane takes part in
     // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
-    float x[SFC_NUM_FEATURES], grad, param;
+    float x[SFC_NUM_FEATURES], param;
     ElementState state;
     i64 slow_entry;
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
-                                               clip_factor, entries.slow, entries.fast, x, state, grad, param,
-                                               slow_entry);
+                                               clip_factor, entries.slow, entries.fast, x, state, param, slow_entry);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS
