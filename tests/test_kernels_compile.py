@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from lopt.fused import launcher
+from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
 SOURCES = sorted(p.name for p in launcher.cuda_source_dir().glob("*.cu"))
 # Ampere, Hopper and (consumer) Blackwell: NVRTC builds for the device it runs on (launcher.nvrtc_architecture).
@@ -45,11 +46,10 @@ def test_kernel_compiles(source, arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("precision", ["exact", "fast"])
+@pytest.mark.parametrize("precision", [p for p, defines in SmallFCLOptFused.PRECISION_DEFINES.items() if defines])
 def test_small_fc_lopt_builds_of_each_precision_compile(precision, arch, tmp_path):
-    """small_fc_lopt.cu as the engine builds it for each precision, without warnings."""
-    from lopt.fused.small_fc_lopt import SmallFCLOptFused
-
+    """small_fc_lopt.cu as the engine builds it for each precision that adds macros (the default build is
+    test_kernel_compiles'), without warnings."""
     defines = SmallFCLOptFused.PRECISION_DEFINES[precision]
     result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), arch, tmp_path,
                           ("-Werror", "all-warnings", *[f"-D{d}" for d in defines]))
