@@ -85,23 +85,6 @@ LOPT_DEVICE void prefetch_element(const TensorMeta& t, i64 e) {
   if (!t.factored) prefetch_l2(pointer<const float>(t.fac_full) + e * 3);
 }
 
-// Elements [first, end) of one per-element array (gradient, parameter, momentum, rms or V: `which`
-// 0 ... 4) requested into L2 by a bulk prefetch (prefetch_range_l2); `end` <= numel.
-LOPT_DEVICE void prefetch_elements(const TensorMeta& t, i64 first, i64 end, int which) {
-  const char* base;
-  int bytes;
-  switch (which) {
-    case 0: base = pointer<const char>(t.grad); bytes = dtype_bytes(static_cast<int>(t.grad_dtype)); break;
-    case 1: base = pointer<const char>(t.param); bytes = dtype_bytes(static_cast<int>(t.param_dtype)); break;
-    case 2: base = pointer<const char>(t.mom); bytes = 12; break;
-    case 3: base = pointer<const char>(t.rms); bytes = 4; break;
-    default:
-      if (t.factored) return;
-      base = pointer<const char>(t.fac_full); bytes = 12;
-  }
-  prefetch_range_l2(base + first * bytes, base + end * bytes);
-}
-
 template <bool Streamed = false>
 LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementState& s) {
   float* mom = pointer<float>(t.mom) + e * 3;

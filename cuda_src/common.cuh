@@ -79,19 +79,6 @@ LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
 // benchmarks/RESULTS.md.)
 LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
 
-// Asks L2 for the bytes [begin, end) through the TMA unit (Hopper's bulk prefetch): one instruction
-// from one thread for a whole range, no load/store-unit traffic. The range is narrowed to 16-byte
-// boundaries (the instruction's alignment), so it never reaches past the array.
-LOPT_DEVICE void prefetch_range_l2(const void* begin, const void* end) {
-#if __CUDA_ARCH__ >= 900
-  const unsigned long long first = (reinterpret_cast<unsigned long long>(begin) + 15) & ~15ull;
-  const unsigned long long last = reinterpret_cast<unsigned long long>(end) & ~15ull;
-  if (last > first)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first), "r"(static_cast<unsigned>(last - first))
-                 : "memory");
-#endif
-}
-
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
 #define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)

@@ -753,11 +753,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
-#ifndef SFC_APPLY_BULK_PREFETCH
-// Chunks ahead whose per-element arrays a block requests into L2 by bulk prefetches (one per array,
-// each from lane 0 of one warp), within the current tensor; 0: none.
-#define SFC_APPLY_BULK_PREFETCH 0
-#endif
 #ifndef SFC_L2_IN_REGISTERS
 // Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
 // from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
@@ -850,15 +845,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-#if SFC_APPLY_BULK_PREFETCH
-    if (threadIdx.x % 32 == 0 && chunk + SFC_APPLY_BULK_PREFETCH < current_end) {
-      const i64 first = (chunk + SFC_APPLY_BULK_PREFETCH - meta.first_apply_chunk) * SFC_APPLY_CHUNK;
-      const i64 end = min(first + SFC_APPLY_CHUNK, meta.numel);
-      const int warp = threadIdx.x / 32;
-      prefetch_elements(meta, first, end, warp);
-      if (warp == 0) prefetch_elements(meta, first, end, 4);
-    }
-#endif
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     // A lane past the tensor's end computes the features of its last element (every lane takes part in
