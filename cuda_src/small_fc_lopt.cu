@@ -288,13 +288,23 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 // ------------------------------------------------------------------------------------------
 #define SFC_FOLD_THREADS 256
 #define SFC_FOLD_LANES 8  // partial sums per feature
+#ifndef SFC_FOLD_MIN_BLOCKS
+#define SFC_FOLD_MIN_BLOCKS 3
+#endif
 
 // Sums of squared features far beyond float32 (features above ~1e18, from gradients near 2^64)
 // overflow the statistics pass's per-thread float sums: the fold then sums that tensor again, in
-// float64 throughout (slow, and only ever for such a tensor).
-LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays& decays, float inverse_scale,
-                                              float clip_factor, const float* row_table, const float* col_table,
-                                              double (*scratch)[SFC_NUM_FEATURES], double* sums) {
+// float64 throughout (slow, and only ever for such a tensor). Not inlined, and given the tables rather
+// than the fold's copies: its registers (and the spills the fold's block count makes of them) stay out
+// of the common path.
+__device__ __noinline__ void sum_squared_features_float64(const TensorMeta* tensors, const i64* gradients, int tensor,
+                                                          const GroupMeta* groups, float inverse_scale,
+                                                          const float* clip_factors, const float* row_table,
+                                                          const float* col_table, double (*scratch)[SFC_NUM_FEATURES],
+                                                          double* sums) {
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
+  const Decays decays = group_decays(groups, t);
+  const float clip_factor = tensor_clip_factor(clip_factors, tensor);
   double partial[SFC_NUM_FEATURES] = {};
   for (i64 e = threadIdx.x; e < t.numel; e += SFC_FOLD_THREADS) {
     float x[SFC_NUM_FEATURES], grad, param;
@@ -310,7 +320,7 @@ LOPT_DEVICE void sum_squared_features_float64(const TensorMeta& t, const Decays&
 // `phase` 0: the whole fold. Where tensors are split among processes their sums are partial: phase 1
 // writes each tensor's sums to tensor_sums, the caller sums them over the processes, and phase 2
 // folds from the totals.
-extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS)
+extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS, SFC_FOLD_MIN_BLOCKS)
 small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                    const GroupMeta* __restrict__ groups,
                    const double* __restrict__ stats_partials, const float* __restrict__ row_table,
@@ -369,8 +379,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
       atomicExch(&overflowed, 1);
     __syncthreads();
     if (overflowed && !skipped)
-      sum_squared_features_float64(t, group_decays(groups, t), inverse_grad_scale(flags),
-                                   tensor_clip_factor(clip_factors, blockIdx.x), row_table, col_table, scratch, sums);
+      sum_squared_features_float64(tensors, gradients, blockIdx.x, groups, inverse_grad_scale(flags), clip_factors,
+                                   row_table, col_table, scratch, sums);
     if (phase == 1) {
       if (tid < SFC_NUM_FEATURES) split_sums[tid] = sums[tid];
       return;

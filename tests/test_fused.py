@@ -647,6 +647,25 @@ def test_a_non_finite_gradient_skips_the_step_on_the_device(name, weights):
     assert int(opt.state_dict()["param_groups"][0]["step"]) == 2 and all(torch.isfinite(p).all() for p in params)
 
 
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_large_finite_gradients_match_naive(name, weights):
+    """Gradients up to just below 2^64 make feature sums beyond float32 (the statistics pass's per-thread
+    sums overflow): the control phase sums those tensors again in float64, and the step matches naive."""
+    fused, fused_params, naive, naive_params = twin_optimizers(name, weights, shapes=[(40, 30), (25,), (3, 8, 16)])
+    g = torch.Generator().manual_seed(4)
+    for index, magnitude in enumerate([1e19, 1e15, 1.8e19]):
+        grads = [((torch.rand(p.shape, generator=g) * 2 - 1) * magnitude).cuda() for p in fused_params]  # |g| < 2^64
+        before = [p.detach().double().clone() for p in naive_params]
+        for opt, params in ((fused, fused_params), (naive, naive_params)):
+            set_grads(params, grads)
+            step(opt, loss_of(index))
+        for f, n, b in zip(fused_params, naive_params, before):
+            assert torch.isfinite(f).all()
+            assert relative_error(f.detach().double() - b, n.detach().double() - b) < 1e-4, (index, tuple(f.shape))
+        sync_into(fused, fused_params, naive, naive_params)  # (each step from identical state)
+    assert fused.skipped_steps == 0
+
+
 def test_velo_fused_non_finite_loss_skips_without_synchronising(weights):
     params = make_params(SHAPES, seed=7)
     opt = lopt.VeLO(params, num_steps=100, weights=weights["velo"], backend="fused")
