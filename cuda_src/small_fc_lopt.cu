@@ -378,7 +378,10 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (tid < SFC_NUM_FEATURES && !is_finite(static_cast<float>(sums[tid] / static_cast<double>(t.count))))
       atomicExch(&overflowed, 1);
     __syncthreads();
-    if (overflowed && !skipped)
+#ifndef SFC_FOLD_ALWAYS_FLOAT64
+#define SFC_FOLD_ALWAYS_FLOAT64 0  // (1: every tensor takes the float64 sums, to test them at ordinary scales)
+#endif
+    if ((overflowed || SFC_FOLD_ALWAYS_FLOAT64) && !skipped)
       sum_squared_features_float64(tensors, gradients, blockIdx.x, groups, inverse_grad_scale(flags), clip_factors,
                                    row_table, col_table, scratch, sums);
     if (phase == 1) {
