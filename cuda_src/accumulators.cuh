@@ -333,6 +333,22 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta& t, const float* 
   }
 }
 
+// A tensor's R and C values in the factor tables times per-decay factors (powers of two: the fold's
+// feature shifts), once the control phase has read them; the factors and rsqrt values stay.
+LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table, float* col_table, const float* row_shift,
+                                          const float* col_shift, int tid, int threads) {
+  const i64 len_d0 = t.d0_is_a ? t.a : t.b;
+  const auto scale_entries = [&](float* table, i64 first, i64 count, const float* shift) {
+    for (i64 entry = tid; entry < count; entry += threads) {
+      float4* acc = reinterpret_cast<float4*>(table + (first + entry) * LOPT_TABLE_FLOATS);
+      const float4 v = *acc;
+      *acc = make_float4(__fmul_rn(v.x, shift[0]), __fmul_rn(v.y, shift[1]), __fmul_rn(v.z, shift[2]), v.w);
+    }
+  };
+  scale_entries(row_table, t.row_table, t.numel / len_d0, row_shift);
+  scale_entries(col_table, t.col_table, t.num_col_entries, col_shift);
+}
+
 // ------------------------------------------------------------------------------------------
 // What every control and apply kernel shares
 // ------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@
 // Per tensor: the folded first layer as a B operand: W1' = W1 scaled per feature, and b1' (time
 // features folded in) as the weights of two constant inputs (first_layer_input's order)
 #define SFC_FOLDED_SLOW SFC_OPERAND_32x32               // and W1' of the 6 slow inputs, [input][unit]
-#define SFC_FOLDED (SFC_FOLDED_SLOW + 6 * SFC_HIDDEN)
+#define SFC_FOLDED_SHIFTS (SFC_FOLDED_SLOW + 6 * SFC_HIDDEN)  // and the shifts of the shiftable features
+#define SFC_FOLDED (SFC_FOLDED_SHIFTS + 8)
 #ifndef LOPT_STATS_UNROLL
 #define LOPT_STATS_UNROLL 1  // pairs of elements (one element per iteration unrolled by 2: 4.27 vs 4.49 ms, GPT-2 medium)
 #endif
@@ -83,6 +84,17 @@ LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, flo
 #define SFC_TABLE_FEATURES_FIRST 13
 #define SFC_TABLE_FEATURES_END (SFC_TABLE_FEATURES_FIRST + LOPT_TABLE_FEATURES)
 LOPT_DEVICE constexpr bool is_table_feature(int k) { return k >= SFC_TABLE_FEATURES_FIRST && k < SFC_TABLE_FEATURES_END; }
+
+// The features that are accumulators of g² (rms, 5; R_k and C_k, or V_k twice, 13 ... 18) reach
+// float32's largest values for gradients near 2^64, and their normaliser scales fall below 2^-60. Folded
+// into W1 as they are, such a scale makes weights whose split parts lie below float32's normal range,
+// which the tensor cores drop (the update errors grew to ~4e-4 at |g| ~ 1.8e19). Like the reference
+// (normalise_by_square_sums), the fold then takes the feature as (x · 2^-64) · (s · 2^64): the weights
+// get s · 2^64, and the values 2^-64 (feature_shifts; exact powers of two), in the factor tables for
+// R and C (the fold rescales them) and in the apply pass for rms and V.
+#define SFC_SHIFTABLE_FEATURES 7
+LOPT_DEVICE constexpr int shiftable_feature(int i) { return i == 0 ? 5 : 12 + i; }
+LOPT_DEVICE constexpr bool is_shiftable_feature(int k) { return k == 5 || (k >= 13 && k < 19); }
 
 // Where an element's factor-table values come from: the whole entries (every feature), or only the
 // compact factors (the statistics pass, which leaves the table features to the fold).
@@ -323,8 +335,8 @@ __device__ __noinline__ void sum_squared_features_float64(const TensorMeta* tens
 extern "C" __global__ void __launch_bounds__(SFC_FOLD_THREADS, SFC_FOLD_MIN_BLOCKS)
 small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                    const GroupMeta* __restrict__ groups,
-                   const double* __restrict__ stats_partials, const float* __restrict__ row_table,
-                   const float* __restrict__ col_table, const float* __restrict__ network,
+                   const double* __restrict__ stats_partials, float* __restrict__ row_table,
+                   float* __restrict__ col_table, const float* __restrict__ network,
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
                    double* __restrict__ tensor_sums, int fp16_exponent) {
@@ -378,10 +390,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (tid < SFC_NUM_FEATURES && !is_finite(static_cast<float>(sums[tid] / static_cast<double>(t.count))))
       atomicExch(&overflowed, 1);
     __syncthreads();
-#ifndef SFC_FOLD_ALWAYS_FLOAT64
-#define SFC_FOLD_ALWAYS_FLOAT64 0  // (1: every tensor takes the float64 sums, to test them at ordinary scales)
-#endif
-    if ((overflowed || SFC_FOLD_ALWAYS_FLOAT64) && !skipped)
+    if (overflowed && !skipped)
       sum_squared_features_float64(tensors, gradients, blockIdx.x, groups, inverse_grad_scale(flags), clip_factors,
                                    row_table, col_table, scratch, sums);
     if (phase == 1) {
@@ -389,7 +398,14 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
       return;
     }
   }
-  if (tid < SFC_NUM_FEATURES) scale[tid] = normaliser_scale(sums[tid], t.count);
+  __shared__ float shift[SFC_NUM_FEATURES];  // the feature values' factor: 2^-64 for a shifted feature, else 1
+  if (tid < SFC_NUM_FEATURES) {
+    const float s = normaliser_scale(sums[tid], t.count);
+    const bool shifted = is_shiftable_feature(tid) && s < 0x1p-60f;  // (the reference's test)
+    // (s · 2^64 formed in float64 and rounded once, as the reference: s itself may be subnormal.)
+    scale[tid] = shifted ? static_cast<float>(0x1p64 / sqrt(1e-5 + sums[tid] / static_cast<double>(t.count))) : s;
+    shift[tid] = shifted ? 0x1p-64f : 1.f;
+  }
   __shared__ float bias[SFC_HIDDEN];  // b1', for the weights of the bias inputs
   float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
   if (tid < SFC_HIDDEN) {
@@ -398,6 +414,10 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     bias[tid] = b;
   }
   __syncthreads();
+  if (tid < SFC_SHIFTABLE_FEATURES) out[SFC_FOLDED_SHIFTS + tid] = shift[shiftable_feature(tid)];
+  if (t.factored && (shift[13] != 1.f || shift[14] != 1.f || shift[15] != 1.f || shift[16] != 1.f ||
+                     shift[17] != 1.f || shift[18] != 1.f))  // (R's and C's values are read from the tables)
+    scale_table_accumulators(t, row_table, col_table, shift + 13, shift + 16, tid, SFC_FOLD_THREADS);
   // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
   // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
   const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
@@ -704,11 +724,13 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // whatever the tensor (first_layer_input's order); the factors keep their R and C roles, so the
 // factored features' products stay in the reference's order. slow_entries / fast_entries: the
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
-// tensor is not factored).
+// tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
+// values of rms and V (the tables' R and C values come shifted).
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const float* slow_entries, const float* fast_entries,
-                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry) {
+                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
+                                        i64& slow_entry) {
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
@@ -727,6 +749,11 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
       col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
     }
   });
+  x[5] = __fmul_rn(x[5], shifts[0]);
+  if (!t.factored) {
+#pragma unroll
+    for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i) x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], shifts[i]);
+  }
 }
 
 // Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
@@ -809,6 +836,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
   __shared__ TensorEntries entries;
+  __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
@@ -841,6 +869,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
+      if (threadIdx.x < SFC_SHIFTABLE_FEATURES) feature_shifts[threadIdx.x] = f[SFC_FOLDED_SHIFTS + threadIdx.x];
 #if SFC_SLOW_VECTORS
       for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_THREADS)
         slow_weights[k] = f[SFC_FOLDED_SLOW + k];
@@ -866,7 +895,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     ElementState state;
     i64 slow_entry;
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
-                                               clip_factor, entries.slow, entries.fast, x, state, param, slow_entry);
+                                               clip_factor, entries.slow, entries.fast, feature_shifts, x, state, param,
+                                               slow_entry);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS

@@ -36,7 +36,7 @@ from lopt.reference import small_fc_lopt as reference
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 FOLD_THREADS = 256
 OPERAND_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix as a tensor-core B operand (split_mma.cuh; exact, the larger)
-FOLDED_FLOATS = OPERAND_32x32 + 6 * 32  # per tensor: the folded first layer (operand, its bias on two constant inputs) and its 6 slow inputs
+FOLDED_FLOATS = OPERAND_32x32 + 6 * 32 + 8  # per tensor: the folded first layer (operand, its bias on two constant inputs), its 6 slow inputs, the feature shifts
 SHARED_FRAGS_FLOATS = OPERAND_32x32 + 32 + 2 * 32 + 2  # layer 2 (operand) + bias, layer 3 + bias
 NETWORK_TENSORS = ("network.input.weight", "network.input.bias", "network.linear_0.weight", "network.linear_0.bias",
                    "network.output.weight", "network.output.bias")
