@@ -647,10 +647,12 @@ def test_a_non_finite_gradient_skips_the_step_on_the_device(name, weights):
     assert int(opt.state_dict()["param_groups"][0]["step"]) == 2 and all(torch.isfinite(p).all() for p in params)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_large_finite_gradients_match_naive(name, weights):
+# (VeLO clips the gradient its features see to ±1000; its bound is the one of its other tests.)
+@pytest.mark.parametrize("name, bound", [("small_fc_lopt", STEP_TOLERANCE), ("velo", 1e-4)])
+def test_large_finite_gradients_match_naive(name, bound, weights):
     """Gradients up to just below 2^64 make feature sums beyond float32 (the statistics pass's per-thread
-    sums overflow): the control phase sums those tensors again in float64, and the step matches naive."""
+    sums overflow: the control phase sums those tensors again in float64) and, in small_fc_lopt,
+    normaliser scales below 2^-60 (the fold shifts those features): the step matches naive."""
     fused, fused_params, naive, naive_params = twin_optimizers(name, weights, shapes=[(40, 30), (25,), (3, 8, 16)])
     g = torch.Generator().manual_seed(4)
     for index, magnitude in enumerate([1e19, 1e15, 1.8e19]):
@@ -661,7 +663,7 @@ def test_large_finite_gradients_match_naive(name, weights):
             step(opt, loss_of(index))
         for f, n, b in zip(fused_params, naive_params, before):
             assert torch.isfinite(f).all()
-            assert relative_error(f.detach().double() - b, n.detach().double() - b) < 1e-4, (index, tuple(f.shape))
+            assert relative_error(f.detach().double() - b, n.detach().double() - b) < bound, (index, tuple(f.shape))
         sync_into(fused, fused_params, naive, naive_params)  # (each step from identical state)
     assert fused.skipped_steps == 0
 
