@@ -291,7 +291,6 @@ LOPT_DEVICE void table_feature_square_sums(const TensorMeta& t, const float* row
                                            int tid, int threads, double sums[LOPT_TABLE_FEATURES]) {
   const i64 len_d0 = t.d0_is_a ? t.a : t.b, len_d1 = t.d0_is_a ? t.b : t.a;
   double row_sums[6] = {}, col_sums[6] = {};
-#pragma unroll 4
   for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
     const FactorEntry r = read_factor_entry(row_table, t.row_table + entry);
 #pragma unroll
@@ -324,7 +323,6 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta& t, const float* 
   const i64 len_d0 = t.d0_is_a ? t.a : t.b;
   float* row = pointer<float>(t.fac_row);
   float* col = pointer<float>(t.fac_col);
-#pragma unroll 8
   for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
     const float4 acc = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];
     row[entry * 3] = acc.x; row[entry * 3 + 1] = acc.y; row[entry * 3 + 2] = acc.z;
@@ -370,9 +368,6 @@ LOPT_DEVICE void tensor_statistics_sums(const TensorMeta& t, const double* parti
   if (tid < Count * Lanes) {
     const int stat = tid / Lanes, lane = tid % Lanes;
     double s = 0.0;
-    // (Unrolled so that 16 loads are in flight: the largest tensor's block sets the control phase's
-    // time, and GPT-2 medium's embedding has ~800 chunks per lane.)
-#pragma unroll 16
     for (i64 c = lane; c < t.num_stats_chunks; c += Lanes) s += partials[(t.first_stats_chunk + c) * Count + stat];
     lane_sums[stat][lane] = s;
   }
