@@ -301,7 +301,8 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 #define SFC_FOLD_THREADS 256
 #define SFC_FOLD_LANES 8  // partial sums per feature
 // Blocks per SM (80 registers): all of GPT-2 medium's 293 in one wave, where 165 registers allowed one
-// per SM. The time did not change (0.15 ms at 1, 2 or 3, H200): the largest tensor's block sets it.
+// per SM. (The time did not change: 0.15 ms at 1, 2 or 3 blocks per SM, H200; nor with its loops over
+// chunk partials and table entries unrolled to keep 16 loads in flight, H100.)
 #define SFC_FOLD_MIN_BLOCKS 3
 
 // Sums of squared features far beyond float32 (features above ~1e18, from gradients near 2^64)
