@@ -368,18 +368,12 @@ LOPT_DEVICE void tensor_statistics_sums(const TensorMeta& t, const double* parti
   if (tid < Count * Lanes) {
     const int stat = tid / Lanes, lane = tid % Lanes;
     double s = 0.0;
-#ifndef FOLD_SKIP_PARTIALS
     for (i64 c = lane; c < t.num_stats_chunks; c += Lanes) s += partials[(t.first_stats_chunk + c) * Count + stat];
-#endif
     lane_sums[stat][lane] = s;
   }
   if (t.factored) {
     double partial[LOPT_TABLE_FEATURES];
-#ifndef FOLD_SKIP_TABLES
     table_feature_square_sums(t, row_table, col_table, tid, Threads, partial);
-#else
-    for (int j = 0; j < LOPT_TABLE_FEATURES; ++j) partial[j] = 1.0;
-#endif
     block_sums<LOPT_TABLE_FEATURES, Threads>(partial, table_scratch, table_sums);  // (synchronises)
   }
   __syncthreads();

@@ -368,9 +368,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   }
   const TensorMeta t = tensor_row(tensors, gradients, blockIdx.x);  // (its gradient: the float64 fallback's)
   const bool skipped = step_is_skipped(flags);
-#ifndef FOLD_SKIP_COMMIT
   if (!skipped && phase != 1) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
-#endif
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
   __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
   __shared__ double table_sums[LOPT_TABLE_FEATURES];
@@ -433,9 +431,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (k == SFC_BIAS_INPUT_LO) return __fsub_rn(b, split_effective(b));
     return 0.f;
   };
-#ifndef FOLD_SKIP_OPERAND
   write_split_operand(out, folded_weight, tid, SFC_FOLD_THREADS);
-#endif
   // The slow inputs' weights once more, whole: the apply pass forms their share of layer 1 per entry.
   for (int i = tid; i < SFC_SLOW_INPUTS * SFC_HIDDEN; i += SFC_FOLD_THREADS)
     out[SFC_FOLDED_SLOW + i] = folded_weight(SFC_SLOW_INPUTS_FIRST + i / SFC_HIDDEN, i % SFC_HIDDEN);
