@@ -4,7 +4,7 @@
 //
 // Adafactor of factored tensors takes three launches for every tensor of a step, deterministic
 // (fixed-order two-level sums, no atomics), and writes no state: the new R and C live in the factor
-// tables until the step is known to be kept (commit_factored_accumulators, in the control phase).
+// tables until the step is known to be kept (commit_table_entries, in the control phase).
 //   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis)
 //   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags;
 //                            max_grad_norm's clip factors (from the same partials, plus a sum over each
@@ -203,7 +203,9 @@ LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& 
 
 // ------------------------------------------------------------------------------------------
 // Factor tables: per R entry {R_k, row_factor_k, rsqrt(R_k + 1e-8)}, per C entry {C_k, col_factor_k,
-// rsqrt(C_k + 1e-8)}, each padded to three float4s.
+// rsqrt(C_k + 1e-8)}, each padded to three float4s. The pads hold R_k (C_k) once more: the copy the
+// control phase commits to the state, which stays as written where a control phase rescales the
+// features' values (small_fc_lopt's feature shifts).
 // ------------------------------------------------------------------------------------------
 struct FactorEntry { float acc[3], factor[3], rsqrt_acc[3]; };
 
@@ -219,9 +221,11 @@ LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
 
 LOPT_DEVICE void write_factor_entry(float* table, float4* factors, i64 entry, const float acc[3], const float factor[3]) {
   float4* p = reinterpret_cast<float4*>(table + entry * LOPT_TABLE_FLOATS);
-  p[0] = make_float4(acc[0], acc[1], acc[2], 0.f);
-  p[1] = factors[entry] = make_float4(factor[0], factor[1], factor[2], 0.f);
-  p[2] = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)), rsqrtf(__fadd_rn(acc[2], 1e-8f)), 0.f);
+  p[0] = make_float4(acc[0], acc[1], acc[2], acc[0]);
+  p[1] = make_float4(factor[0], factor[1], factor[2], acc[1]);
+  factors[entry] = make_float4(factor[0], factor[1], factor[2], 0.f);
+  p[2] = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)), rsqrtf(__fadd_rn(acc[2], 1e-8f)),
+                     acc[2]);
 }
 
 // An element's R and C table entries, whole.
@@ -316,21 +320,44 @@ LOPT_DEVICE void table_feature_square_sums(const TensorMeta& t, const float* row
   }
 }
 
-// The control phase of a kept step writes the tensor's new R and C from the factor tables to its state.
-LOPT_DEVICE void commit_factored_accumulators(const TensorMeta& t, const float* row_table, const float* col_table,
-                                              int tid, int threads) {
-  if (!t.factored) return;
-  const i64 len_d0 = t.d0_is_a ? t.a : t.b;
-  float* row = pointer<float>(t.fac_row);
-  float* col = pointer<float>(t.fac_col);
-  for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
-    const float4 acc = reinterpret_cast<const float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS)[0];
-    row[entry * 3] = acc.x; row[entry * 3 + 1] = acc.y; row[entry * 3 + 2] = acc.z;
+// The control phase of a kept step writes the new R and C from the factor tables (their entries' pads) to
+// the state, spread over blocks by entry rather than by tensor (one block took a large tensor's
+// entries: ~0.08 ms of GPT-2 medium's control phase). Entries [first, end) of the R table (columns
+// false) or the C table, a thread every `threads` entries; a thread finds its first entry's tensor
+// by the tensors' first entries (ascending; a tensor without entries shares the next one's) and walks on.
+template <bool Columns>
+LOPT_DEVICE void commit_table_entries(const TensorMeta* tensors, int num_tensors, const float* table, i64 first,
+                                      i64 end, int tid, int threads) {
+  constexpr int field = Columns ? LOPT_TENSORMETA_COL_TABLE : LOPT_TENSORMETA_ROW_TABLE;
+  const auto first_entry = [&](int tensor) {
+    return tensor < num_tensors ? reinterpret_cast<const i64*>(tensors + tensor)[field] : i64{0x7fffffffffffffff};
+  };
+  i64 e = first + tid;
+  if (e >= end) return;
+  int tensor = find_row<field>(tensors, num_tensors, e);
+  i64 base = first_entry(tensor), next = first_entry(tensor + 1);
+  float* state = pointer<float>(Columns ? tensors[tensor].fac_col : tensors[tensor].fac_row);
+  for (; e < end; e += threads) {
+    while (e >= next) {
+      ++tensor;
+      base = next;
+      next = first_entry(tensor + 1);
+      state = pointer<float>(Columns ? tensors[tensor].fac_col : tensors[tensor].fac_row);
+    }
+    const float* entry = table + e * LOPT_TABLE_FLOATS;
+    float* acc = state + (e - base) * 3;
+    acc[0] = entry[3]; acc[1] = entry[7]; acc[2] = entry[11];
   }
-  for (i64 entry = tid; entry < t.num_col_entries; entry += threads) {
-    const float4 acc = reinterpret_cast<const float4*>(col_table + (t.col_table + entry) * LOPT_TABLE_FLOATS)[0];
-    col[entry * 3] = acc.x; col[entry * 3 + 1] = acc.y; col[entry * 3 + 2] = acc.z;
-  }
+}
+
+// Block `block` of `blocks` commits its share of both tables (commit_table_entries).
+LOPT_DEVICE void commit_factored_accumulators(const TensorMeta* tensors, int num_tensors, const float* row_table,
+                                              const float* col_table, i64 total_row_entries,
+                                              i64 total_col_entries, int block, int blocks, int tid, int threads) {
+  commit_table_entries<false>(tensors, num_tensors, row_table, total_row_entries * block / blocks,
+                              total_row_entries * (block + 1) / blocks, tid, threads);
+  commit_table_entries<true>(tensors, num_tensors, col_table, total_col_entries * block / blocks,
+                             total_col_entries * (block + 1) / blocks, tid, threads);
 }
 
 // A tensor's R and C values in the factor tables times per-decay factors (powers of two: the fold's
@@ -340,9 +367,9 @@ LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table,
   const i64 len_d0 = t.d0_is_a ? t.a : t.b;
   const auto scale_entries = [&](float* table, i64 first, i64 count, const float* shift) {
     for (i64 entry = tid; entry < count; entry += threads) {
-      float4* acc = reinterpret_cast<float4*>(table + (first + entry) * LOPT_TABLE_FLOATS);
-      const float4 v = *acc;
-      *acc = make_float4(__fmul_rn(v.x, shift[0]), __fmul_rn(v.y, shift[1]), __fmul_rn(v.z, shift[2]), v.w);
+      float* acc = table + (first + entry) * LOPT_TABLE_FLOATS;  // (not the pad: the commit reads it meanwhile)
+#pragma unroll
+      for (int k = 0; k < 3; ++k) acc[k] = __fmul_rn(acc[k], shift[k]);
     }
   };
   scale_entries(row_table, t.row_table, t.numel / len_d0, row_shift);

@@ -295,8 +295,9 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
-// time features (constant over the tensor) into its bias: h1 = relu(W1' x_raw + b1'). A kept step's
-// new R and C go to the state here. One extra block lays out layers 2 and 3 for the tensor cores.
+// time features (constant over the tensor) into its bias: h1 = relu(W1' x_raw + b1'). One extra block
+// lays out layers 2 and 3 for the tensor cores; the blocks after it write a kept step's new R and C
+// to the state (commit_factored_accumulators, spread over them by table entry).
 // ------------------------------------------------------------------------------------------
 #define SFC_FOLD_THREADS 256
 #define SFC_FOLD_LANES 8  // partial sums per feature
@@ -340,10 +341,17 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    float* __restrict__ col_table, const float* __restrict__ network,
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
-                   double* __restrict__ tensor_sums, int fp16_exponent) {
+                   double* __restrict__ tensor_sums, int fp16_exponent, i64 total_row_entries,
+                   i64 total_col_entries) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
+  if (blockIdx.x > num_tensors) {  // the blocks after layer 2's: a kept step's new R and C to the state
+    if (phase != 1 && !step_is_skipped(flags))
+      commit_factored_accumulators(tensors, num_tensors, row_table, col_table, total_row_entries, total_col_entries,
+                                   blockIdx.x - num_tensors - 1, gridDim.x - num_tensors - 1, tid, SFC_FOLD_THREADS);
+    return;
+  }
   if (blockIdx.x == num_tensors) {
     if (phase == 1) return;
     const float* w2 = network + SFC_W2;
@@ -368,7 +376,6 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   }
   const TensorMeta t = tensor_row(tensors, gradients, blockIdx.x);  // (its gradient: the float64 fallback's)
   const bool skipped = step_is_skipped(flags);
-  if (!skipped && phase != 1) commit_factored_accumulators(t, row_table, col_table, tid, SFC_FOLD_THREADS);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
   __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
   __shared__ double table_sums[LOPT_TABLE_FEATURES];

@@ -262,10 +262,17 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
                     const float* __restrict__ loss_decays, const void* loss_tensor, int loss_dtype, float loss_value,
                     float loss_divisor, i64 num_steps, float* __restrict__ feature_scales,
                     double* __restrict__ lstm_inputs, float* __restrict__ param_scales,
-                    unsigned long long* __restrict__ mixed_max, int phase, double* __restrict__ tensor_sums) {
+                    unsigned long long* __restrict__ mixed_max, int phase, double* __restrict__ tensor_sums,
+                    i64 total_row_entries, i64 total_col_entries) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const int r = blockIdx.x;
+  if (r >= num_tensors) {  // the blocks after the tensors': a kept step's new R and C to the state
+    if (phase != 1 && !velo_step_is_skipped(flags, step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor})))
+      commit_factored_accumulators(tensors, num_tensors, row_table, col_table, total_row_entries, total_col_entries,
+                                   r - num_tensors, gridDim.x - num_tensors, tid, VELO_CONTROL_THREADS);
+    return;
+  }
   const TensorMeta t = tensors[r];
   __shared__ double lane_sums[VELO_STATS][VELO_CONTROL_LANES];
   __shared__ double table_scratch[VELO_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
@@ -304,7 +311,6 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   const bool skipped = velo_step_is_skipped(flags, loss);
   if (r == 0)
     for (int j = tid; j < VELO_HIDDEN; j += VELO_CONTROL_THREADS) mixed_max[j] = 0ull;  // +0.0: velo_mix maxes into it
-  if (!skipped) commit_factored_accumulators(t, row_table, col_table, tid, VELO_CONTROL_THREADS);
   const double n = static_cast<double>(t.count);
   if (tid < VELO_NUM_FEATURES)  // normalise_features
     feature_scales[static_cast<i64>(r) * VELO_NUM_FEATURES + tid] = normaliser_scale(sums[tid], t.count);

@@ -657,6 +657,13 @@ class FusedEngine:
         return launcher.pointer(self.optimizer.param_groups[0]["skipped_steps"])
 
 
+def commit_blocks(layout) -> int:
+    """Blocks of a control kernel that write a kept step's new R and C to the state
+    (commit_factored_accumulators in accumulators.cuh): about 2048 table entries each, at most 128."""
+    entries = layout.total_row_entries + layout.total_col_entries
+    return min(128, -(-entries // 2048))
+
+
 def permutable(shape) -> bool:
     """Whether two axes of ``shape`` have the same size (> 1): a permutation of them keeps the shape."""
     sizes = [size for size in shape if size > 1]

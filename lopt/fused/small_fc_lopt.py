@@ -14,7 +14,7 @@ flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features); the
    non-finite test of every gradient element
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer; a kept
-   step's R and C written to the state
+   step's R and C written to the state (by extra blocks, commit_blocks)
 6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
    split products: layer 1 a TF32 product plus a BF16 correction product per 8 inputs, layer 2 an
    FP16 product plus two BF16 ones per 16; docs/small_fc_lopt.md §3.10), update_from_mlp,
@@ -30,7 +30,7 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import FIELD
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan
+from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
 from lopt.reference import small_fc_lopt as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
@@ -125,11 +125,12 @@ class SmallFCLOptFused(FusedEngine):
         feature sums (one collective)."""
         ptr, layout = launcher.pointer, plan.layout
         for phase in ((1, 2) if layout.sharded else (0,)):
-            self.launch("small_fc_lopt_fold", layout.num_tensors + 1, FOLD_THREADS,
+            self.launch("small_fc_lopt_fold", layout.num_tensors + 1 + commit_blocks(layout), FOLD_THREADS,
                         (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                          ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
                          ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
-                         ptr(plan.tensor_sums), np.int32(plan.fp16_exponent)))
+                         ptr(plan.tensor_sums), np.int32(plan.fp16_exponent), np.int64(layout.total_row_entries),
+                         np.int64(layout.total_col_entries)))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
 

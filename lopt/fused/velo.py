@@ -8,7 +8,7 @@ of tensors and groups:
 4.   ``velo_statistics``      per_element_features → sums of squares, and tensor_statistics' sums of the
      pre-update parameter and the old accumulators; the non-finite test of every gradient element
 5.   ``velo_tensor_control``  normalise_features' scales, the loss buffer and loss_features, fraction_features,
-     lstm_input_features; a kept step's R and C written to the state
+     lstm_input_features; a kept step's R and C written to the state (by extra blocks, commit_blocks)
 6.   ``velo_mix``             mix_tensor_inputs (the max over every tensor's row)
 7.   ``velo_lstm``            lstm_cell for all tensors (float64)
 8.   ``velo_heads``           controller_heads, generate_mlp_weights, the normalisation folded into the first
@@ -39,7 +39,7 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan
+from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
 from lopt.reference import velo as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
@@ -144,12 +144,13 @@ class VeLOFused(FusedEngine):
         ptr, n = launcher.pointer, plan.layout.num_tensors
         # With sharded parameters in two launches around the reduce of every tensor's sums (one collective).
         for phase in ((1, 2) if plan.layout.sharded else (0,)):
-            self.launch("velo_tensor_control", n, CONTROL_THREADS,
+            self.launch("velo_tensor_control", n + commit_blocks(plan.layout), CONTROL_THREADS,
                         (ptr(plan.tensor_table.table), ptr(plan.velo_table.table), np.int32(n),
                          ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
                          ptr(plan.col_table), *flags, *self._loss_buffer_arguments(), *loss_arguments,
                          np.int64(self.optimizer.num_steps), ptr(plan.feature_scales), ptr(plan.lstm_inputs),
-                         ptr(plan.param_scales), ptr(plan.mixed_max), np.int32(phase), ptr(plan.tensor_sums)))
+                         ptr(plan.param_scales), ptr(plan.mixed_max), np.int32(phase), ptr(plan.tensor_sums),
+                         np.int64(plan.layout.total_row_entries), np.int64(plan.layout.total_col_entries)))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
         rnn = self.rnn
