@@ -664,6 +664,9 @@ def test_large_finite_gradients_match_naive(name, bound, weights):
         for f, n, b in zip(fused_params, naive_params, before):
             assert torch.isfinite(f).all()
             assert relative_error(f.detach().double() - b, n.detach().double() - b) < bound, (index, tuple(f.shape))
+            for key, value in naive.state[n].items():  # (the committed R and C are the unshifted ones)
+                if torch.is_tensor(value) and value.dtype == torch.float32 and value.numel():
+                    assert relative_error(fused.state[f][key], value) < 1e-6, (index, tuple(f.shape), key)
         sync_into(fused, fused_params, naive, naive_params)  # (each step from identical state)
     assert fused.skipped_steps == 0
 
