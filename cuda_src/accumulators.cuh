@@ -475,22 +475,8 @@ LOPT_DEVICE float adafactor_gradient(const void* src, i64 index, int dtype, floa
 extern "C" __global__ void __launch_bounds__(LOPT_AXIS_THREADS)
 adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i64* __restrict__ gradients,
                         double* __restrict__ partials, const float* grad_scale, float gradient_clip) {
-  int j = find_row<LOPT_AXISJOB_FIRST_BLOCK>(jobs, num_jobs, blockIdx.x);
-  i64 local_block = blockIdx.x - jobs[j].first_block;
-  if (jobs[j].pair == 2) {
-    // Interleaved with the job before it (the same tensor's other axis; they share first_block): block
-    // m of the pair is the first job's block floor(m n1 / n) where that count grows at m, else the
-    // second's, so both sweep the gradient together and the second reads it from L2.
-    const i64 first_blocks = jobs[j - 1].num_blocks, pair_blocks = first_blocks + jobs[j].num_blocks;
-    const i64 before = local_block * first_blocks / pair_blocks, through = (local_block + 1) * first_blocks / pair_blocks;
-    if (through > before) {
-      j -= 1;
-      local_block = before;
-    } else {
-      local_block -= through;
-    }
-  }
-  const AxisJob job = jobs[j];
+  const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_BLOCK>(jobs, num_jobs, blockIdx.x)];
+  const i64 local_block = blockIdx.x - job.first_block;
   const void* src = pointer<const void>(gradients[job.tensor]);
   const int dtype = static_cast<int>(job.dtype);
   const float inverse_scale = grad_scale != nullptr ? __frcp_rn(*grad_scale) : 1.0f;

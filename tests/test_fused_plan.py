@@ -40,42 +40,6 @@ def test_axis_jobs_cover_each_accumulator_once():
     assert list(layout.static_rows[:, t["group"]]) == [i % 2 for i in range(len(shapes))]
 
 
-def axis_block_work(jobs, block: int) -> tuple[int, int]:
-    """(job, block within the job) of a block of adafactor_axis_partials, as the kernel maps it."""
-    col = contract.FIELD["AxisJob"]
-    j = int(np.searchsorted(jobs[:, col["first_block"]], block, side="right")) - 1  # (find_row: the last start <= block)
-    local = block - int(jobs[j, col["first_block"]])
-    if jobs[j, col["pair"]] == 2:
-        first_blocks = int(jobs[j - 1, col["num_blocks"]])
-        pair_blocks = first_blocks + int(jobs[j, col["num_blocks"]])
-        before, through = local * first_blocks // pair_blocks, (local + 1) * first_blocks // pair_blocks
-        j, local = (j - 1, before) if through > before else (j, local - through)
-    return j, local
-
-
-def test_axis_blocks_do_every_jobs_blocks_once_and_pairs_advance_together():
-    """Each factored tensor's two Adafactor jobs share a block range, interleaved so that both sweep the
-    gradient together (within one block of the proportional position); every job's blocks are done
-    once, norm jobs and jobs of split axes alone."""
-    shapes = SHAPES + [(5,), (50257, 16), (16, 3000)]
-    dims = [factored_dims(s) for s in shapes]
-    layout = GroupLayout(shapes, dims, [0] * len(shapes), apply_chunk=128, clipped=[s == (5,) for s in shapes])
-    jobs, col = layout.static_jobs, contract.FIELD["AxisJob"]
-    assert list(jobs[:layout.num_mean_jobs, col["pair"]]) == [1, 2] * (layout.num_mean_jobs // 2)
-    assert (jobs[layout.num_mean_jobs:, col["pair"]] == 0).all() and layout.num_norm_jobs == 1
-    done = {}
-    for block in range(layout.total_axis_blocks):
-        work = axis_block_work(jobs, block)
-        assert work not in done
-        done[work] = block
-    assert sorted(done) == [(j, b) for j in range(len(jobs)) for b in range(int(jobs[j, col["num_blocks"]]))]
-    for j in range(0, layout.num_mean_jobs, 2):
-        n1, n2 = (int(jobs[j + k, col["num_blocks"]]) for k in (0, 1))
-        for b in range(n1):  # the first job's block b runs where the pair is a fraction b / n1 through
-            position = done[(j, b)] - int(jobs[j, col["first_block"]])
-            assert abs(position - b * (n1 + n2) / n1) <= (n1 + n2) / n1
-
-
 def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
     shapes = [(4, 6), (5,), (), (2, 3, 4), (1000, 3)]
     dims = [factored_dims(s) for s in shapes]

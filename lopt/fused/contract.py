@@ -53,10 +53,6 @@ STRUCTS: dict = {
     "AxisJob": (
         "tensor", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
         "num_outputs", "first_output", "num_col_blocks", "divisor",
-        # A tensor's two Adafactor jobs run interleaved, block by block, so that both read each part of
-        # the gradient while it is in L2: `pair` 1 and 2 for the first and second of them (which share
-        # first_block), 0 for a job alone; num_blocks, each job's own.
-        "num_blocks", "pair",
     ),
     # max_grad_norm (small_fc_lopt), one row per clipped tensor: Σ g² of the tensor is the sum of the
     # axis pass's partials [partial_offset, partial_offset + num_partials) (less numel·1e-30, as they

@@ -153,7 +153,6 @@ class GroupLayout:
         for tensor, q, x, i, divisor, means, _ in sorted(reductions, key=lambda r: not r[-1]):
             rows[tensor][_T[means]] = self.total_axis_outputs
             factored_jobs.setdefault(tensor, []).append(self._add_axis_job(tensor, q, x, i, divisor=divisor))
-        self._pair_adafactor_jobs()
         self.split_outputs = sum(q * i for _, q, _, i, _, _, split in reductions if split)
         self.split_slab_sums = int(split_slab_sums)
         self.num_mean_jobs = len(self._jobs)
@@ -200,7 +199,7 @@ class GroupLayout:
                             ("first_block", self.total_axis_blocks), ("num_xchunks", num_xchunks), ("xchunk", xchunk),
                             ("partial_offset", self.total_axis_partials), ("num_outputs", num_outputs),
                             ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks),
-                            ("divisor", divisor or 0), ("num_blocks", num_blocks)):
+                            ("divisor", divisor or 0)):
             job[_J[name]] = value
         self._jobs.append(job)
         self.job_tensor.append(tensor)
@@ -210,16 +209,6 @@ class GroupLayout:
         if divisor is not None:
             self.total_axis_outputs += num_outputs
         return placed
-
-    def _pair_adafactor_jobs(self) -> None:
-        """A tensor's two Adafactor jobs, where adjacent, share their block range and run interleaved
-        (adafactor_axis_partials): both sweep the gradient in memory order, so the second reads each part
-        from L2 just after the first (one by one, the second read a large tensor from DRAM again)."""
-        jobs = self._jobs
-        for first, second in zip(jobs, jobs[1:]):
-            if first[_J["tensor"]] == second[_J["tensor"]] and first[_J["pair"]] == 0:
-                first[_J["pair"]], second[_J["pair"]] = 1, 2
-                second[_J["first_block"]] = first[_J["first_block"]]
 
     @property
     def num_axis_jobs(self) -> int:
