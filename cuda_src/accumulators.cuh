@@ -5,8 +5,7 @@
 // Adafactor of factored tensors takes three launches for every tensor of a step, deterministic
 // (fixed-order two-level sums, no atomics), and writes no state: the new R and C live in the factor
 // tables until the step is known to be kept (commit_table_entries, in the control phase).
-//   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis;
-//                            a matrix once: its column sums' blocks make its row sums too)
+//   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis)
 //   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags;
 //                            max_grad_norm's clip factors (from the same partials, plus a sum over each
 //                            clipped tensor that is not factored)
@@ -484,26 +483,9 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
   if (job.mode == 0) {
     const i64 col_block = local_block % job.num_col_blocks, chunk = local_block / job.num_col_blocks;
     const i64 out = col_block * LOPT_AXIS_THREADS + threadIdx.x;
-    const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
-    if (job.row_partials >= 0) {
-      // A matrix (q = 1, out its column): the column sums, and each warp's sums of its 32 columns of
-      // every row, the row job's partials (x chunks of 32 columns; lanes past the last column add 0).
-      if ((out & ~i64{31}) >= job.num_outputs) return;  // (the whole warp)
-      const bool column = out < job.num_outputs;
-      double* row_partials = partials + job.row_partials + (out / 32) * job.x;
-      double sum = 0.0;
-      for (i64 x = x0; x < x1; ++x) {
-        const double square =
-            column ? adafactor_square(adafactor_gradient(src, x * job.i + out, dtype, inverse_scale, gradient_clip)) : 0.0;
-        sum += square;
-        const double row = warp_sum(square);
-        if ((threadIdx.x & 31) == 0) row_partials[x] = row;
-      }
-      if (column) partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
-      return;
-    }
     if (out >= job.num_outputs) return;
     const i64 q = out / job.i, i = out - q * job.i;
+    const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
     double sum = 0.0;
     for (i64 x = x0; x < x1; ++x)
       sum += adafactor_square(adafactor_gradient(src, (q * job.x + x) * job.i + i, dtype, inverse_scale, gradient_clip));

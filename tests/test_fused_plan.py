@@ -40,35 +40,6 @@ def test_axis_jobs_cover_each_accumulator_once():
     assert list(layout.static_rows[:, t["group"]]) == [i % 2 for i in range(len(shapes))]
 
 
-def test_a_matrix_is_read_once_for_both_sums():
-    """A factored matrix's sums along its rows come from the blocks of its column sums (row_partials):
-    the row job has no blocks and its partials are per row and 32 columns, which give the means;
-    tensors of other ranks and a one-column matrix keep a job each."""
-    shapes = [(300, 70), (5, 1), (2, 3, 4), (64, 32)]
-    dims = [factored_dims(s) for s in shapes]
-    layout = GroupLayout(shapes, dims, [0] * len(shapes), apply_chunk=128)
-    jobs, col = layout.static_jobs, contract.FIELD["AxisJob"]
-    by_tensor = {}
-    for tensor, job in zip(layout.job_tensor, jobs):
-        by_tensor.setdefault(tensor, []).append(job)
-    for tensor in (0, 3):
-        columns, rows = by_tensor[tensor]
-        a, b = shapes[tensor]
-        assert (columns[col["q"]], columns[col["x"]], columns[col["i"]]) == (1, a, b)
-        assert columns[col["row_partials"]] == rows[col["partial_offset"]]
-        assert rows[col["num_col_blocks"]] == 0 and rows[col["xchunk"]] == 32 and rows[col["num_xchunks"]] == -(-b // 32)
-        assert rows[col["first_block"]] == columns[col["first_block"]] + columns[col["num_col_blocks"]] * columns[col["num_xchunks"]]
-    assert all(job[col["row_partials"]] == -1 for t in (1, 2) for job in by_tensor[t])
-    rng = np.random.default_rng(2)
-    squares = [rng.random(math.prod(s)) for s in shapes]
-    means = emulated_means(layout, emulated_axis_partials(layout, squares))
-    for tensor, job in zip(layout.job_tensor, jobs):
-        q, x, i = (int(job[col[name]]) for name in ("q", "x", "i"))
-        first, outputs = int(job[col["first_output"]]), int(job[col["num_outputs"]])
-        np.testing.assert_allclose(means[first:first + outputs], squares[tensor].reshape(q, x, i).mean(axis=1).reshape(-1),
-                                   rtol=1e-12)
-
-
 def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
     shapes = [(4, 6), (5,), (), (2, 3, 4), (1000, 3)]
     dims = [factored_dims(s) for s in shapes]

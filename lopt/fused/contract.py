@@ -53,10 +53,6 @@ STRUCTS: dict = {
     "AxisJob": (
         "tensor", "dtype", "q", "x", "i", "mode", "first_block", "num_xchunks", "xchunk", "partial_offset",
         "num_outputs", "first_output", "num_col_blocks", "divisor",
-        # A matrix's sums along its rows come from its column sums' blocks, which read every element
-        # anyway (each warp sums its 32 columns of a row): `row_partials` is where that job's partials
-        # start in the strided job (-1: none), and the row job has no blocks of its own.
-        "row_partials",
     ),
     # max_grad_norm (small_fc_lopt), one row per clipped tensor: Σ g² of the tensor is the sum of the
     # axis pass's partials [partial_offset, partial_offset + num_partials) (less numel·1e-30, as they

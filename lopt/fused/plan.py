@@ -150,14 +150,9 @@ class GroupLayout:
         # The reductions over a split axis first: their means, partial in each process, are then one
         # range of the axis-means workspace, [0, split_outputs), laid out alike in every process.
         factored_jobs = {}  # tensor -> its two Adafactor jobs' (partial_offset, num_partials)
-        previous = None
         for tensor, q, x, i, divisor, means, _ in sorted(reductions, key=lambda r: not r[-1]):
             rows[tensor][_T[means]] = self.total_axis_outputs
-            # A matrix (1, a, b) summed over a, then (a, b, 1) over b: the first job's blocks make both.
-            rows_of = len(self._jobs) - 1 if previous == (tensor, 1, q, x) and x > 1 and i == 1 else None
-            factored_jobs.setdefault(tensor, []).append(self._add_axis_job(tensor, q, x, i, divisor=divisor,
-                                                                           rows_of=rows_of))
-            previous = (tensor, q, x, i)
+            factored_jobs.setdefault(tensor, []).append(self._add_axis_job(tensor, q, x, i, divisor=divisor))
         self.split_outputs = sum(q * i for _, q, _, i, _, _, split in reductions if split)
         self.split_slab_sums = int(split_slab_sums)
         self.num_mean_jobs = len(self._jobs)
@@ -185,23 +180,16 @@ class GroupLayout:
         self.total_col_entries = int(col_entries)
         self.sharded = any(r is not None for r in global_rows)
 
-    def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, divisor, rows_of=None) -> tuple[int, int]:
+    def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, divisor) -> tuple[int, int]:
         """Appends the reduction of ``(q, x, i)`` over x; returns its (partial_offset, num_partials).
         ``divisor``: its q·i sums divided by it become means in the axis-means workspace (None: only
-        partials, for a norm). ``rows_of``: the strided job (1, q, x) of the same matrix, whose blocks
-        then also make this job's partials, one per row and 32 columns (x chunks of 32), and this job
-        has no blocks."""
+        partials, for a norm)."""
         job = np.zeros(len(_J), dtype=np.int64)
         contiguous = i == 1
         xchunk = CONTIGUOUS_XCHUNK if contiguous else max(STRIDED_XCHUNK, -(-x // MAX_STRIDED_XCHUNKS))
-        if rows_of is not None:
-            xchunk = 32  # (a warp's columns)
-            self._jobs[rows_of][_J["row_partials"]] = self.total_axis_partials
         num_xchunks = -(-x // xchunk)
         num_outputs = q * i
-        if rows_of is not None:
-            num_col_blocks = num_blocks = 0
-        elif contiguous:
+        if contiguous:
             num_col_blocks = 0
             num_blocks = -(-(q * num_xchunks) // (AXIS_THREADS // 32))
         else:
@@ -211,7 +199,7 @@ class GroupLayout:
                             ("first_block", self.total_axis_blocks), ("num_xchunks", num_xchunks), ("xchunk", xchunk),
                             ("partial_offset", self.total_axis_partials), ("num_outputs", num_outputs),
                             ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks),
-                            ("divisor", divisor or 0), ("row_partials", -1)):
+                            ("divisor", divisor or 0)):
             job[_J[name]] = value
         self._jobs.append(job)
         self.job_tensor.append(tensor)
