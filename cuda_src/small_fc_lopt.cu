@@ -88,7 +88,7 @@ LOPT_DEVICE constexpr bool is_table_feature(int k) { return k >= SFC_TABLE_FEATU
 // The features that are accumulators of g² (rms, 5; R_k and C_k, or V_k twice, 13 ... 18) reach
 // float32's largest values for gradients near 2^64, and their normaliser scales fall below 2^-60. Folded
 // into W1 as they are, such a scale makes weights whose split parts lie below float32's normal range,
-// which the tensor cores drop (the update errors grew to ~4e-4 at |g| ~ 1.8e19). Like the reference
+// which the tensor cores drop (the update errors grew to ~6e-4 at |g| ~ 1.8e19). Like the reference
 // (normalise_by_square_sums), the fold then takes the feature as (x · 2^-64) · (s · 2^64): the weights
 // get s · 2^64, and the values 2^-64 (feature_shifts; exact powers of two), in the factor tables for
 // R and C (the fold rescales them) and in the apply pass for rms and V.
