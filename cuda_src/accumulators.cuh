@@ -4,7 +4,7 @@
 //
 // Adafactor of factored tensors takes three launches for every tensor of a step, deterministic
 // (fixed-order two-level sums, no atomics), and writes no state: the new R and C live in the factor
-// tables until the step is known to be kept (commit_table_entries, in the control phase).
+// tables until the step is known to be kept (commit_factored_accumulators, in the control phase).
 //   adafactor_axis_partials  sums of G = g² + 1e-30 over chunks of one axis      (reads g once per axis)
 //   adafactor_finalize       sums the partials in order: the means of G; resets the step's status flags;
 //                            max_grad_norm's clip factors (from the same partials, plus a sum over each
@@ -209,6 +209,9 @@ LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& 
 // ------------------------------------------------------------------------------------------
 struct FactorEntry { float acc[3], factor[3], rsqrt_acc[3]; };
 
+// A factored tensor's R entries: one per element position without axis d0.
+LOPT_DEVICE i64 num_row_entries(const TensorMeta& t) { return t.numel / (t.d0_is_a ? t.a : t.b); }
+
 LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
   const float4* p = reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS);
   float4 x = __ldg(p), y = __ldg(p + 1), z = __ldg(p + 2);
@@ -295,7 +298,7 @@ LOPT_DEVICE void table_feature_square_sums(const TensorMeta& t, const float* row
                                            int tid, int threads, double sums[LOPT_TABLE_FEATURES]) {
   const i64 len_d0 = t.d0_is_a ? t.a : t.b, len_d1 = t.d0_is_a ? t.b : t.a;
   double row_sums[6] = {}, col_sums[6] = {};
-  for (i64 entry = tid; entry < t.numel / len_d0; entry += threads) {
+  for (i64 entry = tid; entry < num_row_entries(t); entry += threads) {
     const FactorEntry r = read_factor_entry(row_table, t.row_table + entry);
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
@@ -364,7 +367,6 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta* tensors, int num
 // feature shifts), once the control phase has read them; the factors and rsqrt values stay.
 LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table, float* col_table, const float* row_shift,
                                           const float* col_shift, int tid, int threads) {
-  const i64 len_d0 = t.d0_is_a ? t.a : t.b;
   const auto scale_entries = [&](float* table, i64 first, i64 count, const float* shift) {
     for (i64 entry = tid; entry < count; entry += threads) {
       float* acc = table + (first + entry) * LOPT_TABLE_FLOATS;  // (not the pad: the commit reads it meanwhile)
@@ -372,7 +374,7 @@ LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table,
       for (int k = 0; k < 3; ++k) acc[k] = __fmul_rn(acc[k], shift[k]);
     }
   };
-  scale_entries(row_table, t.row_table, t.numel / len_d0, row_shift);
+  scale_entries(row_table, t.row_table, num_row_entries(t), row_shift);
   scale_entries(col_table, t.col_table, t.num_col_entries, col_shift);
 }
 

@@ -92,9 +92,13 @@ LOPT_DEVICE constexpr bool is_table_feature(int k) { return k >= SFC_TABLE_FEATU
 // (normalise_by_square_sums), the fold then takes the feature as (x · 2^-64) · (s · 2^64): the weights
 // get s · 2^64, and the values 2^-64 (feature_shifts; exact powers of two), in the factor tables for
 // R and C (the fold rescales them) and in the apply pass for rms and V.
-#define SFC_SHIFTABLE_FEATURES 7
-LOPT_DEVICE constexpr int shiftable_feature(int i) { return i == 0 ? 5 : 12 + i; }
-LOPT_DEVICE constexpr bool is_shiftable_feature(int k) { return k == 5 || (k >= 13 && k < 19); }
+#define SFC_RMS_FEATURE 5
+#define SFC_ACCUMULATOR_FEATURES 6  // R_k then C_k, from SFC_TABLE_FEATURES_FIRST
+#define SFC_SHIFTABLE_FEATURES (1 + SFC_ACCUMULATOR_FEATURES)
+LOPT_DEVICE constexpr int shiftable_feature(int i) { return i == 0 ? SFC_RMS_FEATURE : SFC_TABLE_FEATURES_FIRST + i - 1; }
+LOPT_DEVICE constexpr bool is_shiftable_feature(int k) {
+  return k == SFC_RMS_FEATURE || (k >= SFC_TABLE_FEATURES_FIRST && k < SFC_TABLE_FEATURES_FIRST + SFC_ACCUMULATOR_FEATURES);
+}
 
 // Where an element's factor-table values come from: the whole entries (every feature), or only the
 // compact factors (the statistics pass, which leaves the table features to the fold).
@@ -423,9 +427,15 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   }
   __syncthreads();
   if (tid < SFC_SHIFTABLE_FEATURES) out[SFC_FOLDED_SHIFTS + tid] = shift[shiftable_feature(tid)];
-  if (t.factored && (shift[13] != 1.f || shift[14] != 1.f || shift[15] != 1.f || shift[16] != 1.f ||
-                     shift[17] != 1.f || shift[18] != 1.f))  // (R's and C's values are read from the tables)
-    scale_table_accumulators(t, row_table, col_table, shift + 13, shift + 16, tid, SFC_FOLD_THREADS);
+  const float* accumulator_shift = shift + SFC_TABLE_FEATURES_FIRST;  // R's three, then C's
+  const auto tables_shifted = [&] {  // (R's and C's values are read from the tables)
+#pragma unroll
+    for (int k = 0; k < SFC_ACCUMULATOR_FEATURES; ++k)
+      if (accumulator_shift[k] != 1.f) return true;
+    return false;
+  };
+  if (t.factored && tables_shifted())
+    scale_table_accumulators(t, row_table, col_table, accumulator_shift, accumulator_shift + 3, tid, SFC_FOLD_THREADS);
   // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
   // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
   const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
@@ -757,7 +767,7 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
       col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
     }
   });
-  x[5] = __fmul_rn(x[5], shifts[0]);
+  x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], shifts[0]);
   if (!t.factored) {
 #pragma unroll
     for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i) x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], shifts[i]);
