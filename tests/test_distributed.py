@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import lopt
+from spawned import leave_process
 
 dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -390,6 +391,7 @@ def worker(rank, port, directory):
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    leave_process()
 
 
 def free_port() -> int:

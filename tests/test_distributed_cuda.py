@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lopt
+from spawned import leave_process
 
 pytestmark = pytest.mark.cuda
 
@@ -117,6 +118,7 @@ def worker(rank, name, init_file, out_file):
     except Exception:
         result["error"] = traceback.format_exc()
     torch.save(result, f"{out_file}.{rank}")
+    leave_process()
 
 
 # Per step: SmallFCLOpt the means over split axes, the slab sums where d1 is split, max_grad_norm's

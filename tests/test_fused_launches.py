@@ -9,7 +9,6 @@ arguments are checked against the parameter list its kernel declares in cuda_src
 from __future__ import annotations
 
 import gc
-import os
 import re
 import weakref
 
@@ -20,6 +19,7 @@ import torch
 import lopt
 from lopt.fused import launcher
 from lopt.fused.engine import FusedEngine
+from spawned import leave_process
 
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
 # numpy type each C parameter type must be passed as
@@ -559,9 +559,7 @@ def sharded_worker(rank, name, init_file, out_file):
     except Exception:
         result["error"] = traceback.format_exc()
     torch.save(result, f"{out_file}.{rank}")
-    # (Leave without the interpreter's teardown: gloo's threads, torn down at exit, abort the process
-    # now and then with "terminate called without an active exception" after its result is saved.)
-    os._exit(0)
+    leave_process()
 
 
 SHARDED_STEPS = {
