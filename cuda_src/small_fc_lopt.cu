@@ -185,15 +185,17 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                            const StatsRange* __restrict__ stats_ranges, i64 first_chunk,
                             const GroupMeta* __restrict__ groups,
                             const float4* __restrict__ row_factors, const float4* __restrict__ col_factors,
                             const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                             int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x);
+  const i64 block_chunk = first_chunk + blockIdx.x;  // (a launch covers a range of the chunks: _statistics)
+  const int tensor = statistics_tensor(stats_ranges, num_tensors, block_chunk);
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
   const float clip_factor = tensor_clip_factor(clip_factors, tensor);
-  const i64 chunk = blockIdx.x - t.first_stats_chunk;
+  const i64 chunk = block_chunk - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
   const float inverse_scale = inverse_grad_scale(flags);
   float squares[SFC_NUM_FEATURES];
@@ -214,7 +216,7 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
   if (threadIdx.x < SFC_NUM_FEATURES) {
     double s = 0.0;
     for (int w = 0; w < LOPT_STATS_THREADS / 32; ++w) s += warp_sums[w][threadIdx.x];
-    stats_partials[static_cast<i64>(blockIdx.x) * SFC_NUM_FEATURES + threadIdx.x] = s;
+    stats_partials[block_chunk * SFC_NUM_FEATURES + threadIdx.x] = s;
   }
 }
 

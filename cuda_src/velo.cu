@@ -210,13 +210,13 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, VELO_STATS_MIN_BLOCKS)
 velo_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-                const GroupMeta* __restrict__ groups,
+                const StatsRange* __restrict__ stats_ranges, i64 first_chunk, const GroupMeta* __restrict__ groups,
                 const float4* __restrict__ row_factors, const float4* __restrict__ col_factors, const float* grad_scale,
                 const float* found_inf, int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const TensorMeta t =
-      tensor_row(tensors, gradients, find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, blockIdx.x));
-  const i64 chunk = blockIdx.x - t.first_stats_chunk;
+  const i64 block_chunk = first_chunk + blockIdx.x;  // (a launch covers a range of the chunks: _statistics)
+  const TensorMeta t = tensor_row(tensors, gradients, statistics_tensor(stats_ranges, num_tensors, block_chunk));
+  const i64 chunk = block_chunk - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
   const float inverse_scale = inverse_grad_scale(flags);
   float squares[VELO_NUM_FEATURES], lstm[VELO_LSTM_SUMS];
@@ -235,7 +235,7 @@ velo_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ 
   __shared__ double scratch[LOPT_STATS_THREADS / 32][VELO_STATS];
   __shared__ double sums[VELO_STATS];
   block_sums<VELO_STATS, LOPT_STATS_THREADS>(values, scratch, sums);
-  if (threadIdx.x < VELO_STATS) stats_partials[static_cast<i64>(blockIdx.x) * VELO_STATS + threadIdx.x] = sums[threadIdx.x];
+  if (threadIdx.x < VELO_STATS) stats_partials[block_chunk * VELO_STATS + threadIdx.x] = sums[threadIdx.x];
 }
 
 // ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from fused_helpers import (ALL_SHAPES, DTYPES, SHAPES, TINY_TENSOR_NUMEL, flat, 
 
 pytestmark = pytest.mark.cuda
 OPTIMIZERS = ["small_fc_lopt", "velo"]
-LAUNCHES = {"small_fc_lopt": 6, "velo": 10}
+LAUNCHES = {"small_fc_lopt": 7, "velo": 11}  # (the statistics pass in two: the fast check launches the summed tensors')
 
 # Relative update error allowed between fused and naive (float32), per step and per tensor
 # (tensor_update_error); tensors of a handful of elements (their update can cancel, see there) get
@@ -348,8 +348,9 @@ def test_poisoned_workspaces_are_overwritten(name, weights):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_constant_launches_and_no_allocation_or_sync_after_the_first_step(name, weights):
-    """Kernel launches counted by the CUDA profiler: the same for 6 and 120 tensors in two groups; with
-    fresh gradient tensors every step, a step allocates nothing and never synchronises."""
+    """Kernel launches counted by the CUDA profiler: the same for 6 and 120 tensors in two groups (a step
+    the fast check takes: the statistics pass in two launches); with fresh gradient tensors every step,
+    a step allocates nothing and never synchronises."""
     for n_tensors in (3, 60):
         params = make_params([(17, 9)] * n_tensors + [(5,)] * n_tensors, seed=1)
         opt = make_optimizer(name, [{"params": params[::2]}, {"params": params[1::2], "lr": 0.5}], "fused",

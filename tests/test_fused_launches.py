@@ -291,9 +291,12 @@ def test_a_refused_step_leaves_no_stale_gradient_address(name, recorded):
         step()
     assert engine.plan.gradients.host[0, 0] == weight.grad.data_ptr()
     weight.grad, bias.grad = taken
-    engine.checked_gradients = lambda grad_scale: None
+    engine.checked_gradients = lambda *inputs: None
     step()
     assert engine.plan.gradients.host[:, 0].tolist() == [t.data_ptr() for t in taken]
+
+
+STATISTICS_KERNELS = {"small_fc_lopt": "small_fc_lopt_feature_stats", "velo": "velo_statistics"}
 
 
 @pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
@@ -302,13 +305,14 @@ def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_
     """A synchronised step waits for the host until its first launch, so a step with new gradients
     uploads only the gradient array (what the gradients' sums read besides the plan's fixed tables)
     before launching them. The fast check uploads the summed gradients' addresses, launches the
-    whole accumulate phase (which reads no other gradient), checks the other gradients, and uploads
-    the whole array before the first kernel that reads it; no table is uploaded."""
+    whole accumulate phase and the statistics of the summed tensors' chunks (which read no other
+    gradient), checks the other gradients, and uploads the whole array before the first kernel that
+    reads it, the statistics of the other chunks; no table is uploaded."""
     record_uploads(monkeypatch, lambda table, rows: recorded.append(("upload", table, rows)))
     weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))
     opt = engine_for(name, [weight, bias])
     if not fast_check:
-        opt._fused_engine.checked_gradients = lambda grad_scale: None
+        opt._fused_engine.checked_gradients = lambda *inputs: None
     for _ in range(2):  # (the first step also builds the plan and its fixed tables)
         previous_bias_grad = bias.grad
         for p in (weight, bias):
@@ -324,14 +328,20 @@ def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_
     assert order[:first_launch] == [("upload", "gradients")], order
     assert ("upload", "tensor") not in order and ("upload", "axis") not in order, order
     gradient_uploads = [index for index, event in enumerate(order) if event == ("upload", "gradients")]
+    statistics = [(index, recorded[index]) for index, event in enumerate(order) if event == STATISTICS_KERNELS[name]]
     first_reader = min(order.index(kernel) for kernel in order if isinstance(kernel, str)
-                       and not kernel.startswith("adafactor_"))
+                       and not kernel.startswith("adafactor_") and kernel != STATISTICS_KERNELS[name])
+    # (chunks: the weight's first, then the bias's; the launch's grid and first chunk, arguments 4)
+    chunks = [(launch[1], int(launch[3][4])) for _, launch in statistics]
     if fast_check:  # (the weight is summed along its axes; the bias is checked after the accumulate phase)
         assert len(gradient_uploads) == 2
-        assert order.index("adafactor_factor_tables") < gradient_uploads[1] < first_reader
+        (early, _), (rest, _) = statistics
+        assert order.index("adafactor_factor_tables") < early < gradient_uploads[1] < rest < first_reader
+        assert chunks == [(1, 0), (1, 1)]
         assert uploads[0][:, 0].tolist() == [weight.grad.data_ptr(), previous_bias_grad.data_ptr()]
     else:
         assert len(gradient_uploads) == 1
+        assert gradient_uploads[0] < statistics[0][0] and chunks == [(2, 0)]
     assert uploads[-1][:, 0].tolist() == [weight.grad.data_ptr(), bias.grad.data_ptr()]
 
 
@@ -367,14 +377,18 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         [list(map(id, grads)) for grads in inputs.grads]
     assert checked[2].grad_pointers == [weight.grad.data_ptr(), bias.grad.data_ptr()]
     assert checked[2].grad_dtypes == [torch.float32, torch.float32]
-    def launches_and_tables():  # (tables by content)
-        plan = engine.plan
-        return [launch[:3] for launch in recorded], plan.tensor_table.host.copy(), plan.axis_table.host.copy()
+    def launches_and_tables():  # (tables by content; the statistics pass by the chunks it covers, which the
+        # fast check launches in two parts: test_the_first_launch_follows_only_the_gradient_addresses_upload)
+        plan, statistics = engine.plan, STATISTICS_KERNELS[name]
+        chunks = sorted(chunk for kernel, grid, _, args in recorded if kernel == statistics
+                        for chunk in range(int(args[4]), int(args[4]) + grid))
+        return ([launch[:3] for launch in recorded if launch[0] != statistics], chunks, plan.tensor_table.host.copy(),
+                plan.axis_table.host.copy())
 
     recorded.clear()
     assert step()
     fast = launches_and_tables()
-    engine.checked_gradients = lambda grad_scale: None  # the same step through the general check
+    engine.checked_gradients = lambda *inputs: None  # the same step through the general check
     recorded.clear()
     assert not step()
     del engine.checked_gradients
@@ -394,11 +408,11 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         spoil()
         recorded.clear()
         assert engine.checked_gradients() is None
-        # (the bias is not factored: its gradient is checked after the accumulate phase was launched on
-        # the weight's, which then does not count for the step)
+        # (the bias is not factored: its gradient is checked after the accumulate phase and the weight's
+        # statistics were launched on the weight's gradient, which then do not count for the step)
         early = [launch[0] for launch in recorded]
-        assert early == (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables"]
-                         if spoil is not refused[0][0] else [])
+        assert early == (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
+                          STATISTICS_KERNELS[name]] if spoil is not refused[0][0] else [])
         assert not engine.plan.accumulated
         with pytest.raises(error, match=message):
             step()
@@ -414,18 +428,23 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         warnings.simplefilter("ignore", UserWarning)  # (PyTorch calls its CSR support beta)
         csr = SimpleNamespace(grad=torch.randn(6, 4, generator=g).to_sparse_csr())
     assert not engine._read_gradients([(0, csr, (6, 4))], [None], [0], [None], [0])
-    taken = [  # (a change the general check takes; whether it re-plans)
-        (lambda: setattr(weight, "grad", torch.randn(4, 6, generator=g).t()), False),  # strides unlike the parameter's
-        (lambda: setattr(frozen, "grad", torch.randn(3, generator=g)), True),  # one more participating parameter
-        (lambda: setattr(bias, "grad", None), True),  # one less
-        (lambda: setattr(weight, "data", weight.data.clone()), False),  # the parameter's storage moved
-        (lambda: opt.param_groups[1].__setitem__("max_grad_norm", 1.0), True),  # clipping in a group
-        (lambda: setattr(bias.grad, "data", bias.grad.data.to(torch.bfloat16)), False),  # a new (supported) dtype
+    taken = [  # (a change the general check takes; whether it re-plans; whether the fast check launched the
+        # weight's statistics before it gave up: never where the tensor table holds the weight's old address)
+        (lambda: setattr(weight, "grad", torch.randn(4, 6, generator=g).t()), False, False),  # strides unlike p's
+        (lambda: setattr(frozen, "grad", torch.randn(3, generator=g)), True, False),  # one more participating parameter
+        (lambda: setattr(bias, "grad", None), True, True),  # one less
+        (lambda: setattr(weight, "data", weight.data.clone()), False, False),  # the parameter's storage moved
+        (lambda: opt.param_groups[1].__setitem__("max_grad_norm", 1.0), True, False),  # clipping in a group
+        # a new (supported) dtype, of the bias, clipped since the change above: a source whose dtype the table
+        # does not hold
+        (lambda: setattr(bias.grad, "data", bias.grad.data.to(torch.bfloat16)), False, False),
     ]
-    for change, replans in taken:
+    for change, replans, early_statistics in taken:
         new_gradients()
         change()
+        recorded.clear()
         assert engine.checked_gradients() is None
+        assert (STATISTICS_KERNELS[name] in [launch[0] for launch in recorded]) == early_statistics
         plan_before = engine.plan
         assert not step()
         assert (engine.plan is not plan_before) == replans

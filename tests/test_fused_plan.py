@@ -46,9 +46,21 @@ def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
     layout = GroupLayout(shapes, dims, [0] * len(shapes), stats_chunk=64, apply_chunk=128)
     t = contract.FIELD["TensorMeta"]
     rows = layout.static_rows
-    for first, count in (("first_stats_chunk", "num_stats_chunks"), ("first_apply_chunk", "num_apply_chunks"),
-                         ("first_slab", "num_slabs"), ("first_col_entry", "num_col_entries")):
+    for first, count in (("first_apply_chunk", "num_apply_chunks"), ("first_slab", "num_slabs"),
+                         ("first_col_entry", "num_col_entries")):
         assert list(rows[:, t[first]]) == list(np.concatenate([[0], np.cumsum(rows[:, t[count]])[:-1]]))
+    # The statistics pass's chunks: the axis jobs' sources first (the factored tensors; a clipped one too),
+    # then the others, each part in row order; stats_order lists the tensors by first chunk.
+    for clipped, sources in ((None, [0, 3, 4]), ([False, True, False, False, False], [0, 1, 3, 4])):
+        layout = GroupLayout(shapes, dims, [0] * len(shapes), stats_chunk=64, apply_chunk=128, clipped=clipped)
+        rows = layout.static_rows
+        order = sources + [r for r in range(len(shapes)) if r not in sources]
+        starts = np.concatenate([[0], np.cumsum(rows[order, t["num_stats_chunks"]])[:-1]])
+        assert list(layout.stats_order[:, 1]) == order
+        assert list(rows[order, t["first_stats_chunk"]]) == list(layout.stats_order[:, 0]) == list(starts)
+        assert layout.source_stats_chunks == rows[sources, t["num_stats_chunks"]].sum() < layout.total_stats_chunks
+        assert layout.total_stats_chunks == rows[:, t["num_stats_chunks"]].sum()
+        assert list(rows[:, t["num_stats_chunks"]]) == [1, 1, 1, 1, math.ceil(3000 / 64)]
     assert list(rows[:, t["num_apply_chunks"]]) == [1, 1, 1, 1, math.ceil(3000 / 128)]
     assert list(rows[:, t["factored"]]) == [1, 0, 0, 1, 1]
     pointers = np.arange(len(shapes) * len(TENSOR_POINTER_FIELDS)).reshape(len(shapes), -1) + 1000

@@ -1,7 +1,8 @@
 """Fused small_fc_lopt: launches ``cuda_src/small_fc_lopt.cu`` for every tensor of every group.
 
 Mirrors ``lopt/reference/small_fc_lopt.py``; one step is six launches, whatever the number of
-tensors and groups (with FSDP2's sharded parameters eight, and between them the reduce phase's
+tensors and groups (seven where the fast check launches step 4 in two parts: the summed tensors'
+chunks before it checks the other gradients, ``FusedEngine._statistics_early``; with FSDP2's sharded parameters eight, and between them the reduce phase's
 collectives: the means over split axes, the row-factor normalisers where d1 is split, the non-finite
 flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
 
@@ -111,14 +112,13 @@ class SmallFCLOptFused(FusedEngine):
         exponent = layer2_exponent if self.optimizer.precision == "exact" else layer3_exponent
         plan.fp16_exponent = exponent(self.mlp, max_count)
 
-    def _statistics(self, plan: Plan, flags: tuple) -> None:
+    def _launch_statistics(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int) -> None:
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks, STATS_THREADS,
+        self.launch("small_fc_lopt_feature_stats", num_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table), ptr(plan.row_factors), ptr(plan.col_factors),
-                     ptr(plan.clip_factors), *flags, ptr(plan.stats_partials)))
-        if layout.sharded:  # a bad gradient element in any process's rows skips the step in all of them
-            self.optimizer.reducer.max_(plan.status)
+                     ptr(plan.stats_ranges.table), np.int64(first_chunk), ptr(plan.group_table.table),
+                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.clip_factors), *flags,
+                     ptr(plan.stats_partials)))
 
     def _control(self, plan: Plan, flags: tuple) -> None:
         """The fold; with sharded parameters in two launches around the reduce of every tensor's

@@ -1,7 +1,8 @@
 """Fused VeLO: launches ``cuda_src/velo.cu`` for every tensor of every group.
 
 Mirrors ``lopt/reference/velo.py`` phase by phase; one step is ten launches, whatever the number
-of tensors and groups:
+of tensors and groups (eleven where the fast check launches step 4 in two parts:
+``FusedEngine._statistics_early``):
 
 1–3. ``adafactor_axis_partials``, ``adafactor_finalize``, ``adafactor_factor_tables``  accumulate
      (the gradient clipped to ±1000, as clip_gradient)
@@ -128,14 +129,12 @@ class VeLOFused(FusedEngine):
         decays = self.optimizer.loss_buffer().decays
         return (ptr(first["loss_means"]), ptr(first["loss_running_min"]), ptr(first["loss_count"]), ptr(decays))
 
-    def _statistics(self, plan: Plan, flags: tuple) -> None:
+    def _launch_statistics(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int) -> None:
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
+        self.launch("velo_statistics", num_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table), ptr(plan.row_factors), ptr(plan.col_factors), *flags,
-                     ptr(plan.stats_partials)))
-        if layout.sharded:  # a bad gradient element in any process's rows skips the step in all of them
-            self.optimizer.reducer.max_(plan.status)
+                     ptr(plan.stats_ranges.table), np.int64(first_chunk), ptr(plan.group_table.table),
+                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
 
     def _step_arguments(self, plan: Plan, loss) -> tuple:
         return (self._loss_arguments(plan, loss),)

@@ -234,7 +234,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             _validate_live_group(self, group)
         if self.backend == "fused":
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-            checked = self._fused_engine.checked_gradients(grad_scale)
+            checked = self._fused_engine.checked_gradients(grad_scale, found_inf)
             if checked is not None:
                 params, grads, gathered = checked
                 return StepInputs(params, grads, grad_scale, found_inf, gathered)
