@@ -733,25 +733,9 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
 #endif
 }
 
-#ifndef SFC_EXP2_UPDATE
-#define SFC_EXP2_UPDATE 1
-#endif
-// exp(z) for the update: 2^(z · log2 e) on the special-function unit (ex2.approx, within 2^-22 of the
-// result; z · log2 e adds |z| · 2^-24, and |z| = |exp_mult · magnitude| stays far below 1 in practice),
-// 2 instructions where expf takes 10. Below 2^-126 (z < -87.3) it flushes to zero where expf is subnormal.
-LOPT_DEVICE float update_exp(float z) {
-#if SFC_EXP2_UPDATE
-  float power;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(power) : "f"(__fmul_rn(z, 1.4426950408889634f)));
-  return power;
-#else
-  return expf(z);
-#endif
-}
-
 // update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
 LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
-  return __fmul_rn(__fmul_rn(mlp_output.x, update_exp(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
+  return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
 }
 
 // The apply pass's element features: element_features's, with a factored tensor's two entries read
