@@ -675,12 +675,11 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
-// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk), or
-// (mode 2) as a product of its own (BiasProduct, SFC_BIAS_PRODUCT);
+// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
 // use_quads, slow_quads: first_layer's.
-template <typename Layer2Operand, typename Layer2Bias>
+template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, const Layer2Bias& b2, const float* w3,
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
                              const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
@@ -814,11 +813,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
-#ifndef SFC_BIAS_PRODUCT
-// Mode 2 adds layer 2's bias as a product of its own (BiasProduct: 8 MMAs per 32 elements, 16 fewer
-// wavefronts of shared-memory reads), where the exact mode reads quads (its bias must stay float32).
-#define SFC_BIAS_PRODUCT (LOPT_SPLIT_MODE == 2 ? 2 : 0)
-#endif
 #ifndef SFC_L2_IN_REGISTERS
 // Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
 // from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
@@ -872,15 +866,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
-#if SFC_BIAS_PRODUCT == 1
-  const BiasProduct layer2_bias = bias_product(shared_frags + SFC_SHARED_B2, threadIdx.x % 32);
-#elif SFC_BIAS_PRODUCT == 2
-  __shared__ unsigned b2_words[4 * 32];
-  write_bias_product(b2_words, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
-  const SharedBiasProduct layer2_bias{b2_words};
-#else
-  const BiasQuads layer2_bias{b2};
-#endif
 #if SFC_OUTPUT_MMA
   __syncthreads();
   write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
@@ -948,7 +933,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool use_quads = false;
 #endif
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
-                                        l2_operand, layer2_bias, w3, w3_operand, b3);
+                                        l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

@@ -182,9 +182,6 @@ LOPT_DEVICE void write_bias_quads(float4* quads, const float* bias, int thread, 
 }
 LOPT_DEVICE float4 bias_fragment(BiasQuads bias, int c, int t) { return bias.quads[4 * c + t]; }
 LOPT_DEVICE float4 bias_fragment(decltype(nullptr), int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); }
-// (A bias given as quads or carried by the inputs is the first product's addend: no product of its own.)
-LOPT_DEVICE constexpr bool add_bias_product(float[2][4][4], BiasQuads, int) { return false; }
-LOPT_DEVICE constexpr bool add_bias_product(float[2][4][4], decltype(nullptr), int) { return false; }
 
 #if LOPT_SPLIT_MODE == 2
 // Mode 2's B operand as write_split_operand lays it out in shared memory: the lane's uint2 of n-tile
@@ -194,49 +191,6 @@ struct SharedOperand {
   int lane;
   LOPT_DEVICE uint2 operator()(int p, int c) const { return reinterpret_cast<const uint2*>(operand)[(p * 4 + c) * 32 + lane]; }
 };
-// Mode 2: a layer's bias as a product of its own, which starts the accumulators: the A fragment of
-// constant ones at k = 0, 1 (lanes with t = 0 hold them) times a B operand whose rows 0 and 1 hold
-// the bias's BF16 high part and remainder, b = b_hi + b_lo to ~2^-17 of b. Its 4 words per lane are
-// made once per block (bias_product) and held in registers, where quads (BiasQuads) are read from
-// shared memory for every 32 rows: 16 wavefronts of 128-bit reads traded for 8 MMAs.
-// The lane's B word of n-tile c: lanes with t = 0, bf16x2 {b_hi, b_lo} of column 8c + g; other lanes 0.
-LOPT_DEVICE unsigned bias_product_word(const float* bias, int c, int lane) {
-  const float b = bias[8 * c + lane / 4], high = __uint_as_float(pack_bf16x2(b, 0.f) << 16);
-  return lane % 4 == 0 ? pack_bf16x2(b, __fsub_rn(b, high)) : 0u;
-}
-struct BiasProduct {  // the words in registers (bias_product)
-  unsigned pairs[4];
-  LOPT_DEVICE unsigned word(int c, int) const { return pairs[c]; }
-};
-LOPT_DEVICE BiasProduct bias_product(const float* bias, int lane) {
-  BiasProduct product;
-#pragma unroll
-  for (int c = 0; c < 4; ++c) product.pairs[c] = bias_product_word(bias, c, lane);
-  return product;
-}
-struct SharedBiasProduct {  // the words in shared memory, [c][lane] (write_bias_product), read at each use
-  const unsigned* words;
-  LOPT_DEVICE unsigned word(int c, int lane) const { return words[32 * c + lane]; }
-};
-LOPT_DEVICE void write_bias_product(unsigned* words, const float* bias, int thread, int num_threads) {
-  for (int i = thread; i < 4 * 32; i += num_threads) words[i] = bias_product_word(bias, i / 32, i % 32);
-}
-LOPT_DEVICE float4 bias_fragment(const BiasProduct&, int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); }
-LOPT_DEVICE float4 bias_fragment(const SharedBiasProduct&, int, int) { return make_float4(0.f, 0.f, 0.f, 0.f); }
-template <typename Product>
-LOPT_DEVICE bool add_bias_product(float acc[2][4][4], const Product& bias, int lane) {
-  const unsigned one = lane % 4 == 0 ? 0x3F803F80u : 0u;  // bf16x2 {1, 1}
-  const unsigned ones[4] = {one, one, 0u, 0u};           // rows g, g + 8 at k = 2t, 2t + 1; nothing at k >= 8
-  const float zeros[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const unsigned word = bias.word(c, lane);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], ones, word, 0u, zeros);
-  }
-  return true;
-}
-
 struct RegisterOperand {
   uint2 fragments[8];  // [4p + c]
   // (An opaque load: the compiler would otherwise re-read the shared copy at each use, as it may for
@@ -265,7 +219,6 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
                                   Bias bias, int lane) {
   const auto operand = operand_reader(operand_source, lane);
   const int t = lane % 4;
-  const bool started = add_bias_product(acc, bias, lane);  // (known when compiled)
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     unsigned f[2][4];
@@ -278,8 +231,7 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
       const float4 quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
-        mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 && !started ? initial : acc[m][c]);
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? initial : acc[m][c]);
     }
   }
 }
