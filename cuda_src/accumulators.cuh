@@ -212,13 +212,6 @@ struct FactorEntry { float acc[3], factor[3], rsqrt_acc[3]; };
 // A factored tensor's R entries: one per element position without axis d0.
 LOPT_DEVICE i64 num_row_entries(const TensorMeta& t) { return t.numel / (t.d0_is_a ? t.a : t.b); }
 
-// Both lines an entry may span requested into L1, for a read_factor_entry that comes later.
-LOPT_DEVICE void prefetch_factor_entry(const float* table, i64 entry) {
-  const float* first = table + entry * LOPT_TABLE_FLOATS;
-  prefetch_l1(first);
-  prefetch_l1(first + LOPT_TABLE_FLOATS - 1);
-}
-
 LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
   const float4* p = reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS);
   float4 x = __ldg(p), y = __ldg(p + 1), z = __ldg(p + 2);

@@ -78,8 +78,6 @@ LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
 // work; only addresses of elements that exist are passed. (The apply passes gained nothing from it:
 // benchmarks/RESULTS.md.)
 LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
-// The same into L1 (the line that holds `address`).
-LOPT_DEVICE void prefetch_l1(const void* address) { asm volatile("prefetch.global.L1 [%0];" ::"l"(address)); }
 
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }

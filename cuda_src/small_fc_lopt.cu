@@ -746,13 +746,6 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
 // values of rms and V (the tables' R and C values come shifted).
-#ifndef SFC_ENTRIES_FIRST
-// A factored tensor's two table entries, requested right after the element's arrays, before anything
-// waits for those, so that the two latencies (DRAM, L2) overlap: 1, read into registers then; 2, their
-// lines requested into L1 then (prefetch_factor_entry) and read where the features need them; 0, read
-// where the features need them, after the accumulators' update has waited for the element's arrays.
-#define SFC_ENTRIES_FIRST 2
-#endif
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const float* slow_entries, const float* fast_entries,
@@ -760,29 +753,14 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
                                         i64& slow_entry) {
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
-  FactorEntry slow, fast;  // (a factored tensor's; read below, or in the features' callback)
-  i64 without_a, without_b;
-  const auto read_entries = [&]() {
-    slow = read_factor_entry(slow_entries, without_b);
-    fast = read_factor_entry(fast_entries, without_a);
-  };
-  if (SFC_ENTRIES_FIRST && t.factored) {
-    split_factored_index(t, e, without_a, without_b);
-    slow_entry = without_b;
-    if (SFC_ENTRIES_FIRST == 1) read_entries();
-    if (SFC_ENTRIES_FIRST == 2) {
-      prefetch_factor_entry(slow_entries, without_b);
-      prefetch_factor_entry(fast_entries, without_a);
-    }
-  }
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
-    if (!SFC_ENTRIES_FIRST) {
-      split_factored_index(t, e, without_a, without_b);
-      slow_entry = without_b;
-    }
-    if (SFC_ENTRIES_FIRST != 1) read_entries();
+    i64 without_a, without_b;
+    split_factored_index(t, e, without_a, without_b);
+    slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
+    const FactorEntry slow = read_factor_entry(slow_entries, without_b);
+    const FactorEntry fast = read_factor_entry(fast_entries, without_a);
     row = slow;
     col = fast;
 #pragma unroll
