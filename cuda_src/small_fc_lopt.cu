@@ -820,9 +820,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // blocks/SM: 11.13 / 2.72 and 11.22 / 2.78).
 #define SFC_L2_IN_REGISTERS (LOPT_SPLIT_MODE == 2)
 #endif
-#ifndef SFC_APPLY_STRIDE
-#define SFC_APPLY_STRIDE 0  // chunks per turn where the blocks take turns (0: contiguous ranges)
-#endif
 #ifndef SFC_APPLY_MIN_BLOCKS
 // Blocks per SM the registers must allow: the exact build at 5 (96 registers; H100, GPT-2 medium apply
 // pass 17.73 ms against 18.30 at 4 blocks and 20.57 at 3, since its first layer lost a k-step and its
@@ -881,10 +878,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
 
-  // A block's chunks ascend, so the tensor changes only where the current one's chunks end: the search
-  // (a chain of dependent loads) runs once per tensor a block meets, not once per chunk.
+  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
+  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
+  // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
-  const auto apply_chunk = [&](i64 chunk) {
+  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     if (chunk >= current_end) {
       const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
       __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
@@ -936,16 +935,5 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
                                         l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
-  };
-#if SFC_APPLY_STRIDE
-  // Groups of SFC_APPLY_STRIDE chunks dealt to the blocks in turn: the blocks at work at any time read
-  // and write neighbouring stretches of each array.
-  for (i64 first = static_cast<i64>(blockIdx.x) * SFC_APPLY_STRIDE; first < total_chunks;
-       first += static_cast<i64>(gridDim.x) * SFC_APPLY_STRIDE)
-    for (i64 chunk = first; chunk < first + SFC_APPLY_STRIDE && chunk < total_chunks; ++chunk) apply_chunk(chunk);
-#else
-  // Each block a contiguous range of chunks: a tensor's first layer is loaded about once per block.
-  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end; ++chunk) apply_chunk(chunk);
-#endif
+  }
 }
