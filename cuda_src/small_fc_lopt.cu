@@ -746,9 +746,6 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
 // values of rms and V (the tables' R and C values come shifted).
-#ifndef SFC_PROBE_FAST_RSQRT
-#define SFC_PROBE_FAST_RSQRT 0
-#endif
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const float* slow_entries, const float* fast_entries,
@@ -763,21 +760,7 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
     const FactorEntry slow = read_factor_entry(slow_entries, without_b);
-#if SFC_PROBE_FAST_RSQRT
-    // (A timing probe, not exact for shifted tensors: the fast entry's rsqrt(acc + 1e-8) computed from
-    // its acc, which the table holds unscaled only where the fold did not shift it; two float4 read of three.)
-    FactorEntry fast;
-    {
-      const float4* p = reinterpret_cast<const float4*>(fast_entries + without_a * LOPT_TABLE_FLOATS);
-      const float4 a = __ldg(p), f = __ldg(p + 1);
-      fast.acc[0] = a.x; fast.acc[1] = a.y; fast.acc[2] = a.z;
-      fast.factor[0] = f.x; fast.factor[1] = f.y; fast.factor[2] = f.z;
-#pragma unroll
-      for (int k = 0; k < 3; ++k) fast.rsqrt_acc[k] = rsqrtf(__fadd_rn(fast.acc[k], 1e-8f));
-    }
-#else
     const FactorEntry fast = read_factor_entry(fast_entries, without_a);
-#endif
     row = slow;
     col = fast;
 #pragma unroll
