@@ -20,7 +20,8 @@ from fused_helpers import (ALL_SHAPES, DTYPES, SHAPES, TINY_TENSOR_NUMEL, flat, 
 
 pytestmark = pytest.mark.cuda
 OPTIMIZERS = ["small_fc_lopt", "velo"]
-LAUNCHES = {"small_fc_lopt": 7, "velo": 11}  # (the statistics pass in two: the fast check launches the summed tensors')
+# (the statistics pass in two launches: the fast check launches the summed tensors' chunks early)
+LAUNCHES = {"small_fc_lopt": 7, "velo": 11}
 
 # Relative update error allowed between fused and naive (float32), per step and per tensor
 # (tensor_update_error); tensors of a handful of elements (their update can cancel, see there) get

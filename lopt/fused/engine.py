@@ -270,7 +270,7 @@ class FusedEngine:
         self._refresh_groups(plan)
         self._finish_accumulate(plan)
         plan.accumulated = True
-        self._statistics_early(plan, grad_dtypes, param_pointers, self._flags(plan, grad_scale, found_inf))
+        self._statistics_early(plan, grad_dtypes, param_pointers, grad_scale, found_inf)
 
     @staticmethod
     def _sources(plan: Plan, param_pointers, grad_dtypes) -> tuple:
@@ -278,7 +278,7 @@ class FusedEngine:
         rows = plan.source_row_indices
         return [param_pointers[row] for row in rows], [grad_dtypes[row] for row in rows]
 
-    def _statistics_early(self, plan: Plan, grad_dtypes, param_pointers, flags: tuple) -> None:
+    def _statistics_early(self, plan: Plan, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
         """The statistics pass over the sources' chunks (the first ``source_stats_chunks``; the layout
         puts them first), launched while the host checks the other gradients: on a model whose axis
         sums are short (ViT-B/16) the device would otherwise wait for that check. Only where the
@@ -287,7 +287,7 @@ class FusedEngine:
         with the others'. Like the accumulate phase it writes only workspaces (and the status flags,
         which a refused step's accumulate phase resets)."""
         if plan.layout.source_stats_chunks and plan.uploaded_sources == self._sources(plan, param_pointers, grad_dtypes):
-            self._launch_statistics(plan, flags, 0, plan.layout.source_stats_chunks)
+            self._launch_statistics(plan, self._flags(plan, grad_scale, found_inf), 0, plan.layout.source_stats_chunks)
             plan.statistics_launched = plan.layout.source_stats_chunks
 
     @staticmethod

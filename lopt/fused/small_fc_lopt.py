@@ -2,9 +2,10 @@
 
 Mirrors ``lopt/reference/small_fc_lopt.py``; one step is six launches, whatever the number of
 tensors and groups (seven where the fast check launches step 4 in two parts: the summed tensors'
-chunks before it checks the other gradients, ``FusedEngine._statistics_early``; with FSDP2's sharded parameters eight, and between them the reduce phase's
-collectives: the means over split axes, the row-factor normalisers where d1 is split, the non-finite
-flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
+chunks before it checks the other gradients, ``FusedEngine._statistics_early``; with FSDP2's sharded
+parameters eight, and between them the reduce phase's collectives: the means over split axes, the
+row-factor normalisers where d1 is split, the non-finite flag, the feature sums, and max_grad_norm's
+Σ g²; ``docs/distributed.md``):
 
 1. ``adafactor_axis_partials``  sums of G = g² + 1e-30 for the factored accumulators (update_accumulators, R/C part);
                                 with ``max_grad_norm``, also Σ G over each clipped tensor that is not factored
