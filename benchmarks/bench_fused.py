@@ -198,7 +198,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--naive-steps", type=int, default=3, help="0: skip the naive rows")
     parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros "
-                                                       "(prefix a list with 'velo:' or 'small_fc_lopt:')")
+                                                       "(prefix a list with 'velo:' or 'small_fc_lopt:'; "
+                                                       "'precision=fast' in a list sets that option)")
     parser.add_argument("--graph", action="store_true",
                         help="also time each fused step (and AdamW's) captured in a CUDA graph and replayed")
     parser.add_argument("--max-grad-norm", type=float, default=None,
@@ -228,9 +229,12 @@ def main() -> int:
             write_record(args.out, env, rows)
             for target, macros in variants:
                 if target == name:
-                    defines = tuple(macros.split(","))
-                    rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines))
-                    rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines)
+                    defines = tuple(m for m in macros.split(",") if not m.startswith("precision="))
+                    options = {m.split("=", 1)[0]: m.split("=", 1)[1] for m in macros.split(",")
+                               if m.startswith("precision=")} or None
+                    rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines,
+                                        options))
+                    rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines, options)
                     write_record(args.out, env, rows)
             for options in option_rows.get(name, ()):
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))

@@ -584,9 +584,8 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
 #define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
-// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
-LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
+// The thread's row of the warp's feature tile: its element's 32 inputs as BF16, in the MMA's column order.
+LOPT_DEVICE void write_feature_row(const float x[SFC_NUM_FEATURES], float* tile, int lane) {
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -598,7 +597,11 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     }
     rows[SFC_TILE_ROW_CHUNKS * lane + j] = make_uint4(words[0], words[1], words[2], words[3]);
   }
-  __syncwarp();
+}
+
+// Layer 1 of the 32 rows of a written feature tile (before the ReLU; b1' from the bias inputs).
+LOPT_DEVICE void first_layer_of_tile(float h1[2][4][4], const float* tile, const float* l1, int lane) {
+  const uint4* rows = reinterpret_cast<const uint4*>(tile);
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
   const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_half = lane / 16;
@@ -609,6 +612,14 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
     }
   }, l1, nullptr, lane);
+}
+
+// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
+                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
+  write_feature_row(x, tile, lane);
+  __syncwarp();
+  first_layer_of_tile(h1, tile, l1, lane);
 }
 #else
 #ifndef SFC_LAYER1_TRUNCATED
@@ -672,19 +683,12 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 }
 #endif
 
-// The MLP for the thread's element (features x); every lane of the warp calls it together.
-// tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
-// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
-// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
-// use_quads, slow_quads: first_layer's.
+// The layers after the first (h1: its accumulators, before the ReLU); every lane of the warp calls it
+// together, and lane l receives row l's (direction, magnitude).
 template <typename Layer2Operand>
-LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
-                             const uint2* w3_operand, const float* b3) {
-  const int lane = threadIdx.x % 32, t = lane % 4;
-  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
-  float h1[2][4][4];
-  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
+LOPT_DEVICE float2 mlp_after_first_layer(float h1[2][4][4], float2* outputs, const Layer2Operand& l2, BiasQuads b2,
+                                         const float* w3, const uint2* w3_operand, const float* b3, int lane) {
+  const int t = lane % 4;
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -731,6 +735,22 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   const int source = 4 * (lane % 8) + 2 * (lane / 16) + (lane / 8) % 2;
   return make_float2(__shfl_sync(0xffffffffu, held.x, source), __shfl_sync(0xffffffffu, held.y, source));
 #endif
+}
+
+// The MLP for the thread's element (features x); every lane of the warp calls it together.
+// tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
+// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
+// use_quads, slow_quads: first_layer's.
+template <typename Layer2Operand>
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
+                             const uint2* w3_operand, const float* b3) {
+  const int lane = threadIdx.x % 32;
+  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
+  float h1[2][4][4];
+  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
+  return mlp_after_first_layer(h1, outputs, l2, b2, w3, w3_operand, b3, lane);
 }
 
 // update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
@@ -827,7 +847,45 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
-extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
+#ifndef SFC_APPLY_PAIRS
+// 1: warp-specialised apply pass (precision "fast" only): a block of 8 warps, where warp w < 4 loads its
+// 32 elements, computes their features and stores their accumulators, and hands the feature tile (and the
+// parameters) to warp w + 4 through a ring of SFC_PAIR_SLOTS tiles; warp w + 4 runs the MLP and writes the
+// parameters. The feature warps then never wait on the tensor cores, nor the MLP warps on DRAM.
+#define SFC_APPLY_PAIRS 0
+#endif
+#if SFC_APPLY_PAIRS
+#if LOPT_SPLIT_MODE != 2
+#error "SFC_APPLY_PAIRS is built for precision fast (LOPT_SPLIT_MODE=2) only"
+#endif
+#ifndef SFC_PAIR_SLOTS
+#define SFC_PAIR_SLOTS 2
+#endif
+#define SFC_APPLY_BLOCK_THREADS (2 * SFC_APPLY_THREADS)
+#undef SFC_APPLY_MIN_BLOCKS
+#ifndef SFC_PAIR_MIN_BLOCKS
+#define SFC_PAIR_MIN_BLOCKS 3
+#endif
+#define SFC_APPLY_MIN_BLOCKS SFC_PAIR_MIN_BLOCKS
+
+// A shared-memory mbarrier of the pairs' ring (arrive: release; wait: acquire, both CTA scope).
+LOPT_DEVICE void ring_init(unsigned long long* barrier, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))),
+               "r"(count) : "memory");
+}
+LOPT_DEVICE void ring_arrive(unsigned long long* barrier) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))) : "memory");
+}
+LOPT_DEVICE void ring_wait(unsigned long long* barrier, unsigned parity) {
+  asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               " @!done bra WAIT;\n}"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))), "r"(parity) : "memory");
+}
+#else
+#define SFC_APPLY_BLOCK_THREADS SFC_APPLY_THREADS
+#endif
+extern "C" __global__ void __launch_bounds__(SFC_APPLY_BLOCK_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
@@ -848,7 +906,18 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #else
   uint2* const w3_operand = nullptr;
 #endif
+#if SFC_APPLY_PAIRS
+  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][SFC_PAIR_SLOTS][32][SFC_TILE_ROW_FLOATS];
+  __shared__ float pair_params[SFC_APPLY_WARPS][SFC_PAIR_SLOTS][32];
+  __shared__ unsigned long long slot_full[SFC_APPLY_WARPS][SFC_PAIR_SLOTS], slot_free[SFC_APPLY_WARPS][SFC_PAIR_SLOTS];
+  if (threadIdx.x < SFC_APPLY_WARPS * SFC_PAIR_SLOTS) {  // (the first tensor's __syncthreads publishes them)
+    ring_init(&slot_full[0][0] + threadIdx.x, 32);
+    ring_init(&slot_free[0][0] + threadIdx.x, 32);
+  }
+  unsigned round = 0;  // chunks this block has taken: slot round % SFC_PAIR_SLOTS, phase (round / SLOTS) % 2
+#else
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
+#endif
 #if SFC_SLOW_VECTORS
   __shared__ float slow_weights[SFC_SLOW_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the slow inputs
   __shared__ float4 slow_quads[SFC_APPLY_WARPS][16];             // each warp's current slow vector
@@ -861,20 +930,20 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
-  for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
+  for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_BLOCK_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
+  write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_BLOCK_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
   __syncthreads();
-  write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
+  write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_BLOCK_THREADS);
 #endif
-#if SFC_L2_IN_REGISTERS
+#if SFC_L2_IN_REGISTERS && !SFC_APPLY_PAIRS
   __syncthreads();
   RegisterOperand l2_operand;  // layer 2's B operand, the same for every tensor
   l2_operand.load(l2, threadIdx.x % 32);
-#else
+#elif !SFC_APPLY_PAIRS
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
 
@@ -883,30 +952,75 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
-  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    if (chunk >= current_end) {
-      const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-      __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
-      const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
-      for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
-      if (threadIdx.x < SFC_SHIFTABLE_FEATURES) feature_shifts[threadIdx.x] = f[SFC_FOLDED_SHIFTS + threadIdx.x];
+  const auto enter_tensor = [&](i64 chunk) {
+    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+    __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
+    const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
+    for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_BLOCK_THREADS) l1[k] = f[k];
+    if (threadIdx.x < SFC_SHIFTABLE_FEATURES) feature_shifts[threadIdx.x] = f[SFC_FOLDED_SHIFTS + threadIdx.x];
 #if SFC_SLOW_VECTORS
-      for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_THREADS)
-        slow_weights[k] = f[SFC_FOLDED_SLOW + k];
-      quads_entry = -1;
+    for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_BLOCK_THREADS)
+      slow_weights[k] = f[SFC_FOLDED_SLOW + k];
+    quads_entry = -1;
 #endif
-      if (threadIdx.x == 0) {
-        meta = tensor_row(tensors, gradients, tensor);
-        group = read_apply_scalars(groups[meta.group]);
-        clip_factor = tensor_clip_factor(clip_factors, tensor);
-        entries = tensor_entries(meta, row_table, col_table);
+    if (threadIdx.x == 0) {
+      meta = tensor_row(tensors, gradients, tensor);
+      group = read_apply_scalars(groups[meta.group]);
+      clip_factor = tensor_clip_factor(clip_factors, tensor);
+      entries = tensor_entries(meta, row_table, col_table);
 #if SFC_SLOW_VECTORS
-        slow_vectors = shares_slow_entries(meta);
+      slow_vectors = shares_slow_entries(meta);
 #endif
-      }
-      __syncthreads();
-      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
+    __syncthreads();
+    current_end = meta.first_apply_chunk + meta.num_apply_chunks;
+  };
+#if SFC_APPLY_PAIRS
+  // (Two loops, one per role, so that each role's registers are allocated for its own work; both take
+  // part in enter_tensor's barriers at the same chunks.)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pair = warp % SFC_APPLY_WARPS;
+  __syncthreads();
+  if (warp < SFC_APPLY_WARPS) {  // the feature warp: loads, features, accumulators
+    for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk, ++round) {
+      if (chunk >= current_end) enter_tensor(chunk);
+      const int slot = static_cast<int>(round % SFC_PAIR_SLOTS);
+      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
+      const bool valid = index < meta.numel;
+      float x[SFC_NUM_FEATURES], param;
+      ElementState state;
+      i64 slow_entry;
+      apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
+                                                 clip_factor, entries.slow, entries.fast, feature_shifts, x, state,
+                                                 param, slow_entry);
+      if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
+      // (A fresh barrier's "previous phase" counts as complete: the first pass over the ring does not wait.)
+      ring_wait(&slot_free[pair][slot], ((round / SFC_PAIR_SLOTS) % 2) ^ 1);
+      write_feature_row(x, &feature_tiles[pair][slot][0][0], lane);
+      pair_params[pair][slot][lane] = param;
+      ring_arrive(&slot_full[pair][slot]);
+    }
+  } else {  // the MLP warp: the tile's layers, the update
+    RegisterOperand l2_operand;  // (l2 written: the barrier before the branch)
+    l2_operand.load(l2, lane);
+    for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk, ++round) {
+      if (chunk >= current_end) enter_tensor(chunk);
+      const int slot = static_cast<int>(round % SFC_PAIR_SLOTS);
+      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
+      ring_wait(&slot_full[pair][slot], (round / SFC_PAIR_SLOTS) % 2);
+      float h1[2][4][4];
+      first_layer_of_tile(h1, &feature_tiles[pair][slot][0][0], l1, lane);
+      const float param = pair_params[pair][slot][lane];
+      ring_arrive(&slot_free[pair][slot]);
+      __syncwarp();  // the previous chunk's reads of mlp_outputs are done
+      const float2 mlp_output = mlp_after_first_layer(h1, mlp_outputs[pair], l2_operand, BiasQuads{b2}, w3, w3_operand,
+                                                      b3, lane);
+      if (index < meta.numel) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
+    }
+  }
+}
+#else
+  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    if (chunk >= current_end) enter_tensor(chunk);
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     // A lane past the tensor's end computes the features of its last element (every lane takes part in
@@ -937,3 +1051,4 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }
+#endif
