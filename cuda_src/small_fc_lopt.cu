@@ -766,12 +766,11 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
 // values of rms and V (the tables' R and C values come shifted).
-template <bool Streamed>
-LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                        float clip_factor, const float* slow_entries, const float* fast_entries,
-                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
-                                        i64& slow_entry) {
-  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
+// apply_element_features of an element already loaded (unclipped_grad, s, param: load_element's).
+LOPT_DEVICE void apply_loaded_features(const TensorMeta& t, i64 e, const Decays& decays, float clip_factor,
+                                       const float* slow_entries, const float* fast_entries, const float* shifts,
+                                       float unclipped_grad, float x[SFC_NUM_FEATURES], ElementState& s,
+                                       float param, i64& slow_entry) {
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
@@ -794,6 +793,17 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 #pragma unroll
     for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i) x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], shifts[i]);
   }
+}
+
+// apply_loaded_features of the element at e, loaded here.
+template <bool Streamed>
+LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                        float clip_factor, const float* slow_entries, const float* fast_entries,
+                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
+                                        i64& slow_entry) {
+  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
+  apply_loaded_features(t, e, decays, clip_factor, slow_entries, fast_entries, shifts, unclipped_grad, x, s, param,
+                        slow_entry);
 }
 
 // Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
@@ -860,6 +870,12 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #endif
 #ifndef SFC_PAIR_SLOTS
 #define SFC_PAIR_SLOTS 2
+#endif
+#ifndef SFC_PAIR_PROBE
+#define SFC_PAIR_PROBE 0  // timing probes (wrong results): 1, the MLP warps' side alone; 2, the feature warps'
+#endif
+#ifndef SFC_PAIR_PRELOAD
+#define SFC_PAIR_PRELOAD 1  // the feature warps load each chunk's elements one chunk ahead
 #endif
 #define SFC_APPLY_BLOCK_THREADS (2 * SFC_APPLY_THREADS)
 #undef SFC_APPLY_MIN_BLOCKS
@@ -981,18 +997,46 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pair = warp % SFC_APPLY_WARPS;
   __syncthreads();
   if (warp < SFC_APPLY_WARPS) {  // the feature warp: loads, features, accumulators
+    // The next chunk's element of this lane, loaded one chunk ahead within a tensor (SFC_PAIR_PRELOAD).
+    float next_grad = 0.f, next_param = 0.f;
+    ElementState next_state{};
+    const auto element_of = [&](i64 chunk) {
+      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
+      return index < meta.numel ? index : meta.numel - 1;
+    };
     for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk, ++round) {
-      if (chunk >= current_end) enter_tensor(chunk);
+      const bool entered = chunk >= current_end;
+      if (entered) enter_tensor(chunk);
       const int slot = static_cast<int>(round % SFC_PAIR_SLOTS);
       const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
       const bool valid = index < meta.numel;
       float x[SFC_NUM_FEATURES], param;
       ElementState state;
       i64 slow_entry;
-      apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
+#if SFC_PAIR_PROBE == 1  // timing probe: the MLP side alone (stand-in features, nothing loaded)
+      (void)entered;
+#pragma unroll
+      for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 1e-3f * static_cast<float>((lane + k) % 7);
+      param = 0.f;
+      slow_entry = -1;
+      const bool store_state = false;
+#elif SFC_PAIR_PRELOAD
+      const bool store_state = true;
+      if (entered) next_grad = load_element<SFC_APPLY_STREAMED>(meta, element_of(chunk), inverse_scale, next_param, next_state);
+      const float unclipped_grad = next_grad;
+      param = next_param;
+      state = next_state;
+      if (chunk + 1 < current_end)
+        next_grad = load_element<SFC_APPLY_STREAMED>(meta, element_of(chunk + 1), inverse_scale, next_param, next_state);
+      apply_loaded_features(meta, element_of(chunk), group.decays, clip_factor, entries.slow, entries.fast,
+                            feature_shifts, unclipped_grad, x, state, param, slow_entry);
+#else
+      const bool store_state = true;
+      apply_element_features<SFC_APPLY_STREAMED>(meta, element_of(chunk), group.decays, inverse_scale,
                                                  clip_factor, entries.slow, entries.fast, feature_shifts, x, state,
                                                  param, slow_entry);
-      if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
+#endif
+      if (valid && store_state) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
       // (A fresh barrier's "previous phase" counts as complete: the first pass over the ring does not wait.)
       ring_wait(&slot_free[pair][slot], ((round / SFC_PAIR_SLOTS) % 2) ^ 1);
       write_feature_row(x, &feature_tiles[pair][slot][0][0], lane);
@@ -1007,6 +1051,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       const int slot = static_cast<int>(round % SFC_PAIR_SLOTS);
       const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
       ring_wait(&slot_full[pair][slot], (round / SFC_PAIR_SLOTS) % 2);
+#if SFC_PAIR_PROBE == 2  // timing probe: the feature side alone (no layers; the parameter written back)
+      const float param = pair_params[pair][slot][lane];
+      ring_arrive(&slot_free[pair][slot]);
+      const float2 mlp_output = make_float2(0.f, 0.f);
+#else
       float h1[2][4][4];
       first_layer_of_tile(h1, &feature_tiles[pair][slot][0][0], l1, lane);
       const float param = pair_params[pair][slot][lane];
@@ -1014,6 +1063,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncwarp();  // the previous chunk's reads of mlp_outputs are done
       const float2 mlp_output = mlp_after_first_layer(h1, mlp_outputs[pair], l2_operand, BiasQuads{b2}, w3, w3_operand,
                                                       b3, lane);
+#endif
       if (index < meta.numel) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
     }
   }
