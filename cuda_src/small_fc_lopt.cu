@@ -584,8 +584,9 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
 #define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
-// The thread's row of the warp's feature tile: its element's 32 inputs as BF16, in the MMA's column order.
-LOPT_DEVICE void write_feature_row(const float x[SFC_NUM_FEATURES], float* tile, int lane) {
+// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
+LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
+                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -597,11 +598,7 @@ LOPT_DEVICE void write_feature_row(const float x[SFC_NUM_FEATURES], float* tile,
     }
     rows[SFC_TILE_ROW_CHUNKS * lane + j] = make_uint4(words[0], words[1], words[2], words[3]);
   }
-}
-
-// Layer 1 of the 32 rows of a written feature tile (before the ReLU; b1' from the bias inputs).
-LOPT_DEVICE void first_layer_of_tile(float h1[2][4][4], const float* tile, const float* l1, int lane) {
-  const uint4* rows = reinterpret_cast<const uint4*>(tile);
+  __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
   const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_half = lane / 16;
@@ -612,14 +609,6 @@ LOPT_DEVICE void first_layer_of_tile(float h1[2][4][4], const float* tile, const
       load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
     }
   }, l1, nullptr, lane);
-}
-
-// Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
-LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
-  write_feature_row(x, tile, lane);
-  __syncwarp();
-  first_layer_of_tile(h1, tile, l1, lane);
 }
 #else
 #ifndef SFC_LAYER1_TRUNCATED
@@ -683,12 +672,19 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 }
 #endif
 
-// The layers after the first (h1: its accumulators, before the ReLU); every lane of the warp calls it
-// together, and lane l receives row l's (direction, magnitude).
+// The MLP for the thread's element (features x); every lane of the warp calls it together.
+// tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
+// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
+// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
+// use_quads, slow_quads: first_layer's.
 template <typename Layer2Operand>
-LOPT_DEVICE float2 mlp_after_first_layer(float h1[2][4][4], float2* outputs, const Layer2Operand& l2, BiasQuads b2,
-                                         const float* w3, const uint2* w3_operand, const float* b3, int lane) {
-  const int t = lane % 4;
+LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
+                             const uint2* w3_operand, const float* b3) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
+  float h1[2][4][4];
+  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -737,22 +733,6 @@ LOPT_DEVICE float2 mlp_after_first_layer(float h1[2][4][4], float2* outputs, con
 #endif
 }
 
-// The MLP for the thread's element (features x); every lane of the warp calls it together.
-// tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
-// layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
-// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
-// use_quads, slow_quads: first_layer's.
-template <typename Layer2Operand>
-LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
-                             const uint2* w3_operand, const float* b3) {
-  const int lane = threadIdx.x % 32;
-  __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
-  float h1[2][4][4];
-  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
-  return mlp_after_first_layer(h1, outputs, l2, b2, w3, w3_operand, b3, lane);
-}
-
 // update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
 LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
   return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
@@ -766,11 +746,12 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
 // values of rms and V (the tables' R and C values come shifted).
-// apply_element_features of an element already loaded (unclipped_grad, s, param: load_element's).
-LOPT_DEVICE void apply_loaded_features(const TensorMeta& t, i64 e, const Decays& decays, float clip_factor,
-                                       const float* slow_entries, const float* fast_entries, const float* shifts,
-                                       float unclipped_grad, float x[SFC_NUM_FEATURES], ElementState& s,
-                                       float param, i64& slow_entry) {
+template <bool Streamed>
+LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
+                                        float clip_factor, const float* slow_entries, const float* fast_entries,
+                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
+                                        i64& slow_entry) {
+  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
@@ -793,17 +774,6 @@ LOPT_DEVICE void apply_loaded_features(const TensorMeta& t, i64 e, const Decays&
 #pragma unroll
     for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i) x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], shifts[i]);
   }
-}
-
-// apply_loaded_features of the element at e, loaded here.
-template <bool Streamed>
-LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                        float clip_factor, const float* slow_entries, const float* fast_entries,
-                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
-                                        i64& slow_entry) {
-  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
-  apply_loaded_features(t, e, decays, clip_factor, slow_entries, fast_entries, shifts, unclipped_grad, x, s, param,
-                        slow_entry);
 }
 
 // Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
@@ -857,51 +827,7 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
-#ifndef SFC_APPLY_PAIRS
-// 1: warp-specialised apply pass (precision "fast" only): a block of 8 warps, where warp w < 4 loads its
-// 32 elements, computes their features and stores their accumulators, and hands the feature tile (and the
-// parameters) to warp w + 4 through a ring of SFC_PAIR_SLOTS tiles; warp w + 4 runs the MLP and writes the
-// parameters. The feature warps then never wait on the tensor cores, nor the MLP warps on DRAM.
-#define SFC_APPLY_PAIRS 0
-#endif
-#if SFC_APPLY_PAIRS
-#if LOPT_SPLIT_MODE != 2
-#error "SFC_APPLY_PAIRS is built for precision fast (LOPT_SPLIT_MODE=2) only"
-#endif
-#ifndef SFC_PAIR_SLOTS
-#define SFC_PAIR_SLOTS 2
-#endif
-#ifndef SFC_PAIR_PROBE
-#define SFC_PAIR_PROBE 0  // timing probes (wrong results): 1, the MLP warps' side alone; 2, the feature warps'
-#endif
-#ifndef SFC_PAIR_PRELOAD
-#define SFC_PAIR_PRELOAD 1  // the feature warps load each chunk's elements one chunk ahead
-#endif
-#define SFC_APPLY_BLOCK_THREADS (2 * SFC_APPLY_THREADS)
-#undef SFC_APPLY_MIN_BLOCKS
-#ifndef SFC_PAIR_MIN_BLOCKS
-#define SFC_PAIR_MIN_BLOCKS 3
-#endif
-#define SFC_APPLY_MIN_BLOCKS SFC_PAIR_MIN_BLOCKS
-
-// A shared-memory mbarrier of the pairs' ring (arrive: release; wait: acquire, both CTA scope).
-LOPT_DEVICE void ring_init(unsigned long long* barrier, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))),
-               "r"(count) : "memory");
-}
-LOPT_DEVICE void ring_arrive(unsigned long long* barrier) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}"
-               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))) : "memory");
-}
-LOPT_DEVICE void ring_wait(unsigned long long* barrier, unsigned parity) {
-  asm volatile("{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               " @!done bra WAIT;\n}"
-               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(barrier))), "r"(parity) : "memory");
-}
-#else
-#define SFC_APPLY_BLOCK_THREADS SFC_APPLY_THREADS
-#endif
-extern "C" __global__ void __launch_bounds__(SFC_APPLY_BLOCK_THREADS, SFC_APPLY_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
@@ -922,18 +848,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #else
   uint2* const w3_operand = nullptr;
 #endif
-#if SFC_APPLY_PAIRS
-  __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][SFC_PAIR_SLOTS][32][SFC_TILE_ROW_FLOATS];
-  __shared__ float pair_params[SFC_APPLY_WARPS][SFC_PAIR_SLOTS][32];
-  __shared__ unsigned long long slot_full[SFC_APPLY_WARPS][SFC_PAIR_SLOTS], slot_free[SFC_APPLY_WARPS][SFC_PAIR_SLOTS];
-  if (threadIdx.x < SFC_APPLY_WARPS * SFC_PAIR_SLOTS) {  // (the first tensor's __syncthreads publishes them)
-    ring_init(&slot_full[0][0] + threadIdx.x, 32);
-    ring_init(&slot_free[0][0] + threadIdx.x, 32);
-  }
-  unsigned round = 0;  // chunks this block has taken: slot round % SFC_PAIR_SLOTS, phase (round / SLOTS) % 2
-#else
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
-#endif
 #if SFC_SLOW_VECTORS
   __shared__ float slow_weights[SFC_SLOW_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the slow inputs
   __shared__ float4 slow_quads[SFC_APPLY_WARPS][16];             // each warp's current slow vector
@@ -946,20 +861,20 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
-  for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_BLOCK_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
+  for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_BLOCK_THREADS);
+  write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   const float inverse_scale = inverse_grad_scale(flags);
 #if SFC_OUTPUT_MMA
   __syncthreads();
-  write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_BLOCK_THREADS);
+  write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
 #endif
-#if SFC_L2_IN_REGISTERS && !SFC_APPLY_PAIRS
+#if SFC_L2_IN_REGISTERS
   __syncthreads();
   RegisterOperand l2_operand;  // layer 2's B operand, the same for every tensor
   l2_operand.load(l2, threadIdx.x % 32);
-#elif !SFC_APPLY_PAIRS
+#else
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
 
@@ -968,109 +883,30 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
-  const auto enter_tensor = [&](i64 chunk) {
-    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-    __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
-    const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
-    for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_BLOCK_THREADS) l1[k] = f[k];
-    if (threadIdx.x < SFC_SHIFTABLE_FEATURES) feature_shifts[threadIdx.x] = f[SFC_FOLDED_SHIFTS + threadIdx.x];
-#if SFC_SLOW_VECTORS
-    for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_BLOCK_THREADS)
-      slow_weights[k] = f[SFC_FOLDED_SLOW + k];
-    quads_entry = -1;
-#endif
-    if (threadIdx.x == 0) {
-      meta = tensor_row(tensors, gradients, tensor);
-      group = read_apply_scalars(groups[meta.group]);
-      clip_factor = tensor_clip_factor(clip_factors, tensor);
-      entries = tensor_entries(meta, row_table, col_table);
-#if SFC_SLOW_VECTORS
-      slow_vectors = shares_slow_entries(meta);
-#endif
-    }
-    __syncthreads();
-    current_end = meta.first_apply_chunk + meta.num_apply_chunks;
-  };
-#if SFC_APPLY_PAIRS
-  // (Two loops, one per role, so that each role's registers are allocated for its own work; both take
-  // part in enter_tensor's barriers at the same chunks.)
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pair = warp % SFC_APPLY_WARPS;
-  __syncthreads();
-  if (warp < SFC_APPLY_WARPS) {  // the feature warp: loads, features, accumulators
-    // The next chunk's element of this lane, loaded one chunk ahead within a tensor (SFC_PAIR_PRELOAD).
-    float next_grad = 0.f, next_param = 0.f;
-    ElementState next_state{};
-    const auto element_of = [&](i64 chunk) {
-      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
-      return index < meta.numel ? index : meta.numel - 1;
-    };
-    for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk, ++round) {
-      const bool entered = chunk >= current_end;
-      if (entered) enter_tensor(chunk);
-      const int slot = static_cast<int>(round % SFC_PAIR_SLOTS);
-      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
-      const bool valid = index < meta.numel;
-      float x[SFC_NUM_FEATURES], param;
-      ElementState state;
-      i64 slow_entry;
-#if SFC_PAIR_PROBE == 1  // timing probe: the MLP side alone (stand-in features, nothing loaded)
-      (void)entered;
-#pragma unroll
-      for (int k = 0; k < SFC_NUM_FEATURES; ++k) x[k] = 1e-3f * static_cast<float>((lane + k) % 7);
-      param = 0.f;
-      slow_entry = -1;
-      const bool store_state = false;
-#elif SFC_PAIR_PRELOAD
-      const bool store_state = true;
-      if (entered) next_grad = load_element<SFC_APPLY_STREAMED>(meta, element_of(chunk), inverse_scale, next_param, next_state);
-      const float unclipped_grad = next_grad;
-      param = next_param;
-      state = next_state;
-      if (chunk + 1 < current_end)
-        next_grad = load_element<SFC_APPLY_STREAMED>(meta, element_of(chunk + 1), inverse_scale, next_param, next_state);
-      apply_loaded_features(meta, element_of(chunk), group.decays, clip_factor, entries.slow, entries.fast,
-                            feature_shifts, unclipped_grad, x, state, param, slow_entry);
-#else
-      const bool store_state = true;
-      apply_element_features<SFC_APPLY_STREAMED>(meta, element_of(chunk), group.decays, inverse_scale,
-                                                 clip_factor, entries.slow, entries.fast, feature_shifts, x, state,
-                                                 param, slow_entry);
-#endif
-      if (valid && store_state) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
-      // (A fresh barrier's "previous phase" counts as complete: the first pass over the ring does not wait.)
-      ring_wait(&slot_free[pair][slot], ((round / SFC_PAIR_SLOTS) % 2) ^ 1);
-      write_feature_row(x, &feature_tiles[pair][slot][0][0], lane);
-      pair_params[pair][slot][lane] = param;
-      ring_arrive(&slot_full[pair][slot]);
-    }
-  } else {  // the MLP warp: the tile's layers, the update
-    RegisterOperand l2_operand;  // (l2 written: the barrier before the branch)
-    l2_operand.load(l2, lane);
-    for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk, ++round) {
-      if (chunk >= current_end) enter_tensor(chunk);
-      const int slot = static_cast<int>(round % SFC_PAIR_SLOTS);
-      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + 32 * pair + lane;
-      ring_wait(&slot_full[pair][slot], (round / SFC_PAIR_SLOTS) % 2);
-#if SFC_PAIR_PROBE == 2  // timing probe: the feature side alone (no layers; the parameter written back)
-      const float param = pair_params[pair][slot][lane];
-      ring_arrive(&slot_free[pair][slot]);
-      const float2 mlp_output = make_float2(0.f, 0.f);
-#else
-      float h1[2][4][4];
-      first_layer_of_tile(h1, &feature_tiles[pair][slot][0][0], l1, lane);
-      const float param = pair_params[pair][slot][lane];
-      ring_arrive(&slot_free[pair][slot]);
-      __syncwarp();  // the previous chunk's reads of mlp_outputs are done
-      const float2 mlp_output = mlp_after_first_layer(h1, mlp_outputs[pair], l2_operand, BiasQuads{b2}, w3, w3_operand,
-                                                      b3, lane);
-#endif
-      if (index < meta.numel) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
-    }
-  }
-}
-#else
   for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    if (chunk >= current_end) enter_tensor(chunk);
+    if (chunk >= current_end) {
+      const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+      __syncthreads();  // everyone is done with the previous tensor's first layer and metadata
+      const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
+      for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
+      if (threadIdx.x < SFC_SHIFTABLE_FEATURES) feature_shifts[threadIdx.x] = f[SFC_FOLDED_SHIFTS + threadIdx.x];
+#if SFC_SLOW_VECTORS
+      for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_THREADS)
+        slow_weights[k] = f[SFC_FOLDED_SLOW + k];
+      quads_entry = -1;
+#endif
+      if (threadIdx.x == 0) {
+        meta = tensor_row(tensors, gradients, tensor);
+        group = read_apply_scalars(groups[meta.group]);
+        clip_factor = tensor_clip_factor(clip_factors, tensor);
+        entries = tensor_entries(meta, row_table, col_table);
+#if SFC_SLOW_VECTORS
+        slow_vectors = shares_slow_entries(meta);
+#endif
+      }
+      __syncthreads();
+      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
+    }
     const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
     const bool valid = index < meta.numel;
     // A lane past the tensor's end computes the features of its last element (every lane takes part in
@@ -1101,4 +937,3 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }
-#endif

@@ -101,9 +101,7 @@ class SmallFCLOptFused(FusedEngine):
         super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
-        # (The warp-specialised build, SFC_APPLY_PAIRS=1, runs a chunk on 8 warps: 4 for features, 4 for the MLP.)
-        self.apply_threads = self.APPLY_THREADS * (2 if "SFC_APPLY_PAIRS=1" in defines else 1)
-        self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.apply_threads)
+        self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -139,7 +137,7 @@ class SmallFCLOptFused(FusedEngine):
 
     def _apply(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.apply_threads,
+        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.folded),
                      ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter()))
