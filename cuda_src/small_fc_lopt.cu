@@ -751,11 +751,7 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
                                         float clip_factor, const float* slow_entries, const float* fast_entries,
                                         const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
                                         i64& slow_entry) {
-#ifndef SFC_PROBE
-#define SFC_PROBE 0  // timing probes (wrong results), a mask: 1 entries at one address, 2 loads from L1, 4 no state stores, 8 no parameter stores
-#endif
-  const i64 loaded_element = (SFC_PROBE & 2) ? (e & 31) % t.numel : e;
-  const float unclipped_grad = load_element<Streamed>(t, loaded_element, inverse_scale, param, s);
+  const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
@@ -763,8 +759,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     split_factored_index(t, e, without_a, without_b);
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-    const FactorEntry slow = read_factor_entry(slow_entries, (SFC_PROBE & 1) ? 0 : without_b);
-    const FactorEntry fast = read_factor_entry(fast_entries, (SFC_PROBE & 1) ? 0 : without_a);
+    const FactorEntry slow = read_factor_entry(slow_entries, without_b);
+    const FactorEntry fast = read_factor_entry(fast_entries, without_a);
     row = slow;
     col = fast;
 #pragma unroll
@@ -921,7 +917,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
                                                clip_factor, entries.slow, entries.fast, feature_shifts, x, state, param,
                                                slow_entry);
-    if (valid && !(SFC_PROBE & 4)) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
+    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
@@ -938,7 +934,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
                                         l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
-    if (valid && (!(SFC_PROBE & 8) || mlp_output.x == 1234.5f))  // (the probe keeps the MLP live)
-      apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
+    if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }
