@@ -7,7 +7,8 @@ fresh set of gradient tensors every step): median step time after warm-up (CUDA 
 launches per step (torch.profiler), peak memory beyond parameters and gradients, the time per
 kernel (median over PROFILED_STEPS profiled steps), achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
 update error (one step from identical state). The device-to-device copy bandwidth is measured in the
-same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros), for tuning;
+same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros; ``precision=fast`` in a
+list builds the optimizer with that option), for tuning;
 ``--graph`` also times each step captured in a CUDA graph and replayed (no host share).
 """
 
