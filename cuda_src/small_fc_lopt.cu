@@ -827,21 +827,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
-#ifndef SFC_BULK_STATE_STORES
-// 1: a warp's 32 updated momenta and rms values go through shared memory and leave as two bulk (TMA)
-// stores issued by lane 0 (a factored tensor's full warps with 16-byte aligned arrays; others store directly).
-#define SFC_BULK_STATE_STORES 0
-#endif
-#if SFC_BULK_STATE_STORES
-LOPT_DEVICE void bulk_store(void* global, const void* shared, unsigned bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-               ::"l"(global), "r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))), "r"(bytes) : "memory");
-}
-LOPT_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-LOPT_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-LOPT_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-LOPT_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-#endif
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
@@ -864,9 +849,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   uint2* const w3_operand = nullptr;
 #endif
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
-#if SFC_BULK_STATE_STORES
-  __shared__ __align__(128) float state_staging[SFC_APPLY_WARPS][4 * 32];  // momenta [32][3], then rms [32]
-#endif
 #if SFC_SLOW_VECTORS
   __shared__ float slow_weights[SFC_SLOW_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the slow inputs
   __shared__ float4 slow_quads[SFC_APPLY_WARPS][16];             // each warp's current slow vector
@@ -935,36 +917,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
                                                clip_factor, entries.slow, entries.fast, feature_shifts, x, state, param,
                                                slow_entry);
-    const int warp = threadIdx.x / 32;
-#if SFC_BULK_STATE_STORES
-    {
-      const int lane = threadIdx.x % 32;
-      const i64 warp_first = index - lane;
-      float* const mom_global = pointer<float>(meta.mom) + warp_first * 3;
-      float* const rms_global = pointer<float>(meta.rms) + warp_first;
-      const bool bulk = meta.factored && warp_first + 32 <= meta.numel &&
-                        ((reinterpret_cast<unsigned long long>(mom_global) | reinterpret_cast<unsigned long long>(rms_global)) & 15) == 0;
-      if (bulk) {  // (the same in every lane)
-        float* const staging = state_staging[warp];
-        if (lane == 0) bulk_wait_read();  // the previous chunk's stores have read the staging area
-        __syncwarp();
-#pragma unroll
-        for (int k = 0; k < 3; ++k) staging[3 * lane + k] = state.mom[k];
-        staging[96 + lane] = state.rms;
-        fence_proxy_async_shared();  // (the bulk copy reads shared memory through the async proxy)
-        __syncwarp();
-        if (lane == 0) {
-          bulk_store(mom_global, staging, 96 * sizeof(float));
-          bulk_store(rms_global, staging + 96, 32 * sizeof(float));
-          bulk_commit();
-        }
-      } else if (valid) {
-        store_element_state<SFC_APPLY_STREAMED>(meta, index, state);
-      }
-    }
-#else
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
-#endif
+    const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
     // warp's elements share slow_entry.)
@@ -982,7 +936,4 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                                         l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
-#if SFC_BULK_STATE_STORES
-  if (threadIdx.x % 32 == 0) bulk_wait();  // (every bulk store complete before the kernel ends)
-#endif
 }
