@@ -230,9 +230,9 @@ def main() -> int:
             write_record(args.out, env, rows)
             for target, macros in variants:
                 if target == name:
-                    defines = tuple(m for m in macros.split(",") if not m.startswith("precision="))
-                    options = {m.split("=", 1)[0]: m.split("=", 1)[1] for m in macros.split(",")
-                               if m.startswith("precision=")} or None
+                    items = macros.split(",")
+                    defines = tuple(m for m in items if not m.startswith("precision="))
+                    options = {"precision": m.split("=", 1)[1] for m in items if m.startswith("precision=")} or None
                     rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines,
                                         options))
                     rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines, options)
