@@ -750,7 +750,7 @@ template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const float* slow_entries, const float* fast_entries,
                                         const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
-                                        i64& slow_entry, const float4* slow_factors, const float4* fast_factors) {
+                                        i64& slow_entry) {
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
@@ -759,23 +759,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     split_factored_index(t, e, without_a, without_b);
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-#if SFC_PROBE_ENTRIES  // (timing probe: wrong values; what packed entries could save)
-    const auto probe_entry = [&](const float* table, const float4* factors, i64 i, bool two) {
-      const float4 f = __ldg(factors + i);
-      const float4 v = two ? __ldg(reinterpret_cast<const float4*>(table) + i) : f;
-      FactorEntry e;
-      e.factor[0] = f.x; e.factor[1] = f.y; e.factor[2] = f.z;
-      e.acc[0] = v.x; e.acc[1] = v.y; e.acc[2] = v.z;
-      e.rsqrt_acc[0] = v.w; e.rsqrt_acc[1] = v.x; e.rsqrt_acc[2] = v.y;
-      return e;
-    };
-    const FactorEntry fast = probe_entry(fast_entries, fast_factors, without_a, SFC_PROBE_ENTRIES != 3);
-    const FactorEntry slow = SFC_PROBE_ENTRIES == 2 ? probe_entry(slow_entries, slow_factors, without_b, true)
-                                                    : read_factor_entry(slow_entries, without_b);
-#else
     const FactorEntry slow = read_factor_entry(slow_entries, without_b);
     const FactorEntry fast = read_factor_entry(fast_entries, without_a);
-#endif
     row = slow;
     col = fast;
 #pragma unroll
@@ -795,16 +780,11 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 struct TensorEntries {
   const float* slow;
   const float* fast;
-  const float4* slow_factors;
-  const float4* fast_factors;
 };
-LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const float* row_table, const float* col_table,
-                                         const float4* row_factors, const float4* col_factors) {
+LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const float* row_table, const float* col_table) {
   const float* row = row_table + t.row_table * LOPT_TABLE_FLOATS;
   const float* col = col_table + t.col_table * LOPT_TABLE_FLOATS;
-  const float4* rf = row_factors + t.row_table;
-  const float4* cf = col_factors + t.col_table;
-  return t.d0_is_a ? TensorEntries{col, row, cf, rf} : TensorEntries{row, col, rf, cf};
+  return t.d0_is_a ? TensorEntries{col, row} : TensorEntries{row, col};
 }
 
 // The exact mode's first layer for a warp whose 32 elements share their slow entry: the slow inputs'
@@ -830,9 +810,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
   __syncwarp();
 }
 
-#ifndef SFC_PROBE_ENTRIES
-#define SFC_PROBE_ENTRIES 0
-#endif
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
@@ -856,8 +833,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
                     const float* __restrict__ col_table, const float* __restrict__ clip_factors,
-                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps,
-                    const float4* __restrict__ row_factors, const float4* __restrict__ col_factors) {
+                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
   const StepFlags flags{grad_scale, found_inf, status};
   const bool skipped = step_is_skipped(flags);
   // Every block has read the counters it needs (the fold read the time features before this launch).
@@ -923,7 +899,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
         meta = tensor_row(tensors, gradients, tensor);
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
-        entries = tensor_entries(meta, row_table, col_table, row_factors, col_factors);
+        entries = tensor_entries(meta, row_table, col_table);
 #if SFC_SLOW_VECTORS
         slow_vectors = shares_slow_entries(meta);
 #endif
@@ -940,7 +916,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     i64 slow_entry;
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
                                                clip_factor, entries.slow, entries.fast, feature_shifts, x, state, param,
-                                               slow_entry, entries.slow_factors, entries.fast_factors);
+                                               slow_entry);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS

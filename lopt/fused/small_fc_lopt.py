@@ -140,5 +140,4 @@ class SmallFCLOptFused(FusedEngine):
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.folded),
-                     ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter(),
-                     ptr(plan.row_factors), ptr(plan.col_factors)))
+                     ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter()))
