@@ -597,14 +597,13 @@ LOPT_DEVICE uint4 input_step_words(const float x[SFC_NUM_FEATURES], int j) {
 }
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
-// k-steps 0 and 1 are packed from the features x here; k-steps 2 and 3 (the table features and the
-// bias inputs) come as table_words, packed already (apply_element_features).
+// The row's k-steps 0 and 1 are packed from the features x here; k-steps 2 and 3 (the table features
+// and the bias inputs) are in the tile already (apply_element_features wrote them).
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool, const float4*, const uint4 table_words[2], int lane) {  // (always all 32 inputs)
+                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    rows[SFC_TILE_ROW_CHUNKS * lane + j] = j < 2 ? input_step_words(x, j) : table_words[j - 2];
+  for (int j = 0; j < 2; ++j) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
@@ -638,7 +637,7 @@ LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 
 // use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
 // (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool use_quads, const float4* slow_quads, const uint4*, int lane) {  // (no table_words)
+                             bool use_quads, const float4* slow_quads, int lane) {
   float row[SFC_K];
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
@@ -683,15 +682,15 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
 // with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
-// use_quads, slow_quads, table_words: first_layer's.
+// use_quads, slow_quads: first_layer's.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, const uint4* table_words, const Layer2Operand& l2,
-                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3) {
+                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
+                             const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-  first_layer(h1, x, tile, l1, use_quads, slow_quads, table_words, lane);
+  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -792,15 +791,17 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // factored features' products stay in the reference's order. slow_entries / fast_entries: the
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
-// values of rms and V (the tables' R and C values come shifted). table_words (mode 2): the first layer's
-// k-steps 2 and 3 (inputs 16 ... 31), packed from x, or for a factored tensor (SFC_PACKED_ENTRIES) read
-// as the fast and slow entries' packed_entry_inputs, whose ones at inputs 30 and 31 meet zero weights;
-// x[13 ...] are then left unset.
+// values of rms and V (the tables' R and C values come shifted). tile_row (mode 2): the thread's row of
+// its warp's feature tile, whose k-steps 2 and 3 (inputs 16 ... 31) are written here: packed from x,
+// or for a factored tensor (SFC_PACKED_ENTRIES) copied from the fast and slow entries'
+// packed_entry_inputs (whose ones at inputs 30 and 31 meet zero weights), x[13 ...] then left unset.
+// (Held in registers until first_layer, the 8 words made the pass spill; the warp's reads of the
+// previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const TensorEntries& entries, const float* shifts,
                                         float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
-                                        uint4 table_words[2]) {
+                                        uint4* tile_row) {
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
@@ -811,8 +812,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
 #if SFC_PACKED_ENTRIES
     const float4 slow = __ldg(entries.slow_factors + without_b), fast = __ldg(entries.fast_factors + without_a);
-    table_words[0] = __ldg(entries.fast_packed + without_a);
-    table_words[1] = __ldg(entries.slow_packed + without_b);
+    tile_row[2] = __ldg(entries.fast_packed + without_a);
+    tile_row[3] = __ldg(entries.slow_packed + without_b);
     const float4 r = slow_is_col ? fast : slow, c = slow_is_col ? slow : fast;
     row = FactorEntry{};
     col = FactorEntry{};
@@ -837,8 +838,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
   }
 #if LOPT_SPLIT_MODE == 2
   if (!SFC_PACKED_ENTRIES || !t.factored) {
-    table_words[0] = input_step_words(x, 2);
-    table_words[1] = input_step_words(x, 3);
+    tile_row[2] = input_step_words(x, 2);
+    tile_row[3] = input_step_words(x, 3);
   }
 #endif
 }
@@ -980,12 +981,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     float x[SFC_NUM_FEATURES], param;
     ElementState state;
     i64 slow_entry;
-    uint4 table_words[2];  // (mode 2)
+    const int warp = threadIdx.x / 32;
+    uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
                                                clip_factor, entries, feature_shifts, x, state, param, slow_entry,
-                                               table_words);
+                                               tile_row);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
-    const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
     // warp's elements share slow_entry.)
@@ -1000,7 +1001,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool use_quads = false;
 #endif
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
-                                        table_words, l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
+                                        l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }
