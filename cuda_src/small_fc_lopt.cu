@@ -348,7 +348,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
                    double* __restrict__ tensor_sums, int fp16_exponent, i64 total_row_entries,
-                   i64 total_col_entries, uint4* __restrict__ row_packed, uint4* __restrict__ col_packed) {
+                   i64 total_col_entries) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
@@ -437,8 +437,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     return false;
   };
   if (t.factored && tables_shifted())
-    scale_table_accumulators(t, row_table, col_table, row_packed, col_packed, accumulator_shift, accumulator_shift + 3,
-                             tid, SFC_FOLD_THREADS);
+    scale_table_accumulators(t, row_table, col_table, accumulator_shift, accumulator_shift + 3, tid, SFC_FOLD_THREADS);
   // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
   // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
   const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
@@ -585,25 +584,20 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
 #define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
-// A tile row's k-step j (inputs 8j ... 8j + 7) from the features.
-LOPT_DEVICE uint4 input_step_words(const float x[SFC_NUM_FEATURES], int j) {
-  unsigned words[4];
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const int k = 8 * j + t;
-    words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
-
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
-// The row's k-steps 0 and 1 are packed from the features x here; k-steps 2 and 3 (the table features
-// and the bias inputs) are in the tile already (apply_element_features wrote them).
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
                              bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
-  for (int j = 0; j < 2; ++j) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
+  for (int j = 0; j < 4; ++j) {
+    unsigned words[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int k = 8 * j + t;
+      words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
+    }
+    rows[SFC_TILE_ROW_CHUNKS * lane + j] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
@@ -744,46 +738,6 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
   return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
 }
 
-// Where a factored tensor's elements read their table entries, by role (TensorMeta's entry offsets
-// into the tables): the whole entries, and (SFC_PACKED_ENTRIES) the compact factors and the packed
-// table features.
-struct TensorEntries {
-  const float* slow;
-  const float* fast;
-  const float4* slow_factors;
-  const float4* fast_factors;
-  const uint4* slow_packed;
-  const uint4* fast_packed;
-};
-struct FactorTables {
-  const float* row_table;
-  const float* col_table;
-  const float4* row_factors;
-  const float4* col_factors;
-  const uint4* row_packed;
-  const uint4* col_packed;
-};
-LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables& tables) {
-  const TensorEntries by_axis{tables.row_table + t.row_table * LOPT_TABLE_FLOATS,
-                              tables.col_table + t.col_table * LOPT_TABLE_FLOATS,
-                              tables.row_factors + t.row_table, tables.col_factors + t.col_table,
-                              tables.row_packed + t.row_table, tables.col_packed + t.col_table};  // (R's as "slow")
-  if (!t.d0_is_a) return by_axis;
-  return TensorEntries{by_axis.fast, by_axis.slow, by_axis.fast_factors, by_axis.slow_factors, by_axis.fast_packed,
-                       by_axis.slow_packed};
-}
-
-#ifndef SFC_PACKED_ENTRIES
-// Precision "fast" reads a factored tensor's table features as the tables kernel packed them for its
-// first layer (packed_entry_inputs: 16 bytes per entry), and the factors from the compact copies (16
-// more), where the whole entries are 48 bytes each, read as three float4s 48 bytes apart. The same
-// BF16 values reach the products either way (0: the earlier build, kept to measure against).
-#define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
-#endif
-#if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
-#error "SFC_PACKED_ENTRIES needs LOPT_SPLIT_MODE 2: only the BF16 first layer takes packed inputs"
-#endif
-
 // The apply pass's element features: element_features's, with a factored tensor's two entries read
 // by role (slow: indexed by the position without axis b; fast: without axis a) and handed to
 // per_element_features in the places of (R, C), so that x[13 ...] hold the slow entry's values
@@ -791,17 +745,12 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // factored features' products stay in the reference's order. slow_entries / fast_entries: the
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
-// values of rms and V (the tables' R and C values come shifted). tile_row (mode 2): the thread's row of
-// its warp's feature tile, whose k-steps 2 and 3 (inputs 16 ... 31) are written here: packed from x,
-// or for a factored tensor (SFC_PACKED_ENTRIES) copied from the fast and slow entries'
-// packed_entry_inputs (whose ones at inputs 30 and 31 meet zero weights), x[13 ...] then left unset.
-// (Held in registers until first_layer, the 8 words made the pass spill; the warp's reads of the
-// previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
+// values of rms and V (the tables' R and C values come shifted).
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                        float clip_factor, const TensorEntries& entries, const float* shifts,
-                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
-                                        uint4* tile_row) {
+                                        float clip_factor, const float* slow_entries, const float* fast_entries,
+                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
+                                        i64& slow_entry) {
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
@@ -810,18 +759,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     split_factored_index(t, e, without_a, without_b);
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-#if SFC_PACKED_ENTRIES
-    const float4 slow = __ldg(entries.slow_factors + without_b), fast = __ldg(entries.fast_factors + without_a);
-    tile_row[2] = __ldg(entries.fast_packed + without_a);
-    tile_row[3] = __ldg(entries.slow_packed + without_b);
-    const float4 r = slow_is_col ? fast : slow, c = slow_is_col ? slow : fast;
-    row = FactorEntry{};
-    col = FactorEntry{};
-    row.factor[0] = r.x; row.factor[1] = r.y; row.factor[2] = r.z;
-    col.factor[0] = c.x; col.factor[1] = c.y; col.factor[2] = c.z;
-#else
-    const FactorEntry slow = read_factor_entry(entries.slow, without_b);
-    const FactorEntry fast = read_factor_entry(entries.fast, without_a);
+    const FactorEntry slow = read_factor_entry(slow_entries, without_b);
+    const FactorEntry fast = read_factor_entry(fast_entries, without_a);
     row = slow;
     col = fast;
 #pragma unroll
@@ -829,19 +768,23 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
       row.factor[k] = slow_is_col ? fast.factor[k] : slow.factor[k];
       col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
     }
-#endif
   });
   x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], shifts[0]);
   if (!t.factored) {
 #pragma unroll
     for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i) x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], shifts[i]);
   }
-#if LOPT_SPLIT_MODE == 2
-  if (!SFC_PACKED_ENTRIES || !t.factored) {
-    tile_row[2] = input_step_words(x, 2);
-    tile_row[3] = input_step_words(x, 3);
-  }
-#endif
+}
+
+// Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
+struct TensorEntries {
+  const float* slow;
+  const float* fast;
+};
+LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const float* row_table, const float* col_table) {
+  const float* row = row_table + t.row_table * LOPT_TABLE_FLOATS;
+  const float* col = col_table + t.col_table * LOPT_TABLE_FLOATS;
+  return t.d0_is_a ? TensorEntries{col, row} : TensorEntries{row, col};
 }
 
 // The exact mode's first layer for a warp whose 32 elements share their slow entry: the slow inputs'
@@ -889,9 +832,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                     const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
-                    const float* __restrict__ col_table, const float4* __restrict__ row_factors,
-                    const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
-                    const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
+                    const float* __restrict__ col_table, const float* __restrict__ clip_factors,
                     const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
   const StepFlags flags{grad_scale, found_inf, status};
   const bool skipped = step_is_skipped(flags);
@@ -924,15 +865,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
-#ifndef SFC_INVERSE_SCALE_SHARED
-#define SFC_INVERSE_SCALE_SHARED 1  // (A/B: 0 the earlier build)
-#endif
-#if SFC_INVERSE_SCALE_SHARED
-  __shared__ float inverse_scale;  // (in shared memory: held in a register through the loop, it was spilled)
-  if (threadIdx.x == 0) inverse_scale = inverse_grad_scale(flags);
-#else
   const float inverse_scale = inverse_grad_scale(flags);
-#endif
 #if SFC_OUTPUT_MMA
   __syncthreads();
   write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
@@ -966,7 +899,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
         meta = tensor_row(tensors, gradients, tensor);
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
-        entries = tensor_entries(meta, FactorTables{row_table, col_table, row_factors, col_factors, row_packed, col_packed});
+        entries = tensor_entries(meta, row_table, col_table);
 #if SFC_SLOW_VECTORS
         slow_vectors = shares_slow_entries(meta);
 #endif
@@ -981,12 +914,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     float x[SFC_NUM_FEATURES], param;
     ElementState state;
     i64 slow_entry;
-    const int warp = threadIdx.x / 32;
-    uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
     apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
-                                               clip_factor, entries, feature_shifts, x, state, param, slow_entry,
-                                               tile_row);
+                                               clip_factor, entries.slow, entries.fast, feature_shifts, x, state, param,
+                                               slow_entry);
     if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
+    const int warp = threadIdx.x / 32;
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
     // warp's elements share slow_entry.)
