@@ -55,9 +55,7 @@ constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a cons
 #define SFC_SHARED_B3 (SFC_SHARED_W3 + 2 * SFC_HIDDEN)
 #define SFC_SHARED_FRAGS (SFC_SHARED_B3 + 2)
 
-#ifndef SFC_APPLY_WARPS
-#define SFC_APPLY_WARPS 4  // (another count needs the engine's APPLY_CHUNK to match: SmallFCLOptFused reads this define)
-#endif
+#define SFC_APPLY_WARPS 4
 #define SFC_APPLY_THREADS (32 * SFC_APPLY_WARPS)
 #define SFC_APPLY_CHUNK SFC_APPLY_THREADS  // one element per thread per chunk
 

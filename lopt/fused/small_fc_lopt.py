@@ -99,9 +99,6 @@ class SmallFCLOptFused(FusedEngine):
 
     def __init__(self, optimizer, defines: tuple = ()):
         super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
-        for define in defines:  # (a kernel build with another block size: its chunk is one element per thread)
-            if define.startswith("SFC_APPLY_WARPS="):
-                self.APPLY_CHUNK = self.APPLY_THREADS = 32 * int(define.split("=", 1)[1])
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
