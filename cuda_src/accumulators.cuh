@@ -222,13 +222,27 @@ LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
   return f;
 }
 
-LOPT_DEVICE void write_factor_entry(float* table, float4* factors, i64 entry, const float acc[3], const float factor[3]) {
+// An entry's six table features and two constant ones as BF16 (rounded to nearest), laid out as one
+// 8-input k-step of a 16-deep BF16 tensor-core product takes its inputs: word t holds inputs t and t + 4
+// of (acc_0, acc_1, acc_2, rsqrt_acc_0, rsqrt_acc_1, rsqrt_acc_2, 1, 1). Precision "fast" of
+// small_fc_lopt reads these 16 bytes per element where the whole entry is 48 (its apply pass's
+// first layer takes them as they are); the ones carry its first layer's bias (or meet zero weights).
+LOPT_DEVICE uint4 packed_entry_inputs(const float acc[3], const float rsqrt_acc[3]) {
+  return make_uint4(pack_bf16x2(acc[0], rsqrt_acc[1]), pack_bf16x2(acc[1], rsqrt_acc[2]), pack_bf16x2(acc[2], 1.f),
+                    pack_bf16x2(rsqrt_acc[0], 1.f));
+}
+
+// `packed`: where packed_entry_inputs go (nullptr: nowhere; only small_fc_lopt's precision "fast" reads them).
+LOPT_DEVICE void write_factor_entry(float* table, float4* factors, uint4* packed, i64 entry, const float acc[3],
+                                    const float factor[3]) {
   float4* p = reinterpret_cast<float4*>(table + entry * LOPT_TABLE_FLOATS);
   p[0] = make_float4(acc[0], acc[1], acc[2], acc[0]);
   p[1] = make_float4(factor[0], factor[1], factor[2], acc[1]);
   factors[entry] = make_float4(factor[0], factor[1], factor[2], 0.f);
-  p[2] = make_float4(rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)), rsqrtf(__fadd_rn(acc[2], 1e-8f)),
-                     acc[2]);
+  const float rsqrt_acc[3] = {rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)),
+                              rsqrtf(__fadd_rn(acc[2], 1e-8f))};
+  p[2] = make_float4(rsqrt_acc[0], rsqrt_acc[1], rsqrt_acc[2], acc[2]);
+  if (packed != nullptr) packed[entry] = packed_entry_inputs(acc, rsqrt_acc);
 }
 
 // An element's R and C table entries, whole.
@@ -365,17 +379,20 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta* tensors, int num
 
 // A tensor's R and C values in the factor tables times per-decay factors (powers of two: the fold's
 // feature shifts), once the control phase has read them; the factors and rsqrt values stay.
-LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table, float* col_table, const float* row_shift,
-                                          const float* col_shift, int tid, int threads) {
-  const auto scale_entries = [&](float* table, i64 first, i64 count, const float* shift) {
+// (row_packed, col_packed: the packed_entry_inputs, formed again from the scaled values; or nullptr.)
+LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table, float* col_table, uint4* row_packed,
+                                          uint4* col_packed, const float* row_shift, const float* col_shift, int tid,
+                                          int threads) {
+  const auto scale_entries = [&](float* table, uint4* packed, i64 first, i64 count, const float* shift) {
     for (i64 entry = tid; entry < count; entry += threads) {
       float* acc = table + (first + entry) * LOPT_TABLE_FLOATS;  // (not the pad: the commit reads it meanwhile)
 #pragma unroll
       for (int k = 0; k < 3; ++k) acc[k] = __fmul_rn(acc[k], shift[k]);
+      if (packed != nullptr) packed[first + entry] = packed_entry_inputs(acc, acc + 8);  // (rsqrt_acc: floats 8 ... 10)
     }
   };
-  scale_entries(row_table, t.row_table, num_row_entries(t), row_shift);
-  scale_entries(col_table, t.col_table, t.num_col_entries, col_shift);
+  scale_entries(row_table, row_packed, t.row_table, num_row_entries(t), row_shift);
+  scale_entries(col_table, col_packed, t.col_table, t.num_col_entries, col_shift);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -585,7 +602,8 @@ extern "C" __global__ void __launch_bounds__(LOPT_TABLE_THREADS)
 adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
                         i64 total_slabs, i64 total_col_entries, const float* __restrict__ axis_means,
                         float* __restrict__ row_table, float* __restrict__ col_table, float4* __restrict__ row_factors,
-                        float4* __restrict__ col_factors, const float* __restrict__ clip_factors, int phase,
+                        float4* __restrict__ col_factors, uint4* __restrict__ row_packed,
+                        uint4* __restrict__ col_packed, const float* __restrict__ clip_factors, int phase,
                         double* __restrict__ slab_sums) {
   if (phase == 2 && blockIdx.x >= total_slabs) return;
   if (blockIdx.x < total_slabs) {
@@ -637,7 +655,7 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
       float factor[3];
 #pragma unroll
       for (int k = 0; k < 3; ++k) factor[k] = safe_rsqrt(__fdiv_rn(acc[k], __fadd_rn(row_col_mean[k], 1e-9f)));
-      write_factor_entry(row_table, row_factors, t.row_table + entry, acc, factor);
+      write_factor_entry(row_table, row_factors, row_packed, t.row_table + entry, acc, factor);
     }
   } else {
     const i64 gid = (static_cast<i64>(blockIdx.x) - total_slabs) * LOPT_TABLE_THREADS + threadIdx.x;
@@ -654,6 +672,6 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
       acc[k] = ema(old_col[entry * 3 + k], decays.adafactor[k], decays.adafactor_mix[k], mean);
       factor[k] = safe_rsqrt(acc[k]);
     }
-    write_factor_entry(col_table, col_factors, t.col_table + entry, acc, factor);
+    write_factor_entry(col_table, col_factors, col_packed, t.col_table + entry, acc, factor);
   }
 }

@@ -15,6 +15,20 @@ typedef long long i64;
 // Parameter and gradient dtypes (lopt.fused.launcher.DTYPE_CODES).
 enum LoptDType { LOPT_F32 = 0, LOPT_BF16 = 1, LOPT_F16 = 2 };
 
+// Two floats converted by `conversion` (a cvt to .bf16x2 or .f16x2 from .f32) and packed: `first` in the
+// low half (the lower k index of a fragment).
+#define LOPT_PACK_X2(name, conversion)                                                  \
+  LOPT_DEVICE unsigned name(float first, float second) {                                \
+    unsigned packed;                                                                    \
+    asm(conversion " %0, %1, %2;" : "=r"(packed) : "f"(second), "f"(first));           \
+    return packed;                                                                      \
+  }
+LOPT_PACK_X2(pack_bf16x2, "cvt.rn.bf16x2.f32")                  // to BF16, to nearest
+LOPT_PACK_X2(pack_bf16x2_relu, "cvt.rn.relu.bf16x2.f32")        // max(x, 0) to BF16: the ReLU inside the conversion
+LOPT_PACK_X2(pack_f16x2_satfinite, "cvt.rn.satfinite.f16x2.f32")  // to FP16, to nearest, saturating at +-65504
+LOPT_PACK_X2(pack_f16x2_relu_satfinite, "cvt.rn.satfinite.relu.f16x2.f32")  // max(x, 0) the same
+LOPT_PACK_X2(pack_f16x2_relu_toward_zero, "cvt.rz.satfinite.relu.f16x2.f32")  // max(x, 0) to FP16, toward zero
+
 // A bfloat16 or float16 value's bits as float (exact).
 LOPT_DEVICE float sixteen_bits_to_float(unsigned short bits, int dtype) {
   if (dtype == LOPT_BF16) return __uint_as_float(static_cast<unsigned int>(bits) << 16);

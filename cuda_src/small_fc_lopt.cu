@@ -348,7 +348,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
                    double* __restrict__ tensor_sums, int fp16_exponent, i64 total_row_entries,
-                   i64 total_col_entries) {
+                   i64 total_col_entries, uint4* __restrict__ row_packed, uint4* __restrict__ col_packed) {
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
@@ -437,7 +437,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     return false;
   };
   if (t.factored && tables_shifted())
-    scale_table_accumulators(t, row_table, col_table, accumulator_shift, accumulator_shift + 3, tid, SFC_FOLD_THREADS);
+    scale_table_accumulators(t, row_table, col_table, row_packed, col_packed, accumulator_shift, accumulator_shift + 3,
+                             tid, SFC_FOLD_THREADS);
   // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
   // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
   const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
@@ -584,20 +585,26 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
 #define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
+// A tile row's k-step j (inputs 8j ... 8j + 7) from the features.
+LOPT_DEVICE uint4 input_step_words(const float x[SFC_NUM_FEATURES], int j) {
+  unsigned words[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int k = 8 * j + t;
+    words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
+// The row's k-steps are packed from the features x here, but for k-step 2 where fast_words_in_tile
+// (apply_element_features copied the fast entry's packed inputs there).
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool, const float4*, int lane) {  // (always all 32 inputs: 16 per product)
+                             bool, const float4*, bool fast_words_in_tile, int lane) {  // (always all 32 inputs)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    unsigned words[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int k = 8 * j + t;
-      words[t] = pack_bf16x2(first_layer_input(x, k), first_layer_input(x, k + 4));
-    }
-    rows[SFC_TILE_ROW_CHUNKS * lane + j] = make_uint4(words[0], words[1], words[2], words[3]);
-  }
+  for (int j = 0; j < 4; ++j)
+    if (j != 2 || !fast_words_in_tile) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
@@ -631,7 +638,7 @@ LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 
 // use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
 // (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool use_quads, const float4* slow_quads, int lane) {
+                             bool use_quads, const float4* slow_quads, bool, int lane) {
   float row[SFC_K];
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
@@ -676,15 +683,15 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
 // with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
-// use_quads, slow_quads: first_layer's.
+// use_quads, slow_quads, fast_words_in_tile: first_layer's.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, const Layer2Operand& l2, BiasQuads b2, const float* w3,
-                             const uint2* w3_operand, const float* b3) {
+                             bool use_quads, const float4* slow_quads, bool fast_words_in_tile, const Layer2Operand& l2,
+                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-  first_layer(h1, x, tile, l1, use_quads, slow_quads, lane);
+  first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -738,6 +745,46 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
   return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
 }
 
+// Where a factored tensor's elements read their table entries, by role (TensorMeta's entry offsets
+// into the tables): the whole entries, and (SFC_PACKED_ENTRIES) the compact factors and the packed
+// table features.
+struct TensorEntries {
+  const float* slow;
+  const float* fast;
+  const float4* slow_factors;
+  const float4* fast_factors;
+  const uint4* slow_packed;
+  const uint4* fast_packed;
+};
+struct FactorTables {
+  const float* row_table;
+  const float* col_table;
+  const float4* row_factors;
+  const float4* col_factors;
+  const uint4* row_packed;
+  const uint4* col_packed;
+};
+LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables& tables) {
+  const TensorEntries by_axis{tables.row_table + t.row_table * LOPT_TABLE_FLOATS,
+                              tables.col_table + t.col_table * LOPT_TABLE_FLOATS,
+                              tables.row_factors + t.row_table, tables.col_factors + t.col_table,
+                              tables.row_packed + t.row_table, tables.col_packed + t.col_table};  // (R's as "slow")
+  if (!t.d0_is_a) return by_axis;
+  return TensorEntries{by_axis.fast, by_axis.slow, by_axis.fast_factors, by_axis.slow_factors, by_axis.fast_packed,
+                       by_axis.slow_packed};
+}
+
+#ifndef SFC_PACKED_ENTRIES
+// Precision "fast" reads a factored tensor's table features as the tables kernel packed them for its
+// first layer (packed_entry_inputs: 16 bytes per entry), and the factors from the compact copies (16
+// more), where the whole entries are 48 bytes each, read as three float4s 48 bytes apart. The same
+// BF16 values reach the products either way (0: the earlier build, kept to measure against).
+#define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
+#endif
+#if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
+#error "SFC_PACKED_ENTRIES needs LOPT_SPLIT_MODE 2: only the BF16 first layer takes packed inputs"
+#endif
+
 // The apply pass's element features: element_features's, with a factored tensor's two entries read
 // by role (slow: indexed by the position without axis b; fast: without axis a) and handed to
 // per_element_features in the places of (R, C), so that x[13 ...] hold the slow entry's values
@@ -745,12 +792,16 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 // factored features' products stay in the reference's order. slow_entries / fast_entries: the
 // tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
-// values of rms and V (the tables' R and C values come shifted).
+// values of rms and V (the tables' R and C values come shifted). tile_row (mode 2): the thread's row of
+// its warp's feature tile: for a factored tensor (SFC_PACKED_ENTRIES), its k-step 2 (inputs 16 ... 23)
+// is the fast entry's packed_entry_inputs, copied here (x[16 ... 18] and x[22 ... 24] then left unset).
+// (Held in registers until first_layer, the 8 words made the pass spill; the warp's reads of the
+// previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
-                                        float clip_factor, const float* slow_entries, const float* fast_entries,
-                                        const float* shifts, float x[SFC_NUM_FEATURES], ElementState& s, float& param,
-                                        i64& slow_entry) {
+                                        float clip_factor, const TensorEntries& entries, const float* shifts,
+                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
+                                        uint4* tile_row) {
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
@@ -759,8 +810,23 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     split_factored_index(t, e, without_a, without_b);
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-    const FactorEntry slow = read_factor_entry(slow_entries, without_b);
-    const FactorEntry fast = read_factor_entry(fast_entries, without_a);
+#if SFC_PACKED_ENTRIES
+    // The fast entry packed (its features straight into the tile) and its compact factors; the slow
+    // entry whole (read by the whole warp at one address where its elements share it).
+    const FactorEntry slow = read_factor_entry(entries.slow, without_b);
+    const float4 fast = __ldg(entries.fast_factors + without_a);
+    tile_row[2] = __ldg(entries.fast_packed + without_a);
+    const float fast_factor[3] = {fast.x, fast.y, fast.z};
+    row = slow;
+    col = FactorEntry{};
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      row.factor[k] = slow_is_col ? fast_factor[k] : slow.factor[k];
+      col.factor[k] = slow_is_col ? slow.factor[k] : fast_factor[k];
+    }
+#else
+    const FactorEntry slow = read_factor_entry(entries.slow, without_b);
+    const FactorEntry fast = read_factor_entry(entries.fast, without_a);
     row = slow;
     col = fast;
 #pragma unroll
@@ -768,23 +834,13 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
       row.factor[k] = slow_is_col ? fast.factor[k] : slow.factor[k];
       col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
     }
+#endif
   });
   x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], shifts[0]);
   if (!t.factored) {
 #pragma unroll
     for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i) x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], shifts[i]);
   }
-}
-
-// Where a factored tensor's elements are read (TensorMeta's entry offsets into the tables, by role).
-struct TensorEntries {
-  const float* slow;
-  const float* fast;
-};
-LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const float* row_table, const float* col_table) {
-  const float* row = row_table + t.row_table * LOPT_TABLE_FLOATS;
-  const float* col = col_table + t.col_table * LOPT_TABLE_FLOATS;
-  return t.d0_is_a ? TensorEntries{col, row} : TensorEntries{row, col};
 }
 
 // The exact mode's first layer for a warp whose 32 elements share their slow entry: the slow inputs'
@@ -832,7 +888,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                     const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
                     const float* __restrict__ shared_frags, const float* __restrict__ row_table,
-                    const float* __restrict__ col_table, const float* __restrict__ clip_factors,
+                    const float* __restrict__ col_table, const float4* __restrict__ row_factors,
+                    const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
+                    const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
                     const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
   const StepFlags flags{grad_scale, found_inf, status};
   const bool skipped = step_is_skipped(flags);
@@ -865,7 +923,15 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
+#ifndef SFC_INVERSE_SCALE_SHARED
+#define SFC_INVERSE_SCALE_SHARED 1  // (A/B: 0 the earlier build)
+#endif
+#if SFC_INVERSE_SCALE_SHARED
+  __shared__ float inverse_scale;  // (in shared memory: held in a register through the loop, it was spilled)
+  if (threadIdx.x == 0) inverse_scale = inverse_grad_scale(flags);
+#else
   const float inverse_scale = inverse_grad_scale(flags);
+#endif
 #if SFC_OUTPUT_MMA
   __syncthreads();
   write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
@@ -899,7 +965,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
         meta = tensor_row(tensors, gradients, tensor);
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
-        entries = tensor_entries(meta, row_table, col_table);
+        entries = tensor_entries(meta, FactorTables{row_table, col_table, row_factors, col_factors, row_packed, col_packed});
 #if SFC_SLOW_VECTORS
         slow_vectors = shares_slow_entries(meta);
 #endif
@@ -914,11 +980,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     float x[SFC_NUM_FEATURES], param;
     ElementState state;
     i64 slow_entry;
-    apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
-                                               clip_factor, entries.slow, entries.fast, feature_shifts, x, state, param,
-                                               slow_entry);
-    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
     const int warp = threadIdx.x / 32;
+    uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
+    apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
+                                               clip_factor, entries, feature_shifts, x, state, param, slow_entry,
+                                               tile_row);
+    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
     // warp's elements share slow_entry.)
@@ -933,7 +1000,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool use_quads = false;
 #endif
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
-                                        l2_operand, BiasQuads{b2}, w3, w3_operand, b3);
+                                        SFC_PACKED_ENTRIES && meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
+                                        b3);
     if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }

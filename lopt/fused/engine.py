@@ -108,6 +108,9 @@ class Plan:
         self.col_table = workspace(layout.total_col_entries * table_floats, torch.float32)
         self.row_factors = workspace(layout.total_row_entries * 4, torch.float32)  # compact copies (a float4 each)
         self.col_factors = workspace(layout.total_col_entries * 4, torch.float32)
+        # The table features packed as BF16 inputs (packed_entry_inputs, a uint4 per entry), for an engine
+        # whose apply pass reads them (its _allocate sets them); None: the tables kernel writes none.
+        self.row_packed = self.col_packed = None
         self.status = torch.zeros(CONSTANTS["STATUS_INTS"], dtype=torch.int32, device=device)
         # max_grad_norm: each tensor's clip factor (1 for a tensor that is not clipped; None: none is)
         self.clip_factors = torch.ones(layout.num_tensors, device=device) if layout.num_norm_jobs else None
@@ -636,7 +639,8 @@ class FusedEngine:
                         (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
                          np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
                          ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors),
-                         ptr(plan.clip_factors), np.int32(phase), ptr(plan.slab_sums)))
+                         ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), np.int32(phase),
+                         ptr(plan.slab_sums)))
             if phase == 1:
                 reducer.sum_(plan.slab_sums)
 

@@ -99,6 +99,9 @@ class SmallFCLOptFused(FusedEngine):
 
     def __init__(self, optimizer, defines: tuple = ()):
         super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
+        # Whether the apply pass reads the packed table features (the kernels' SFC_PACKED_ENTRIES, on with
+        # precision "fast" unless a define says otherwise).
+        self.packed_entries = ("SFC_PACKED_ENTRIES=0" not in defines) and optimizer.precision == "fast"
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
@@ -109,6 +112,9 @@ class SmallFCLOptFused(FusedEngine):
         plan.folded = plan.workspace(layout.num_tensors * FOLDED_FLOATS, torch.float32)
         plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS, torch.float32)
         plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
+        if self.packed_entries:  # (int32 words: a uint4 per entry)
+            plan.row_packed = plan.workspace(layout.total_row_entries * 4, torch.int32)
+            plan.col_packed = plan.workspace(layout.total_col_entries * 4, torch.int32)
         max_count = int(layout.static_rows[:, FIELD["TensorMeta"]["count"]].max()) if layout.num_tensors else 1
         exponent = layer2_exponent if self.optimizer.precision == "exact" else layer3_exponent
         plan.fp16_exponent = exponent(self.mlp, max_count)
@@ -131,7 +137,7 @@ class SmallFCLOptFused(FusedEngine):
                          ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
                          ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
                          ptr(plan.tensor_sums), np.int32(plan.fp16_exponent), np.int64(layout.total_row_entries),
-                         np.int64(layout.total_col_entries)))
+                         np.int64(layout.total_col_entries), ptr(plan.row_packed), ptr(plan.col_packed)))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
 
@@ -140,4 +146,6 @@ class SmallFCLOptFused(FusedEngine):
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.folded),
-                     ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.clip_factors), *flags, self.skipped_counter()))
+                     ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
+                     ptr(plan.col_factors), ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), *flags,
+                     self.skipped_counter()))
