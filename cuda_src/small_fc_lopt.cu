@@ -746,14 +746,12 @@ LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
 }
 
 // Where a factored tensor's elements read their table entries, by role (TensorMeta's entry offsets
-// into the tables): the whole entries, and (SFC_PACKED_ENTRIES) the compact factors and the packed
-// table features.
+// into the tables): the whole entries, and for the fast one (SFC_PACKED_ENTRIES) its compact factors
+// and packed table features.
 struct TensorEntries {
   const float* slow;
   const float* fast;
-  const float4* slow_factors;
   const float4* fast_factors;
-  const uint4* slow_packed;
   const uint4* fast_packed;
 };
 struct FactorTables {
@@ -765,20 +763,19 @@ struct FactorTables {
   const uint4* col_packed;
 };
 LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables& tables) {
-  const TensorEntries by_axis{tables.row_table + t.row_table * LOPT_TABLE_FLOATS,
-                              tables.col_table + t.col_table * LOPT_TABLE_FLOATS,
-                              tables.row_factors + t.row_table, tables.col_factors + t.col_table,
-                              tables.row_packed + t.row_table, tables.col_packed + t.col_table};  // (R's as "slow")
-  if (!t.d0_is_a) return by_axis;
-  return TensorEntries{by_axis.fast, by_axis.slow, by_axis.fast_factors, by_axis.slow_factors, by_axis.fast_packed,
-                       by_axis.slow_packed};
+  const float* row = tables.row_table + t.row_table * LOPT_TABLE_FLOATS;
+  const float* col = tables.col_table + t.col_table * LOPT_TABLE_FLOATS;
+  if (t.d0_is_a) return TensorEntries{col, row, tables.row_factors + t.row_table, tables.row_packed + t.row_table};
+  return TensorEntries{row, col, tables.col_factors + t.col_table, tables.col_packed + t.col_table};
 }
 
 #ifndef SFC_PACKED_ENTRIES
-// Precision "fast" reads a factored tensor's table features as the tables kernel packed them for its
-// first layer (packed_entry_inputs: 16 bytes per entry), and the factors from the compact copies (16
-// more), where the whole entries are 48 bytes each, read as three float4s 48 bytes apart. The same
-// BF16 values reach the products either way (0: the earlier build, kept to measure against).
+// Precision "fast" reads a factored tensor's fast entry (a different one for every element of a warp)
+// as the tables kernel packed its features for the first layer (packed_entry_inputs: 16 bytes) and its
+// factors from the compact copies (16 more), where the whole entry is 48 bytes, read as three float4s
+// 48 bytes apart; the same BF16 values reach the products either way. The slow entry is read whole (a
+// warp's elements mostly share it; read from two tables, it cost ViT-B/16 ~5%). H100 apply pass, GPT-2
+// medium 9.12-9.18 ms against 9.32, ViT-B/16 2.28 against 2.30 (0: the earlier build, to measure against).
 #define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
 #endif
 #if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
@@ -795,7 +792,7 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // values of rms and V (the tables' R and C values come shifted). tile_row (mode 2): the thread's row of
 // its warp's feature tile: for a factored tensor (SFC_PACKED_ENTRIES), its k-step 2 (inputs 16 ... 23)
 // is the fast entry's packed_entry_inputs, copied here (x[16 ... 18] and x[22 ... 24] then left unset).
-// (Held in registers until first_layer, the 8 words made the pass spill; the warp's reads of the
+// (Held in registers until first_layer, packed words made the pass spill; the warp's reads of the
 // previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
@@ -923,15 +920,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
-#ifndef SFC_INVERSE_SCALE_SHARED
-#define SFC_INVERSE_SCALE_SHARED 1  // (A/B: 0 the earlier build)
-#endif
-#if SFC_INVERSE_SCALE_SHARED
-  __shared__ float inverse_scale;  // (in shared memory: held in a register through the loop, it was spilled)
+  // (In shared memory: held in a register through the loop, it was spilled and reloaded every chunk.
+  // Read after the first chunk's __syncthreads.)
+  __shared__ float inverse_scale;
   if (threadIdx.x == 0) inverse_scale = inverse_grad_scale(flags);
-#else
-  const float inverse_scale = inverse_grad_scale(flags);
-#endif
 #if SFC_OUTPUT_MMA
   __syncthreads();
   write_output_operand(w3_operand, w3, threadIdx.x, SFC_APPLY_THREADS);
