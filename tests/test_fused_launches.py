@@ -153,6 +153,40 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     assert params[2].stride() == (1, 6)
 
 
+def declared_parameter_names(source_file: str) -> dict:
+    """{kernel: [name of each parameter]} of a cuda_src file (headers included)."""
+    return {name: [param.split()[-1].lstrip("*") for param in params.split(",")]
+            for name, params in _KERNEL.findall(launcher.kernel_source(source_file))}
+
+
+@pytest.mark.parametrize("precision, defines, packed", [("exact", (), False), ("fast", (), True),
+                                                        ("fast", ("SFC_PACKED_ENTRIES=0",), False)])
+def test_fast_precision_hands_its_kernels_the_packed_entries(precision, defines, packed, recorded):
+    """precision="fast" has the tables kernel pack each entry's table features (packed_entry_inputs),
+    the fold re-pack a shifted tensor's, and the apply pass read them: all three get the plan's packed
+    tables. The exact mode, and a fast build without SFC_PACKED_ENTRIES, allocate none and pass null."""
+    from lopt.fused.small_fc_lopt import SmallFCLOptFused
+
+    names = declared_parameter_names("small_fc_lopt.cu")
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5)),
+              torch.nn.Parameter(torch.randn(3, 8, 2))]
+    opt = naive_for("small_fc_lopt", params, precision=precision)
+    opt.backend, opt._fused_engine = "fused", SmallFCLOptFused(opt, defines=defines)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    plan = opt._fused_engine.plan
+    assert (plan.row_packed is not None) == packed and (plan.col_packed is not None) == packed
+    if packed:  # a uint4 per entry of each table
+        assert plan.row_packed.numel() == 4 * plan.layout.total_row_entries
+        assert plan.col_packed.numel() == 4 * plan.layout.total_col_entries
+    expected = [launcher.pointer(plan.row_packed), launcher.pointer(plan.col_packed)]
+    for kernel in ("adafactor_factor_tables", "small_fc_lopt_fold", "small_fc_lopt_apply"):
+        args = next(launch[3] for launch in recorded if launch[0] == kernel)
+        given = [args[names[kernel].index(name)] for name in ("row_packed", "col_packed")]
+        assert given == expected and (all(given) if packed else not any(given)), kernel
+
+
 def test_kernels_are_declared_once_with_known_parameter_types():
     for source in ("small_fc_lopt.cu", "velo.cu"):
         for kernel, types in declared_kernels(source).items():

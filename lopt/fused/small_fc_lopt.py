@@ -12,7 +12,8 @@ row-factor normalisers where d1 is split, the non-finite flag, the feature sums,
 2. ``adafactor_finalize``       the means of G; the step's status flags reset; each clipped tensor's clip
                                 factor (clip_gradient_norm), which the later passes multiply the gradient by
 3. ``adafactor_factor_tables``  R, C updated (in the tables, from the clipped gradient's means) and their
-                                factors (adafactor_factors)
+                                factors (adafactor_factors); with precision "fast" also each entry's table
+                                features packed as the first layer's BF16 inputs (``plan.row_packed``)
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features); the
    non-finite test of every gradient element
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer; a kept
