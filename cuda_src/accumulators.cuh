@@ -225,8 +225,8 @@ LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
 // An entry's six table features and two constant ones as BF16 (rounded to nearest), laid out as one
 // 8-input k-step of a 16-deep BF16 tensor-core product takes its inputs: word t holds inputs t and t + 4
 // of (acc_0, acc_1, acc_2, rsqrt_acc_0, rsqrt_acc_1, rsqrt_acc_2, 1, 1). Precision "fast" of
-// small_fc_lopt reads these 16 bytes per element where the whole entry is 48 (its apply pass's
-// first layer takes them as they are); the ones carry its first layer's bias (or meet zero weights).
+// small_fc_lopt reads these 16 bytes for an element's fast entry where the whole entry is 48 (its apply
+// pass's first layer takes them as they are); the ones carry that layer's bias.
 LOPT_DEVICE uint4 packed_entry_inputs(const float acc[3], const float rsqrt_acc[3]) {
   return make_uint4(pack_bf16x2(acc[0], rsqrt_acc[1]), pack_bf16x2(acc[1], rsqrt_acc[2]), pack_bf16x2(acc[2], 1.f),
                     pack_bf16x2(rsqrt_acc[0], 1.f));
