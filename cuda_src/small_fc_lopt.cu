@@ -791,7 +791,8 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
 // values of rms and V (the tables' R and C values come shifted). tile_row (mode 2): the thread's row of
 // its warp's feature tile: for a factored tensor (SFC_PACKED_ENTRIES), its k-step 2 (inputs 16 ... 23)
-// is the fast entry's packed_entry_inputs, copied here (x[16 ... 18] and x[22 ... 24] then left unset).
+// is the fast entry's packed_entry_inputs, copied here (x[16 ... 18] and x[22 ... 24], its values as
+// floats, are then zeros that nothing reads).
 // (Held in registers until first_layer, packed words made the pass spill; the warp's reads of the
 // previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
 template <bool Streamed>
@@ -807,23 +808,16 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     split_factored_index(t, e, without_a, without_b);
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
+    const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
 #if SFC_PACKED_ENTRIES
-    // The fast entry packed (its features straight into the tile) and its compact factors; the slow
-    // entry whole (read by the whole warp at one address where its elements share it).
-    const FactorEntry slow = read_factor_entry(entries.slow, without_b);
-    const float4 fast = __ldg(entries.fast_factors + without_a);
+    // Only the fast entry's factors as floats; its features straight into the tile, packed.
+    const float4 fast_factors = __ldg(entries.fast_factors + without_a);
     tile_row[2] = __ldg(entries.fast_packed + without_a);
-    const float fast_factor[3] = {fast.x, fast.y, fast.z};
-    row = slow;
-    col = FactorEntry{};
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      row.factor[k] = slow_is_col ? fast_factor[k] : slow.factor[k];
-      col.factor[k] = slow_is_col ? slow.factor[k] : fast_factor[k];
-    }
+    FactorEntry fast{};
+    fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
 #else
-    const FactorEntry slow = read_factor_entry(entries.slow, without_b);
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
+#endif
     row = slow;
     col = fast;
 #pragma unroll
@@ -831,7 +825,6 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
       row.factor[k] = slow_is_col ? fast.factor[k] : slow.factor[k];
       col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
     }
-#endif
   });
   x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], shifts[0]);
   if (!t.factored) {
