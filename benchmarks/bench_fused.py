@@ -62,6 +62,15 @@ def make(name, params, backend, weights, defines=(), options=None):
     return opt
 
 
+def split_variant(macros: str) -> tuple:
+    """A variant's ','-separated ``NAME=VALUE`` items as (kernel macros, optimizer options or None):
+    ``precision=...`` is the optimizer's option, the rest are macros."""
+    items = [m for m in macros.split(",") if m]
+    defines = tuple(m for m in items if not m.startswith("precision="))
+    options = {"precision": m.split("=", 1)[1] for m in items if m.startswith("precision=")} or None
+    return defines, options
+
+
 def do_step(opt, loss):
     opt.step(loss) if getattr(opt, "requires_loss", False) else opt.step()
 
@@ -230,9 +239,7 @@ def main() -> int:
             write_record(args.out, env, rows)
             for target, macros in variants:
                 if target == name:
-                    items = macros.split(",")
-                    defines = tuple(m for m in items if not m.startswith("precision="))
-                    options = {"precision": m.split("=", 1)[1] for m in items if m.startswith("precision=")} or None
+                    defines, options = split_variant(macros)
                     rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines,
                                         options))
                     rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines, options)
