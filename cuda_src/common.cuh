@@ -49,24 +49,42 @@ LOPT_DEVICE void element_store(T* p, T v) {
   if (Streamed) __stcs(p, v); else *p = v;
 }
 
+// A value's bits as loaded (a 16-bit value in the low half), and those bits as float. Split so that a
+// pass can issue all of an element's loads before it converts any: a use of a loaded value between
+// two loads makes the warp wait for the first before it issues the second (load_element).
 template <bool Streamed = false>
-LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
-  if (dtype == LOPT_F32) return element_load<Streamed>(static_cast<const float*>(base) + index);
-  return sixteen_bits_to_float(element_load<Streamed>(static_cast<const unsigned short*>(base) + index), dtype);
+LOPT_DEVICE unsigned int load_bits(const void* base, i64 index, int dtype) {
+  if (dtype == LOPT_F32) return __float_as_uint(element_load<Streamed>(static_cast<const float*>(base) + index));
+  return element_load<Streamed>(static_cast<const unsigned short*>(base) + index);
+}
+LOPT_DEVICE float bits_as_float(unsigned int bits, int dtype) {
+  return dtype == LOPT_F32 ? __uint_as_float(bits) : sixteen_bits_to_float(static_cast<unsigned short>(bits), dtype);
 }
 
-// Values index and index + 1 as float. `vector`: base + index is aligned to two values (the caller
-// knows), so one load (8 bytes, or 4 for 16-bit values) reads both.
 template <bool Streamed = false>
-LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bool vector) {
-  if (!vector)
-    return make_float2(load_as_float<Streamed>(base, index, dtype), load_as_float<Streamed>(base, index + 1, dtype));
-  if (dtype == LOPT_F32)
-    return element_load<Streamed>(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
+LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
+  return bits_as_float(load_bits<Streamed>(base, index, dtype), dtype);
+}
+
+// Values index and index + 1 as loaded (their bits, as load_bits gives them) and as float. `vector`:
+// base + index is aligned to two values (the caller knows), so one load (8 bytes, or 4 for 16-bit
+// values) reads both.
+struct BitsPair {
+  unsigned int x, y;
+};
+template <bool Streamed = false>
+LOPT_DEVICE BitsPair load_pair_bits(const void* base, i64 index, int dtype, bool vector) {
+  if (!vector) return {load_bits<Streamed>(base, index, dtype), load_bits<Streamed>(base, index + 1, dtype)};
+  if (dtype == LOPT_F32) {
+    const float2 v = element_load<Streamed>(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
+    return {__float_as_uint(v.x), __float_as_uint(v.y)};
+  }
   const unsigned int bits = __float_as_uint(  // (two 16-bit values, loaded as one 4-byte word)
       element_load<Streamed>(reinterpret_cast<const float*>(static_cast<const unsigned short*>(base) + index)));
-  return make_float2(sixteen_bits_to_float(static_cast<unsigned short>(bits & 0xffffu), dtype),
-                     sixteen_bits_to_float(static_cast<unsigned short>(bits >> 16), dtype));
+  return {bits & 0xffffu, bits >> 16};
+}
+LOPT_DEVICE float2 bits_pair_as_float(BitsPair bits, int dtype) {
+  return make_float2(bits_as_float(bits.x, dtype), bits_as_float(bits.y, dtype));
 }
 
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.
@@ -119,11 +137,6 @@ LOPT_DEVICE float inverse_grad_scale(const StepFlags& flags) {
 // unscaled (g * (1/scale), as GradScaler.unscale_ computes it).
 LOPT_DEVICE float unscale_gradient(float g, float inverse_scale) {
   return inverse_scale == 1.0f ? g : __fmul_rn(g, inverse_scale);
-}
-template <bool Streamed = false>
-LOPT_DEVICE float load_gradient(const TensorMeta& t, i64 e, float inverse_scale) {
-  return unscale_gradient(load_as_float<Streamed>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)),
-                          inverse_scale);
 }
 
 // The check phase's test of one gradient element: NaN, ±inf, or |g| >= 2^64 (its square overflows

@@ -141,15 +141,6 @@ LOPT_DEVICE void loaded_element_features(const TensorMeta& t, const FactorIndex&
   });
 }
 
-// One element's inputs: its parameter and accumulators, and (returned) its unscaled gradient.
-template <bool Streamed = false>
-LOPT_DEVICE float load_element(const TensorMeta& t, i64 e, float inverse_scale, float& param, ElementState& s) {
-  const float unclipped_grad = load_gradient<Streamed>(t, e, inverse_scale);
-  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  s = load_element_state<Streamed>(t, e);
-  return unclipped_grad;
-}
-
 // Loads one element's inputs and computes its features (loaded_element_features); returns the
 // unclipped gradient, which the check phase tests.
 template <bool FactorsOnly = false, bool Streamed = false>

@@ -653,9 +653,7 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
                                               const float4* col_factors, const float4* row_contributions,
                                               const float4* col_contributions, float inverse_scale) {
   ElementInputs in;
-  in.grad = clip_gradient(load_gradient<VELO_APPLY_STREAMED>(t, e, inverse_scale));
-  in.param = load_as_float<VELO_APPLY_STREAMED>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  in.state = load_element_state<VELO_APPLY_STREAMED>(t, e);
+  in.grad = clip_gradient(load_element<VELO_APPLY_STREAMED>(t, e, inverse_scale, in.param, in.state));
   in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
   if (Factored) {
     const FactorIndex f = factor_index(t, e);
