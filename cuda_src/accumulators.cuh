@@ -146,29 +146,24 @@ LOPT_DEVICE float load_element(const TensorMeta& t, i64 e, float inverse_scale, 
   return unscale_gradient(bits_as_float(grad_bits, grad_dtype), inverse_scale);
 }
 
-// Value e, and e + 1 where `second` (else 0), as loaded.
+// Value e, and e + 1 where `second` (else 0).
 template <bool Streamed>
-LOPT_DEVICE BitsPair load_value_bits(const void* base, i64 e, int dtype, bool second, bool vector) {
-  return second ? load_pair_bits<Streamed>(base, e, dtype, vector) : BitsPair{load_bits<Streamed>(base, e, dtype), 0u};
+LOPT_DEVICE float2 load_values(const void* base, i64 e, int dtype, bool second, bool vector) {
+  return second ? load_pair_as_float<Streamed>(base, e, dtype, vector)
+                : make_float2(load_as_float<Streamed>(base, e, dtype), 0.f);
 }
 
-// Two adjacent elements' inputs (load_element's, for the statistics passes): every load issued before
-// any value is used.
 template <bool Streamed>
 LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inverse_scale, bool aligned) {
   ElementPair pair;
   pair.second = e + 1 < t.numel;
   const bool vector = aligned && pair.second;
-  const int grad_dtype = static_cast<int>(t.grad_dtype), param_dtype = static_cast<int>(t.param_dtype);
-  const BitsPair grad_bits = load_value_bits<Streamed>(pointer<const void>(t.grad), e, grad_dtype, pair.second, vector);
-  const BitsPair param_bits = load_value_bits<Streamed>(pointer<const void>(t.param), e, param_dtype, pair.second, vector);
-#if !LOPT_LOADS_FIRST
-  const float2 grad0 = bits_pair_as_float(grad_bits, grad_dtype), param0 = bits_pair_as_float(param_bits, param_dtype);
-  pair.grad[0] = unscale_gradient(grad0.x, inverse_scale);
-  pair.grad[1] = unscale_gradient(grad0.y, inverse_scale);
-  pair.param[0] = param0.x;
-  pair.param[1] = param0.y;
-#endif
+  const float2 grad = load_values<Streamed>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype), pair.second, vector);
+  const float2 param = load_values<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype), pair.second, vector);
+  pair.grad[0] = unscale_gradient(grad.x, inverse_scale);
+  pair.grad[1] = unscale_gradient(grad.y, inverse_scale);
+  pair.param[0] = param.x;
+  pair.param[1] = param.y;
   if (vector) {
     ElementState& s0 = pair.state[0];
     ElementState& s1 = pair.state[1];
@@ -186,13 +181,6 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
     pair.state[0] = load_element_state<Streamed>(t, e);
     pair.state[1] = pair.second ? load_element_state<Streamed>(t, e + 1) : ElementState{};
   }
-#if LOPT_LOADS_FIRST
-  const float2 grad = bits_pair_as_float(grad_bits, grad_dtype), param = bits_pair_as_float(param_bits, param_dtype);
-  pair.grad[0] = unscale_gradient(grad.x, inverse_scale);
-  pair.grad[1] = unscale_gradient(grad.y, inverse_scale);
-  pair.param[0] = param.x;
-  pair.param[1] = param.y;
-#endif
   return pair;
 }
 

@@ -66,25 +66,18 @@ LOPT_DEVICE float load_as_float(const void* base, i64 index, int dtype) {
   return bits_as_float(load_bits<Streamed>(base, index, dtype), dtype);
 }
 
-// Values index and index + 1 as loaded (their bits, as load_bits gives them) and as float. `vector`:
-// base + index is aligned to two values (the caller knows), so one load (8 bytes, or 4 for 16-bit
-// values) reads both.
-struct BitsPair {
-  unsigned int x, y;
-};
+// Values index and index + 1 as float. `vector`: base + index is aligned to two values (the caller
+// knows), so one load (8 bytes, or 4 for 16-bit values) reads both.
 template <bool Streamed = false>
-LOPT_DEVICE BitsPair load_pair_bits(const void* base, i64 index, int dtype, bool vector) {
-  if (!vector) return {load_bits<Streamed>(base, index, dtype), load_bits<Streamed>(base, index + 1, dtype)};
-  if (dtype == LOPT_F32) {
-    const float2 v = element_load<Streamed>(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
-    return {__float_as_uint(v.x), __float_as_uint(v.y)};
-  }
+LOPT_DEVICE float2 load_pair_as_float(const void* base, i64 index, int dtype, bool vector) {
+  if (!vector)
+    return make_float2(load_as_float<Streamed>(base, index, dtype), load_as_float<Streamed>(base, index + 1, dtype));
+  if (dtype == LOPT_F32)
+    return element_load<Streamed>(reinterpret_cast<const float2*>(static_cast<const float*>(base) + index));
   const unsigned int bits = __float_as_uint(  // (two 16-bit values, loaded as one 4-byte word)
       element_load<Streamed>(reinterpret_cast<const float*>(static_cast<const unsigned short*>(base) + index)));
-  return {bits & 0xffffu, bits >> 16};
-}
-LOPT_DEVICE float2 bits_pair_as_float(BitsPair bits, int dtype) {
-  return make_float2(bits_as_float(bits.x, dtype), bits_as_float(bits.y, dtype));
+  return make_float2(sixteen_bits_to_float(static_cast<unsigned short>(bits & 0xffffu), dtype),
+                     sixteen_bits_to_float(static_cast<unsigned short>(bits >> 16), dtype));
 }
 
 // Round to nearest even, as torch's .to(bfloat16 / float16) does.

@@ -241,10 +241,10 @@ def test_fast_packed_entries_step_like_the_whole_entries(dtype, weights):
 @pytest.mark.parametrize("name,options", [("small_fc_lopt", {}), ("small_fc_lopt", {"precision": "fast"}), ("velo", {})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_loads_issued_first_step_like_values_converted_as_loaded(name, options, dtype, weights):
-    """The element passes issue all of an element's loads before converting or unscaling any value
-    (load_element, load_element_pair); the earlier order (LOPT_LOADS_FIRST=0) converted each value as it
-    was loaded. Pure reordering: both builds leave bit-identical parameters and state, through
-    GradScaler's unscaling (a scale of 2^10), every dtype and every kind of tensor."""
+    """The apply passes issue all of an element's loads before converting or unscaling any value
+    (load_element); the earlier order (LOPT_LOADS_FIRST=0) converted each value as it was loaded. Pure
+    reordering: both builds leave bit-identical parameters and state, for every dtype and kind of tensor,
+    through GradScaler's unscaling (a scale of 2^10; not for bfloat16 gradients, which GradScaler refuses)."""
     module, cls = {"small_fc_lopt": ("lopt.fused.small_fc_lopt", "SmallFCLOptFused"),
                    "velo": ("lopt.fused.velo", "VeLOFused")}[name]
     engine = getattr(__import__(module, fromlist=[cls]), cls)
@@ -253,14 +253,19 @@ def test_loads_issued_first_step_like_values_converted_as_loaded(name, options, 
         params = make_params(ALL_SHAPES, dtype, seed=5)
         opt = make_optimizer(name, params, "fused", weights[name], **options)
         opt._fused_engine = engine(opt, defines=defines)
-        twins.append((opt, params, torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=10**6)))
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=10**6) if dtype != torch.bfloat16 else None
+        twins.append((opt, params, scaler))
     generator = torch.Generator().manual_seed(17)
+    scale = 2.0**10 if dtype != torch.bfloat16 else 1.0
     for index in range(4):
-        grads = [((torch.rand(p.shape, generator=generator) * 2 - 1) * 1e-2 * 2.0**10).to(dtype).cuda()
+        grads = [((torch.rand(p.shape, generator=generator) * 2 - 1) * 1e-2 * scale).to(dtype).cuda()
                  for p in twins[0][1]]
         for opt, params, scaler in twins:
-            scaler.scale(torch.ones((), device="cuda"))
             set_grads(params, grads)
+            if scaler is None:
+                step(opt, loss_of(index))
+                continue
+            scaler.scale(torch.ones((), device="cuda"))
             scaler.step(opt, loss_of(index)) if opt.requires_loss else scaler.step(opt)
             scaler.update()
         (first, first_params, _), (second, second_params, _) = twins
