@@ -4,7 +4,9 @@ Reads the CSV that ``benchmarks/ncu_source.sh`` writes (``sass_<kernel>.csv``: t
 report, one row per SASS instruction) and prints, per opcode, the instructions executed, shared-memory
 wavefronts and global tag requests per unit of work, and each opcode's share of the stall samples
 (all, and by reason). ``--units``: what to divide the counts by, e.g. the warp-chunks of 32 elements
-of the apply pass (354.8 M elements / 32 for GPT-2 medium).
+of the apply pass (354.8 M elements / 32 for GPT-2 medium). ``--top N`` also lists the N instructions
+with the most stall samples, at their offsets in the kernel: where a warp waits, e.g. the first use of a
+loaded value that the next loads are issued after.
 
     python benchmarks/ncu_by_opcode.py sass_small_fc_lopt_apply.csv --units 11087500 --label "fast, GPT-2 medium"
 """
@@ -30,14 +32,21 @@ def value(text: str) -> float:
         return 0.0
 
 
-def by_opcode(path: str) -> tuple[dict, collections.Counter]:
+def instruction_rows(path: str) -> tuple[dict, list]:
+    """The CSV's column indices and its rows of SASS instructions (those with an address)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     header = next(i for i, row in enumerate(rows) if "Source" in row and "Address" in row)
     column = {name: i for i, name in enumerate(rows[header])}
+    return column, [row for row in rows[header + 1:]
+                    if len(row) == len(rows[header]) and row[column["Address"]].startswith("0x")]
+
+
+def by_opcode(path: str) -> tuple[dict, collections.Counter]:
+    column, rows = instruction_rows(path)
     per_opcode: dict = collections.defaultdict(collections.Counter)
     totals: collections.Counter = collections.Counter()
-    for row in rows[header + 1:]:
+    for row in rows:
         match = OPCODE.match(row[column["Source"]].strip())
         if not match:
             continue
@@ -54,6 +63,7 @@ def main() -> int:
     parser.add_argument("csv", help="sass_<kernel>.csv from benchmarks/ncu_source.sh")
     parser.add_argument("--units", type=float, default=1.0, help="divide the counts by this many units of work")
     parser.add_argument("--label", default="", help="a line saying what was profiled")
+    parser.add_argument("--top", type=int, default=0, help="also list the N instructions with the most stall samples")
     args = parser.parse_args()
     per_opcode, totals = by_opcode(args.csv)
     samples = totals[SAMPLES] or 1.0
@@ -69,7 +79,24 @@ def main() -> int:
               f"{c[COUNTS[2]] / args.units:7.1f} {100 * c[SAMPLES] / samples:7.2f} "
               f"{100 * c['stall_long_sb'] / samples:7.1f} {100 * c['stall_short_sb'] / samples:7.1f} "
               f"{100 * c['stall_wait'] / samples:6.1f} {100 * c['stall_not_selected'] / samples:6.1f}")
+    if args.top:
+        print_top_stalls(args.csv, args.top, args.units)
     return 0
+
+
+def print_top_stalls(path: str, count: int, units: float) -> None:
+    """The ``count`` instructions with the most stall samples: offset from the kernel's first
+    instruction, share of all samples, the two largest reasons, executions per unit, the instruction."""
+    column, rows = instruction_rows(path)
+    first = int(rows[0][column["Address"]], 16)
+    samples = sum(value(row[column[SAMPLES]]) for row in rows) or 1.0
+    reasons = [name for name in STALLS if name in column]
+    print(f"\n# the {count} instructions with the most stall samples")
+    for row in sorted(rows, key=lambda row: -value(row[column[SAMPLES]]))[:count]:
+        top = sorted(reasons, key=lambda name: -value(row[column[name]]))[:2]
+        why = ", ".join(f"{name[6:]} {100 * value(row[column[name]]) / samples:.1f}%" for name in top)
+        print(f"{int(row[column['Address']], 16) - first:#07x} {100 * value(row[column[SAMPLES]]) / samples:6.2f}% "
+              f"({why}) x{value(row[column['Instructions Executed']]) / units:.2f}  {row[column['Source']].strip()}")
 
 
 if __name__ == "__main__":

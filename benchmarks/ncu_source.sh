@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute's counters per SASS instruction of one kernel (executed instructions, stall samples,
 # shared-memory and L1 wavefronts), exported as CSV beside the kernel's summary sections:
-#   bash benchmarks/ncu_source.sh small_fc_lopt_apply small_fc_lopt gpt2-medium LOPT_SPLIT_MODE=2 > $OUT/summary.txt
+#   bash benchmarks/ncu_source.sh small_fc_lopt_apply small_fc_lopt gpt2-medium precision=fast > $OUT/summary.txt
 # writes $OUT/sass_<kernel>.csv (the report itself stays in /tmp: it is large; benchmarks/ncu_by_opcode.py sums it per opcode).
 set -u
 kernel=$1 optimizer=$2 param_set=$3 macros=${4:-}

@@ -123,21 +123,14 @@ LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], fl
   second[0] = y.y; second[1] = z.x; second[2] = z.y;
 }
 
-// One element's unscaled gradient (returned), parameter and accumulators. Every load is issued before
-// any loaded value is used: converting or unscaling the gradient before the parameter's and the
-// state's loads made the warp wait out the gradient's DRAM latency and then theirs, one after the
-// other (the apply passes' largest stall, benchmarks/RESULTS.md).
-#ifndef LOPT_LOADS_FIRST
-#define LOPT_LOADS_FIRST 1  // (0: each value converted as loaded, as before; a benchmark's A/B)
-#endif
+// One element's unscaled gradient (returned), parameter and accumulators, for the apply passes. Every
+// load is issued before any loaded value is used: converting or unscaling the gradient before the
+// parameter's and the state's loads were issued made a warp wait out the gradient's DRAM latency and
+// then theirs, one after the other (it was the apply passes' largest stall; benchmarks/RESULTS.md).
+// (The statistics passes load pairs, load_element_pair, which the L2 prefetch of the next pair already
+// overlaps.)
 template <bool Streamed = false>
 LOPT_DEVICE float load_element(const TensorMeta& t, i64 e, float inverse_scale, float& param, ElementState& s) {
-#if !LOPT_LOADS_FIRST
-  const float g = unscale_gradient(load_as_float<Streamed>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale);
-  param = load_as_float<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-  s = load_element_state<Streamed>(t, e);
-  return g;
-#endif
   const int grad_dtype = static_cast<int>(t.grad_dtype), param_dtype = static_cast<int>(t.param_dtype);
   const unsigned int grad_bits = load_bits<Streamed>(pointer<const void>(t.grad), e, grad_dtype);
   const unsigned int param_bits = load_bits<Streamed>(pointer<const void>(t.param), e, param_dtype);

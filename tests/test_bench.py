@@ -4,6 +4,7 @@ The runs are tiny (toy-lm: 3 tensors; tiny-lm under transformers) and take a few
 whole file stays within CI's budget on 2 cores; the one cold torch.compile dominates it.
 """
 
+import csv
 import json
 import math
 import sys
@@ -366,6 +367,29 @@ def test_gpu_scripts_split_a_variant_into_kernel_macros_and_the_precision_option
     assert split_variant("SFC_X=1,precision=fast,LOPT_Y=2") == (("SFC_X=1", "LOPT_Y=2"), {"precision": "fast"})
     assert split_variant("SFC_X=1") == (("SFC_X=1",), None)
     assert split_variant("") == ((), None)
+
+
+def test_ncu_summary_sums_per_opcode_and_lists_the_most_stalled_instructions(tmp_path, capsys):
+    """benchmarks/ncu_by_opcode.py on a source-page CSV as Nsight Compute writes it (a preamble, quoted
+    fields): per-opcode sums over predicated and plain instructions, and --top's offsets and shares."""
+    from benchmarks import ncu_by_opcode
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "L1 Wavefronts Shared", "L1 Tag Requests Global", "stall_long_sb", "stall_wait"]
+    rows = [["0x7f00", "LDG.E R3, desc[UR4][R2.64]", "10", "64", "0", "32", "0", "10"],
+            ["0x7f10", "@P0   FMUL R3, R13, R3", "60", "64", "0", "0", "58", "2"],
+            ["0x7f20", "FMUL R4, R3, R3", "30", "64", "0", "0", "0", "30"]]
+    path = tmp_path / "sass.csv"
+    with open(path, "w", newline="") as f:
+        f.write("==PROF== Disconnected from process 1\n\"Kernel Name\",\"k\",\n")
+        csv.writer(f, quoting=csv.QUOTE_ALL).writerows([header, *rows])
+    per_opcode, totals = ncu_by_opcode.by_opcode(str(path))
+    assert per_opcode["FMUL"]["Instructions Executed"] == 128 and per_opcode["FMUL"]["stall_long_sb"] == 58
+    assert totals["Warp Stall Sampling (All Samples)"] == 100 and totals["L1 Tag Requests Global"] == 32
+    ncu_by_opcode.print_top_stalls(str(path), 2, units=32)
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    assert lines[0].startswith("0x00010  60.00% (long_sb 58.0%, wait 2.0%) x2.00") and lines[0].endswith("@P0   FMUL R3, R13, R3")
+    assert lines[1].startswith("0x00020  30.00% (wait 30.0%")
 
 
 # ---------------------------------------------------------------------------------------- curves pieces

@@ -238,46 +238,6 @@ def test_fast_packed_entries_step_like_the_whole_entries(dtype, weights):
     assert plan.row_packed is not None and twins[1][0]._fused_engine.plan.row_packed is None
 
 
-@pytest.mark.parametrize("name,options", [("small_fc_lopt", {}), ("small_fc_lopt", {"precision": "fast"}), ("velo", {})])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_loads_issued_first_step_like_values_converted_as_loaded(name, options, dtype, weights):
-    """The apply passes issue all of an element's loads before converting or unscaling any value
-    (load_element); the earlier order (LOPT_LOADS_FIRST=0) converted each value as it was loaded. Pure
-    reordering: both builds leave bit-identical parameters and state, for every dtype and kind of tensor,
-    through GradScaler's unscaling (a scale of 2^10; not for bfloat16 gradients, which GradScaler refuses)."""
-    module, cls = {"small_fc_lopt": ("lopt.fused.small_fc_lopt", "SmallFCLOptFused"),
-                   "velo": ("lopt.fused.velo", "VeLOFused")}[name]
-    engine = getattr(__import__(module, fromlist=[cls]), cls)
-    twins = []
-    for defines in ((), ("LOPT_LOADS_FIRST=0",)):
-        params = make_params(ALL_SHAPES, dtype, seed=5)
-        opt = make_optimizer(name, params, "fused", weights[name], **options)
-        opt._fused_engine = engine(opt, defines=defines)
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=10**6) if dtype != torch.bfloat16 else None
-        twins.append((opt, params, scaler))
-    generator = torch.Generator().manual_seed(17)
-    scale = 2.0**10 if dtype != torch.bfloat16 else 1.0
-    for index in range(4):
-        grads = [((torch.rand(p.shape, generator=generator) * 2 - 1) * 1e-2 * scale).to(dtype).cuda()
-                 for p in twins[0][1]]
-        for opt, params, scaler in twins:
-            set_grads(params, grads)
-            if scaler is None:
-                step(opt, loss_of(index))
-                continue
-            scaler.scale(torch.ones((), device="cuda"))
-            scaler.step(opt, loss_of(index)) if opt.requires_loss else scaler.step(opt)
-            scaler.update()
-        (first, first_params, _), (second, second_params, _) = twins
-        for shape, a, b in zip(ALL_SHAPES, first_params, second_params):
-            assert torch.isfinite(a).all(), (index, shape)
-            assert torch.equal(a, b), (index, shape, float((a.double() - b.double()).abs().max()))
-            for key, value in first.state[a].items():
-                if torch.is_tensor(value):
-                    assert torch.equal(value, second.state[b][key]), (index, shape, key)
-        assert not torch.equal(first_params[8], make_params(ALL_SHAPES, dtype, seed=5)[8])  # (the steps moved them)
-
-
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as
