@@ -760,9 +760,6 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
   return TensorEntries{row, col, tables.col_factors + t.col_table, tables.col_packed + t.col_table};
 }
 
-#ifndef SFC_ENTRIES_EARLY
-#define SFC_ENTRIES_EARLY 0  // (experiment) 1: the fast entry's loads issued with the element's; 2: the slow entry's too
-#endif
 #ifndef SFC_PACKED_ENTRIES
 // Precision "fast" reads a factored tensor's fast entry (a different one for every element of a warp)
 // as the tables kernel packed its features for the first layer (packed_entry_inputs: 16 bytes) and its
@@ -794,45 +791,19 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
                                         float clip_factor, const TensorEntries& entries, const float* shifts,
                                         float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
                                         uint4* tile_row) {
-#if SFC_ENTRIES_EARLY && SFC_PACKED_ENTRIES
-  i64 without_a = 0, without_b = 0;
-  if (t.factored) split_factored_index(t, e, without_a, without_b);
-#endif
   const float unclipped_grad = load_element<Streamed>(t, e, inverse_scale, param, s);
-#if SFC_ENTRIES_EARLY && SFC_PACKED_ENTRIES
-  float4 fast_factors = make_float4(0.f, 0.f, 0.f, 0.f);
-  uint4 fast_words = make_uint4(0u, 0u, 0u, 0u);
-#if SFC_ENTRIES_EARLY == 2
-  FactorEntry slow{};
-#endif
-  if (t.factored) {
-    fast_factors = __ldg(entries.fast_factors + without_a);
-    fast_words = __ldg(entries.fast_packed + without_a);
-#if SFC_ENTRIES_EARLY == 2
-    slow = read_factor_entry(entries.slow, without_b);
-#endif
-  }
-#endif
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
-#if !(SFC_ENTRIES_EARLY && SFC_PACKED_ENTRIES)
     i64 without_a, without_b;
     split_factored_index(t, e, without_a, without_b);
-#endif
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-#if SFC_ENTRIES_EARLY != 2 || !SFC_PACKED_ENTRIES
     const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
-#endif
-#if SFC_ENTRIES_EARLY && SFC_PACKED_ENTRIES
-    tile_row[2] = fast_words;
-#elif SFC_PACKED_ENTRIES
+#if SFC_PACKED_ENTRIES
     // Only the fast entry's factors as floats; its features straight into the tile, packed.
     const float4 fast_factors = __ldg(entries.fast_factors + without_a);
     tile_row[2] = __ldg(entries.fast_packed + without_a);
-#endif
-#if SFC_PACKED_ENTRIES
     FactorEntry fast{};
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
 #else
