@@ -129,14 +129,34 @@ LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], fl
 // then theirs, one after the other (it was the apply passes' largest stall; benchmarks/RESULTS.md).
 // (The statistics passes load pairs, load_element_pair, which the L2 prefetch of the next pair already
 // overlaps.)
+struct IssuedElement {  // an element's loads, issued and not yet used
+  unsigned int grad_bits, param_bits;
+  ElementState state;
+};
+template <bool Streamed = false>
+LOPT_DEVICE IssuedElement issue_element_loads(const TensorMeta& t, i64 e) {
+  IssuedElement in;
+  in.grad_bits = load_bits<Streamed>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype));
+  in.param_bits = load_bits<Streamed>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+  in.state = load_element_state<Streamed>(t, e);
+  return in;
+}
+// No use of the loaded values moves above this point (each passes through an empty asm statement):
+// what a pass issues between issue_element_loads and here overlaps their latency.
+LOPT_DEVICE void hold_uses_until_here(IssuedElement& in) {
+  ElementState& s = in.state;
+  asm volatile("" : "+r"(in.grad_bits), "+r"(in.param_bits), "+f"(s.mom[0]), "+f"(s.mom[1]), "+f"(s.mom[2]),
+               "+f"(s.rms), "+f"(s.full[0]), "+f"(s.full[1]), "+f"(s.full[2]));
+}
+LOPT_DEVICE float finish_element(const TensorMeta& t, const IssuedElement& in, float inverse_scale, float& param,
+                                 ElementState& s) {
+  s = in.state;
+  param = bits_as_float(in.param_bits, static_cast<int>(t.param_dtype));
+  return unscale_gradient(bits_as_float(in.grad_bits, static_cast<int>(t.grad_dtype)), inverse_scale);
+}
 template <bool Streamed = false>
 LOPT_DEVICE float load_element(const TensorMeta& t, i64 e, float inverse_scale, float& param, ElementState& s) {
-  const int grad_dtype = static_cast<int>(t.grad_dtype), param_dtype = static_cast<int>(t.param_dtype);
-  const unsigned int grad_bits = load_bits<Streamed>(pointer<const void>(t.grad), e, grad_dtype);
-  const unsigned int param_bits = load_bits<Streamed>(pointer<const void>(t.param), e, param_dtype);
-  s = load_element_state<Streamed>(t, e);
-  param = bits_as_float(param_bits, param_dtype);
-  return unscale_gradient(bits_as_float(grad_bits, grad_dtype), inverse_scale);
+  return finish_element(t, issue_element_loads<Streamed>(t, e), inverse_scale, param, s);
 }
 
 // Value e, and e + 1 where `second` (else 0).
