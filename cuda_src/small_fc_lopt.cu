@@ -760,9 +760,6 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
   return TensorEntries{row, col, tables.col_factors + t.col_table, tables.col_packed + t.col_table};
 }
 
-#ifndef SFC_ENTRIES_BEFORE_USE
-#define SFC_ENTRIES_BEFORE_USE 0  // (experiment) 1: the fast entry's loads before the element's first use; 2: the slow's too
-#endif
 #ifndef SFC_PACKED_ENTRIES
 // Precision "fast" reads a factored tensor's fast entry (a different one for every element of a warp)
 // as the tables kernel packed its features for the first layer (packed_entry_inputs: 16 bytes) and its
@@ -795,29 +792,16 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
                                         float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
                                         uint4* tile_row) {
   IssuedElement issued = issue_element_loads<Streamed>(t, e);
-#if SFC_ENTRIES_BEFORE_USE
-  // (experiment) the factor index and the fast entry's loads between the element's loads and their uses
-  i64 without_a = 0, without_b = 0;
 #if SFC_PACKED_ENTRIES
+  // The fast entry's reads (from L2) go out while the element's (from DRAM) are in flight, ahead of
+  // any use of them: else the first use waits out the DRAM latency and the entry's L2 latency follows.
+  i64 without_a = 0, without_b = 0;
   float4 fast_factors = make_float4(0.f, 0.f, 0.f, 0.f);
   uint4 fast_words = make_uint4(0u, 0u, 0u, 0u);
-#else
-  FactorEntry fast{};
-#endif
-#if SFC_ENTRIES_BEFORE_USE == 2
-  FactorEntry slow{};
-#endif
   if (t.factored) {
     split_factored_index(t, e, without_a, without_b);
-#if SFC_PACKED_ENTRIES
     fast_factors = __ldg(entries.fast_factors + without_a);
     fast_words = __ldg(entries.fast_packed + without_a);
-#else
-    fast = read_factor_entry(entries.fast, without_a);
-#endif
-#if SFC_ENTRIES_BEFORE_USE == 2
-    slow = read_factor_entry(entries.slow, without_b);
-#endif
   }
   hold_uses_until_here(issued);
 #endif
@@ -825,26 +809,19 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
-#if !SFC_ENTRIES_BEFORE_USE
+#if !SFC_PACKED_ENTRIES
     i64 without_a, without_b;
     split_factored_index(t, e, without_a, without_b);
 #endif
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-#if SFC_ENTRIES_BEFORE_USE != 2
     const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
-#endif
-#if SFC_ENTRIES_BEFORE_USE && SFC_PACKED_ENTRIES
-    tile_row[2] = fast_words;
-#elif SFC_PACKED_ENTRIES
-    // Only the fast entry's factors as floats; its features straight into the tile, packed.
-    const float4 fast_factors = __ldg(entries.fast_factors + without_a);
-    tile_row[2] = __ldg(entries.fast_packed + without_a);
-#endif
 #if SFC_PACKED_ENTRIES
+    // Only the fast entry's factors as floats; its features straight into the tile, packed.
+    tile_row[2] = fast_words;
     FactorEntry fast{};
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
-#elif !SFC_ENTRIES_BEFORE_USE
+#else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
 #endif
     row = slow;
