@@ -519,14 +519,42 @@ LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float upd
 // Adafactor kernels
 // ------------------------------------------------------------------------------------------
 
-// The gradient as Adafactor sees it: unscaled, then (VeLO) clipped to ±gradient_clip (0: no clip).
-LOPT_DEVICE float adafactor_gradient(const void* src, i64 index, int dtype, float inverse_scale, float gradient_clip) {
-  float g = load_as_float(src, index, dtype);
-  if (inverse_scale != 1.0f) g = __fmul_rn(g, inverse_scale);
+// The gradient as Adafactor sees it, from its loaded bits: unscaled, then (VeLO) clipped to
+// ±gradient_clip (0: no clip).
+LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse_scale, float gradient_clip) {
+  const float g = unscale_gradient(bits_as_float(bits, dtype), inverse_scale);
   return gradient_clip > 0.f ? fminf(fmaxf(g, -gradient_clip), gradient_clip) : g;
 }
 
+#ifndef LOPT_AXIS_LOADS_AHEAD
+#define LOPT_AXIS_LOADS_AHEAD 8
+#endif
+// Σ G over the gradient elements src[first + k·stride], k = 0 ... count − 1, added in that order in
+// float64. LOPT_AXIS_LOADS_AHEAD elements' loads go out before any of them is used: the pass reads
+// each element once and does little with it, so what bounds it is how many loads each thread keeps
+// in flight (left to the compiler, four; and a use waits for its load even where the clip is off).
+LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 count, int dtype, float inverse_scale,
+                                   float gradient_clip) {
+  constexpr int ahead = LOPT_AXIS_LOADS_AHEAD;
+  double sum = 0.0;
+  i64 k = 0;
+#if LOPT_AXIS_LOADS_AHEAD > 1
+  for (; k + ahead <= count; k += ahead) {
+    unsigned int bits[ahead];
+#pragma unroll
+    for (int j = 0; j < ahead; ++j) bits[j] = load_bits(src, first + (k + j) * stride, dtype);
+#pragma unroll
+    for (int j = 0; j < ahead; ++j) sum += adafactor_square(adafactor_gradient(bits[j], dtype, inverse_scale, gradient_clip));
+  }
+#endif
+  for (; k < count; ++k)
+    sum += adafactor_square(adafactor_gradient(load_bits(src, first + k * stride, dtype), dtype, inverse_scale, gradient_clip));
+  return sum;
+}
+
 // Partial sums of G in float64 (large finite gradients make G approach float32's largest value).
+// Mode 0 (strided axis): a thread per output (q, i) and chunk of x. Mode 1 (contiguous axis): a warp
+// per output q and chunk of x, its lanes 32 apart.
 extern "C" __global__ void __launch_bounds__(LOPT_AXIS_THREADS)
 adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i64* __restrict__ gradients,
                         double* __restrict__ partials, const float* grad_scale, float gradient_clip) {
@@ -541,9 +569,8 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
     if (out >= job.num_outputs) return;
     const i64 q = out / job.i, i = out - q * job.i;
     const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
-    double sum = 0.0;
-    for (i64 x = x0; x < x1; ++x)
-      sum += adafactor_square(adafactor_gradient(src, (q * job.x + x) * job.i + i, dtype, inverse_scale, gradient_clip));
+    const double sum = axis_square_sum(src, (q * job.x + x0) * job.i + i, job.i, x1 - x0, dtype, inverse_scale,
+                                       gradient_clip);
     partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
   } else {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -551,9 +578,8 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
     if (item >= job.q * job.num_xchunks) return;
     const i64 q = item / job.num_xchunks, chunk = item - q * job.num_xchunks;
     const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
-    double sum = 0.0;
-    for (i64 x = x0 + lane; x < x1; x += 32)
-      sum += adafactor_square(adafactor_gradient(src, q * job.x + x, dtype, inverse_scale, gradient_clip));
+    const i64 count = x1 - x0 > lane ? (x1 - x0 - lane + 31) / 32 : 0;
+    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, gradient_clip);
     sum = warp_sum(sum);
     if (lane == 0) partials[job.partial_offset + chunk * job.num_outputs + q] = sum;
   }
