@@ -526,28 +526,13 @@ LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse
   return gradient_clip > 0.f ? fminf(fmaxf(g, -gradient_clip), gradient_clip) : g;
 }
 
-#ifndef LOPT_AXIS_LOADS_AHEAD
-#define LOPT_AXIS_LOADS_AHEAD 8
-#endif
 // Σ G over the gradient elements src[first + k·stride], k = 0 ... count − 1, added in that order in
-// float64. LOPT_AXIS_LOADS_AHEAD elements' loads go out before any of them is used: the pass reads
-// each element once and does little with it, so what bounds it is how many loads each thread keeps
-// in flight (left to the compiler, four; and a use waits for its load even where the clip is off).
+// float64. (Loads issued further ahead than the compiler's unrolling made the pass slower: it is
+// bound by memory, not by each thread's latency; benchmarks/RESULTS.md.)
 LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 count, int dtype, float inverse_scale,
                                    float gradient_clip) {
-  constexpr int ahead = LOPT_AXIS_LOADS_AHEAD;
   double sum = 0.0;
-  i64 k = 0;
-#if LOPT_AXIS_LOADS_AHEAD > 1
-  for (; k + ahead <= count; k += ahead) {
-    unsigned int bits[ahead];
-#pragma unroll
-    for (int j = 0; j < ahead; ++j) bits[j] = load_bits(src, first + (k + j) * stride, dtype);
-#pragma unroll
-    for (int j = 0; j < ahead; ++j) sum += adafactor_square(adafactor_gradient(bits[j], dtype, inverse_scale, gradient_clip));
-  }
-#endif
-  for (; k < count; ++k)
+  for (i64 k = 0; k < count; ++k)
     sum += adafactor_square(adafactor_gradient(load_bits(src, first + k * stride, dtype), dtype, inverse_scale, gradient_clip));
   return sum;
 }
