@@ -92,14 +92,14 @@ def time_steps(opt, params, grad_sets, steps, warmup):
     return times
 
 
-def graph_step_ms(name, param_set, weights, steps, warmup) -> float:
+def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> float:
     """Median ms of one step captured in a CUDA graph and replayed (static gradient tensors, as in a
     captured training loop): the step without the host's share. AdamW with ``capturable=True``."""
     params = build_parameters(param_set, "cuda")
     for p, g in zip(params, gradient_sets(params, 1)[0]):
         p.grad = g
     opt = (torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True) if name == "adamw"
-           else make(name, params, "fused", weights))
+           else make(name, params, "fused", weights, options=options))
     loss = torch.tensor(2.5, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -247,6 +247,9 @@ def main() -> int:
             for options in option_rows.get(name, ()):
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
+                if args.graph:
+                    rows[-1]["graph_ms_per_step"] = graph_step_ms(name, param_set, weights[name], args.steps,
+                                                                  args.warmup, options)
                 write_record(args.out, env, rows)
             if args.graph:
                 fused["graph_ms_per_step"] = graph_step_ms(name, param_set, weights[name], args.steps, args.warmup)
