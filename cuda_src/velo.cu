@@ -665,48 +665,6 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
   return in;
 }
 
-#ifndef VELO_LOADS_TOGETHER
-#define VELO_LOADS_TOGETHER 1  // (experiment) 0: each element loaded and used in turn; 1: the N elements' loads first; 2: their factors' too
-#endif
-// Elements e[0..N)'s inputs, as load_element_inputs reads them, with every element's loads issued
-// before any loaded value is used (else the compiler, short of registers, issues the next element's
-// loads after the first element's arithmetic: N DRAM waits one after the other).
-template <bool Factored, int N>
-LOPT_DEVICE void load_elements_together(const TensorMeta& t, const i64 (&e)[N], const float4* row_factors,
-                                        const float4* col_factors, const float4* row_contributions,
-                                        const float4* col_contributions, float inverse_scale, ElementInputs (&in)[N]) {
-  IssuedElement issued[N];
-#pragma unroll
-  for (int n = 0; n < N; ++n) issued[n] = issue_element_loads<VELO_APPLY_STREAMED>(t, e[n]);
-  float4 r[N], c[N];
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    in[n].row_factor = in[n].col_factor = r[n] = c[n] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (Factored && VELO_LOADS_TOGETHER == 2) {
-      const FactorIndex f = factor_index(t, e[n]);
-      in[n].row_factor = __ldg(row_factors + t.row_table + f.row);
-      in[n].col_factor = __ldg(col_factors + t.col_table + f.col);
-      r[n] = __ldg(row_contributions + t.row_table + f.row);
-      c[n] = __ldg(col_contributions + t.col_table + f.col);
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < N; ++n) hold_uses_until_here(issued[n]);
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    in[n].grad = clip_gradient(finish_element(t, issued[n], inverse_scale, in[n].param, in[n].state));
-    if (Factored && VELO_LOADS_TOGETHER != 2) {
-      const FactorIndex f = factor_index(t, e[n]);
-      in[n].row_factor = __ldg(row_factors + t.row_table + f.row);
-      in[n].col_factor = __ldg(col_factors + t.col_table + f.col);
-      r[n] = __ldg(row_contributions + t.row_table + f.row);
-      c[n] = __ldg(col_contributions + t.col_table + f.col);
-    }
-    in[n].table_share = make_float4(__fadd_rn(r[n].x, c[n].x), __fadd_rn(r[n].y, c[n].y), __fadd_rn(r[n].z, c[n].z),
-                                    __fadd_rn(r[n].w, c[n].w));
-  }
-}
-
 // Elements e[0..N) of a tensor, from their loaded inputs.
 template <bool Factored, int N>
 LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, const i64 (&e)[N], ElementInputs (&in)[N],
@@ -755,19 +713,12 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
   for (; chunk + (N - 1) < end && e + (N - 1) * VELO_APPLY_CHUNK < t.numel; chunk += N, e += N * VELO_APPLY_CHUNK) {
     i64 elements[N];
     ElementInputs in[N];
-#if VELO_LOADS_TOGETHER
-#pragma unroll
-    for (int n = 0; n < N; ++n) elements[n] = e + n * VELO_APPLY_CHUNK;
-    load_elements_together<Factored, N>(t, elements, row_factors, col_factors, row_contributions, col_contributions,
-                                        inverse_scale, in);
-#else
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       elements[n] = e + n * VELO_APPLY_CHUNK;
       in[n] = load_element_inputs<Factored>(t, elements[n], row_factors, col_factors, row_contributions,
                                             col_contributions, inverse_scale);
     }
-#endif
     apply_elements<Factored, N>(t, a, elements, in, record);
   }
   for (; chunk < end && e < t.numel; ++chunk, e += VELO_APPLY_CHUNK) {
