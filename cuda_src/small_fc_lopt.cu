@@ -872,6 +872,9 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // blocks/SM: 11.13 / 2.72 and 11.22 / 2.78).
 #define SFC_L2_IN_REGISTERS (LOPT_SPLIT_MODE == 2)
 #endif
+#ifndef SFC_CHUNK_META
+#define SFC_CHUNK_META 0
+#endif
 #ifndef SFC_APPLY_MIN_BLOCKS
 // Blocks per SM the registers must allow: the exact build at 5 (96 registers; H100, GPT-2 medium apply
 // pass 17.73 ms against 18.30 at 4 blocks and 20.57 at 3, since its first layer lost a k-step and its
@@ -964,8 +967,13 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-    const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-    const bool valid = index < meta.numel;
+#if SFC_CHUNK_META
+    const TensorMeta chunk_meta = meta;  // (experiment) read once per chunk, not at every use
+#else
+    const TensorMeta& chunk_meta = meta;
+#endif
+    const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+    const bool valid = index < chunk_meta.numel;
     // A lane past the tensor's end computes the features of its last element (every lane takes part in
     // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
     float x[SFC_NUM_FEATURES], param;
@@ -973,10 +981,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     i64 slow_entry;
     const int warp = threadIdx.x / 32;
     uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-    apply_element_features<SFC_APPLY_STREAMED>(meta, valid ? index : meta.numel - 1, group.decays, inverse_scale,
+    apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                clip_factor, entries, feature_shifts, x, state, param, slow_entry,
                                                tile_row);
-    if (valid) store_element_state<SFC_APPLY_STREAMED>(meta, index, state);  // (they do not depend on the MLP)
+    if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
 #if SFC_SLOW_VECTORS
     // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
     // warp's elements share slow_entry.)
@@ -991,8 +999,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool use_quads = false;
 #endif
     const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
-                                        SFC_PACKED_ENTRIES && meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
+                                        SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
                                         b3);
-    if (valid) apply_update<SFC_APPLY_STREAMED>(meta, index, param, update_from_mlp(mlp_output, group), group);
+    if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
   }
 }
