@@ -873,7 +873,12 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #define SFC_L2_IN_REGISTERS (LOPT_SPLIT_MODE == 2)
 #endif
 #ifndef SFC_CHUNK_META
-#define SFC_CHUNK_META 0
+// Precision "fast" copies the tensor's metadata out of shared memory once per chunk: read where used,
+// a field was read again at every use (the chunk's barriers forbid the compiler to keep it), and the
+// pass runs its L1 data pipe near its limit (89.7% of wavefronts). H100, one process, apply pass:
+// GPT-2 medium 8.24 against 8.34 ms, ViT-B/16 2.03 against 2.08; the exact pass spills more with it
+// and gains nothing (17.14 against 17.07).
+#define SFC_CHUNK_META (LOPT_SPLIT_MODE == 2)
 #endif
 #ifndef SFC_APPLY_MIN_BLOCKS
 // Blocks per SM the registers must allow: the exact build at 5 (96 registers; H100, GPT-2 medium apply
@@ -968,7 +973,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
 #if SFC_CHUNK_META
-    const TensorMeta chunk_meta = meta;  // (experiment) read once per chunk, not at every use
+    const TensorMeta chunk_meta = meta;
 #else
     const TensorMeta& chunk_meta = meta;
 #endif
