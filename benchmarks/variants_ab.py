@@ -29,6 +29,15 @@ def quartiles(times) -> dict:
             "steps": len(times)}
 
 
+def variant_labels(spec: str) -> list:
+    """``--variants``' ';'-separated builds as (label, variant): the empty variant is labelled "default"."""
+    variants = spec.split(";")
+    labels = [v or "default" for v in variants]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"--variants lists a build twice: {spec!r}")
+    return list(zip(labels, variants))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -42,9 +51,10 @@ def main() -> int:
     params = build_parameters(args.param_set, "cuda")
     grad_sets = gradient_sets(params)
     weights = lopt.random_weights(args.optimizer, seed=0)  # timing only
-    labels = ["adamw"] + [v or "default" for v in args.variants.split(";")]
+    builds = variant_labels(args.variants)
+    labels = ["adamw"] + [label for label, _ in builds]
     optimizers = {"adamw": make("adamw", params, "fused", None)}
-    for variant, label in zip(args.variants.split(";"), labels[1:]):
+    for label, variant in builds:
         defines, options = split_variant(variant)
         optimizers[label] = make(args.optimizer, params, "fused", weights, defines, options)
     times = {label: [] for label in labels}
