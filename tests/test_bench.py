@@ -372,7 +372,6 @@ def test_gpu_scripts_split_a_variant_into_kernel_macros_and_the_precision_option
 def test_variants_ab_labels_its_builds_and_summarises_their_steps():
     """benchmarks/variants_ab.py: the empty build is the default one, a build listed twice is refused,
     and each build's times are summarised by their median and quartiles."""
-
     from benchmarks.variants_ab import quartiles, variant_labels
 
     assert variant_labels(";precision=fast,SFC_X=1") == [("default", ""), ("precision=fast,SFC_X=1", "precision=fast,SFC_X=1")]
