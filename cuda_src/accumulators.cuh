@@ -128,7 +128,9 @@ LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], fl
 // parameter's and the state's loads were issued made a warp wait out the gradient's DRAM latency and
 // then theirs, one after the other (it was the apply passes' largest stall; benchmarks/RESULTS.md).
 // (The statistics passes load pairs, load_element_pair, which the L2 prefetch of the next pair already
-// overlaps.)
+// overlaps.) load_element is issue_element_loads then finish_element; a pass with more loads of its own
+// to hide under the element's (small_fc_lopt's fast entry) issues them in between and calls
+// hold_uses_until_here before finish_element.
 struct IssuedElement {  // an element's loads, issued and not yet used
   unsigned int grad_bits, param_bits;
   ElementState state;
@@ -148,6 +150,8 @@ LOPT_DEVICE void hold_uses_until_here(IssuedElement& in) {
   asm volatile("" : "+r"(in.grad_bits), "+r"(in.param_bits), "+f"(s.mom[0]), "+f"(s.mom[1]), "+f"(s.mom[2]),
                "+f"(s.rms), "+f"(s.full[0]), "+f"(s.full[1]), "+f"(s.full[2]));
 }
+// The loaded values as load_element returns them: the state, the parameter as float, the gradient
+// as float and unscaled.
 LOPT_DEVICE float finish_element(const TensorMeta& t, const IssuedElement& in, float inverse_scale, float& param,
                                  ElementState& s) {
   s = in.state;
