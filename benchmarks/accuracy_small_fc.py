@@ -10,7 +10,8 @@ For comparing arithmetic designs; the tests hold the bounds.
     PYTHONPATH=. python benchmarks/accuracy_small_fc.py --steps 200 --out acc.json \
         --variants "SFC_LAYER2_FP16=0"
 
-(the default build always comes first).
+A variant is ``bench_fused.py``'s ','-separated ``NAME=VALUE`` list (kernel macros, ``precision=...``);
+``--precision fast`` sets the precision of every build, the default one (always first) included.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from fused_helpers import (ALL_SHAPES, TINY_TENSOR_NUMEL, flat, make_params, ran
                            set_grads, sync_into, tensor_update_error, update_scale)
 from lopt.fused.small_fc_lopt import SmallFCLOptFused  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.bench_fused import split_variant  # noqa: E402
 
-def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
+
+def errors_of_build(defines: tuple, steps: int, first_seed: int = 0, precision: str = "exact") -> dict:
     weights = lopt.random_weights("small_fc_lopt", seed=7)
     fused_params, naive_params = make_params(ALL_SHAPES, seed=0), make_params(ALL_SHAPES, seed=0)
     options = dict(weights=weights, lr=0.7, weight_decay=0.007 / 0.7)
-    fused = lopt.SmallFCLOpt(fused_params, backend="fused", **options)
+    fused = lopt.SmallFCLOpt(fused_params, backend="fused", precision=precision, **options)
     if defines:
         fused._fused_engine = SmallFCLOptFused(fused, defines=defines)
     naive = lopt.SmallFCLOpt(naive_params, backend="naive", **options)
@@ -60,7 +64,7 @@ def errors_of_build(defines: tuple, steps: int, first_seed: int = 0) -> dict:
         sync_into(naive, naive_params, fused, fused_params)
     tensor = torch.tensor(tensor_errors, dtype=torch.float64)
     return {
-        "defines": list(defines), "steps": steps,
+        "defines": list(defines), "precision": precision, "steps": steps,
         "worst_step": max(step_errors),
         "worst_tensor": float(tensor.max()), "worst_tensor_at (gradient seed, shape)": where[int(tensor.argmax())],
         "p99_tensor": float(tensor.quantile(0.99)),
@@ -76,13 +80,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--first-seed", type=int, default=0, help="gradient seed of the first step (the test: 0)")
     parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros")
+    parser.add_argument("--precision", default="exact", choices=("exact", "fast"), help="every build's precision")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    builds = [()] + [tuple(v.split(",")) for v in args.variants.split(";") if v]
+    builds = [()] + [split_variant(v)[0] for v in args.variants.split(";") if v]
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("LOPT_COMMIT", "unknown"), "builds": []}
     for defines in builds:
-        row = errors_of_build(defines, args.steps, args.first_seed)
+        row = errors_of_build(defines, args.steps, args.first_seed, args.precision)
         record["builds"].append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
