@@ -549,9 +549,6 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
   }
 }
 
-#ifndef SFC_SLOW_VECTORS
-#define SFC_SLOW_VECTORS (LOPT_SPLIT_MODE == 0)
-#endif
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
@@ -590,43 +587,26 @@ LOPT_DEVICE uint4 input_step_words(const float x[SFC_NUM_FEATURES], int j) {
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// Two 8 x 8 matrices of 16-bit values (load_matrices_x4's, lanes 0 ... 15 giving the addresses).
-LOPT_DEVICE void load_matrices_x2(unsigned f[2], const void* row_address) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(f[0]), "=r"(f[1]) : "r"(address));
-}
-
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 // The row's k-steps are packed from the features x here, but for k-step 2 where fast_words_in_tile
-// (apply_element_features copied the fast entry's packed inputs there). use_quads (SFC_SLOW_VECTORS):
-// the warp's elements share their slow entry, whose share of the layer slow_quads hold in float32:
-// the layer then multiplies inputs 0 ... 23 (k-step 3 is neither written nor read), else all 32.
+// (apply_element_features copied the fast entry's packed inputs there).
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool use_quads, const float4* slow_quads, bool fast_words_in_tile, int lane) {
+                             bool, const float4*, bool fast_words_in_tile, int lane) {  // (always all 32 inputs)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j)
-    if ((j != 2 || !fast_words_in_tile) && (j != 3 || !use_quads)) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
+    if (j != 2 || !fast_words_in_tile) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
   const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_half = lane / 16;
-  const auto load_fragments = [&](bool inputs24, int p, unsigned f[2][4]) {
+  bf16_layer_32x32(h1, [&](int p, unsigned f[2][4]) {
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int row = 16 * m + matrix_row;
-      if (inputs24 && p == 1) load_matrices_x2(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p);
-      else load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
+      load_matrices_x4(f[m], rows + SFC_TILE_ROW_CHUNKS * row + 2 * p + matrix_half);
     }
-  };
-#if SFC_SLOW_VECTORS
-  if (use_quads) {
-    bf16_layer_32x32<true>(h1, [&](int p, unsigned f[2][4]) { load_fragments(true, p, f); }, l1, BiasQuads{slow_quads},
-                           lane);
-    return;
-  }
-#endif
-  bf16_layer_32x32(h1, [&](int p, unsigned f[2][4]) { load_fragments(false, p, f); }, l1, nullptr, lane);
+  }, l1, nullptr, lane);
 }
 #else
 #ifndef SFC_LAYER1_TRUNCATED
@@ -867,6 +847,9 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 // in every tensor laid out (outer, a, mid, b) with b a multiple of 32 (shares_slow_entries: linear
 // layers' weights, embeddings); other tensors multiply all 32 inputs.
 LOPT_DEVICE bool shares_slow_entries(const TensorMeta& t) { return t.factored && t.inner == 1 && t.b % 32 == 0; }
+#ifndef SFC_SLOW_VECTORS
+#define SFC_SLOW_VECTORS (LOPT_SPLIT_MODE == 0)
+#endif
 LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES], int lane) {
   float v = 0.f;
 #pragma unroll
@@ -897,33 +880,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // and gains nothing (17.14 against 17.07).
 #define SFC_CHUNK_META (LOPT_SPLIT_MODE == 2)
 #endif
-#ifndef SFC_ALIGNED_SCALARS
-#define SFC_ALIGNED_SCALARS 0
-#endif
-#ifndef SFC_CHUNK_FIELDS
-#define SFC_CHUNK_FIELDS 0
-#endif
-// The fields of TensorMeta a chunk of the apply pass reads, adjacent and 16-byte aligned, so that
-// SFC_CHUNK_META's per-chunk copy takes 9 vector loads (the table's order, with fields between them
-// that no chunk reads, took 12 loads).
-struct __align__(16) ChunkFields {
-  i64 param, grad, mom, rms, fac_full, numel, first_apply_chunk, factored, d0_is_a, plain_index, b, b_reciprocal,
-      param_dtype, grad_dtype, outer, a, mid, inner;
-};
-LOPT_DEVICE ChunkFields chunk_fields_of(const TensorMeta& t) {
-  return ChunkFields{t.param, t.grad,  t.mom,        t.rms,         t.fac_full, t.numel,      t.first_apply_chunk,
-                     t.factored, t.d0_is_a, t.plain_index, t.b, t.b_reciprocal, t.param_dtype, t.grad_dtype,
-                     t.outer, t.a, t.mid, t.inner};
-}
-// A TensorMeta holding a chunk's fields (the rest zero: no chunk reads them).
-LOPT_DEVICE TensorMeta chunk_meta_of(const ChunkFields& f) {
-  TensorMeta t{};
-  t.param = f.param; t.grad = f.grad; t.mom = f.mom; t.rms = f.rms; t.fac_full = f.fac_full; t.numel = f.numel;
-  t.first_apply_chunk = f.first_apply_chunk; t.factored = f.factored; t.d0_is_a = f.d0_is_a;
-  t.plain_index = f.plain_index; t.b = f.b; t.b_reciprocal = f.b_reciprocal; t.param_dtype = f.param_dtype;
-  t.grad_dtype = f.grad_dtype; t.outer = f.outer; t.a = f.a; t.mid = f.mid; t.inner = f.inner;
-  return t;
-}
 #ifndef SFC_APPLY_MIN_BLOCKS
 // Blocks per SM the registers must allow: the exact build at 5 (96 registers; H100, GPT-2 medium apply
 // pass 17.73 ms against 18.30 at 4 blocks and 20.57 at 3, since its first layer lost a k-step and its
@@ -961,21 +917,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ bool slow_vectors;                                  // shares_slow_entries
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
-#if SFC_ALIGNED_SCALARS
-  // (16-byte aligned, so that a chunk's reads of adjacent fields are vector loads: the group's eight
-  // decays two where they were three, the entries' pointers two where they were three.)
-  __shared__ __align__(16) TensorEntries entries;
-  __shared__ __align__(16) ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
-#else
   __shared__ TensorEntries entries;
-  __shared__ ApplyScalars group;
-#endif
   __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
-#if SFC_CHUNK_FIELDS
-  __shared__ ChunkFields chunk_fields;
-#endif
+  __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
@@ -1016,9 +962,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
       if (threadIdx.x == 0) {
         meta = tensor_row(tensors, gradients, tensor);
-#if SFC_CHUNK_FIELDS
-        chunk_fields = chunk_fields_of(meta);
-#endif
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
         entries = tensor_entries(meta, FactorTables{row_table, col_table, row_factors, col_factors, row_packed, col_packed});
@@ -1029,9 +972,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-#if SFC_CHUNK_FIELDS
-    const TensorMeta chunk_meta = chunk_meta_of(chunk_fields);
-#elif SFC_CHUNK_META
+#if SFC_CHUNK_META
     const TensorMeta chunk_meta = meta;
 #else
     const TensorMeta& chunk_meta = meta;

@@ -107,12 +107,6 @@ LOPT_DEVICE SplitFragment truncated_split_fragment(const unsigned x[4]) {
 LOPT_MMA_F32(mma_tf32_m16n8k8, "m16n8k8.row.col.f32.tf32.tf32.f32")
 LOPT_MMA_F32(mma_bf16_m16n8k16, "m16n8k16.row.col.f32.bf16.bf16.f32")
 LOPT_MMA_F32(mma_f16_m16n8k16, "m16n8k16.row.col.f32.f16.f16.f32")
-// d = A B + c, BF16, 8 deep: A fragments {row g, row g + 8} and B one register (k = 2t, 2t + 1).
-LOPT_DEVICE void mma_bf16_m16n8k8(float d[4], const unsigned a[2], unsigned b, const float c[4]) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
-               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
 
 // The value a weight w stands for once write_split_operand has split it: tf32(w) + bf16(w - tf32(w))
 // (mode 0), tf32(w) (mode 1), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
@@ -205,9 +199,8 @@ LOPT_DEVICE const RegisterOperand& operand_reader(const RegisterOperand& operand
 // layer whose inputs carry it, as the first layer's constant ones do); load_fragments(p, f) gives the
 // thread's packed A fragments of k-steps 2p and 2p + 1 for both m-tiles: f[m] = {row g, row g + 8 of k-step
 // 2p, then of k-step 2p + 1}, each word the pair (k = 8j + t, 8j + t + 4), the order of the B
-// operand's uint2. Inputs24: k = 0 ... 23 only, the second product 8 deep (k-step 3's inputs are
-// taken as zeros: load_fragments(1, f) need not give f[m][2], f[m][3]).
-template <bool Inputs24 = false, typename LoadFragments, typename Operand, typename Bias>
+// operand's uint2.
+template <typename LoadFragments, typename Operand, typename Bias>
 LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragments, const Operand& operand_source,
                                   Bias bias, int lane) {
   const auto operand = operand_reader(operand_source, lane);
@@ -224,10 +217,7 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
       const float4 quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        if (Inputs24 && p == 1) mma_bf16_m16n8k8(acc[m][c], f[m], b.x, acc[m][c]);
-        else mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? initial : acc[m][c]);
-      }
+      for (int m = 0; m < 2; ++m) mma_bf16_m16n8k16(acc[m][c], f[m], b.x, b.y, p == 0 ? initial : acc[m][c]);
     }
   }
 }
