@@ -887,6 +887,20 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
+#ifndef SFC_COMMON_PATH
+#define SFC_COMMON_PATH 0
+#endif
+// The common tensor: a factored matrix (plain_index) whose parameter and gradient are float32. Its
+// chunks run a copy of the chunk's code compiled with those fields as constants (as_common_tensor),
+// so the per-element tests of dtype, factoring and index form fold away.
+LOPT_DEVICE bool is_common_tensor(const TensorMeta& t) {
+  return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32;
+}
+LOPT_DEVICE TensorMeta as_common_tensor(const TensorMeta& t) {
+  TensorMeta c = t;
+  c.plain_index = 1; c.factored = 1; c.param_dtype = LOPT_F32; c.grad_dtype = LOPT_F32;
+  return c;
+}
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
@@ -972,40 +986,50 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
+    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
+      const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+      const bool valid = index < chunk_meta.numel;
+      // A lane past the tensor's end computes the features of its last element (every lane takes part in
+      // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
+      float x[SFC_NUM_FEATURES], param;
+      ElementState state;
+      i64 slow_entry;
+      const int warp = threadIdx.x / 32;
+      uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
+      apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
+                                                 clip_factor, entries, feature_shifts, x, state, param, slow_entry,
+                                                 tile_row);
+      if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
+#if SFC_SLOW_VECTORS
+      // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
+      // warp's elements share slow_entry.)
+      if (slow_vectors && slow_entry != quads_entry) {
+        write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
+        quads_entry = slow_entry;
+      }
+      const float4* const warp_quads = slow_quads[warp];
+      const bool use_quads = slow_vectors;
+#else
+      const float4* const warp_quads = nullptr;
+      const bool use_quads = false;
+#endif
+      const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
+                                          SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
+                                          b3);
+      if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
+    };
 #if SFC_CHUNK_META
     const TensorMeta chunk_meta = meta;
 #else
     const TensorMeta& chunk_meta = meta;
 #endif
-    const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-    const bool valid = index < chunk_meta.numel;
-    // A lane past the tensor's end computes the features of its last element (every lane takes part in
-    // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
-    float x[SFC_NUM_FEATURES], param;
-    ElementState state;
-    i64 slow_entry;
-    const int warp = threadIdx.x / 32;
-    uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-    apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
-                                               clip_factor, entries, feature_shifts, x, state, param, slow_entry,
-                                               tile_row);
-    if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
-#if SFC_SLOW_VECTORS
-    // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
-    // warp's elements share slow_entry.)
-    if (slow_vectors && slow_entry != quads_entry) {
-      write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
-      quads_entry = slow_entry;
+#if SFC_COMMON_PATH
+    if (is_common_tensor(chunk_meta)) {
+      apply_chunk(as_common_tensor(chunk_meta));
+      continue;
     }
-    const float4* const warp_quads = slow_quads[warp];
-    const bool use_quads = slow_vectors;
-#else
-    const float4* const warp_quads = nullptr;
-    const bool use_quads = false;
 #endif
-    const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
-                                        SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
-                                        b3);
-    if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
+    apply_chunk(chunk_meta);
   }
 }
