@@ -203,39 +203,59 @@ def test_fast_precision_stays_within_its_bounds(weights):
     assert worst_step > STEP_TOLERANCE  # the BF16 kernels ran, not the exact ones
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_packed_entries_step_like_the_whole_entries(dtype, weights):
-    """precision='fast' reads the table features of a factored tensor's fast entry packed as BF16
-    (packed_entry_inputs), where the earlier build (SFC_PACKED_ENTRIES=0) read the whole float32 entry and
-    rounded it the same way: both builds leave bit-identical parameters and state, over steps that include gradients
-    near 2^64 (the fold's feature shifts, which rescale the tables and re-pack them) and every kind of
-    tensor (factored with and without a shared slow entry, not factored, 0-d)."""
+# Every kind of tensor the apply pass tells apart: factored with and without a shared slow entry, not
+# factored, 0-d, a plain matrix and higher ranks.
+KINDS_OF_TENSOR = [(), (37,), (300, 129), (96, 64), (64, 96), (2, 3, 4), (16, 16, 3, 3), (3, 40, 64), (1, 70000),
+                   (37, 64)]
+
+
+def step_twin_builds(weights, dtype, precision, builds, shapes=KINDS_OF_TENSOR):
+    """Two optimizers on equal parameters, one per kernel build (a tuple of defines each), stepped together
+    over gradients that include values near 2^64 (the fold's feature shifts, which rescale the tables):
+    asserts bit-identical parameters and state after every step, and returns the two engines."""
     from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
-    shapes = [(), (37,), (300, 129), (96, 64), (64, 96), (2, 3, 4), (16, 16, 3, 3), (3, 40, 64), (1, 70000), (37, 64)]
     twins = []
-    for defines in ((), ("SFC_PACKED_ENTRIES=0",)):
+    for defines in builds:
         params = make_params(shapes, dtype, seed=3)
         opt = make_optimizer("small_fc_lopt", params, "fused", weights["small_fc_lopt"], lr=0.3, weight_decay=0.01,
-                             precision="fast")
+                             precision=precision)
         opt._fused_engine = SmallFCLOptFused(opt, defines=defines)
         twins.append((opt, params))
-    assert twins[0][0]._fused_engine.packed_entries and not twins[1][0]._fused_engine.packed_entries
     generator = torch.Generator().manual_seed(11)
     for index, magnitude in enumerate([1e-2, 3.0, 1.5e19, 1e-6, 1e18, 1e-2]):
         grads = [((torch.rand(p.shape, generator=generator) * 2 - 1) * magnitude).to(dtype).cuda() for p in twins[0][1]]
         for opt, params in twins:
             set_grads(params, grads)
             step(opt, loss_of(index))
-        (packed, packed_params), (whole, whole_params) = twins
-        for shape, a, b in zip(shapes, packed_params, whole_params):
+        (first, first_params), (second, second_params) = twins
+        for shape, a, b in zip(shapes, first_params, second_params):
             assert torch.isfinite(a).all(), (index, shape)
             assert torch.equal(a, b), (index, shape, float((a.double() - b.double()).abs().max()))
-            for key, value in packed.state[a].items():
+            for key, value in first.state[a].items():
                 if torch.is_tensor(value):
-                    assert torch.equal(value, whole.state[b][key]), (index, shape, key)
-    plan = twins[0][0]._fused_engine.plan
-    assert plan.row_packed is not None and twins[1][0]._fused_engine.plan.row_packed is None
+                    assert torch.equal(value, second.state[b][key]), (index, shape, key)
+    return twins[0][0]._fused_engine, twins[1][0]._fused_engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_packed_entries_step_like_the_whole_entries(dtype, weights):
+    """precision='fast' reads the table features of a factored tensor's fast entry packed as BF16
+    (packed_entry_inputs), where the earlier build (SFC_PACKED_ENTRIES=0) read the whole float32 entry and
+    rounded it the same way: both builds leave bit-identical parameters and state."""
+    packed, whole = step_twin_builds(weights, dtype, "fast", [(), ("SFC_PACKED_ENTRIES=0",)])
+    assert packed.packed_entries and not whole.packed_entries
+    assert packed.plan.row_packed is not None and whole.plan.row_packed is None
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_common_path_steps_like_the_general_one(precision, dtype, weights):
+    """The apply pass's copy of its chunk code for a float32 factored matrix (SFC_COMMON_PATH, its dtype,
+    factoring and index form as constants) leaves bit-identical parameters and state to the general
+    code (SFC_COMMON_PATH=0), in each precision, next to tensors of every other kind (in bfloat16 no
+    tensor takes it)."""
+    step_twin_builds(weights, dtype, precision, [("SFC_COMMON_PATH=1",), ("SFC_COMMON_PATH=0",)])
 
 
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
