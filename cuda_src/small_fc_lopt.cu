@@ -892,10 +892,10 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // chunks run a copy of the chunk's code compiled with those fields as constants (as_common_tensor),
 // so the per-element tests of dtype, factoring and index form fold away: precision "fast" issues 319
 // instructions per 32 elements there, where the general code issues ~400. H100, one process,
-// alternating: GPT-2 medium apply pass 7.72 ms against 8.15 (H200: 8.05 against 8.18; ViT-B/16 1.93
-// against 2.04). The exact pass holds the metadata in shared memory (SFC_CHUNK_META), and the copy
-// this takes spills there (H200: GPT-2 medium 17.38 against 17.24 ms, ViT-B/16 4.13 against 4.32).
-#define SFC_COMMON_PATH (LOPT_SPLIT_MODE == 2)
+// alternating, GPT-2 medium apply pass: fast 7.72 ms against 8.15, exact 16.12 against 17.25 (H200:
+// fast 8.05 against 8.18, exact 17.38 against 17.24; ViT-B/16 fast 1.93 against 2.04, exact 4.13
+// against 4.32). (The exact build, whose metadata stays in shared memory, spills 8 bytes more.)
+#define SFC_COMMON_PATH 1
 #endif
 LOPT_DEVICE bool is_common_tensor(const TensorMeta& t) {
   return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32;
