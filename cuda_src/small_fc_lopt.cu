@@ -897,25 +897,12 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // against 4.32). (The exact build, whose metadata stays in shared memory, spills 8 bytes more.)
 #define SFC_COMMON_PATH 1
 #endif
-#ifndef SFC_COMMON_WHOLE
-#define SFC_COMMON_WHOLE 0
-#endif
-#ifndef SFC_COMMON_D0
-#define SFC_COMMON_D0 0
-#endif
-#ifndef SFC_COMMON_QUADS
-#define SFC_COMMON_QUADS 0
-#endif
 LOPT_DEVICE bool is_common_tensor(const TensorMeta& t) {
-  return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32 &&
-         (!SFC_COMMON_WHOLE || t.numel % SFC_APPLY_CHUNK == 0) && (!SFC_COMMON_QUADS || t.b % 32 == 0);
+  return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32;
 }
-// (D0IsA: the value of d0_is_a as a constant too, or -1.)
-template <int D0IsA = -1>
 LOPT_DEVICE TensorMeta as_common_tensor(const TensorMeta& t) {
   TensorMeta c = t;
   c.plain_index = 1; c.factored = 1; c.param_dtype = LOPT_F32; c.grad_dtype = LOPT_F32;
-  if (D0IsA >= 0) c.d0_is_a = D0IsA;
   return c;
 }
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
@@ -1004,9 +991,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool whole_chunks, bool shares_slow) {
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-      const bool valid = whole_chunks || index < chunk_meta.numel;
+      const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
       float x[SFC_NUM_FEATURES], param;
@@ -1021,12 +1008,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
       // warp's elements share slow_entry.)
-      if ((shares_slow || slow_vectors) && slow_entry != quads_entry) {
+      if (slow_vectors && slow_entry != quads_entry) {
         write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
         quads_entry = slow_entry;
       }
       const float4* const warp_quads = slow_quads[warp];
-      const bool use_quads = shares_slow || slow_vectors;
+      const bool use_quads = slow_vectors;
 #else
       const float4* const warp_quads = nullptr;
       const bool use_quads = false;
@@ -1043,15 +1030,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
 #if SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
-#if SFC_COMMON_D0
-      if (chunk_meta.d0_is_a) apply_chunk(as_common_tensor<1>(chunk_meta), SFC_COMMON_WHOLE, SFC_COMMON_QUADS);
-      else apply_chunk(as_common_tensor<0>(chunk_meta), SFC_COMMON_WHOLE, SFC_COMMON_QUADS);
-#else
-      apply_chunk(as_common_tensor(chunk_meta), SFC_COMMON_WHOLE, SFC_COMMON_QUADS);
-#endif
+      apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, false, false);
+    apply_chunk(chunk_meta);
   }
 }
