@@ -897,9 +897,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // against 4.32). (The exact build, whose metadata stays in shared memory, spills 8 bytes more.)
 #define SFC_COMMON_PATH 1
 #endif
-#ifndef SFC_COMMON_PREFETCH
-#define SFC_COMMON_PREFETCH 0
-#endif
 LOPT_DEVICE bool is_common_tensor(const TensorMeta& t) {
   return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32;
 }
@@ -994,13 +991,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool common) {
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-#if SFC_COMMON_PREFETCH
-      // (The element SFC_COMMON_PREFETCH chunks ahead, in this tensor, requested into L2.)
-      const i64 ahead = index + SFC_COMMON_PREFETCH * SFC_APPLY_CHUNK;
-      if (common && chunk + SFC_COMMON_PREFETCH < current_end && ahead < chunk_meta.numel) prefetch_element(chunk_meta, ahead);
-#endif
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
@@ -1038,10 +1030,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
 #if SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
-      apply_chunk(as_common_tensor(chunk_meta), true);
+      apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, false);
+    apply_chunk(chunk_meta);
   }
 }
