@@ -10,8 +10,8 @@ For comparing arithmetic designs; the tests hold the bounds.
     PYTHONPATH=. python benchmarks/accuracy_small_fc.py --steps 200 --out acc.json \
         --variants "SFC_LAYER2_FP16=0"
 
-A variant is ``bench_fused.py``'s ','-separated ``NAME=VALUE`` list (kernel macros, ``precision=...``);
-``--precision fast`` sets the precision of every build, the default one (always first) included.
+A variant is ``bench_fused.py``'s ','-separated ``NAME=VALUE`` list (kernel macros, ``precision=...``).
+``--precision`` is the precision of the default build (always first) and of every variant that names none.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lopt  # noqa: E402
 from fused_helpers import (ALL_SHAPES, TINY_TENSOR_NUMEL, flat, make_params, random_grads, relative_error,  # noqa: E402
                            set_grads, sync_into, tensor_update_error, update_scale)
-from lopt.fused.small_fc_lopt import SmallFCLOptFused  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_fused import split_variant  # noqa: E402
+from lopt.fused.small_fc_lopt import SmallFCLOptFused  # noqa: E402
 
 
 def errors_of_build(defines: tuple, steps: int, first_seed: int = 0, precision: str = "exact") -> dict:
@@ -79,15 +77,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--first-seed", type=int, default=0, help="gradient seed of the first step (the test: 0)")
-    parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros")
-    parser.add_argument("--precision", default="exact", choices=("exact", "fast"), help="every build's precision")
+    parser.add_argument("--variants", default="", help="';'-separated variants (kernel macros, precision=...)")
+    parser.add_argument("--precision", default="exact", choices=("exact", "fast"),
+                        help="the precision of the default build and of variants that name none")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    builds = [()] + [split_variant(v)[0] for v in args.variants.split(";") if v]
+    builds = [((), args.precision)]
+    for variant in filter(None, args.variants.split(";")):
+        defines, options = split_variant(variant)
+        builds.append((defines, (options or {}).get("precision", args.precision)))
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("LOPT_COMMIT", "unknown"), "builds": []}
-    for defines in builds:
-        row = errors_of_build(defines, args.steps, args.first_seed, args.precision)
+    for defines, precision in builds:
+        row = errors_of_build(defines, args.steps, args.first_seed, precision)
         record["builds"].append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
