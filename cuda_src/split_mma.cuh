@@ -231,6 +231,11 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 //
 //     a . b  ~=  fp16(a) . fp16(b)  +  bf16(a_lo) . bf16(b_hi)  +  bf16(a) . bf16(b_lo)
 //
+// (LOPT_HALF_SPLIT_F16_LOW: the last product as fp16(a) . fp16(b_lo) instead, from the high parts the
+// first one takes, so an input pair costs one conversion fewer; b_lo, below FP16's normal range for
+// |b| < 2^-2, keeps an absolute error of at most 2^-25, far below 2^-20 of the sum for weights of the
+// sizes a layer has.)
+//
 // (hi = fp16(x), lo = x - hi exact in float32; the error is about 2^-20 of sum |a_k b_k|, as the
 // TF32 split's, where hi is rounded to nearest, as the weights' are; the inputs' hi is rounded toward
 // zero, below.) FP16's range is the price: an input must stay below 65504.
@@ -247,11 +252,17 @@ LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
   return v;
 }
 
+#ifndef LOPT_HALF_SPLIT_F16_LOW
+#define LOPT_HALF_SPLIT_F16_LOW 0
+#endif
+
 // One input pair (first, second) = (x(k), x(k + 1)) after the ReLU, as the three products take it.
 struct HalfSplitPair {
   unsigned hi;        // f16x2 of hi
   unsigned lo;        // bf16x2 of lo = x - hi
+#if !LOPT_HALF_SPLIT_F16_LOW
   unsigned rounded;   // bf16x2 of x (the factor of b_lo)
+#endif
 };
 // The ReLU rides on the conversions: hi is rounded toward zero, so lo = x - hi >= 0 wherever x >= 0,
 // and where x < 0 (hi = 0, lo = x) the BF16 conversion's ReLU zeroes lo (two instructions fewer per
@@ -260,8 +271,12 @@ struct HalfSplitPair {
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
   const unsigned hi = pack_f16x2_relu_toward_zero(first, second);
   const float2 h = unpack_f16x2(hi);
+#if LOPT_HALF_SPLIT_F16_LOW
+  return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y))};
+#else
   return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y)),
                        pack_bf16x2_relu(first, second)};
+#endif
 }
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
@@ -283,7 +298,11 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
       hi[w] = pack_f16x2_satfinite(b0, b1);
       const float2 h = unpack_f16x2(hi[w]);
       rounded[w] = pack_bf16x2(h.x, h.y);
+#if LOPT_HALF_SPLIT_F16_LOW
+      lo[w] = pack_f16x2_satfinite(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
+#else
       lo[w] = pack_bf16x2(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
+#endif
     }
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], rounded[0], rounded[1]);
     reinterpret_cast<uint2*>(out + LOPT_HALF_SPLIT_LOW)[slot] = make_uint2(lo[0], lo[1]);
@@ -302,14 +321,20 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
   const uint2* low = reinterpret_cast<const uint2*>(operand + LOPT_HALF_SPLIT_LOW);
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
-    unsigned hi[2][4], lo[2][4], rounded[2][4];
+    unsigned hi[2][4], lo[2][4];
+#if !LOPT_HALF_SPLIT_F16_LOW
+    unsigned rounded[2][4];
+#endif
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // a0: row g of 2p, a1: row g + 8 of 2p, a2, a3: the same of 2p + 1
         const float* v = &in[m][2 * p + i / 2][2 * (i % 2)];
         const HalfSplitPair pair = half_split_relu(v[0], v[1]);
-        hi[m][i] = pair.hi; lo[m][i] = pair.lo; rounded[m][i] = pair.rounded;
+        hi[m][i] = pair.hi; lo[m][i] = pair.lo;
+#if !LOPT_HALF_SPLIT_F16_LOW
+        rounded[m][i] = pair.rounded;
+#endif
       }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -321,7 +346,11 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         mma_bf16_m16n8k16(acc[m][c], lo[m], b.z, b.w, p == 0 ? initial : acc[m][c]);
+#if LOPT_HALF_SPLIT_F16_LOW
+        mma_f16_m16n8k16(acc[m][c], hi[m], b_lo.x, b_lo.y, acc[m][c]);
+#else
         mma_bf16_m16n8k16(acc[m][c], rounded[m], b_lo.x, b_lo.y, acc[m][c]);
+#endif
         mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
       }
     }
