@@ -229,21 +229,20 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 // the high part in FP16 (11 significant bits, as TF32, but 16 k per product where TF32 takes 8), so a
 // 16-deep step costs three products where the TF32 split above takes four:
 //
-//     a . b  ~=  fp16(a) . fp16(b)  +  bf16(a_lo) . bf16(b_hi)  +  bf16(a) . bf16(b_lo)
+//     a . b  ~=  fp16(a_hi) . fp16(b_hi)  +  bf16(a_lo) . bf16(b_hi)  +  fp16(a_hi) . fp16(b_lo)
 //
-// (LOPT_HALF_SPLIT_F16_LOW: the last product as fp16(a) . fp16(b_lo) instead, from the high parts the
-// first one takes, so an input pair costs one conversion fewer; b_lo, below FP16's normal range for
-// |b| < 2^-2, keeps an absolute error of at most 2^-25, far below 2^-20 of the sum for weights of the
-// sizes a layer has.)
-//
-// (hi = fp16(x), lo = x - hi exact in float32; the error is about 2^-20 of sum |a_k b_k|, as the
-// TF32 split's, where hi is rounded to nearest, as the weights' are; the inputs' hi is rounded toward
-// zero, below.) FP16's range is the price: an input must stay below 65504.
-// The caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do
-// (small_fc_lopt's layer2_exponent); the conversion saturates rather than overflow. Small inputs lose
-// nothing that matters: below FP16's normal range the part hi misses is < 2^-25 and carried by lo,
-// whose BF16 keeps float32's exponent range. (The tensor cores multiply FP16 subnormals as they are:
-// zeroing them first measured the same, benchmarks/RESULTS.md.)
+// (hi = fp16(x), lo = x - hi exact in float32.) The two FP16 products share their A fragment, so an
+// input pair costs two conversions (fp16 hi, bf16 lo): a third, bf16(a) as the factor of b_lo, cost
+// 3% of GPT-2 medium's exact apply pass (benchmarks/RESULTS.md). The error is about 2^-20 of
+// sum |a_k b_k|, as the TF32 split's: the dropped a_lo b_lo is below 2^-21 of it. b_lo (|b_lo| <=
+// 2^-12 |b|) falls below FP16's normal range for |b| < 2^-2, where it keeps an absolute error of at
+// most 2^-25: per unit at most 2^-25 sum |a_k|, which is below 2^-20 of sum |a_k b_k| for weights of
+// a layer's sizes (|b| of 2^-5 and more on average). FP16's range is the price: an input must stay
+// below 65504. The caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they
+// do (small_fc_lopt's layer2_exponent); the conversions saturate rather than overflow. Small inputs
+// lose nothing that matters: below FP16's normal range the part hi misses is < 2^-25 and carried by
+// lo, whose BF16 keeps float32's exponent range. (The tensor cores multiply FP16 subnormals as they
+// are: zeroing them first measured the same, benchmarks/RESULTS.md.)
 // ------------------------------------------------------------------------------------------
 
 LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
@@ -252,17 +251,10 @@ LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
   return v;
 }
 
-#ifndef LOPT_HALF_SPLIT_F16_LOW
-#define LOPT_HALF_SPLIT_F16_LOW 0
-#endif
-
 // One input pair (first, second) = (x(k), x(k + 1)) after the ReLU, as the three products take it.
 struct HalfSplitPair {
-  unsigned hi;        // f16x2 of hi
-  unsigned lo;        // bf16x2 of lo = x - hi
-#if !LOPT_HALF_SPLIT_F16_LOW
-  unsigned rounded;   // bf16x2 of x (the factor of b_lo)
-#endif
+  unsigned hi;  // f16x2 of hi (the factor of b_hi and of b_lo)
+  unsigned lo;  // bf16x2 of lo = x - hi
 };
 // The ReLU rides on the conversions: hi is rounded toward zero, so lo = x - hi >= 0 wherever x >= 0,
 // and where x < 0 (hi = 0, lo = x) the BF16 conversion's ReLU zeroes lo (two instructions fewer per
@@ -271,18 +263,13 @@ struct HalfSplitPair {
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
   const unsigned hi = pack_f16x2_relu_toward_zero(first, second);
   const float2 h = unpack_f16x2(hi);
-#if LOPT_HALF_SPLIT_F16_LOW
   return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y))};
-#else
-  return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y)),
-                       pack_bf16x2_relu(first, second)};
-#endif
 }
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
 // lane (slot (4p + c) * 32 + lane), column n = 8c + g, rows k = 16p + 2t, +1 (word 0) and 16p + 2t + 8,
 // +9 (word 1): a uint4 {f16x2 hi, f16x2 hi, bf16x2 hi, bf16x2 hi} and, LOPT_HALF_SPLIT_LOW floats on, a
-// uint2 {bf16x2 lo, bf16x2 lo}: 1536 floats, within the split operand's LOPT_SPLIT_OPERAND_FLOATS.
+// uint2 {f16x2 lo, f16x2 lo}: 1536 floats, within the split operand's LOPT_SPLIT_OPERAND_FLOATS.
 #define LOPT_HALF_SPLIT_LOW (2 * 4 * 32 * 4)
 static_assert(LOPT_HALF_SPLIT_LOW + 2 * 4 * 32 * 2 <= LOPT_SPLIT_OPERAND_FLOATS, "fits a split operand's space");
 template <typename Weight>
@@ -290,21 +277,17 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
   for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
     const int lane = slot % 32, tile = slot / 32, p = tile / 4, c = tile % 4;
     const int g = lane / 4, t = lane % 4, n = 8 * c + g;
-    unsigned hi[2], rounded[2], lo[2];
+    unsigned hi[2], hi_bf16[2], lo[2];
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       const int k = 16 * p + 2 * t + 8 * w;
       const float b0 = weight(k, n), b1 = weight(k + 1, n);
       hi[w] = pack_f16x2_satfinite(b0, b1);
       const float2 h = unpack_f16x2(hi[w]);
-      rounded[w] = pack_bf16x2(h.x, h.y);
-#if LOPT_HALF_SPLIT_F16_LOW
+      hi_bf16[w] = pack_bf16x2(h.x, h.y);
       lo[w] = pack_f16x2_satfinite(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
-#else
-      lo[w] = pack_bf16x2(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
-#endif
     }
-    reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], rounded[0], rounded[1]);
+    reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], hi_bf16[0], hi_bf16[1]);
     reinterpret_cast<uint2*>(out + LOPT_HALF_SPLIT_LOW)[slot] = make_uint2(lo[0], lo[1]);
   }
 }
@@ -312,7 +295,7 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
 // acc[m][c] = bias + relu(in_m) B over 32 k, in_m the accumulators of a previous 32 x 32 layer
 // (in[m][c]: rows g, g + 8 at columns 8c + 2t, 8c + 2t + 1): the A fragment of 16-deep step p is
 // columns 16p ... 16p + 15 of `in` in place (in[m][2p] and in[m][2p + 1]), no data moves between
-// threads. Small terms first: a_lo b_hi, a b_lo, then a_hi b_hi.
+// threads. Small terms first: a_lo b_hi, a_hi b_lo, then a_hi b_hi.
 template <typename Bias>
 LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4][4], const float* operand, Bias bias,
                                         int lane) {
@@ -322,9 +305,6 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     unsigned hi[2][4], lo[2][4];
-#if !LOPT_HALF_SPLIT_F16_LOW
-    unsigned rounded[2][4];
-#endif
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -332,9 +312,6 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
         const float* v = &in[m][2 * p + i / 2][2 * (i % 2)];
         const HalfSplitPair pair = half_split_relu(v[0], v[1]);
         hi[m][i] = pair.hi; lo[m][i] = pair.lo;
-#if !LOPT_HALF_SPLIT_F16_LOW
-        rounded[m][i] = pair.rounded;
-#endif
       }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -346,11 +323,7 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         mma_bf16_m16n8k16(acc[m][c], lo[m], b.z, b.w, p == 0 ? initial : acc[m][c]);
-#if LOPT_HALF_SPLIT_F16_LOW
         mma_f16_m16n8k16(acc[m][c], hi[m], b_lo.x, b_lo.y, acc[m][c]);
-#else
-        mma_bf16_m16n8k16(acc[m][c], rounded[m], b_lo.x, b_lo.y, acc[m][c]);
-#endif
         mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
       }
     }
