@@ -769,9 +769,6 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // medium 9.12-9.18 ms against 9.32, ViT-B/16 2.28 against 2.30 (0: the earlier build, to measure against).
 #define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
 #endif
-#ifndef SFC_FAST_FACTORS_COMPACT
-#define SFC_FAST_FACTORS_COMPACT 0  // (to measure) the exact mode's fast entry: its factors from the compact copies
-#endif
 #if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
 #error "SFC_PACKED_ENTRIES needs LOPT_SPLIT_MODE 2: only the BF16 first layer takes packed inputs"
 #endif
@@ -823,10 +820,6 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     // Only the fast entry's factors as floats; its features straight into the tile, packed.
     tile_row[2] = fast_words;
     FactorEntry fast{};
-    fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
-#elif SFC_FAST_FACTORS_COMPACT
-    FactorEntry fast = read_factor_entry_values(entries.fast, without_a);
-    const float4 fast_factors = __ldg(entries.fast_factors + without_a);
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
 #else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
