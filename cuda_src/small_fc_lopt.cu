@@ -265,9 +265,6 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
 
-#ifndef SFC_LAYER2_BY_TILE
-#define SFC_LAYER2_BY_TILE 0
-#endif
 #ifndef SFC_OUTPUT_MMA
 // precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
 // against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
@@ -463,23 +460,21 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
 // then sums its partials by halves (a reduce-scatter: 6 shuffles and adds, where summing all 8 in every
 // thread took 16): lane t ends with (direction, magnitude) of row output_layer_row(lane).
 LOPT_DEVICE int output_layer_row(int lane) { return 16 * ((lane % 4) / 2) + lane / 4 + 8 * (lane % 2); }
-// The partial sums of n-tile c (h2 columns 8c ... 8c + 7; tile[m]: rows g, g + 8 as the accumulators
-// hold them) added to partial[m] = {direction(g), magnitude(g), direction(g + 8), magnitude(g + 8)}.
-LOPT_DEVICE void output_layer_add(float partial[2][4], const float tile[2][4], int c, const float* w3, int t) {
+LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const float* b3, int t) {
+  float partial[2][4] = {};  // [m]: direction(g), magnitude(g), direction(g+8), magnitude(g+8)
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int unit = 8 * c + 2 * t + half;
-      const float h_g = fmaxf(tile[m][half], 0.f), h_g8 = fmaxf(tile[m][2 + half], 0.f);
-      partial[m][0] = fmaf(w3[unit], h_g, partial[m][0]);
-      partial[m][1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[m][1]);
-      partial[m][2] = fmaf(w3[unit], h_g8, partial[m][2]);
-      partial[m][3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[m][3]);
-    }
-}
-// The quad's partials summed: lane t's (direction, magnitude) of row output_layer_row(lane), b3 added.
-LOPT_DEVICE float2 output_layer_sums(const float partial[2][4], const float* b3, int t) {
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int unit = 8 * c + 2 * t + half;
+        const float h_g = fmaxf(h2[m][c][half], 0.f), h_g8 = fmaxf(h2[m][c][2 + half], 0.f);
+        partial[m][0] = fmaf(w3[unit], h_g, partial[m][0]);
+        partial[m][1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[m][1]);
+        partial[m][2] = fmaf(w3[unit], h_g8, partial[m][2]);
+        partial[m][3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[m][3]);
+      }
   // Lanes t = 2, 3 keep m-tile 1 and hand m-tile 0 to their partner t ^ 2; then odd lanes keep row g + 8.
   const bool upper = (t & 2) != 0, odd = (t & 1) != 0;
   float row_pair[4];
@@ -495,16 +490,6 @@ LOPT_DEVICE float2 output_layer_sums(const float partial[2][4], const float* b3,
     sums[i] = __fadd_rn(kept, __shfl_xor_sync(0xffffffffu, given, 1));
   }
   return make_float2(__fadd_rn(sums[0], b3[0]), __fadd_rn(sums[1], b3[1]));
-}
-LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const float* b3, int t) {
-  float partial[2][4] = {};
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const float tile[2][4] = {{h2[0][c][0], h2[0][c][1], h2[0][c][2], h2[0][c][3]},
-                              {h2[1][c][0], h2[1][c][1], h2[1][c][2], h2[1][c][3]}};
-    output_layer_add(partial, tile, c, w3, t);
-  }
-  return output_layer_sums(partial, b3, t);
 }
 
 // The B operand of layer 3 on tensor cores, W3's two rows as columns 0 and 1 (lanes g >= 2 hold
@@ -714,12 +699,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
   }, l2, b2, lane);
-#elif SFC_LAYER2_FP16 && SFC_LAYER2_BY_TILE
-  // Layers 2 and 3 n-tile by n-tile: each tile of h2 goes into the output layer's partial sums as soon
-  // as it is complete, so one tile of h2 is held at a time, not all four.
-  float partial[2][4] = {};
-  half_split_layer_by_tile(h1, l2, b2, lane, [&](int c, const float tile[2][4]) { output_layer_add(partial, tile, c, w3, t); });
-  const float2 held = output_layer_sums(partial, b3, t);
 #elif SFC_LAYER2_FP16
   half_split_layer_32x32(h2, h1, l2, b2, lane);  // (FP16 high parts, natural unit order)
 #else
@@ -746,9 +725,7 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   return outputs[lane];
 #else
   // Row r's outputs are in the lane whose output_layer_row is r: 4 (r % 8) + 2 (r / 16) + (r / 8) % 2.
-#if !(SFC_LAYER2_FP16 && SFC_LAYER2_BY_TILE)
   const float2 held = output_layer(h2, w3, b3, t);
-#endif
   const int source = 4 * (lane % 8) + 2 * (lane / 16) + (lane / 8) % 2;
   return make_float2(__shfl_sync(0xffffffffu, held.x, source), __shfl_sync(0xffffffffu, held.y, source));
 #endif

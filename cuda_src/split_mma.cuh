@@ -292,48 +292,6 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
   }
 }
 
-// half_split_layer_32x32's products n-tile by n-tile: all A fragments split first, then for each n-tile c
-// its accumulators (tile[m]: rows g, g + 8 at columns 8c + 2t, 8c + 2t + 1) handed to consume(c, tile).
-template <typename Bias, typename Consume>
-LOPT_DEVICE void half_split_layer_by_tile(const float in[2][4][4], const float* operand, Bias bias, int lane,
-                                          Consume consume) {
-  const int t = lane % 4;
-  const uint4* high = reinterpret_cast<const uint4*>(operand);
-  const uint2* low = reinterpret_cast<const uint2*>(operand + LOPT_HALF_SPLIT_LOW);
-  unsigned hi[2][2][4], lo[2][2][4];  // [p][m][i]
-#pragma unroll
-  for (int p = 0; p < 2; ++p)
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float* v = &in[m][2 * p + i / 2][2 * (i % 2)];
-        const HalfSplitPair pair = half_split_relu(v[0], v[1]);
-        hi[p][m][i] = pair.hi; lo[p][m][i] = pair.lo;
-      }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const float4 quad = bias_fragment(bias, c, t);
-    float tile[2][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      tile[m][0] = quad.x; tile[m][1] = quad.y; tile[m][2] = quad.z; tile[m][3] = quad.w;
-    }
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const uint4 b = high[(p * 4 + c) * 32 + lane];
-      const uint2 b_lo = low[(p * 4 + c) * 32 + lane];
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        mma_bf16_m16n8k16(tile[m], lo[p][m], b.z, b.w, tile[m]);
-        mma_f16_m16n8k16(tile[m], hi[p][m], b_lo.x, b_lo.y, tile[m]);
-        mma_f16_m16n8k16(tile[m], hi[p][m], b.x, b.y, tile[m]);
-      }
-    }
-    consume(c, tile);
-  }
-}
-
 // acc[m][c] = bias + relu(in_m) B over 32 k, in_m the accumulators of a previous 32 x 32 layer
 // (in[m][c]: rows g, g + 8 at columns 8c + 2t, 8c + 2t + 1): the A fragment of 16-deep step p is
 // columns 16p ... 16p + 15 of `in` in place (in[m][2p] and in[m][2p + 1]), no data moves between
