@@ -251,6 +251,10 @@ LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
   return v;
 }
 
+#ifndef LOPT_HALF_SPLIT_ALL_F16
+#define LOPT_HALF_SPLIT_ALL_F16 0  // (to measure) the inputs' remainders in FP16 too: three FP16 products, B in 16 bytes
+#endif
+
 // One input pair (first, second) = (x(k), x(k + 1)) after the ReLU, as the three products take it.
 struct HalfSplitPair {
   unsigned hi;  // f16x2 of hi (the factor of b_hi and of b_lo)
@@ -263,7 +267,11 @@ struct HalfSplitPair {
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
   const unsigned hi = pack_f16x2_relu_toward_zero(first, second);
   const float2 h = unpack_f16x2(hi);
+#if LOPT_HALF_SPLIT_ALL_F16
+  return HalfSplitPair{hi, pack_f16x2_relu_satfinite(__fsub_rn(first, h.x), __fsub_rn(second, h.y))};
+#else
   return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y))};
+#endif
 }
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
@@ -287,8 +295,12 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
       hi_bf16[w] = pack_bf16x2(h.x, h.y);
       lo[w] = pack_f16x2_satfinite(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
     }
+#if LOPT_HALF_SPLIT_ALL_F16
+    reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+#else
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], hi_bf16[0], hi_bf16[1]);
     reinterpret_cast<uint2*>(out + LOPT_HALF_SPLIT_LOW)[slot] = make_uint2(lo[0], lo[1]);
+#endif
   }
 }
 
@@ -301,7 +313,9 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
                                         int lane) {
   const int t = lane % 4;
   const uint4* high = reinterpret_cast<const uint4*>(operand);
+#if !LOPT_HALF_SPLIT_ALL_F16
   const uint2* low = reinterpret_cast<const uint2*>(operand + LOPT_HALF_SPLIT_LOW);
+#endif
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     unsigned hi[2][4], lo[2][4];
@@ -316,16 +330,25 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint4 b = high[(p * 4 + c) * 32 + lane];
-      const uint2 b_lo = low[(p * 4 + c) * 32 + lane];
       float4 quad = make_float4(0.f, 0.f, 0.f, 0.f);
       if (p == 0) quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
+#if LOPT_HALF_SPLIT_ALL_F16
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        mma_f16_m16n8k16(acc[m][c], lo[m], b.x, b.y, p == 0 ? initial : acc[m][c]);
+        mma_f16_m16n8k16(acc[m][c], hi[m], b.z, b.w, acc[m][c]);
+        mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
+      }
+#else
+      const uint2 b_lo = low[(p * 4 + c) * 32 + lane];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         mma_bf16_m16n8k16(acc[m][c], lo[m], b.z, b.w, p == 0 ? initial : acc[m][c]);
         mma_f16_m16n8k16(acc[m][c], hi[m], b_lo.x, b_lo.y, acc[m][c]);
         mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
       }
+#endif
     }
   }
 }
