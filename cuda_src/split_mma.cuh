@@ -226,23 +226,23 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 #if LOPT_SPLIT_MODE == 0
 // ------------------------------------------------------------------------------------------
 // A second float32-accurate split, for a layer whose inputs are the previous layer's accumulators:
-// the high part in FP16 (11 significant bits, as TF32, but 16 k per product where TF32 takes 8), so a
-// 16-deep step costs three products where the TF32 split above takes four:
+// both parts in FP16 (11 significant bits each, 16 k per product where TF32 takes 8), so a 16-deep
+// step costs three products where the TF32 split above takes four:
 //
-//     a . b  ~=  fp16(a_hi) . fp16(b_hi)  +  bf16(a_lo) . bf16(b_hi)  +  fp16(a_hi) . fp16(b_lo)
+//     a . b  ~=  fp16(a_lo) . fp16(b_hi)  +  fp16(a_hi) . fp16(b_lo)  +  fp16(a_hi) . fp16(b_hi)
 //
-// (hi = fp16(x), lo = x - hi exact in float32.) The two FP16 products share their A fragment, so an
-// input pair costs two conversions (fp16 hi, bf16 lo): a third, bf16(a) as the factor of b_lo, cost
-// 3% of GPT-2 medium's exact apply pass (benchmarks/RESULTS.md). The error is about 2^-20 of
-// sum |a_k b_k|, as the TF32 split's: the dropped a_lo b_lo is below 2^-21 of it. b_lo (|b_lo| <=
-// 2^-12 |b|) falls below FP16's normal range for |b| < 2^-2, where it keeps an absolute error of at
-// most 2^-25: per unit at most 2^-25 sum |a_k|, which is below 2^-20 of sum |a_k b_k| for weights of
-// a layer's sizes (|b| of 2^-5 and more on average). FP16's range is the price: an input must stay
-// below 65504. The caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they
-// do (small_fc_lopt's layer2_exponent); the conversions saturate rather than overflow. Small inputs
-// lose nothing that matters: below FP16's normal range the part hi misses is < 2^-25 and carried by
-// lo, whose BF16 keeps float32's exponent range. (The tensor cores multiply FP16 subnormals as they
-// are: zeroing them first measured the same, benchmarks/RESULTS.md.)
+// (hi = fp16(x), lo = x - hi exact in float32, then rounded to FP16.) The error is about 2^-21 of
+// sum |a_k b_k|: the dropped a_lo b_lo and the roundings of the remainders are each below 2^-22 of it
+// (|a_lo| < 2^-10 |a|, the inputs' hi being rounded toward zero; |b_lo| <= 2^-12 |b|). Below FP16's
+// normal range (2^-14) a value keeps an absolute error of at most 2^-25: a remainder does for inputs
+// under ~2^-4 and weights under 2^-2, which is at most 2^-25 (sum |a_k| + sum |b_k|) per unit, a
+// fraction of 2^-20 of the sums a layer of these sizes forms. (Against BF16 remainders, whose range
+// is float32's, this split is more accurate on the tests' sequence, takes one conversion fewer per
+// input pair and 16 bytes of B per lane and step instead of 24: H100, GPT-2 medium apply pass 3-5%
+// faster, benchmarks/RESULTS.md.) FP16's range is the price: an input must stay below 65504. The
+// caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do
+// (small_fc_lopt's layer2_exponent); the conversions saturate rather than overflow. (The tensor
+// cores multiply FP16 subnormals as they are: zeroing them first measured the same.)
 // ------------------------------------------------------------------------------------------
 
 LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
@@ -251,56 +251,39 @@ LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
   return v;
 }
 
-#ifndef LOPT_HALF_SPLIT_ALL_F16
-#define LOPT_HALF_SPLIT_ALL_F16 0  // (to measure) the inputs' remainders in FP16 too: three FP16 products, B in 16 bytes
-#endif
-
 // One input pair (first, second) = (x(k), x(k + 1)) after the ReLU, as the three products take it.
 struct HalfSplitPair {
   unsigned hi;  // f16x2 of hi (the factor of b_hi and of b_lo)
-  unsigned lo;  // bf16x2 of lo = x - hi
+  unsigned lo;  // f16x2 of lo = x - hi
 };
 // The ReLU rides on the conversions: hi is rounded toward zero, so lo = x - hi >= 0 wherever x >= 0,
-// and where x < 0 (hi = 0, lo = x) the BF16 conversion's ReLU zeroes lo (two instructions fewer per
-// pair than a ReLU first and hi to nearest; |lo| < 2^-10 |x| instead of 2^-11, measured: the update
-// errors grow by ~5%, H100 apply pass 18.62 -> 18.32 ms, benchmarks/RESULTS.md).
+// and where x < 0 (hi = 0, lo = x) the conversion's ReLU zeroes lo (two instructions fewer per pair
+// than a ReLU first and hi to nearest; |lo| < 2^-10 |x| instead of 2^-11, measured: the update errors
+// grow by ~5%, H100 apply pass 18.62 -> 18.32 ms, benchmarks/RESULTS.md).
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
   const unsigned hi = pack_f16x2_relu_toward_zero(first, second);
   const float2 h = unpack_f16x2(hi);
-#if LOPT_HALF_SPLIT_ALL_F16
   return HalfSplitPair{hi, pack_f16x2_relu_satfinite(__fsub_rn(first, h.x), __fsub_rn(second, h.y))};
-#else
-  return HalfSplitPair{hi, pack_bf16x2_relu(__fsub_rn(first, h.x), __fsub_rn(second, h.y))};
-#endif
 }
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
-// lane (slot (4p + c) * 32 + lane), column n = 8c + g, rows k = 16p + 2t, +1 (word 0) and 16p + 2t + 8,
-// +9 (word 1): a uint4 {f16x2 hi, f16x2 hi, bf16x2 hi, bf16x2 hi} and, LOPT_HALF_SPLIT_LOW floats on, a
-// uint2 {f16x2 lo, f16x2 lo}: 1536 floats, within the split operand's LOPT_SPLIT_OPERAND_FLOATS.
-#define LOPT_HALF_SPLIT_LOW (2 * 4 * 32 * 4)
-static_assert(LOPT_HALF_SPLIT_LOW + 2 * 4 * 32 * 2 <= LOPT_SPLIT_OPERAND_FLOATS, "fits a split operand's space");
+// lane (slot (4p + c) * 32 + lane), column n = 8c + g, rows k = 16p + 2t, +1 and 16p + 2t + 8, +9: a
+// uint4 {f16x2 hi, f16x2 hi, f16x2 lo, f16x2 lo} (1024 floats, within LOPT_SPLIT_OPERAND_FLOATS).
 template <typename Weight>
 LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread, int num_threads) {
   for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
     const int lane = slot % 32, tile = slot / 32, p = tile / 4, c = tile % 4;
     const int g = lane / 4, t = lane % 4, n = 8 * c + g;
-    unsigned hi[2], hi_bf16[2], lo[2];
+    unsigned hi[2], lo[2];
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       const int k = 16 * p + 2 * t + 8 * w;
       const float b0 = weight(k, n), b1 = weight(k + 1, n);
       hi[w] = pack_f16x2_satfinite(b0, b1);
       const float2 h = unpack_f16x2(hi[w]);
-      hi_bf16[w] = pack_bf16x2(h.x, h.y);
       lo[w] = pack_f16x2_satfinite(__fsub_rn(b0, h.x), __fsub_rn(b1, h.y));
     }
-#if LOPT_HALF_SPLIT_ALL_F16
     reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], lo[0], lo[1]);
-#else
-    reinterpret_cast<uint4*>(out)[slot] = make_uint4(hi[0], hi[1], hi_bf16[0], hi_bf16[1]);
-    reinterpret_cast<uint2*>(out + LOPT_HALF_SPLIT_LOW)[slot] = make_uint2(lo[0], lo[1]);
-#endif
   }
 }
 
@@ -312,10 +295,7 @@ template <typename Bias>
 LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4][4], const float* operand, Bias bias,
                                         int lane) {
   const int t = lane % 4;
-  const uint4* high = reinterpret_cast<const uint4*>(operand);
-#if !LOPT_HALF_SPLIT_ALL_F16
-  const uint2* low = reinterpret_cast<const uint2*>(operand + LOPT_HALF_SPLIT_LOW);
-#endif
+  const uint4* parts = reinterpret_cast<const uint4*>(operand);
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     unsigned hi[2][4], lo[2][4];
@@ -329,26 +309,16 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
       }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint4 b = high[(p * 4 + c) * 32 + lane];
+      const uint4 b = parts[(p * 4 + c) * 32 + lane];  // {hi, hi, lo, lo}
       float4 quad = make_float4(0.f, 0.f, 0.f, 0.f);
       if (p == 0) quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
-#if LOPT_HALF_SPLIT_ALL_F16
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         mma_f16_m16n8k16(acc[m][c], lo[m], b.x, b.y, p == 0 ? initial : acc[m][c]);
         mma_f16_m16n8k16(acc[m][c], hi[m], b.z, b.w, acc[m][c]);
         mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
       }
-#else
-      const uint2 b_lo = low[(p * 4 + c) * 32 + lane];
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        mma_bf16_m16n8k16(acc[m][c], lo[m], b.z, b.w, p == 0 ? initial : acc[m][c]);
-        mma_f16_m16n8k16(acc[m][c], hi[m], b_lo.x, b_lo.y, acc[m][c]);
-        mma_f16_m16n8k16(acc[m][c], hi[m], b.x, b.y, acc[m][c]);
-      }
-#endif
     }
   }
 }
