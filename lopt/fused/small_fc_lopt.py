@@ -19,8 +19,8 @@ row-factor normalisers where d1 is split, the non-finite flag, the feature sums,
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer; a kept
    step's R and C written to the state (by extra blocks, commit_blocks)
 6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
-   split products: layer 1 a TF32 product plus a BF16 correction product per 8 inputs, layer 2 an
-   FP16 product plus two BF16 ones per 16; docs/small_fc_lopt.md §3.10), update_from_mlp,
+   split products: layer 1 a TF32 product plus a BF16 correction product per 8 inputs, layer 2
+   three FP16 products per 16; docs/small_fc_lopt.md §3.10), update_from_mlp,
    apply_update; the step counters advance (or a skipped step is counted)
 """
 
