@@ -71,8 +71,9 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
 
 # LOPT_SPLIT_MODE -> (TF32, BF16, FP16) MMAs of the MLP in the kernel's code, per n-tile and m-tile (4 x 2):
 # exact (mode 0), layer 1 a TF32 and a BF16 product per k-step, in two versions (4 k-steps, and 3 for
-# warps whose elements share their slow entry), layer 2 three FP16 products per 16-deep step (2); TF32 alone (mode 1); one BF16 product per two k-steps (mode 2, precision="fast"), whose output
-# layer adds 2 16-deep steps x 2 m-tiles of FP16. Counted in builds with one copy of the apply pass's chunk
+# warps whose elements share their slow entry), layer 2 three FP16 products per 16-deep step (2); TF32
+# alone (mode 1); one BF16 product per two k-steps (mode 2, precision="fast"), whose output layer adds
+# 2 16-deep steps x 2 m-tiles of FP16. Counted in builds with one copy of the apply pass's chunk
 # code (SFC_COMMON_PATH=0; by default there is a second, for the common tensor).
 MMA_COUNTS = {0: (32 + 24, 32 + 24, 48), 1: (64, 0, 0), 2: (0, 32, 4)}
 
