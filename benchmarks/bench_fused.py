@@ -92,14 +92,11 @@ def time_steps(opt, params, grad_sets, steps, warmup):
     return times
 
 
-def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> float:
-    """Median ms of one step captured in a CUDA graph and replayed (static gradient tensors, as in a
-    captured training loop): the step without the host's share. AdamW with ``capturable=True``."""
-    params = build_parameters(param_set, "cuda")
-    for p, g in zip(params, gradient_sets(params, 1)[0]):
+def capture_step(opt, params, grads, warmup: int):
+    """``opt``'s step on the gradient tensors ``grads`` (static: a replay reads them where they are), after
+    ``warmup`` steps on a side stream, captured in a CUDA graph; (graph, loss): keep both alive."""
+    for p, g in zip(params, grads):
         p.grad = g
-    opt = (torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True) if name == "adamw"
-           else make(name, params, "fused", weights, options=options))
     loss = torch.tensor(2.5, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -110,6 +107,11 @@ def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> floa
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         do_step(opt, loss)
+    return graph, loss
+
+
+def time_replays(graph, steps: int, warmup: int) -> list:
+    """The ms of each of ``steps`` replays of ``graph`` after ``warmup`` untimed ones (CUDA events)."""
     times = []
     for i in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -119,7 +121,24 @@ def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> floa
         end.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end))
-    del graph, opt, params
+    return times
+
+
+def make_capturable(name, params, weights, defines=(), options=None):
+    """``make``'s fused optimizer, AdamW with ``capturable=True`` (lopt's fused steps always are)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
+    return make(name, params, "fused", weights, defines, options)
+
+
+def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> float:
+    """Median ms of one step captured in a CUDA graph and replayed (static gradient tensors, as in a
+    captured training loop): the step without the host's share."""
+    params = build_parameters(param_set, "cuda")
+    opt = make_capturable(name, params, weights, options=options)
+    graph, loss = capture_step(opt, params, gradient_sets(params, 1)[0], warmup)
+    times = time_replays(graph, steps, warmup)
+    del graph, loss, opt, params
     torch.cuda.empty_cache()
     return round(statistics.median(times), 4)
 

@@ -3,8 +3,10 @@
 another (``bench_fused.py --variants``) lets drift between the runs pass for a difference; alternating
 blocks spread it over all of them. Prints and writes (JSON) the median and quartiles of each variant's
 step, and each variant's per-kernel CUDA times (median of profiled steps, taken after the timing).
+``--graph`` alternates replays of each build's step captured in a CUDA graph instead (static gradient
+tensors; no host share, so the blocks compare the kernels alone).
 
-    PYTHONPATH=. python benchmarks/variants_ab.py --out ab.json --param-set gpt2-medium \\
+    PYTHONPATH=. python benchmarks/variants_ab.py --out ab.json --param-set gpt2-medium [--graph] \\
         --variants "precision=fast;precision=fast,SFC_ENTRIES_BEFORE_USE=1"
 
 A variant is ``bench_fused.py``'s ','-separated ``NAME=VALUE`` list (kernel macros, ``precision=...``);
@@ -18,7 +20,8 @@ import statistics
 import torch
 
 import lopt
-from benchmarks.bench_fused import gradient_sets, make, profile_step, split_variant, time_steps
+from benchmarks.bench_fused import (capture_step, gradient_sets, make, make_capturable, profile_step, split_variant,
+                                    time_replays, time_steps)
 from lopt.bench.report import environment
 from lopt.param_sets import build_parameters
 
@@ -46,6 +49,7 @@ def main() -> int:
     parser.add_argument("--variants", required=True, help="';'-separated variants; '' (e.g. a leading ';') is the default")
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block")
+    parser.add_argument("--graph", action="store_true", help="time replays of each step captured in a CUDA graph")
     args = parser.parse_args()
 
     params = build_parameters(args.param_set, "cuda")
@@ -53,20 +57,25 @@ def main() -> int:
     weights = lopt.random_weights(args.optimizer, seed=0)  # timing only
     builds = variant_labels(args.variants)
     labels = ["adamw"] + [label for label, _ in builds]
-    optimizers = {"adamw": make("adamw", params, "fused", None)}
+    optimizers = {"adamw": make_capturable("adamw", params, None) if args.graph else make("adamw", params, "fused", None)}
     for label, variant in builds:
         defines, options = split_variant(variant)
         optimizers[label] = make(args.optimizer, params, "fused", weights, defines, options)
     times = {label: [] for label in labels}
     for label in labels:  # warm-up: compiles, plans, the fast check
         time_steps(optimizers[label], params, grad_sets, 3, 3)
+    graphs = {label: capture_step(optimizers[label], params, grad_sets[0], 3) for label in labels} if args.graph else {}
     for block in range(args.blocks):
         order = labels if block % 2 == 0 else labels[::-1]  # no variant always follows the same one
         for label in order:
-            times[label] += time_steps(optimizers[label], params, grad_sets, args.steps, 2)
+            times[label] += (time_replays(graphs[label][0], args.steps, 2) if args.graph
+                             else time_steps(optimizers[label], params, grad_sets, args.steps, 2))
+    graphs.clear()
     result = {"environment": environment(torch.device("cuda")), "optimizer": args.optimizer,
-              "param_set": args.param_set, "blocks": args.blocks, "steps_per_block": args.steps, "variants": {}}
-    print(f"{args.optimizer} on {args.param_set}: {args.blocks} alternating blocks of {args.steps} synchronised steps")
+              "param_set": args.param_set, "blocks": args.blocks, "steps_per_block": args.steps,
+              "timing": "graph replays" if args.graph else "synchronised steps", "variants": {}}
+    print(f"{args.optimizer} on {args.param_set}: {args.blocks} alternating blocks of {args.steps} "
+          f"{'replays of captured steps' if args.graph else 'synchronised steps'}")
     for label in labels:
         launches, kernel_ms = profile_step(optimizers[label], params, grad_sets)
         row = {**quartiles(times[label]), "launches_per_step": launches, "kernel_ms": kernel_ms}
