@@ -104,17 +104,6 @@ LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
 // benchmarks/RESULTS.md.)
 LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
 
-// 16 bytes copied from global to shared memory asynchronously (cp.async, sm_80 and newer), past L1 and
-// evict-first in L2, as the streamed loads are; copy_async_wait_all waits for the thread's copies.
-LOPT_DEVICE void copy_async_16_streamed(void* shared_destination, const void* source) {
-  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
-  asm volatile("{ .reg .b64 policy; createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-               "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, policy; }" ::"r"(destination), "l"(source)
-               : "memory");
-}
-LOPT_DEVICE void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-LOPT_DEVICE void copy_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
 #define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)

@@ -675,16 +675,14 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
 // with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
 // use_quads, slow_quads, fast_words_in_tile: first_layer's.
-template <typename Layer2Operand, typename AfterFirstLayer>
+template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
                              bool use_quads, const float4* slow_quads, bool fast_words_in_tile, const Layer2Operand& l2,
-                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3,
-                             AfterFirstLayer after_first_layer) {
+                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
   first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
-  after_first_layer();  // (the tile is free again once every lane is past here)
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -788,62 +786,12 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // floats, are then zeros that nothing reads).
 // (Held in registers until first_layer, packed words made the pass spill; the warp's reads of the
 // previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
-#ifndef SFC_APPLY_STAGED
-// 1: the common tensor's element loads run one chunk ahead, copied into shared memory by cp.async while
-// the warp runs the current chunk's MLP (ElementStage); 0: loaded where used (the earlier build).
-#define SFC_APPLY_STAGED 0
-#endif
-#if SFC_APPLY_STAGED == 2 && LOPT_SPLIT_MODE == 2
-#error "SFC_APPLY_STAGED=2 (the stage in the feature tile) needs the exact mode: precision fast writes the tile early"
-#endif
-#ifndef SFC_STAGE_ENTRY_PREFETCH
-#define SFC_STAGE_ENTRY_PREFETCH 0
-#endif
-// A warp's 32 consecutive elements of a float32 tensor as the apply pass loads them, staged in shared
-// memory: gradients, parameters, rms, then the momenta (3 per element), 48 pieces of 16 bytes.
-struct ElementStage {
-  float grad[32], param[32], rms[32], mom[96];
-};
-// Whether a tensor's per-element arrays allow the 16-byte copies (PyTorch's allocations do; a view at an
-// offset may not). Elements first ... first + 31 with first a multiple of 32 then start on 16 bytes.
-LOPT_DEVICE bool stage_aligned(const TensorMeta& t) { return ((t.param | t.grad | t.mom | t.rms) & 15) == 0; }
-// Issues the copies of elements first ... first + 31 (all within the tensor) into `stage`: lane l copies
-// piece l and, for l < 16, piece 32 + l (pieces 0 ... 23 of grad, param, rms; 24 ... 47 of the momenta).
-LOPT_DEVICE void stage_warp_elements(ElementStage& stage, const TensorMeta& t, i64 first, int lane) {
-  const auto copy = [&](int piece) {
-    const float* source;
-    if (piece < 24) {
-      const i64 array = piece < 8 ? t.grad : piece < 16 ? t.param : t.rms;
-      source = pointer<const float>(array) + first + 4 * (piece % 8);
-    } else {
-      source = pointer<const float>(t.mom) + 3 * first + 4 * (piece - 24);
-    }
-    copy_async_16_streamed(reinterpret_cast<float*>(&stage) + 4 * piece, source);
-  };
-  copy(lane);
-  if (lane < 16) copy(32 + lane);
-  copy_async_commit();
-}
-// The lane's element out of its warp's stage, as issue_element_loads gives it (float32 bits).
-LOPT_DEVICE IssuedElement staged_element(const ElementStage& stage, int lane) {
-  IssuedElement in;
-  in.grad_bits = __float_as_uint(stage.grad[lane]);
-  in.param_bits = __float_as_uint(stage.param[lane]);
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    in.state.mom[k] = stage.mom[3 * lane + k];  // (stride 3 words: 32 distinct banks)
-    in.state.full[k] = 0.f;
-  }
-  in.state.rms = stage.rms[lane];
-  return in;
-}
-
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const TensorEntries& entries, const float* shifts,
                                         float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
-                                        uint4* tile_row, const ElementStage* stage = nullptr) {
-  IssuedElement issued = stage != nullptr ? staged_element(*stage, threadIdx.x % 32) : issue_element_loads<Streamed>(t, e);
+                                        uint4* tile_row) {
+  IssuedElement issued = issue_element_loads<Streamed>(t, e);
 #if SFC_PACKED_ENTRIES
   // The fast entry's reads (from L2) go out while the element's (from DRAM) are in flight, ahead of
   // any use of them: else the first use waits out the DRAM latency and the entry's L2 latency follows.
@@ -987,12 +935,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ bool slow_vectors;                                  // shares_slow_entries
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
-#if SFC_APPLY_STAGED == 1
-  __shared__ __align__(16) ElementStage stages[SFC_APPLY_WARPS];  // each warp's elements of its next chunk
-#endif
-#if SFC_APPLY_STAGED
-  bool staged = false;  // this warp's elements of the coming chunk are in its stage (copies in flight)
-#endif
   __shared__ TensorEntries entries;
   __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
@@ -1048,10 +990,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META);
-    // may_stage: the tensor's elements may be staged (a common tensor, stage_aligned; a constant at each
-    // call, which the inlined lambda folds).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool may_stage) {
+    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
@@ -1061,43 +1001,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       i64 slow_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-      const ElementStage* stage = nullptr;
-#if SFC_APPLY_STAGED == 1
-      ElementStage& warp_stage = stages[warp];
-#elif SFC_APPLY_STAGED == 2
-      ElementStage& warp_stage = *reinterpret_cast<ElementStage*>(&feature_tiles[warp][0][0]);
-#endif
-#if SFC_APPLY_STAGED
-      if (may_stage && staged) {
-        copy_async_wait_all();
-        __syncwarp();  // every lane's copies have landed
-        stage = &warp_stage;
-      }
-#endif
       apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                  clip_factor, entries, feature_shifts, x, state, param, slow_entry,
-                                                 tile_row, stage);
-#if SFC_APPLY_STAGED
-      // The next chunk's elements, where it is this tensor's and the warp's 32 all exist: copied while
-      // this chunk's MLP runs (a tensor's first chunk in a block, and its last partial one, load directly).
-      const i64 next_first = index - threadIdx.x % 32 + SFC_APPLY_CHUNK;
-      if (may_stage) staged = chunk + 1 < chunk_end && chunk + 1 < current_end && next_first + 32 <= chunk_meta.numel;
-      const auto stage_next = [&] {
-        if (!may_stage || !staged) return;
-        __syncwarp();  // every lane has read this chunk's stage (and, in the tile, layer 1 its rows)
-        stage_warp_elements(warp_stage, chunk_meta, next_first, threadIdx.x % 32);
-#if SFC_STAGE_ENTRY_PREFETCH
-        if (slow_vectors) {  // (the fast entries of the warp's elements are neighbours)
-          i64 without_a, without_b;
-          split_factored_index(chunk_meta, next_first + threadIdx.x % 32, without_a, without_b);
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(entries.fast + without_a * LOPT_TABLE_FLOATS));
-        }
-#endif
-      };
-#if SFC_APPLY_STAGED == 1
-      stage_next();
-#endif
-#endif
+                                                 tile_row);
       if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
@@ -1114,11 +1020,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
       const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
                                           SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
-                                          b3, [&] {
-#if SFC_APPLY_STAGED == 2
-                                            stage_next();
-#endif
-                                          });
+                                          b3);
       if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
     };
 #if SFC_CHUNK_META
@@ -1128,14 +1030,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
 #if SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
-#if SFC_APPLY_STAGED
-      if (stage_aligned(chunk_meta)) apply_chunk(as_common_tensor(chunk_meta), true);
-      else
-#endif
-        apply_chunk(as_common_tensor(chunk_meta), false);
+      apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, false);
+    apply_chunk(chunk_meta);
   }
 }

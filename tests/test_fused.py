@@ -258,20 +258,6 @@ def test_common_path_steps_like_the_general_one(precision, dtype, weights):
     step_twin_builds(weights, dtype, precision, [("SFC_COMMON_PATH=1",), ("SFC_COMMON_PATH=0",)])
 
 
-# Matrices of many chunks each (a block then runs several chunks of one tensor, the case the staged
-# loads serve), one whose last chunk and last warp are partial, between tensors of the other kinds.
-STAGED_SHAPES = [(37,), (1024, 768), (300, 129), (333, 96), (3, 40, 64), (2048, 544), (1, 70000)]
-
-
-@pytest.mark.parametrize("precision,staged", [("exact", 1), ("exact", 2), ("fast", 1)])
-def test_staged_element_loads_step_like_direct_loads(precision, staged, weights):
-    """The apply pass copies a float32 factored matrix's elements of the next chunk into shared memory
-    while it runs the current chunk (SFC_APPLY_STAGED): bit-identical parameters and state to loading
-    them where they are used (SFC_APPLY_STAGED=0), in each precision."""
-    step_twin_builds(weights, torch.float32, precision, [(f"SFC_APPLY_STAGED={staged}",), ("SFC_APPLY_STAGED=0",)],
-                     shapes=STAGED_SHAPES)
-
-
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as
