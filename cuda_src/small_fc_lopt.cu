@@ -264,6 +264,9 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 #ifndef SFC_LAYER2_FP16
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
+// Floats of layer 2's B operand: the FP16 split's 16 bytes per lane and 16-deep step (1024), else
+// the full split operand.
+#define SFC_L2_OPERAND_FLOATS (SFC_LAYER2_FP16 ? 1024 : SFC_OPERAND_32x32)
 
 #ifndef SFC_OUTPUT_MMA
 // precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
@@ -920,7 +923,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   if (blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
-  __shared__ __align__(16) float l2[SFC_OPERAND_32x32];
+  __shared__ __align__(16) float l2[SFC_L2_OPERAND_FLOATS];
   __shared__ float4 b2[16];  // layer 2's bias (BiasQuads)
   __shared__ float w3[2 * SFC_HIDDEN], b3[2];
 #if SFC_OUTPUT_MMA
@@ -941,7 +944,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
-  for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
+  for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
