@@ -868,6 +868,9 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
+// (The element loads stay where they are used. Copying the next chunk's elements into shared memory by
+// cp.async while the current chunk's MLP runs, which takes their DRAM latency off the warp's path, made
+// the exact step 1.1-1.5 ms slower and the fast one 0.5 ms: commit a8da4bf, benchmarks/RESULTS.md.)
 #ifndef SFC_L2_IN_REGISTERS
 // Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
 // from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
@@ -888,6 +891,8 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // pass 17.73 ms against 18.30 at 4 blocks and 20.57 at 3, since its first layer lost a k-step and its
 // layer 2 the TF32 split); precision "fast" fits in 72, and 7 blocks hide more of the element loads'
 // latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
+// (The exact build at 6 blocks, which its 33.5 KB of shared memory allow: 80 registers, 56 bytes of
+// spills and a quarter of the L1 cache, step 20.2-20.9 ms against 19.7-19.9; benchmarks/RESULTS.md.)
 #define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
 #endif
 #ifndef SFC_COMMON_PATH
