@@ -686,25 +686,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
   first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
-#if defined(SFC_PROBE_LDS) && SFC_PROBE_LDS > 0
-  // (Probe, not a build: SFC_PROBE_LDS extra 16-byte shared loads per lane, 4 wavefronts each.)
-#pragma unroll
-  for (int i = 0; i < SFC_PROBE_LDS; ++i) {
-    unsigned a, b, c, d;
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(l1 + 128 * (i % 16) + 4 * lane));
-    asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(address));
-  }
-#endif
-#if defined(SFC_PROBE_ALU) && SFC_PROBE_ALU > 0
-  // (Probe, not a build: SFC_PROBE_ALU extra integer additions per lane, on four independent chains.)
-  {
-    unsigned chain[4] = {0u + lane, 1u + lane, 2u + lane, 3u + lane};
-#pragma unroll
-    for (int i = 0; i < SFC_PROBE_ALU; ++i)
-      asm volatile("mad.lo.u32 %0, %0, %1, %2;" : "+r"(chain[i % 4]) : "r"(chain[(i + 1) % 4]), "r"(chain[(i + 2) % 4]));
-    if ((chain[0] ^ chain[1] ^ chain[2] ^ chain[3]) == 0x7f7f7f7fu) tile[lane] = 0.f;  // (no lane ever does)
-  }
-#endif
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
