@@ -793,8 +793,8 @@ template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const TensorEntries& entries, const float* shifts,
                                         float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
-                                        uint4* tile_row, const IssuedElement* prefetched = nullptr) {
-  IssuedElement issued = prefetched != nullptr ? *prefetched : issue_element_loads<Streamed>(t, e);
+                                        uint4* tile_row) {
+  IssuedElement issued = issue_element_loads<Streamed>(t, e);
 #if SFC_PACKED_ENTRIES
   // The fast entry's reads (from L2) go out while the element's (from DRAM) are in flight, ahead of
   // any use of them: else the first use waits out the DRAM latency and the entry's L2 latency follows.
@@ -865,10 +865,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
   __syncwarp();
 }
 
-#ifndef SFC_APPLY_PREFETCH
-// 1: a common tensor's element loads are issued one chunk ahead, into registers.
-#define SFC_APPLY_PREFETCH 0
-#endif
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
@@ -948,10 +944,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
   __shared__ TensorEntries entries;
-#if SFC_APPLY_PREFETCH
-  IssuedElement pending;       // the next chunk's element, its loads issued (common tensors)
-  bool pending_valid = false;
-#endif
   __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
@@ -1006,9 +998,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META);
-    // may_prefetch: a constant at each call (the common tensor's).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool may_prefetch) {
+    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
@@ -1018,25 +1009,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       i64 slow_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-#if SFC_APPLY_PREFETCH
-      // The element's loads were issued one chunk ahead (where this chunk is the tensor's next in the
-      // block's range); the next chunk's go out now, to land while this chunk's MLP runs.
-      IssuedElement current;
-      const bool had_pending = may_prefetch && pending_valid;
-      if (had_pending) current = pending;
-      if (may_prefetch) {
-        pending_valid = chunk + 1 < chunk_end && chunk + 1 < current_end;
-        if (pending_valid) pending = issue_element_loads<SFC_APPLY_STREAMED>(
-            chunk_meta, min(index + SFC_APPLY_CHUNK, chunk_meta.numel - 1));
-      }
-      apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
-                                                 clip_factor, entries, feature_shifts, x, state, param, slow_entry,
-                                                 tile_row, had_pending ? &current : nullptr);
-#else
       apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                  clip_factor, entries, feature_shifts, x, state, param, slow_entry,
                                                  tile_row);
-#endif
       if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
@@ -1063,10 +1038,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
 #if SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
-      apply_chunk(as_common_tensor(chunk_meta), true);
+      apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, false);
+    apply_chunk(chunk_meta);
   }
 }

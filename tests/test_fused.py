@@ -258,19 +258,6 @@ def test_common_path_steps_like_the_general_one(precision, dtype, weights):
     step_twin_builds(weights, dtype, precision, [("SFC_COMMON_PATH=1",), ("SFC_COMMON_PATH=0",)])
 
 
-# Matrices of many chunks each (a block then runs several chunks of one tensor), one whose last chunk is
-# partial, between tensors of the other kinds.
-PREFETCH_SHAPES = [(37,), (1024, 768), (300, 129), (333, 96), (3, 40, 64), (2048, 544), (1, 70000)]
-
-
-@pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_prefetched_element_loads_step_like_direct_loads(precision, weights):
-    """The apply pass issues a common tensor's element loads one chunk ahead (SFC_APPLY_PREFETCH):
-    bit-identical parameters and state to loading them in their own chunk."""
-    step_twin_builds(weights, torch.float32, precision, [("SFC_APPLY_PREFETCH=1",), ("SFC_APPLY_PREFETCH=0",)],
-                     shapes=PREFETCH_SHAPES)
-
-
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as
