@@ -868,9 +868,10 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
-// (The element loads stay where they are used. Copying the next chunk's elements into shared memory by
-// cp.async while the current chunk's MLP runs, which takes their DRAM latency off the warp's path, made
-// the exact step 1.1-1.5 ms slower and the fast one 0.5 ms: commit a8da4bf, benchmarks/RESULTS.md.)
+// (The element loads stay where they are used. Taking their DRAM latency off the warp's path did not
+// pay: copying the next chunk's elements into shared memory by cp.async made the exact step 1.1-1.5 ms
+// slower (a8da4bf), loading them a chunk ahead into registers 1.3-1.9 ms (55a9d5d), and asking L2 for
+// them ahead gained nothing (a72b12b); benchmarks/RESULTS.md, #12 eleventh session.)
 #ifndef SFC_L2_IN_REGISTERS
 // Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
 // from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
