@@ -264,9 +264,8 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 #ifndef SFC_LAYER2_FP16
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
-// Floats of layer 2's B operand: the FP16 split's 16 bytes per lane and 16-deep step (1024), else
-// the full split operand.
-#define SFC_L2_OPERAND_FLOATS (SFC_LAYER2_FP16 ? 1024 : SFC_OPERAND_32x32)
+// Floats of layer 2's B operand in the apply pass's shared memory.
+#define SFC_L2_OPERAND_FLOATS (SFC_LAYER2_FP16 ? LOPT_HALF_SPLIT_OPERAND_FLOATS : SFC_OPERAND_32x32)
 
 #ifndef SFC_OUTPUT_MMA
 // precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms

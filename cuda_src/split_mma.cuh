@@ -36,6 +36,9 @@
 #else
 #define LOPT_SPLIT_OPERAND_FLOATS (4 * 4 * 32 * 4)
 #endif
+// Floats of half_split_layer_32x32's B operand (write_half_split_operand): per 16-deep step, n-tile and
+// lane a uint4.
+#define LOPT_HALF_SPLIT_OPERAND_FLOATS (2 * 4 * 32 * 4)
 
 // x rounded to TF32 (10 explicit mantissa bits), to nearest with ties away from zero: what
 // cvt.rna.tf32.f32 computes for every |x| < 2^128 (1 - 2^-12), in two integer instructions instead of
@@ -268,7 +271,8 @@ LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
 
 // B (k < 32, n < 32, given by weight(k, n)) for half_split_layer_32x32: for 16-deep step p, n-tile c and
 // lane (slot (4p + c) * 32 + lane), column n = 8c + g, rows k = 16p + 2t, +1 and 16p + 2t + 8, +9: a
-// uint4 {f16x2 hi, f16x2 hi, f16x2 lo, f16x2 lo} (1024 floats, within LOPT_SPLIT_OPERAND_FLOATS).
+// uint4 {f16x2 hi, f16x2 hi, f16x2 lo, f16x2 lo} (LOPT_HALF_SPLIT_OPERAND_FLOATS in all).
+static_assert(LOPT_HALF_SPLIT_OPERAND_FLOATS <= LOPT_SPLIT_OPERAND_FLOATS, "fits a split operand's space");
 template <typename Weight>
 LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread, int num_threads) {
   for (int slot = thread; slot < 2 * 4 * 32; slot += num_threads) {
