@@ -963,7 +963,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
 #if SFC_L2_IN_REGISTERS
   __syncthreads();
+#if LOPT_SPLIT_MODE == 2
   RegisterOperand l2_operand;  // layer 2's B operand, the same for every tensor
+#else
+  HalfSplitRegisterOperand l2_operand;
+#endif
   l2_operand.load(l2, threadIdx.x % 32);
 #else
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
