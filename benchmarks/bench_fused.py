@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 import sys
+import time
 
 import torch
 
@@ -110,10 +111,13 @@ def capture_step(opt, params, grads, warmup: int):
     return graph, loss
 
 
-def time_replays(graph, steps: int, warmup: int) -> list:
-    """The ms of each of ``steps`` replays of ``graph`` after ``warmup`` untimed ones (CUDA events)."""
+def time_replays(graph, steps: int, warmup: int, pause_ms: float = 0.0) -> list:
+    """The ms of each of ``steps`` replays of ``graph`` after ``warmup`` untimed ones (CUDA events);
+    ``pause_ms``: the device idles that long after each replay (see variants_ab's --pause-ms)."""
     times = []
     for i in range(warmup + steps):
+        if pause_ms:
+            time.sleep(pause_ms / 1e3)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

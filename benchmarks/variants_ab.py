@@ -50,6 +50,11 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block")
     parser.add_argument("--graph", action="store_true", help="time replays of each step captured in a CUDA graph")
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="with --graph: idle the device this long before each replay. Replayed back to back, "
+                             "an exact GPT-2-medium step draws the H100's 700 W and its SM clock drops to ~1650 MHz; "
+                             "inside a training iteration it runs at 1980 (benchmarks/iteration_ab.py), so a pause "
+                             "of ~40 ms times it as the iteration runs it")
     args = parser.parse_args()
 
     params = build_parameters(args.param_set, "cuda")
@@ -68,12 +73,13 @@ def main() -> int:
     for block in range(args.blocks):
         order = labels if block % 2 == 0 else labels[::-1]  # no variant always follows the same one
         for label in order:
-            times[label] += (time_replays(graphs[label][0], args.steps, 2) if args.graph
+            times[label] += (time_replays(graphs[label][0], args.steps, 2, args.pause_ms) if args.graph
                              else time_steps(optimizers[label], params, grad_sets, args.steps, 2))
     graphs.clear()
     result = {"environment": environment(torch.device("cuda")), "optimizer": args.optimizer,
               "param_set": args.param_set, "blocks": args.blocks, "steps_per_block": args.steps,
-              "timing": "graph replays" if args.graph else "synchronised steps", "variants": {}}
+              "timing": "graph replays" if args.graph else "synchronised steps", "pause_ms": args.pause_ms,
+              "variants": {}}
     print(f"{args.optimizer} on {args.param_set}: {args.blocks} alternating blocks of {args.steps} "
           f"{'replays of captured steps' if args.graph else 'synchronised steps'}")
     for label in labels:

@@ -551,6 +551,12 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
   }
 }
 
+#ifndef SFC_CHUNK_KIND
+// 1: which copy of the chunk code a tensor's chunks run (general, or common with d0 = a or d0 = b, so
+// that the factors' roles are constants too) is decided once per tensor, not tested per chunk; and the
+// feature tile's columns 24 ... 31 are written only where layer 1 reads them (not with the slow quads).
+#define SFC_CHUNK_KIND 0
+#endif
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
@@ -637,8 +643,9 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
-    reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
-        make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+    if (!SFC_CHUNK_KIND || !use_quads || 4 * q < SFC_SLOW_INPUTS_FIRST)  // (with the quads, no k-step reads 24 ... 31)
+      reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
+          make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
 #if SFC_LAYER1_TRUNCATED
   // The A fragment of k-step j in m-tile m, {(g, 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)},
@@ -913,6 +920,13 @@ LOPT_DEVICE TensorMeta as_common_tensor(const TensorMeta& t) {
   c.plain_index = 1; c.factored = 1; c.param_dtype = LOPT_F32; c.grad_dtype = LOPT_F32;
   return c;
 }
+// The chunk code for a tensor: 0 the general one; 1 + d0_is_a the common tensor's.
+LOPT_DEVICE int chunk_kind(const TensorMeta& t) { return is_common_tensor(t) ? 1 + (t.d0_is_a != 0) : 0; }
+LOPT_DEVICE TensorMeta as_common_tensor(const TensorMeta& t, int d0_is_a) {
+  TensorMeta c = as_common_tensor(t);
+  c.d0_is_a = d0_is_a;
+  return c;
+}
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
@@ -943,7 +957,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ bool slow_vectors;                                  // shares_slow_entries
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
-  __shared__ TensorEntries entries;
+  __shared__ __align__(16) TensorEntries entries;  // (aligned: the chunk reads slow and fast as one 16-byte load)
+#if SFC_CHUNK_KIND
+  __shared__ int tensor_chunk_kind;  // chunk_kind of the current tensor
+#endif
   __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
@@ -998,6 +1015,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_SLOW_VECTORS
         slow_vectors = shares_slow_entries(meta);
 #endif
+#if SFC_CHUNK_KIND
+        tensor_chunk_kind = chunk_kind(meta);
+#endif
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
@@ -1040,7 +1060,14 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #else
     const TensorMeta& chunk_meta = meta;
 #endif
-#if SFC_COMMON_PATH
+#if SFC_COMMON_PATH && SFC_CHUNK_KIND
+    const int kind = tensor_chunk_kind;
+    if (kind != 0) {
+      if (kind == 1) apply_chunk(as_common_tensor(chunk_meta, 0));
+      else apply_chunk(as_common_tensor(chunk_meta, 1));
+      continue;
+    }
+#elif SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
       apply_chunk(as_common_tensor(chunk_meta));
       continue;
