@@ -285,6 +285,16 @@ LOPT_DEVICE void write_factor_entry(float* table, float4* factors, uint4* packed
   if (packed != nullptr) packed[entry] = packed_entry_inputs(acc, rsqrt_acc);
 }
 
+// An entry's accumulators and their rsqrt (factor left at zero): the first and last float4 of the entry.
+LOPT_DEVICE FactorEntry read_factor_entry_values(const float* table, i64 entry) {
+  const float4* p = reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS);
+  const float4 x = __ldg(p), z = __ldg(p + 2);
+  FactorEntry f{};
+  f.acc[0] = x.x; f.acc[1] = x.y; f.acc[2] = x.z;
+  f.rsqrt_acc[0] = z.x; f.rsqrt_acc[1] = z.y; f.rsqrt_acc[2] = z.z;
+  return f;
+}
+
 // An element's R and C table entries, whole.
 LOPT_DEVICE void load_factor_entries(const TensorMeta& t, const FactorIndex& f, const float* row_table,
                                      const float* col_table, FactorEntry& row, FactorEntry& col) {

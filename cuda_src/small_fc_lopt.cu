@@ -267,6 +267,12 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 // Floats of layer 2's B operand in the apply pass's shared memory.
 #define SFC_L2_OPERAND_FLOATS (SFC_LAYER2_FP16 ? LOPT_HALF_SPLIT_OPERAND_FLOATS : SFC_OPERAND_32x32)
 
+#ifndef SFC_W3_QUADS
+#define SFC_W3_QUADS 0  // (to measure) the exact output layer's weights read as one float4 per n-tile
+#endif
+#if SFC_W3_QUADS && LOPT_SPLIT_MODE == 2
+#error "SFC_W3_QUADS is the CUDA-core output layer's (precision \"fast\" runs layer 3 on tensor cores)"
+#endif
 #ifndef SFC_OUTPUT_MMA
 // precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
 // against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
@@ -470,12 +476,19 @@ LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const 
     for (int c = 0; c < 4; ++c)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+#if SFC_W3_QUADS
+        // w3: quads [4c + t] = {W3[0][8c + 2t], W3[0][8c + 2t + 1], W3[1][8c + 2t], W3[1][8c + 2t + 1]}
+        const float4 quad = reinterpret_cast<const float4*>(w3)[4 * c + t];
+        const float w_direction = half ? quad.y : quad.x, w_magnitude = half ? quad.w : quad.z;
+#else
         const int unit = 8 * c + 2 * t + half;
+        const float w_direction = w3[unit], w_magnitude = w3[SFC_HIDDEN + unit];
+#endif
         const float h_g = fmaxf(h2[m][c][half], 0.f), h_g8 = fmaxf(h2[m][c][2 + half], 0.f);
-        partial[m][0] = fmaf(w3[unit], h_g, partial[m][0]);
-        partial[m][1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[m][1]);
-        partial[m][2] = fmaf(w3[unit], h_g8, partial[m][2]);
-        partial[m][3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[m][3]);
+        partial[m][0] = fmaf(w_direction, h_g, partial[m][0]);
+        partial[m][1] = fmaf(w_magnitude, h_g, partial[m][1]);
+        partial[m][2] = fmaf(w_direction, h_g8, partial[m][2]);
+        partial[m][3] = fmaf(w_magnitude, h_g8, partial[m][3]);
       }
   // Lanes t = 2, 3 keep m-tile 1 and hand m-tile 0 to their partner t ^ 2; then odd lanes keep row g + 8.
   const bool upper = (t & 2) != 0, odd = (t & 1) != 0;
@@ -778,6 +791,9 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // medium 9.12-9.18 ms against 9.32, ViT-B/16 2.28 against 2.30 (0: the earlier build, to measure against).
 #define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
 #endif
+#ifndef SFC_FAST_FACTORS_COMPACT
+#define SFC_FAST_FACTORS_COMPACT 0  // (to measure) the exact mode's fast entry: its factors from the compact copies
+#endif
 #if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
 #error "SFC_PACKED_ENTRIES needs LOPT_SPLIT_MODE 2: only the BF16 first layer takes packed inputs"
 #endif
@@ -829,6 +845,10 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     // Only the fast entry's factors as floats; its features straight into the tile, packed.
     tile_row[2] = fast_words;
     FactorEntry fast{};
+    fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
+#elif SFC_FAST_FACTORS_COMPACT
+    FactorEntry fast = read_factor_entry_values(entries.fast, without_a);
+    const float4 fast_factors = __ldg(entries.fast_factors + without_a);
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
 #else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
@@ -944,7 +964,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_L2_OPERAND_FLOATS];
   __shared__ float4 b2[16];  // layer 2's bias (BiasQuads)
-  __shared__ float w3[2 * SFC_HIDDEN], b3[2];
+  __shared__ __align__(16) float w3[2 * SFC_HIDDEN];  // (SFC_W3_QUADS: as output_layer's quads)
+  __shared__ float b3[2];
 #if SFC_OUTPUT_MMA
   __shared__ uint2 w3_operand[4 * 32];
 #else
@@ -967,7 +988,15 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
+#if SFC_W3_QUADS
+  if (threadIdx.x < 2 * SFC_HIDDEN) {  // element i of quad 4c + t: output i / 2, unit 8c + 2t + i % 2
+    const int quad = threadIdx.x / 4, i = threadIdx.x % 4;
+    const int unit = 8 * (quad / 4) + 2 * (quad % 4) + i % 2;
+    w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + (i / 2) * SFC_HIDDEN + unit];
+  }
+#else
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
+#endif
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   // (In shared memory: held in a register through the loop, it was spilled and reloaded every chunk.
