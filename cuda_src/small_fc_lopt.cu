@@ -11,6 +11,18 @@
 // The statistics pass recomputes the updated accumulators without storing them; the apply pass
 // recomputes them with the same code and stores them, so both passes see identical features.
 // Nothing is written to parameters or state before the apply pass knows the step is kept.
+#ifndef SFC_FAST_ENTRY_EARLY
+#define SFC_FAST_ENTRY_EARLY 0  // (to measure) the exact mode reads the fast entry while the element's loads are in flight
+#endif
+#ifndef SFC_ENTRY_REMAINDERS
+// The exact mode's first layer takes the fast entry's share of its correction product's low words
+// from the factor tables (packed_entry_remainders, formed once per entry), not from each element.
+#define SFC_ENTRY_REMAINDERS 0
+#endif
+#if SFC_ENTRY_REMAINDERS && defined(LOPT_SPLIT_MODE) && LOPT_SPLIT_MODE != 0
+#error "SFC_ENTRY_REMAINDERS is the exact mode's (LOPT_SPLIT_MODE 0)"
+#endif
+#define LOPT_PACKED_REMAINDERS SFC_ENTRY_REMAINDERS
 #include "common.cuh"
 #include "accumulators.cuh"
 #include "split_mma.cuh"
@@ -655,8 +667,8 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
-  for (int q = 0; q < SFC_K / 4; ++q)
-    if (!SFC_CHUNK_KIND || !use_quads || 4 * q < SFC_SLOW_INPUTS_FIRST)  // (with the quads, no k-step reads 24 ... 31)
+  for (int q = 0; q < SFC_K / 4; ++q)  // (with the quads, no k-step reads 24 ... 31; SFC_ENTRY_REMAINDERS puts the fast entry's words there)
+    if (!((SFC_CHUNK_KIND || SFC_ENTRY_REMAINDERS) && use_quads && 4 * q >= SFC_SLOW_INPUTS_FIRST))
       reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
           make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
@@ -687,7 +699,23 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     }
   });
 #endif
+#if SFC_ENTRY_REMAINDERS
+  // With slow quads, columns 24 ... 31 of a row hold its fast entry's correction words for k-step 2
+  // (inputs 16 ... 23): 24 ... 27 the remainders (packed_entry_remainders), 28 ... 31 the values
+  // (packed_entry_inputs), so ldmatrix at k-step 3's place hands each thread its correction fragment.
+  const auto load_quad_fragments = [&](int j, SplitFragment f[2]) {
+    if (j < 2) return load_fragments(j, f);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const float* row_start = tile + (16 * m + matrix_row) * SFC_FEATURE_STRIDE + matrix_column;
+      load_matrices_x4(f[m].hi, row_start + 8 * j);
+      load_matrices_x4(f[m].correction, row_start + 8 * (j + 1));
+    }
+  };
+  if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_quad_fragments, l1, BiasQuads{slow_quads}, lane);
+#else
   if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
+#endif
   else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
 #endif
@@ -829,12 +857,23 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     fast_words = __ldg(entries.fast_packed + without_a);
   }
   hold_uses_until_here(issued);
+#elif SFC_ENTRY_REMAINDERS || SFC_FAST_ENTRY_EARLY
+  // (The same for the exact mode's reads of the fast entry: its remainders, or the whole entry too.)
+  i64 without_a = 0, without_b = 0;
+  uint4 fast_remainders = make_uint4(0u, 0u, 0u, 0u);
+  FactorEntry early_fast{};
+  if (t.factored) {
+    split_factored_index(t, e, without_a, without_b);
+    if (SFC_ENTRY_REMAINDERS) fast_remainders = __ldg(entries.fast_packed + without_a);
+    if (SFC_FAST_ENTRY_EARLY) early_fast = read_factor_entry(entries.fast, without_a);
+  }
+  hold_uses_until_here(issued);
 #endif
   const float unclipped_grad = finish_element(t, issued, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
-#if !SFC_PACKED_ENTRIES
+#if !SFC_PACKED_ENTRIES && !SFC_ENTRY_REMAINDERS && !SFC_FAST_ENTRY_EARLY
     i64 without_a, without_b;
     split_factored_index(t, e, without_a, without_b);
 #endif
@@ -851,7 +890,15 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     const float4 fast_factors = __ldg(entries.fast_factors + without_a);
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
 #else
+#if SFC_FAST_ENTRY_EARLY
+    const FactorEntry fast = early_fast;
+#else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
+#endif
+#if SFC_ENTRY_REMAINDERS
+    tile_row[6] = fast_remainders;                                 // columns 24 ... 27 (first_layer)
+    tile_row[7] = packed_entry_inputs(fast.acc, fast.rsqrt_acc);  // 28 ... 31
+#endif
 #endif
     row = slow;
     col = fast;
