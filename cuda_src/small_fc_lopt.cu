@@ -938,6 +938,10 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
   __syncwarp();
 }
 
+#ifndef SFC_APPLY_L2_PREFETCH
+// N > 0: a common tensor's chunk asks L2 for its elements' arrays N chunks ahead.
+#define SFC_APPLY_L2_PREFETCH 0
+#endif
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
@@ -1098,9 +1102,17 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
+    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META);
+    // may_prefetch: a constant at each call (the common tensor's).
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool may_prefetch) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+#if SFC_APPLY_L2_PREFETCH
+      // The element SFC_APPLY_L2_PREFETCH chunks ahead asked into L2 (no register, nothing to wait for).
+      if (may_prefetch) {
+        const i64 ahead = index + SFC_APPLY_L2_PREFETCH * SFC_APPLY_CHUNK;
+        if (ahead < chunk_meta.numel) prefetch_element(chunk_meta, ahead);
+      }
+#endif
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
@@ -1145,10 +1157,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     }
 #elif SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
-      apply_chunk(as_common_tensor(chunk_meta));
+      apply_chunk(as_common_tensor(chunk_meta), true);
       continue;
     }
 #endif
-    apply_chunk(chunk_meta);
+    apply_chunk(chunk_meta, false);
   }
 }
