@@ -1151,8 +1151,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_COMMON_PATH && SFC_CHUNK_KIND
     const int kind = tensor_chunk_kind;
     if (kind != 0) {
-      if (kind == 1) apply_chunk(as_common_tensor(chunk_meta, 0));
-      else apply_chunk(as_common_tensor(chunk_meta, 1));
+      if (kind == 1) apply_chunk(as_common_tensor(chunk_meta, 0), true);
+      else apply_chunk(as_common_tensor(chunk_meta, 1), true);
       continue;
     }
 #elif SFC_COMMON_PATH
