@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -43,12 +44,16 @@ def ready(params, options, defines=()):
     return engine, flags
 
 
+PAUSE_S = 0.0  # --pause-ms
+
+
 def timed(launches, reps=15, warmup=3) -> float:
     """Median ms from the first launch to the last one's end; ``launches``: (stream, fn) in launch order."""
     main = torch.cuda.current_stream()
     times = []
     for i in range(warmup + reps):
         torch.cuda.synchronize()
+        time.sleep(PAUSE_S)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(main)
         for stream, fn in launches:
@@ -67,7 +72,11 @@ def timed(launches, reps=15, warmup=3) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="idle the device this long before each timed launch (unthrottled clocks: variants_ab.py)")
     args = parser.parse_args()
+    global PAUSE_S
+    PAUSE_S = args.pause_ms / 1e3
     env = environment(torch.device("cuda", 0))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     params_a = build_parameters("gpt2-medium", device="cuda")
@@ -96,7 +105,7 @@ def main() -> int:
         engine.apply_grid = default_grid
         del engine
     if args.out:
-        Path(args.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"environment": env, "pause_ms": args.pause_ms, "rows": rows}, indent=1))
     return 0
 
 
