@@ -272,25 +272,7 @@ LOPT_DEVICE uint4 packed_entry_inputs(const float acc[3], const float rsqrt_acc[
                     pack_bf16x2(rsqrt_acc[0], 1.f));
 }
 
-// The same eight inputs' remainders below TF32 as the tensor core truncates it, x - (x & ~0x1FFF), rounded
-// to BF16, in the same word order: small_fc_lopt's exact mode reads them as the low words of that
-// k-step's correction product (truncated_split_fragment forms the same from an element's values).
-LOPT_DEVICE float truncated_remainder(float x) { return __fsub_rn(x, __uint_as_float(__float_as_uint(x) & 0xFFFFE000u)); }
-LOPT_DEVICE uint4 packed_entry_remainders(const float acc[3], const float rsqrt_acc[3]) {
-  return make_uint4(pack_bf16x2(truncated_remainder(acc[0]), truncated_remainder(rsqrt_acc[1])),
-                    pack_bf16x2(truncated_remainder(acc[1]), truncated_remainder(rsqrt_acc[2])),
-                    pack_bf16x2(truncated_remainder(acc[2]), 0.f), pack_bf16x2(truncated_remainder(rsqrt_acc[0]), 0.f));
-}
-
-// An entry's packed words: packed_entry_inputs, or with LOPT_PACKED_REMAINDERS packed_entry_remainders.
-#ifndef LOPT_PACKED_REMAINDERS
-#define LOPT_PACKED_REMAINDERS 0
-#endif
-LOPT_DEVICE uint4 packed_entry(const float acc[3], const float rsqrt_acc[3]) {
-  return LOPT_PACKED_REMAINDERS ? packed_entry_remainders(acc, rsqrt_acc) : packed_entry_inputs(acc, rsqrt_acc);
-}
-
-// `packed`: where packed_entry goes (nullptr: nowhere; only small_fc_lopt's apply pass reads them).
+// `packed`: where packed_entry_inputs go (nullptr: nowhere; only small_fc_lopt's precision "fast" reads them).
 LOPT_DEVICE void write_factor_entry(float* table, float4* factors, uint4* packed, i64 entry, const float acc[3],
                                     const float factor[3]) {
   float4* p = reinterpret_cast<float4*>(table + entry * LOPT_TABLE_FLOATS);
@@ -300,17 +282,7 @@ LOPT_DEVICE void write_factor_entry(float* table, float4* factors, uint4* packed
   const float rsqrt_acc[3] = {rsqrtf(__fadd_rn(acc[0], 1e-8f)), rsqrtf(__fadd_rn(acc[1], 1e-8f)),
                               rsqrtf(__fadd_rn(acc[2], 1e-8f))};
   p[2] = make_float4(rsqrt_acc[0], rsqrt_acc[1], rsqrt_acc[2], acc[2]);
-  if (packed != nullptr) packed[entry] = packed_entry(acc, rsqrt_acc);
-}
-
-// An entry's accumulators and their rsqrt (factor left at zero): the first and last float4 of the entry.
-LOPT_DEVICE FactorEntry read_factor_entry_values(const float* table, i64 entry) {
-  const float4* p = reinterpret_cast<const float4*>(table + entry * LOPT_TABLE_FLOATS);
-  const float4 x = __ldg(p), z = __ldg(p + 2);
-  FactorEntry f{};
-  f.acc[0] = x.x; f.acc[1] = x.y; f.acc[2] = x.z;
-  f.rsqrt_acc[0] = z.x; f.rsqrt_acc[1] = z.y; f.rsqrt_acc[2] = z.z;
-  return f;
+  if (packed != nullptr) packed[entry] = packed_entry_inputs(acc, rsqrt_acc);
 }
 
 // An element's R and C table entries, whole.
@@ -447,7 +419,7 @@ LOPT_DEVICE void commit_factored_accumulators(const TensorMeta* tensors, int num
 
 // A tensor's R and C values in the factor tables times per-decay factors (powers of two: the fold's
 // feature shifts), once the control phase has read them; the factors and rsqrt values stay.
-// (row_packed, col_packed: the packed_entry words, formed again from the scaled values; or nullptr.)
+// (row_packed, col_packed: the packed_entry_inputs, formed again from the scaled values; or nullptr.)
 LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table, float* col_table, uint4* row_packed,
                                           uint4* col_packed, const float* row_shift, const float* col_shift, int tid,
                                           int threads) {
@@ -456,7 +428,7 @@ LOPT_DEVICE void scale_table_accumulators(const TensorMeta& t, float* row_table,
       float* acc = table + (first + entry) * LOPT_TABLE_FLOATS;  // (not the pad: the commit reads it meanwhile)
 #pragma unroll
       for (int k = 0; k < 3; ++k) acc[k] = __fmul_rn(acc[k], shift[k]);
-      if (packed != nullptr) packed[first + entry] = packed_entry(acc, acc + 8);  // (rsqrt_acc: floats 8 ... 10)
+      if (packed != nullptr) packed[first + entry] = packed_entry_inputs(acc, acc + 8);  // (rsqrt_acc: floats 8 ... 10)
     }
   };
   scale_entries(row_table, row_packed, t.row_table, num_row_entries(t), row_shift);

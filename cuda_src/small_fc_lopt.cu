@@ -11,18 +11,6 @@
 // The statistics pass recomputes the updated accumulators without storing them; the apply pass
 // recomputes them with the same code and stores them, so both passes see identical features.
 // Nothing is written to parameters or state before the apply pass knows the step is kept.
-#ifndef SFC_FAST_ENTRY_EARLY
-#define SFC_FAST_ENTRY_EARLY 0  // (to measure) the exact mode reads the fast entry while the element's loads are in flight
-#endif
-#ifndef SFC_ENTRY_REMAINDERS
-// The exact mode's first layer takes the fast entry's share of its correction product's low words
-// from the factor tables (packed_entry_remainders, formed once per entry), not from each element.
-#define SFC_ENTRY_REMAINDERS 0
-#endif
-#if SFC_ENTRY_REMAINDERS && defined(LOPT_SPLIT_MODE) && LOPT_SPLIT_MODE != 0
-#error "SFC_ENTRY_REMAINDERS is the exact mode's (LOPT_SPLIT_MODE 0)"
-#endif
-#define LOPT_PACKED_REMAINDERS SFC_ENTRY_REMAINDERS
 #include "common.cuh"
 #include "accumulators.cuh"
 #include "split_mma.cuh"
@@ -279,12 +267,6 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 // Floats of layer 2's B operand in the apply pass's shared memory.
 #define SFC_L2_OPERAND_FLOATS (SFC_LAYER2_FP16 ? LOPT_HALF_SPLIT_OPERAND_FLOATS : SFC_OPERAND_32x32)
 
-#ifndef SFC_W3_QUADS
-#define SFC_W3_QUADS 0  // (to measure) the exact output layer's weights read as one float4 per n-tile
-#endif
-#if SFC_W3_QUADS && LOPT_SPLIT_MODE == 2
-#error "SFC_W3_QUADS is the CUDA-core output layer's (precision \"fast\" runs layer 3 on tensor cores)"
-#endif
 #ifndef SFC_OUTPUT_MMA
 // precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
 // against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
@@ -488,19 +470,12 @@ LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const 
     for (int c = 0; c < 4; ++c)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-#if SFC_W3_QUADS
-        // w3: quads [4c + t] = {W3[0][8c + 2t], W3[0][8c + 2t + 1], W3[1][8c + 2t], W3[1][8c + 2t + 1]}
-        const float4 quad = reinterpret_cast<const float4*>(w3)[4 * c + t];
-        const float w_direction = half ? quad.y : quad.x, w_magnitude = half ? quad.w : quad.z;
-#else
         const int unit = 8 * c + 2 * t + half;
-        const float w_direction = w3[unit], w_magnitude = w3[SFC_HIDDEN + unit];
-#endif
         const float h_g = fmaxf(h2[m][c][half], 0.f), h_g8 = fmaxf(h2[m][c][2 + half], 0.f);
-        partial[m][0] = fmaf(w_direction, h_g, partial[m][0]);
-        partial[m][1] = fmaf(w_magnitude, h_g, partial[m][1]);
-        partial[m][2] = fmaf(w_direction, h_g8, partial[m][2]);
-        partial[m][3] = fmaf(w_magnitude, h_g8, partial[m][3]);
+        partial[m][0] = fmaf(w3[unit], h_g, partial[m][0]);
+        partial[m][1] = fmaf(w3[SFC_HIDDEN + unit], h_g, partial[m][1]);
+        partial[m][2] = fmaf(w3[unit], h_g8, partial[m][2]);
+        partial[m][3] = fmaf(w3[SFC_HIDDEN + unit], h_g8, partial[m][3]);
       }
   // Lanes t = 2, 3 keep m-tile 1 and hand m-tile 0 to their partner t ^ 2; then odd lanes keep row g + 8.
   const bool upper = (t & 2) != 0, odd = (t & 1) != 0;
@@ -576,12 +551,6 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
   }
 }
 
-#ifndef SFC_CHUNK_KIND
-// 1: which copy of the chunk code a tensor's chunks run (general, or common with d0 = a or d0 = b, so
-// that the factors' roles are constants too) is decided once per tensor, not tested per chunk; and the
-// feature tile's columns 24 ... 31 are written only where layer 1 reads them (not with the slow quads).
-#define SFC_CHUNK_KIND 0
-#endif
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
 #define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
@@ -667,10 +636,9 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
-  for (int q = 0; q < SFC_K / 4; ++q)  // (with the quads, no k-step reads 24 ... 31; SFC_ENTRY_REMAINDERS puts the fast entry's words there)
-    if (!((SFC_CHUNK_KIND || SFC_ENTRY_REMAINDERS) && use_quads && 4 * q >= SFC_SLOW_INPUTS_FIRST))
-      reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
-          make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
+  for (int q = 0; q < SFC_K / 4; ++q)
+    reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
+        make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
 #if SFC_LAYER1_TRUNCATED
   // The A fragment of k-step j in m-tile m, {(g, 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)},
@@ -699,23 +667,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     }
   });
 #endif
-#if SFC_ENTRY_REMAINDERS
-  // With slow quads, columns 24 ... 31 of a row hold its fast entry's correction words for k-step 2
-  // (inputs 16 ... 23): 24 ... 27 the remainders (packed_entry_remainders), 28 ... 31 the values
-  // (packed_entry_inputs), so ldmatrix at k-step 3's place hands each thread its correction fragment.
-  const auto load_quad_fragments = [&](int j, SplitFragment f[2]) {
-    if (j < 2) return load_fragments(j, f);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const float* row_start = tile + (16 * m + matrix_row) * SFC_FEATURE_STRIDE + matrix_column;
-      load_matrices_x4(f[m].hi, row_start + 8 * j);
-      load_matrices_x4(f[m].correction, row_start + 8 * (j + 1));
-    }
-  };
-  if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_quad_fragments, l1, BiasQuads{slow_quads}, lane);
-#else
   if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
-#endif
   else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
 #endif
@@ -819,9 +771,6 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 // medium 9.12-9.18 ms against 9.32, ViT-B/16 2.28 against 2.30 (0: the earlier build, to measure against).
 #define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
 #endif
-#ifndef SFC_FAST_FACTORS_COMPACT
-#define SFC_FAST_FACTORS_COMPACT 0  // (to measure) the exact mode's fast entry: its factors from the compact copies
-#endif
 #if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
 #error "SFC_PACKED_ENTRIES needs LOPT_SPLIT_MODE 2: only the BF16 first layer takes packed inputs"
 #endif
@@ -857,23 +806,12 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     fast_words = __ldg(entries.fast_packed + without_a);
   }
   hold_uses_until_here(issued);
-#elif SFC_ENTRY_REMAINDERS || SFC_FAST_ENTRY_EARLY
-  // (The same for the exact mode's reads of the fast entry: its remainders, or the whole entry too.)
-  i64 without_a = 0, without_b = 0;
-  uint4 fast_remainders = make_uint4(0u, 0u, 0u, 0u);
-  FactorEntry early_fast{};
-  if (t.factored) {
-    split_factored_index(t, e, without_a, without_b);
-    if (SFC_ENTRY_REMAINDERS) fast_remainders = __ldg(entries.fast_packed + without_a);
-    if (SFC_FAST_ENTRY_EARLY) early_fast = read_factor_entry(entries.fast, without_a);
-  }
-  hold_uses_until_here(issued);
 #endif
   const float unclipped_grad = finish_element(t, issued, inverse_scale, param, s);
   slow_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
-#if !SFC_PACKED_ENTRIES && !SFC_ENTRY_REMAINDERS && !SFC_FAST_ENTRY_EARLY
+#if !SFC_PACKED_ENTRIES
     i64 without_a, without_b;
     split_factored_index(t, e, without_a, without_b);
 #endif
@@ -885,20 +823,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     tile_row[2] = fast_words;
     FactorEntry fast{};
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
-#elif SFC_FAST_FACTORS_COMPACT
-    FactorEntry fast = read_factor_entry_values(entries.fast, without_a);
-    const float4 fast_factors = __ldg(entries.fast_factors + without_a);
-    fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
-#else
-#if SFC_FAST_ENTRY_EARLY
-    const FactorEntry fast = early_fast;
 #else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
-#endif
-#if SFC_ENTRY_REMAINDERS
-    tile_row[6] = fast_remainders;                                 // columns 24 ... 27 (first_layer)
-    tile_row[7] = packed_entry_inputs(fast.acc, fast.rsqrt_acc);  // 28 ... 31
-#endif
 #endif
     row = slow;
     col = fast;
@@ -938,10 +864,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
   __syncwarp();
 }
 
-#ifndef SFC_APPLY_L2_PREFETCH
-// N > 0: a common tensor's chunk asks L2 for its elements' arrays N chunks ahead.
-#define SFC_APPLY_L2_PREFETCH 0
-#endif
 #ifndef SFC_APPLY_STREAMED
 #define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
 #endif
@@ -991,13 +913,6 @@ LOPT_DEVICE TensorMeta as_common_tensor(const TensorMeta& t) {
   c.plain_index = 1; c.factored = 1; c.param_dtype = LOPT_F32; c.grad_dtype = LOPT_F32;
   return c;
 }
-// The chunk code for a tensor: 0 the general one; 1 + d0_is_a the common tensor's.
-LOPT_DEVICE int chunk_kind(const TensorMeta& t) { return is_common_tensor(t) ? 1 + (t.d0_is_a != 0) : 0; }
-LOPT_DEVICE TensorMeta as_common_tensor(const TensorMeta& t, int d0_is_a) {
-  TensorMeta c = as_common_tensor(t);
-  c.d0_is_a = d0_is_a;
-  return c;
-}
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BLOCKS)
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
@@ -1015,8 +930,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_L2_OPERAND_FLOATS];
   __shared__ float4 b2[16];  // layer 2's bias (BiasQuads)
-  __shared__ __align__(16) float w3[2 * SFC_HIDDEN];  // (SFC_W3_QUADS: as output_layer's quads)
-  __shared__ float b3[2];
+  __shared__ float w3[2 * SFC_HIDDEN], b3[2];
 #if SFC_OUTPUT_MMA
   __shared__ uint2 w3_operand[4 * 32];
 #else
@@ -1029,25 +943,14 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ bool slow_vectors;                                  // shares_slow_entries
   i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
 #endif
-  __shared__ __align__(16) TensorEntries entries;  // (aligned: the chunk reads slow and fast as one 16-byte load)
-#if SFC_CHUNK_KIND
-  __shared__ int tensor_chunk_kind;  // chunk_kind of the current tensor
-#endif
+  __shared__ TensorEntries entries;
   __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
   __shared__ float2 mlp_outputs[SFC_APPLY_WARPS][32];
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
   for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
-#if SFC_W3_QUADS
-  if (threadIdx.x < 2 * SFC_HIDDEN) {  // element i of quad 4c + t: output i / 2, unit 8c + 2t + i % 2
-    const int quad = threadIdx.x / 4, i = threadIdx.x % 4;
-    const int unit = 8 * (quad / 4) + 2 * (quad % 4) + i % 2;
-    w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + (i / 2) * SFC_HIDDEN + unit];
-  }
-#else
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-#endif
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
   if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
   // (In shared memory: held in a register through the loop, it was spilled and reloaded every chunk.
@@ -1060,11 +963,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #endif
 #if SFC_L2_IN_REGISTERS
   __syncthreads();
-#if LOPT_SPLIT_MODE == 2
   RegisterOperand l2_operand;  // layer 2's B operand, the same for every tensor
-#else
-  HalfSplitRegisterOperand l2_operand;
-#endif
   l2_operand.load(l2, threadIdx.x % 32);
 #else
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
@@ -1095,24 +994,13 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_SLOW_VECTORS
         slow_vectors = shares_slow_entries(meta);
 #endif
-#if SFC_CHUNK_KIND
-        tensor_chunk_kind = chunk_kind(meta);
-#endif
       }
       __syncthreads();
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
-    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META);
-    // may_prefetch: a constant at each call (the common tensor's).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool may_prefetch) {
+    // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-#if SFC_APPLY_L2_PREFETCH
-      // The element SFC_APPLY_L2_PREFETCH chunks ahead asked into L2 (no register, nothing to wait for).
-      if (may_prefetch) {
-        const i64 ahead = index + SFC_APPLY_L2_PREFETCH * SFC_APPLY_CHUNK;
-        if (ahead < chunk_meta.numel) prefetch_element(chunk_meta, ahead);
-      }
-#endif
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
@@ -1148,19 +1036,12 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #else
     const TensorMeta& chunk_meta = meta;
 #endif
-#if SFC_COMMON_PATH && SFC_CHUNK_KIND
-    const int kind = tensor_chunk_kind;
-    if (kind != 0) {
-      if (kind == 1) apply_chunk(as_common_tensor(chunk_meta, 0), true);
-      else apply_chunk(as_common_tensor(chunk_meta, 1), true);
-      continue;
-    }
-#elif SFC_COMMON_PATH
+#if SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
-      apply_chunk(as_common_tensor(chunk_meta), true);
+      apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, false);
+    apply_chunk(chunk_meta);
   }
 }

@@ -295,29 +295,11 @@ LOPT_DEVICE void write_half_split_operand(float* out, Weight weight, int thread,
 // (in[m][c]: rows g, g + 8 at columns 8c + 2t, 8c + 2t + 1): the A fragment of 16-deep step p is
 // columns 16p ... 16p + 15 of `in` in place (in[m][2p] and in[m][2p + 1]), no data moves between
 // threads. Small terms first: a_lo b_hi, a_hi b_lo, then a_hi b_hi.
-// The B operand in registers instead (HalfSplitRegisterOperand, loaded once): 32 registers a thread.
-struct HalfSplitRegisterOperand {
-  uint4 parts[8];  // [4p + c]
-  LOPT_DEVICE void load(const float* operand, int lane) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const unsigned address =
-          static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<const uint4*>(operand) + i * 32 + lane));
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(parts[i].x), "=r"(parts[i].y), "=r"(parts[i].z), "=r"(parts[i].w) : "r"(address));
-    }
-  }
-};
-LOPT_DEVICE uint4 half_split_part(const float* operand, int p, int c, int lane) {
-  return reinterpret_cast<const uint4*>(operand)[(p * 4 + c) * 32 + lane];
-}
-LOPT_DEVICE uint4 half_split_part(const HalfSplitRegisterOperand& operand, int p, int c, int) {
-  return operand.parts[p * 4 + c];
-}
-template <typename Bias, typename Operand>
-LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4][4], const Operand& operand, Bias bias,
+template <typename Bias>
+LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4][4], const float* operand, Bias bias,
                                         int lane) {
   const int t = lane % 4;
+  const uint4* parts = reinterpret_cast<const uint4*>(operand);
 #pragma unroll
   for (int p = 0; p < 2; ++p) {
     unsigned hi[2][4], lo[2][4];
@@ -331,7 +313,7 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
       }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const uint4 b = half_split_part(operand, p, c, lane);  // {hi, hi, lo, lo}
+      const uint4 b = parts[(p * 4 + c) * 32 + lane];  // {hi, hi, lo, lo}
       float4 quad = make_float4(0.f, 0.f, 0.f, 0.f);
       if (p == 0) quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};

@@ -258,15 +258,6 @@ def test_common_path_steps_like_the_general_one(precision, dtype, weights):
     step_twin_builds(weights, dtype, precision, [("SFC_COMMON_PATH=1",), ("SFC_COMMON_PATH=0",)])
 
 
-@pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_chunk_kind_decided_per_tensor_steps_like_per_chunk(precision, weights):
-    """The apply pass picks a tensor's copy of the chunk code once per tensor, with the common tensor's
-    factor roles as constants, and skips the tile columns layer 1 does not read (SFC_CHUNK_KIND): bit-identical
-    parameters and state to testing every chunk (SFC_CHUNK_KIND=0), for matrices with d0 = a and d0 = b."""
-    step_twin_builds(weights, torch.float32, precision, [("SFC_CHUNK_KIND=1",), ("SFC_CHUNK_KIND=0",)],
-                     shapes=KINDS_OF_TENSOR + [(1024, 96), (96, 1024), (64, 64)])
-
-
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as

@@ -100,11 +100,9 @@ class SmallFCLOptFused(FusedEngine):
 
     def __init__(self, optimizer, defines: tuple = ()):
         super().__init__(optimizer, (*self.PRECISION_DEFINES[optimizer.precision], *defines))
-        # Whether the apply pass reads packed table words: precision "fast" the table features as BF16
-        # inputs (the kernels' SFC_PACKED_ENTRIES, on unless a define says otherwise), the exact mode their
-        # remainders (SFC_ENTRY_REMAINDERS, measured).
-        self.packed_entries = (("SFC_PACKED_ENTRIES=0" not in defines) and optimizer.precision == "fast") or (
-            "SFC_ENTRY_REMAINDERS=1" in defines and optimizer.precision == "exact")
+        # Whether the apply pass reads the packed table features (the kernels' SFC_PACKED_ENTRIES, on with
+        # precision "fast" unless a define says otherwise).
+        self.packed_entries = ("SFC_PACKED_ENTRIES=0" not in defines) and optimizer.precision == "fast"
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
