@@ -341,17 +341,20 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
                    double* __restrict__ tensor_sums, int fp16_exponent, i64 total_row_entries,
-                   i64 total_col_entries, uint4* __restrict__ row_packed, uint4* __restrict__ col_packed) {
+                   i64 total_col_entries, uint4* __restrict__ row_packed, uint4* __restrict__ col_packed,
+                   int first_tensor, int fold_tensors) {
+  // Blocks 0 ... fold_tensors - 1 fold tensors first_tensor, ...; the launch of a whole step has
+  // first_tensor 0 and fold_tensors num_tensors (one of a part of the tensors ends at its own).
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
-  if (blockIdx.x > num_tensors) {  // the blocks after layer 2's: a kept step's new R and C to the state
+  if (blockIdx.x > fold_tensors) {  // the blocks after layer 2's: a kept step's new R and C to the state
     if (phase != 1 && !step_is_skipped(flags))
       commit_factored_accumulators(tensors, num_tensors, row_table, col_table, total_row_entries, total_col_entries,
-                                   blockIdx.x - num_tensors - 1, gridDim.x - num_tensors - 1, tid, SFC_FOLD_THREADS);
+                                   blockIdx.x - fold_tensors - 1, gridDim.x - fold_tensors - 1, tid, SFC_FOLD_THREADS);
     return;
   }
-  if (blockIdx.x == num_tensors) {
+  if (blockIdx.x == fold_tensors) {
     if (phase == 1) return;
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
@@ -373,7 +376,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
     return;
   }
-  const TensorMeta t = tensor_row(tensors, gradients, blockIdx.x);  // (its gradient: the float64 fallback's)
+  const int tensor = first_tensor + static_cast<int>(blockIdx.x);
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);  // (its gradient: the float64 fallback's)
   const bool skipped = step_is_skipped(flags);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
   __shared__ double table_scratch[SFC_FOLD_THREADS / 32][LOPT_TABLE_FEATURES];
@@ -389,7 +393,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     const float tau = static_cast<float>(*pointer<const i64>(groups[t.group].step));
     time[tid] = tanhf(__fsub_rn(__fdiv_rn(tau, SFC_TIMESCALES[tid]), 1.0f));
   }
-  double* split_sums = tensor_sums + static_cast<i64>(blockIdx.x) * SFC_NUM_FEATURES;
+  double* split_sums = tensor_sums + static_cast<i64>(tensor) * SFC_NUM_FEATURES;
   phase_statistics_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS, SFC_FOLD_LANES>(
       phase, split_sums, t, stats_partials, row_table, col_table, SFC_TABLE_FEATURES_FIRST, lane_sums, table_scratch,
       table_sums, sums);
@@ -398,7 +402,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
       atomicExch(&overflowed, 1);
     __syncthreads();
     if (overflowed && !skipped)
-      sum_squared_features_float64(tensors, gradients, blockIdx.x, groups, inverse_grad_scale(flags), clip_factors,
+      sum_squared_features_float64(tensors, gradients, tensor, groups, inverse_grad_scale(flags), clip_factors,
                                    row_table, col_table, scratch, sums);
     if (phase == 1) {
       if (tid < SFC_NUM_FEATURES) split_sums[tid] = sums[tid];
@@ -414,7 +418,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     shift[tid] = shifted ? 0x1p-64f : 1.f;
   }
   __shared__ float bias[SFC_HIDDEN];  // b1', for the weights of the bias inputs
-  float* out = folded + static_cast<i64>(blockIdx.x) * SFC_FOLDED;
+  float* out = folded + static_cast<i64>(tensor) * SFC_FOLDED;
   if (tid < SFC_HIDDEN) {
     float b = network[SFC_B1 + tid];
     for (int j = 0; j < SFC_NUM_TIME_FEATURES; ++j) b = fmaf(w1[tid * SFC_INPUTS + SFC_NUM_FEATURES + j], time[j], b);
@@ -921,11 +925,13 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                     const float* __restrict__ col_table, const float4* __restrict__ row_factors,
                     const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
                     const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
-                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
+                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps,
+                    i64 first_chunk, int finish) {
+  // Chunks first_chunk ... first_chunk + total_chunks - 1; the launch with `finish` ends the step.
   const StepFlags flags{grad_scale, found_inf, status};
   const bool skipped = step_is_skipped(flags);
-  // Every block has read the counters it needs (the fold read the time features before this launch).
-  if (blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
+  // Every block has read the counters it needs (every fold read the time features before this launch).
+  if (finish && blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_L2_OPERAND_FLOATS];
@@ -969,8 +975,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
 
-  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
-  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  const i64 chunk_begin = first_chunk + total_chunks * blockIdx.x / gridDim.x;
+  const i64 chunk_end = first_chunk + total_chunks * (blockIdx.x + 1) / gridDim.x;
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's

@@ -238,6 +238,18 @@ def step_twin_builds(weights, dtype, precision, builds, shapes=KINDS_OF_TENSOR):
     return twins[0][0]._fused_engine, twins[1][0]._fused_engine
 
 
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_statistics_and_apply_in_parts_step_like_one_pass(precision, weights):
+    """SFC_PIPELINE_PARTS=3 (measured, off): each part's statistics and fold on a side stream, its apply
+    pass after them on the step's stream; bit-identical parameters and state to the single passes."""
+    parts, whole = step_twin_builds(weights, torch.float32, precision, [("SFC_PIPELINE_PARTS=3",), ()])
+    ranges = parts.plan.pipeline_ranges
+    assert len(ranges) == 3 and whole.pipeline_parts == 1
+    assert sum(count for _, count, _, _ in ranges) == parts.plan.layout.num_tensors
+    assert sum(apply[1] for _, _, apply, _ in ranges) == parts.plan.layout.total_apply_chunks
+    assert sum(n for _, _, _, stats in ranges for _, n in stats) == parts.plan.layout.total_stats_chunks
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_packed_entries_step_like_the_whole_entries(dtype, weights):
     """precision='fast' reads the table features of a factored tensor's fast entry packed as BF16

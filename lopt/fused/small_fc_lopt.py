@@ -106,6 +106,8 @@ class SmallFCLOptFused(FusedEngine):
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
+        self.pipeline_parts = next((int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")), 1)
+        self._side_stream, self._part_events = None, []
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -130,23 +132,109 @@ class SmallFCLOptFused(FusedEngine):
 
     def _control(self, plan: Plan, flags: tuple) -> None:
         """The fold; with sharded parameters in two launches around the reduce of every tensor's
-        feature sums (one collective)."""
-        ptr, layout = launcher.pointer, plan.layout
+        feature sums (one collective). With the statistics and apply passes in parts, the fold of each
+        part goes with its statistics (``_pipeline``)."""
+        if self._pipelined(plan):
+            self._pipeline(plan, flags)
+            return
+        layout = plan.layout
         for phase in ((1, 2) if layout.sharded else (0,)):
-            self.launch("small_fc_lopt_fold", layout.num_tensors + 1 + commit_blocks(layout), FOLD_THREADS,
-                        (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                         ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
-                         ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
-                         ptr(plan.tensor_sums), np.int32(plan.fp16_exponent), np.int64(layout.total_row_entries),
-                         np.int64(layout.total_col_entries), ptr(plan.row_packed), ptr(plan.col_packed)))
+            self._launch_fold(plan, flags, phase, 0, layout.num_tensors, 1 + commit_blocks(layout))
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.tensor_sums)
 
     def _apply(self, plan: Plan, flags: tuple) -> None:
+        if not self._pipelined(plan):
+            self._launch_apply(plan, flags, 0, plan.layout.total_apply_chunks, finish=True)
+
+    def _launch_fold(self, plan: Plan, flags: tuple, phase: int, first_tensor: int, num_tensors: int,
+                     extra_blocks: int) -> None:
+        """The fold of tensors [first_tensor, first_tensor + num_tensors), with ``extra_blocks`` after
+        them: layers 2 and 3 laid out, then a kept step's R and C committed (1 + commit_blocks, or 0)."""
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), self.APPLY_THREADS,
+        self.launch("small_fc_lopt_fold", num_tensors + extra_blocks, FOLD_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.folded),
+                     ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
+                     ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
+                     ptr(plan.tensor_sums), np.int32(plan.fp16_exponent), np.int64(layout.total_row_entries),
+                     np.int64(layout.total_col_entries), ptr(plan.row_packed), ptr(plan.col_packed),
+                     np.int32(first_tensor), np.int32(num_tensors)))
+
+    def _launch_apply(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int, finish: bool) -> None:
+        """The apply pass over chunks [first_chunk, first_chunk + num_chunks); ``finish``: this launch
+        advances the step counters (the step's last)."""
+        ptr, layout = launcher.pointer, plan.layout
+        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)), self.APPLY_THREADS,
+                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
+                     *self.group_arguments(plan), np.int64(num_chunks), ptr(plan.folded),
                      ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
                      ptr(plan.col_factors), ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), *flags,
-                     self.skipped_counter()))
+                     self.skipped_counter(), np.int64(first_chunk), np.int32(finish)))
+
+    # -------------------------------------------------- statistics and apply in parts (measured, off)
+    # SFC_PIPELINE_PARTS=k (an engine define, for benchmarks only): the tensors in k parts of about equal
+    # size; part j's statistics and fold run on a side stream while the apply pass of the parts before
+    # it runs. NOT SAFE as it stands: a part is applied before the later parts' gradients are checked,
+    # so a non-finite gradient there no longer skips the whole step. It measures what the overlap is worth.
+
+    def _pipelined(self, plan: Plan) -> bool:
+        return (self.pipeline_parts > 1 and plan.layout.num_tensors > 1 and not plan.layout.sharded
+                and self.optimizer.nonfinite != "raise")
+
+    def _statistics_early(self, plan: Plan, *args) -> None:
+        if not self._pipelined(plan):
+            super()._statistics_early(plan, *args)
+
+    def _statistics(self, plan: Plan, flags: tuple) -> None:
+        if not self._pipelined(plan):
+            super()._statistics(plan, flags)
+
+    def _parts(self, plan: Plan) -> list:
+        """[(first_tensor, num_tensors, (first_apply_chunk, num_apply_chunks), [(first_stats_chunk, num)])]."""
+        if getattr(plan, "pipeline_ranges", None) is not None:
+            return plan.pipeline_ranges
+        layout, t = plan.layout, FIELD["TensorMeta"]
+        rows, n = layout.static_rows, layout.num_tensors
+        numel = rows[:, t["numel"]].astype(np.float64)
+        k, total = min(self.pipeline_parts, n), float(numel.sum())
+        bounds, running = [0], 0.0
+        for r in range(n - 1):
+            running += numel[r]
+            if len(bounds) < k and running >= total * len(bounds) / k:
+                bounds.append(r + 1)
+        bounds.append(n)
+        sources = set(layout.job_tensor)
+        parts = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            apply_first = int(rows[a, t["first_apply_chunk"]])
+            apply_end = int(rows[b - 1, t["first_apply_chunk"]] + rows[b - 1, t["num_apply_chunks"]])
+            stats = []
+            for members in ([r for r in range(a, b) if r in sources], [r for r in range(a, b) if r not in sources]):
+                if members:
+                    first = min(int(rows[r, t["first_stats_chunk"]]) for r in members)
+                    end = max(int(rows[r, t["first_stats_chunk"]] + rows[r, t["num_stats_chunks"]]) for r in members)
+                    stats.append((first, end - first))
+            parts.append((a, b - a, (apply_first, apply_end - apply_first), stats))
+        plan.pipeline_ranges = parts
+        return parts
+
+    def _pipeline(self, plan: Plan, flags: tuple) -> None:
+        parts = self._parts(plan)
+        main = torch.cuda.current_stream(self.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        while len(self._part_events) < len(parts):
+            self._part_events.append(torch.cuda.Event())
+        side = self._side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for index, (first_tensor, num_tensors, _, stats) in enumerate(parts):
+                for first_chunk, num_chunks in stats:
+                    self._launch_statistics(plan, flags, first_chunk, num_chunks)
+                self._launch_fold(plan, flags, 0, first_tensor, num_tensors,
+                                  1 + commit_blocks(plan.layout) if index == 0 else 0)
+                self._part_events[index].record(side)
+        for index, (_, _, (first_chunk, num_chunks), _) in enumerate(parts):
+            main.wait_event(self._part_events[index])
+            self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
+        main.wait_stream(side)
