@@ -239,10 +239,12 @@ def step_twin_builds(weights, dtype, precision, builds, shapes=KINDS_OF_TENSOR):
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
-def test_statistics_and_apply_in_parts_step_like_one_pass(precision, weights):
+@pytest.mark.parametrize("options", [(), ("SFC_PIPELINE_SMALL_FIRST=1", "SFC_PIPELINE_APPLY_STREAMS=2")])
+def test_statistics_and_apply_in_parts_step_like_one_pass(precision, options, weights):
     """SFC_PIPELINE_PARTS=3 (measured, off): each part's statistics and fold on a side stream, its apply
-    pass after them on the step's stream; bit-identical parameters and state to the single passes."""
-    parts, whole = step_twin_builds(weights, torch.float32, precision, [("SFC_PIPELINE_PARTS=3",), ()])
+    pass after them (on the step's stream, or alternately on a second one); bit-identical parameters and
+    state to the single passes."""
+    parts, whole = step_twin_builds(weights, torch.float32, precision, [("SFC_PIPELINE_PARTS=3", *options), ()])
     ranges = parts.plan.pipeline_ranges
     assert len(ranges) == 3 and whole.pipeline_parts == 1
     assert sum(count for _, count, _, _ in ranges) == parts.plan.layout.num_tensors

@@ -107,7 +107,9 @@ class SmallFCLOptFused(FusedEngine):
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
         self.pipeline_parts = next((int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")), 1)
-        self._side_stream, self._part_events = None, []
+        self.pipeline_small_first = "SFC_PIPELINE_SMALL_FIRST=1" in defines
+        self.pipeline_apply_streams = 2 if "SFC_PIPELINE_APPLY_STREAMS=2" in defines else 1
+        self._side_stream, self._apply_stream, self._part_events = None, None, []
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -215,6 +217,9 @@ class SmallFCLOptFused(FusedEngine):
                     end = max(int(rows[r, t["first_stats_chunk"]] + rows[r, t["num_stats_chunks"]]) for r in members)
                     stats.append((first, end - first))
             parts.append((a, b - a, (apply_first, apply_end - apply_first), stats))
+        if self.pipeline_small_first:  # the part whose statistics nothing hides: the smallest
+            smallest = min(range(len(parts)), key=lambda i: parts[i][2][1])
+            parts.insert(0, parts.pop(smallest))
         plan.pipeline_ranges = parts
         return parts
 
@@ -234,7 +239,16 @@ class SmallFCLOptFused(FusedEngine):
                 self._launch_fold(plan, flags, 0, first_tensor, num_tensors,
                                   1 + commit_blocks(plan.layout) if index == 0 else 0)
                 self._part_events[index].record(side)
+        if self.pipeline_apply_streams > 1 and self._apply_stream is None:
+            self._apply_stream = torch.cuda.Stream(self.device)
+        streams = [main, self._apply_stream][:self.pipeline_apply_streams]
+        if len(streams) > 1:
+            streams[1].wait_stream(main)
         for index, (_, _, (first_chunk, num_chunks), _) in enumerate(parts):
-            main.wait_event(self._part_events[index])
-            self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
+            stream = streams[index % len(streams)]  # (two: a part's apply starts in the one before's tail)
+            stream.wait_event(self._part_events[index])
+            with torch.cuda.stream(stream):
+                self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
+        for stream in streams[1:]:
+            main.wait_stream(stream)
         main.wait_stream(side)
