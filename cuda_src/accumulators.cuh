@@ -531,14 +531,27 @@ LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse
 }
 
 // Σ G over the gradient elements src[first + k·stride], k = 0 ... count − 1, added in that order in
-// float64. (Loads issued further ahead than the compiler's unrolling made the pass slower: it is
-// bound by memory, not by each thread's latency; benchmarks/RESULTS.md.)
+// float64; `unusable` is set where one of them fails the check phase's test (gradient_unusable, of the
+// unscaled gradient as the statistics pass tests it). (Loads issued further ahead than the compiler's
+// unrolling made the pass slower: it is bound by memory, not by each thread's latency; benchmarks/RESULTS.md.)
 LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 count, int dtype, float inverse_scale,
-                                   float gradient_clip) {
+                                   float gradient_clip, bool& unusable) {
   double sum = 0.0;
-  for (i64 k = 0; k < count; ++k)
-    sum += adafactor_square(adafactor_gradient(load_bits(src, first + k * stride, dtype), dtype, inverse_scale, gradient_clip));
+  for (i64 k = 0; k < count; ++k) {
+    const float g = unscale_gradient(bits_as_float(load_bits(src, first + k * stride, dtype), dtype), inverse_scale);
+    unusable |= gradient_unusable(g);
+    sum += adafactor_square(gradient_clip > 0.f ? fminf(fmaxf(g, -gradient_clip), gradient_clip) : g);
+  }
   return sum;
+}
+
+// A warp's report of unusable gradients seen by the axis pass (LOPT_STATUS_AXIS_NONFINITE): every
+// element of a tensor with axis jobs is read there, so once adafactor_finalize has moved this flag
+// into the step's, a step whose statistics and apply passes run in parts (lopt.fused.small_fc_lopt)
+// knows before its first apply launch whether any of those gradients makes it a no-op.
+LOPT_DEVICE void report_axis_unusable(bool unusable, int* status) {
+  if (status != nullptr && __any_sync(0xffffffffu, unusable) && (threadIdx.x & 31) == 0)
+    atomicExch(status + LOPT_STATUS_AXIS_NONFINITE, 1);
 }
 
 // Partial sums of G in float64 (large finite gradients make G approach float32's largest value).
@@ -546,7 +559,7 @@ LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 c
 // per output q and chunk of x, its lanes 32 apart.
 extern "C" __global__ void __launch_bounds__(LOPT_AXIS_THREADS)
 adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i64* __restrict__ gradients,
-                        double* __restrict__ partials, const float* grad_scale, float gradient_clip) {
+                        double* __restrict__ partials, const float* grad_scale, float gradient_clip, int* status) {
   const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_BLOCK>(jobs, num_jobs, blockIdx.x)];
   const i64 local_block = blockIdx.x - job.first_block;
   const void* src = pointer<const void>(gradients[job.tensor]);
@@ -555,12 +568,16 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
   if (job.mode == 0) {
     const i64 col_block = local_block % job.num_col_blocks, chunk = local_block / job.num_col_blocks;
     const i64 out = col_block * LOPT_AXIS_THREADS + threadIdx.x;
-    if (out >= job.num_outputs) return;
-    const i64 q = out / job.i, i = out - q * job.i;
-    const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
-    const double sum = axis_square_sum(src, (q * job.x + x0) * job.i + i, job.i, x1 - x0, dtype, inverse_scale,
-                                       gradient_clip);
-    partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
+    const bool has_output = out < job.num_outputs;  // (every lane reaches the warp's report)
+    bool unusable = false;
+    if (has_output) {
+      const i64 q = out / job.i, i = out - q * job.i;
+      const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
+      const double sum = axis_square_sum(src, (q * job.x + x0) * job.i + i, job.i, x1 - x0, dtype, inverse_scale,
+                                         gradient_clip, unusable);
+      partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
+    }
+    report_axis_unusable(unusable, status);
   } else {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 item = local_block * (LOPT_AXIS_THREADS / 32) + warp;
@@ -568,7 +585,9 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
     const i64 q = item / job.num_xchunks, chunk = item - q * job.num_xchunks;
     const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
     const i64 count = x1 - x0 > lane ? (x1 - x0 - lane + 31) / 32 : 0;
-    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, gradient_clip);
+    bool unusable = false;
+    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, gradient_clip, unusable);
+    report_axis_unusable(unusable, status);
     sum = warp_sum(sum);
     if (lane == 0) partials[job.partial_offset + chunk * job.num_outputs + q] = sum;
   }
@@ -630,9 +649,11 @@ adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_out
     return;
   }
   const i64 gid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (gid == 0) {
+  if (gid == 0) {  // (the axis pass's flag becomes the step's, and is cleared for the next step's)
+    const int axis_unusable = status[LOPT_STATUS_AXIS_NONFINITE];
 #pragma unroll
     for (int k = 0; k < LOPT_STATUS_INTS; ++k) status[k] = 0;
+    status[LOPT_STATUS_NONFINITE] = axis_unusable;
   }
   if (gid >= total_outputs || num_jobs == 0) return;
   const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_OUTPUT>(jobs, num_jobs, gid)];

@@ -239,17 +239,12 @@ def step_twin_builds(weights, dtype, precision, builds, shapes=KINDS_OF_TENSOR):
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
-@pytest.mark.parametrize("options", [(), ("SFC_PIPELINE_SMALL_FIRST=1", "SFC_PIPELINE_APPLY_STREAMS=2")])
-def test_statistics_and_apply_in_parts_step_like_one_pass(precision, options, weights):
-    """SFC_PIPELINE_PARTS=3 (measured, off): each part's statistics and fold on a side stream, its apply
-    pass after them (on the step's stream, or alternately on a second one); bit-identical parameters and
-    state to the single passes."""
-    parts, whole = step_twin_builds(weights, torch.float32, precision, [("SFC_PIPELINE_PARTS=3", *options), ()])
-    ranges = parts.plan.pipeline_ranges
-    assert len(ranges) == 3 and whole.pipeline_parts == 1
-    assert sum(count for _, count, _, _ in ranges) == parts.plan.layout.num_tensors
-    assert sum(apply[1] for _, _, apply, _ in ranges) == parts.plan.layout.total_apply_chunks
-    assert sum(n for _, _, _, stats in ranges for _, n in stats) == parts.plan.layout.total_stats_chunks
+def test_statistics_and_apply_in_parts_step_like_one_pass(precision, weights):
+    """The statistics, fold and apply passes in 3 parts (each part's statistics and fold on a side stream,
+    its apply pass after them on the step's stream) leave bit-identical parameters and state to one pass
+    each (SFC_PIPELINE_PARTS=1)."""
+    parts, whole = step_twin_builds(weights, torch.float32, precision, [("SFC_PIPELINE_PARTS=3",), ("SFC_PIPELINE_PARTS=1",)])
+    assert len(parts._parts(parts.plan)) == 3 and whole._parts_for(whole.plan) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -716,6 +711,41 @@ def test_a_non_finite_gradient_skips_the_step_on_the_device(name, weights):
     set_grads(params, random_grads(params, 2))
     step(opt, loss_of(2))
     assert int(opt.state_dict()["param_groups"][0]["step"]) == 2 and all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("bad_row, where, value", [(-1, (4321,), float("nan")), (15, (10, 20, 1, 2), float("inf")),
+                                                    (19, (2, 7, 9), 2.0**64)])
+def test_a_bad_gradient_in_a_late_part_skips_the_whole_step_in_parts(bad_row, where, value, weights):
+    """In parts, a part's apply pass runs before the later parts' statistics: every gradient is checked
+    before the first (the axis pass those of tensors with axis jobs, the first part's statistics the
+    others'). A NaN in the last part's 1-D tensor, or an inf or 2^64 in a later part's factored one,
+    leaves every parameter, state and counter untouched."""
+    from lopt.fused.small_fc_lopt import SmallFCLOptFused
+
+    shapes = SHAPES + [(5000,)]
+    params = make_params(shapes, seed=6)
+    opt = make_optimizer("small_fc_lopt", params, "fused", weights["small_fc_lopt"])
+    opt._fused_engine = SmallFCLOptFused(opt, defines=("SFC_PIPELINE_PARTS=3",))
+    set_grads(params, random_grads(params, 0))
+    step(opt, loss_of(0))
+    parts = opt._fused_engine._parts(opt._fused_engine.plan)
+    row = bad_row % len(shapes)
+    assert len(parts) == 3 and row >= parts[1][0], "the bad gradient is in a later part"
+    grads = random_grads(params, 1)
+    grads[row][where] = value
+    set_grads(params, grads)
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    step(opt, loss_of(1))
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    for p, saved in zip(params, state_before):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+    with pytest.warns(RuntimeWarning, match=r"1 step\(s\) were skipped"):
+        assert opt.skipped_steps == 1
+    set_grads(params, random_grads(params, 2))  # (the flag does not outlive its step)
+    step(opt, loss_of(2))
+    assert int(opt.state_dict()["param_groups"][0]["step"]) == 2 and opt.skipped_steps == 0
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 # (VeLO clips the gradient its features see to ±1000; its bound is the one of its other tests.)

@@ -18,7 +18,8 @@ import torch
 
 import lopt
 from lopt.fused import launcher
-from lopt.fused.engine import FusedEngine
+from lopt.fused.contract import FIELD
+from lopt.fused.engine import FusedEngine, commit_blocks
 from spawned import leave_process
 
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
@@ -185,6 +186,47 @@ def test_fast_precision_hands_its_kernels_the_packed_entries(precision, defines,
         args = next(launch[3] for launch in recorded if launch[0] == kernel)
         given = [args[names[kernel].index(name)] for name in ("row_packed", "col_packed")]
         assert given == expected and (all(given) if packed else not any(given)), kernel
+
+
+def test_statistics_fold_and_apply_in_parts_cover_every_chunk_and_tensor_once(recorded):
+    """SFC_PIPELINE_PARTS=3: the statistics launches cover every chunk once, the first part's taking the
+    chunks of every tensor without axis jobs (the axis pass checks the others' gradients before any apply
+    launch); the folds cover every tensor once, only the first with the layout and commit blocks; the
+    apply launches cover every chunk once, only the last advancing the step counters."""
+    from lopt.fused.small_fc_lopt import SmallFCLOptFused
+
+    names = declared_parameter_names("small_fc_lopt.cu")
+    shapes = [(40, 30), (7,), (64, 32), (3, 8, 16), (50,), (96, 64), (33, 5), (12,)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = naive_for("small_fc_lopt", params)
+    opt.backend, opt._fused_engine = "fused", SmallFCLOptFused(opt, defines=("SFC_PIPELINE_PARTS=3",))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    layout = opt._fused_engine.plan.layout
+    arg = {kernel: lambda launch, name, kernel=kernel: int(launch[3][names[kernel].index(name)]) for kernel in names}
+    stats = [(arg["small_fc_lopt_feature_stats"](l, "first_chunk"), l[1]) for l in recorded
+             if l[0] == "small_fc_lopt_feature_stats"]
+    folds = [l for l in recorded if l[0] == "small_fc_lopt_fold"]
+    applies = [l for l in recorded if l[0] == "small_fc_lopt_apply"]
+    assert len(folds) == len(applies) == 3
+    covered = sorted(c for first, count in stats for c in range(first, first + count))
+    assert covered == list(range(layout.total_stats_chunks))
+    unchecked = [r for r in range(layout.num_tensors) if r not in set(layout.job_tensor)]
+    assert unchecked, "the test needs tensors without axis jobs"
+    first_part_stats = {c for first, count in stats[:2] for c in range(first, first + count)}
+    t = FIELD["TensorMeta"]
+    for r in unchecked:
+        row = layout.static_rows[r]
+        assert set(range(row[t["first_stats_chunk"]], row[t["first_stats_chunk"]] + row[t["num_stats_chunks"]])) <= first_part_stats
+    tensors = [(arg["small_fc_lopt_fold"](l, "first_tensor"), arg["small_fc_lopt_fold"](l, "fold_tensors"), l[1])
+               for l in folds]
+    assert sorted(r for first, count, _ in tensors for r in range(first, first + count)) == list(range(layout.num_tensors))
+    assert [grid - count for _, count, grid in tensors] == [1 + commit_blocks(layout), 0, 0]
+    chunks = [(arg["small_fc_lopt_apply"](l, "first_chunk"), arg["small_fc_lopt_apply"](l, "total_chunks"),
+               arg["small_fc_lopt_apply"](l, "finish")) for l in applies]
+    assert sorted(c for first, count, _ in chunks for c in range(first, first + count)) == list(range(layout.total_apply_chunks))
+    assert [finish for _, _, finish in chunks] == [0, 0, 1]
 
 
 def test_kernels_are_declared_once_with_known_parameter_types():

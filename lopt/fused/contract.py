@@ -95,9 +95,12 @@ CONSTANTS: dict = {
     "VELO_LSTM_ROWS": 32,
     "VELO_LSTM_UNITS": 32,
     "VELO_LSTM_THREADS": 256,
-    # Step status flags (int32): a non-finite or overflowing gradient was seen in this step.
+    # Step status flags (int32): a non-finite or overflowing gradient was seen in this step
+    # (STATUS_NONFINITE); the same seen by the axis pass, which adafactor_finalize moves into
+    # STATUS_NONFINITE when it resets the flags (STATUS_AXIS_NONFINITE).
     "STATUS_INTS": 4,
     "STATUS_NONFINITE": 0,
+    "STATUS_AXIS_NONFINITE": 1,
 }
 CONSTANTS["STATS_CHUNK"] = CONSTANTS["STATS_THREADS"] * CONSTANTS["STATS_PER_THREAD"]
 

@@ -616,7 +616,7 @@ class FusedEngine:
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
                     (ptr(plan.axis_table.table if layout.num_axis_jobs else None), np.int32(layout.num_axis_jobs),
                      ptr(plan.gradients.table), ptr(plan.axis_partials), ptr(self._on_device(grad_scale)),
-                     np.float32(self.GRADIENT_CLIP)))
+                     np.float32(self.GRADIENT_CLIP), ptr(plan.status)))
 
     def _finish_accumulate(self, plan: Plan) -> None:
         layout, ptr = plan.layout, launcher.pointer

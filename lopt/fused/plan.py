@@ -173,6 +173,7 @@ class GroupLayout:
         del self._jobs
         self._order_statistics()
         self.total_apply_chunks = int(apply_chunks)
+        self.total_elements = int(rows[:, _T["numel"]].sum()) if self.num_tensors else 0
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)

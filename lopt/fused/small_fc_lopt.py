@@ -26,6 +26,7 @@ row-factor normalisers where d1 is split, the non-finite flag, the feature sums,
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -106,10 +107,11 @@ class SmallFCLOptFused(FusedEngine):
         self.mlp = optimizer.meta_weights.tensors["mlp"]
         self.network = pack_network(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
-        self.pipeline_parts = next((int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")), 1)
-        self.pipeline_small_first = "SFC_PIPELINE_SMALL_FIRST=1" in defines
-        self.pipeline_apply_streams = 2 if "SFC_PIPELINE_APPLY_STREAMS=2" in defines else 1
-        self._side_stream, self._apply_stream, self._part_events = None, None, []
+        # The parts of a step's statistics and apply passes (_parts_for): by the tensors' size, or as an
+        # engine define SFC_PIPELINE_PARTS=k says (k = 1: one pass each; for measurements and tests).
+        forced = [int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")]
+        self.forced_parts = forced[-1] if forced else None
+        self._side_stream, self._part_events = None, []
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -173,15 +175,39 @@ class SmallFCLOptFused(FusedEngine):
                      ptr(plan.col_factors), ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), *flags,
                      self.skipped_counter(), np.int64(first_chunk), np.int32(finish)))
 
-    # -------------------------------------------------- statistics and apply in parts (measured, off)
-    # SFC_PIPELINE_PARTS=k (an engine define, for benchmarks only): the tensors in k parts of about equal
-    # size; part j's statistics and fold run on a side stream while the apply pass of the parts before
-    # it runs. NOT SAFE as it stands: a part is applied before the later parts' gradients are checked,
-    # so a non-finite gradient there no longer skips the whole step. It measures what the overlap is worth.
+    # -------------------------------------------------- statistics and apply in parts
+    # The apply pass of the exact mode is bound by its arithmetic and the statistics pass by memory, and
+    # a tensor's apply needs only its own statistics. So with the tensors in parts, part j's statistics
+    # and fold run on a side stream while the apply pass of the parts before it runs (H100, GPT-2 medium
+    # exact, unthrottled: 18.22 ms against 18.70 in 8 parts; ViT-B/16 4.76 against 4.92 in 4; the fast
+    # mode's apply pass keeps DRAM and L1 too busy to gain: benchmarks/RESULTS.md). A part's apply pass
+    # must not start before every gradient of the step is checked, or a non-finite element in a later
+    # part would leave the step half applied: the axis pass checks every gradient of a tensor with axis
+    # jobs (adafactor_axis_partials; the finalize makes its flag the step's), and the first part's
+    # statistics launch also takes every other tensor's chunks.
+
+    PIPELINE_MIN_ELEMENTS = 60_000_000  # below this, one pass each (few parts gain nothing, measured)
+    PIPELINE_PART_ELEMENTS = 20_000_000  # elements per part, at most PIPELINE_MAX_PARTS parts
+    PIPELINE_MAX_PARTS = 8  # (GPT-2 medium: 8 parts 18.22 ms, 12 18.25, 16 18.28, 4 18.37, 2 18.72)
+
+    def _parts_for(self, plan: Plan) -> int:
+        """How many parts this step's statistics and apply passes run in (1: one pass each)."""
+        if self.forced_parts is not None:
+            parts = self.forced_parts
+        elif self.optimizer.precision != "exact":
+            return 1
+        else:
+            numel = plan.layout.total_elements
+            parts = 1 if numel < self.PIPELINE_MIN_ELEMENTS else min(self.PIPELINE_MAX_PARTS,
+                                                                       numel // self.PIPELINE_PART_ELEMENTS)
+        # (Sharded tensors reduce their sums across processes between the passes; nonfinite="raise"
+        # reads the check's flag on the host before any apply launch: one pass each.)
+        if plan.layout.sharded or self.optimizer.nonfinite == "raise":
+            return 1
+        return max(1, min(parts, plan.layout.num_tensors))
 
     def _pipelined(self, plan: Plan) -> bool:
-        return (self.pipeline_parts > 1 and plan.layout.num_tensors > 1 and not plan.layout.sharded
-                and self.optimizer.nonfinite != "raise")
+        return self._parts_for(plan) > 1
 
     def _statistics_early(self, plan: Plan, *args) -> None:
         if not self._pipelined(plan):
@@ -192,13 +218,18 @@ class SmallFCLOptFused(FusedEngine):
             super()._statistics(plan, flags)
 
     def _parts(self, plan: Plan) -> list:
-        """[(first_tensor, num_tensors, (first_apply_chunk, num_apply_chunks), [(first_stats_chunk, num)])]."""
-        if getattr(plan, "pipeline_ranges", None) is not None:
-            return plan.pipeline_ranges
+        """The step's parts (``_parts_for`` of them), each (first_tensor, num_tensors, (first_apply_chunk,
+        num_apply_chunks), [(first_stats_chunk, num_stats_chunks)]): contiguous tensors of about equal size;
+        the first part's statistics also cover every tensor without axis jobs (whose gradients the axis
+        pass does not check). Kept with the plan."""
+        k = self._parts_for(plan)
+        cached = getattr(plan, "pipeline_parts", None)
+        if cached is not None and cached[0] == k:
+            return cached[1]
         layout, t = plan.layout, FIELD["TensorMeta"]
         rows, n = layout.static_rows, layout.num_tensors
         numel = rows[:, t["numel"]].astype(np.float64)
-        k, total = min(self.pipeline_parts, n), float(numel.sum())
+        total = float(numel.sum())
         bounds, running = [0], 0.0
         for r in range(n - 1):
             running += numel[r]
@@ -206,49 +237,51 @@ class SmallFCLOptFused(FusedEngine):
                 bounds.append(r + 1)
         bounds.append(n)
         sources = set(layout.job_tensor)
+
+        def stats_range(members):
+            first = min(int(rows[r, t["first_stats_chunk"]]) for r in members)
+            end = max(int(rows[r, t["first_stats_chunk"]] + rows[r, t["num_stats_chunks"]]) for r in members)
+            return first, end - first
+
+        unchecked = [r for r in range(n) if r not in sources]  # (contiguous after the sources: _order_statistics)
         parts = []
         for a, b in zip(bounds[:-1], bounds[1:]):
+            checked = [r for r in range(a, b) if r in sources]
+            stats = [stats_range(checked)] if checked else []
+            if not parts and unchecked:
+                stats.append(stats_range(unchecked))
             apply_first = int(rows[a, t["first_apply_chunk"]])
             apply_end = int(rows[b - 1, t["first_apply_chunk"]] + rows[b - 1, t["num_apply_chunks"]])
-            stats = []
-            for members in ([r for r in range(a, b) if r in sources], [r for r in range(a, b) if r not in sources]):
-                if members:
-                    first = min(int(rows[r, t["first_stats_chunk"]]) for r in members)
-                    end = max(int(rows[r, t["first_stats_chunk"]] + rows[r, t["num_stats_chunks"]]) for r in members)
-                    stats.append((first, end - first))
             parts.append((a, b - a, (apply_first, apply_end - apply_first), stats))
-        if self.pipeline_small_first:  # the part whose statistics nothing hides: the smallest
-            smallest = min(range(len(parts)), key=lambda i: parts[i][2][1])
-            parts.insert(0, parts.pop(smallest))
-        plan.pipeline_ranges = parts
+        plan.pipeline_parts = (k, parts)
         return parts
 
     def _pipeline(self, plan: Plan, flags: tuple) -> None:
+        """The statistics, fold and apply passes in parts: statistics and fold of each on a side stream,
+        each part's apply pass on the step's stream once its fold is done (events; capturable in a CUDA
+        graph). The first fold also lays out layers 2 and 3 and commits R and C; the last apply launch
+        advances the step counters, after every fold has read them. (Without CUDA, as the launch tests
+        run the engine, the same launches in order on one stream.)"""
         parts = self._parts(plan)
-        main = torch.cuda.current_stream(self.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        while len(self._part_events) < len(parts):
-            self._part_events.append(torch.cuda.Event())
-        side = self._side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        on_device = self.device.type == "cuda"
+        if on_device:
+            main = torch.cuda.current_stream(self.device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            while len(self._part_events) < len(parts):
+                self._part_events.append(torch.cuda.Event())
+            self._side_stream.wait_stream(main)
+        with torch.cuda.stream(self._side_stream) if on_device else contextlib.nullcontext():
             for index, (first_tensor, num_tensors, _, stats) in enumerate(parts):
                 for first_chunk, num_chunks in stats:
                     self._launch_statistics(plan, flags, first_chunk, num_chunks)
                 self._launch_fold(plan, flags, 0, first_tensor, num_tensors,
                                   1 + commit_blocks(plan.layout) if index == 0 else 0)
-                self._part_events[index].record(side)
-        if self.pipeline_apply_streams > 1 and self._apply_stream is None:
-            self._apply_stream = torch.cuda.Stream(self.device)
-        streams = [main, self._apply_stream][:self.pipeline_apply_streams]
-        if len(streams) > 1:
-            streams[1].wait_stream(main)
+                if on_device:
+                    self._part_events[index].record(self._side_stream)
         for index, (_, _, (first_chunk, num_chunks), _) in enumerate(parts):
-            stream = streams[index % len(streams)]  # (two: a part's apply starts in the one before's tail)
-            stream.wait_event(self._part_events[index])
-            with torch.cuda.stream(stream):
-                self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
-        for stream in streams[1:]:
-            main.wait_stream(stream)
-        main.wait_stream(side)
+            if on_device:
+                main.wait_event(self._part_events[index])
+            self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
+        if on_device:
+            main.wait_stream(self._side_stream)
