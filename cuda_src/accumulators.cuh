@@ -531,19 +531,22 @@ LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse
 }
 
 // Σ G over the gradient elements src[first + k·stride], k = 0 ... count − 1, added in that order in
-// float64; `unusable` is set where one of them fails the check phase's test (gradient_unusable, of the
-// unscaled gradient as the statistics pass tests it). (Loads issued further ahead than the compiler's
-// unrolling made the pass slower: it is bound by memory, not by each thread's latency; benchmarks/RESULTS.md.)
+// float64. (Loads issued further ahead than the compiler's unrolling made the pass slower: it is
+// bound by memory, not by each thread's latency; benchmarks/RESULTS.md.)
 LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 count, int dtype, float inverse_scale,
-                                   float gradient_clip, bool& unusable) {
+                                   float gradient_clip) {
   double sum = 0.0;
-  for (i64 k = 0; k < count; ++k) {
-    const float g = unscale_gradient(bits_as_float(load_bits(src, first + k * stride, dtype), dtype), inverse_scale);
-    unusable |= gradient_unusable(g);
-    sum += adafactor_square(gradient_clip > 0.f ? fminf(fmaxf(g, -gradient_clip), gradient_clip) : g);
-  }
+  for (i64 k = 0; k < count; ++k)
+    sum += adafactor_square(adafactor_gradient(load_bits(src, first + k * stride, dtype), dtype, inverse_scale, gradient_clip));
   return sum;
 }
+
+// Whether an axis sum saw a gradient element that fails the check phase's test (gradient_unusable):
+// unclipped (small_fc_lopt), G = g² + 1e-30 in float32 is finite exactly where |g| < 2^64 and g is not
+// NaN, and the float64 sum of finite G cannot overflow, so the sum tells. (Testing every element in the
+// loop kept the compiler from unrolling it: the pass took 0.81 ms where it takes 0.64, GPT-2 medium,
+// H100.) VeLO clips g first, which hides a NaN: its statistics pass alone tests its gradients.
+LOPT_DEVICE bool axis_sum_unusable(double sum, float gradient_clip) { return gradient_clip == 0.f && !isfinite(sum); }
 
 // A warp's report of unusable gradients seen by the axis pass (LOPT_STATUS_AXIS_NONFINITE): every
 // element of a tensor with axis jobs is read there, so once adafactor_finalize has moved this flag
@@ -574,8 +577,9 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
       const i64 q = out / job.i, i = out - q * job.i;
       const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
       const double sum = axis_square_sum(src, (q * job.x + x0) * job.i + i, job.i, x1 - x0, dtype, inverse_scale,
-                                         gradient_clip, unusable);
+                                         gradient_clip);
       partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
+      unusable = axis_sum_unusable(sum, gradient_clip);
     }
     report_axis_unusable(unusable, status);
   } else {
@@ -585,9 +589,8 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
     const i64 q = item / job.num_xchunks, chunk = item - q * job.num_xchunks;
     const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
     const i64 count = x1 - x0 > lane ? (x1 - x0 - lane + 31) / 32 : 0;
-    bool unusable = false;
-    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, gradient_clip, unusable);
-    report_axis_unusable(unusable, status);
+    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, gradient_clip);
+    report_axis_unusable(axis_sum_unusable(sum, gradient_clip), status);
     sum = warp_sum(sum);
     if (lane == 0) partials[job.partial_offset + chunk * job.num_outputs + q] = sum;
   }
