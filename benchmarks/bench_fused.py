@@ -135,16 +135,22 @@ def make_capturable(name, params, weights, defines=(), options=None):
     return make(name, params, "fused", weights, defines, options)
 
 
-def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> float:
+PAUSE_MS = 40.0  # before each replay of the unthrottled timing (variants_ab.py --pause-ms)
+
+
+def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> tuple:
     """Median ms of one step captured in a CUDA graph and replayed (static gradient tensors, as in a
-    captured training loop): the step without the host's share."""
+    captured training loop): the step without the host's share; replayed back to back, and with the
+    device idle PAUSE_MS before each replay (the exact small_fc_lopt step otherwise runs at the H100's
+    power cap, which a training iteration does not reach: benchmarks/RESULTS.md)."""
     params = build_parameters(param_set, "cuda")
     opt = make_capturable(name, params, weights, options=options)
     graph, loss = capture_step(opt, params, gradient_sets(params, 1)[0], warmup)
     times = time_replays(graph, steps, warmup)
+    paused = time_replays(graph, steps, 1, PAUSE_MS)
     del graph, loss, opt, params
     torch.cuda.empty_cache()
-    return round(statistics.median(times), 4)
+    return round(statistics.median(times), 4), round(statistics.median(paused), 4)
 
 
 PROFILED_STEPS = 5  # the per-kernel times are medians over these (one profiled step can be an outlier)
@@ -253,7 +259,8 @@ def main() -> int:
         adamw = measure("adamw", "fused", param_set, None, args.steps, args.warmup)
         rows.append(adamw)
         if args.graph:
-            adamw["graph_ms_per_step"] = graph_step_ms("adamw", param_set, None, args.steps, args.warmup)
+            adamw["graph_ms_per_step"], adamw["graph_paused_ms_per_step"] = graph_step_ms("adamw", param_set, None,
+                                                                                          args.steps, args.warmup)
         write_record(args.out, env, rows)
         for name in optimizers:
             fused = measure(name, "fused", param_set, weights[name], args.steps, args.warmup)
@@ -271,11 +278,12 @@ def main() -> int:
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
                 if args.graph:
-                    rows[-1]["graph_ms_per_step"] = graph_step_ms(name, param_set, weights[name], args.steps,
-                                                                  args.warmup, options)
+                    rows[-1]["graph_ms_per_step"], rows[-1]["graph_paused_ms_per_step"] = graph_step_ms(
+                        name, param_set, weights[name], args.steps, args.warmup, options)
                 write_record(args.out, env, rows)
             if args.graph:
-                fused["graph_ms_per_step"] = graph_step_ms(name, param_set, weights[name], args.steps, args.warmup)
+                fused["graph_ms_per_step"], fused["graph_paused_ms_per_step"] = graph_step_ms(
+                    name, param_set, weights[name], args.steps, args.warmup)
             if args.naive_steps:
                 rows.append(measure(name, "naive", param_set, weights[name], args.naive_steps, 1))
             write_record(args.out, env, rows)
@@ -292,8 +300,10 @@ def main() -> int:
                       f"{row['launches_per_step']:>10}{row['peak_extra_mib']:>10.0f}{'' if error is None else f'{error:.1e}':>10}")
                 if "graph_ms_per_step" in row:
                     graph_ms = row["graph_ms_per_step"]
+                    paused = row["graph_paused_ms_per_step"]
                     print(f"    captured in a CUDA graph: {graph_ms:.3f} ms/step "
-                          f"({graph_ms / adamw['graph_ms_per_step']:.2f} x AdamW captured)")
+                          f"({graph_ms / adamw['graph_ms_per_step']:.2f} x AdamW captured); after {PAUSE_MS:.0f} ms "
+                          f"idle: {paused:.3f} ({paused / adamw['graph_paused_ms_per_step']:.2f} x AdamW)")
                 if row["backend"].startswith("fused") and row["optimizer"] != "adamw":
                     print("    " + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(row["kernel_ms"].items(), key=lambda kv: -kv[1])))
         sys.stdout.flush()

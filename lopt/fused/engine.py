@@ -11,8 +11,10 @@ A fused step is the reference's phases as kernel launches (``docs/design.md``):
 * **statistics**, **control**, **apply** — each optimizer's own kernels (:meth:`_statistics`,
   :meth:`_control`, :meth:`_apply` of the subclasses).
 
-The check phase's non-finite test runs inside the statistics pass and sets a device flag; the
-control and apply kernels read it, so a skipped step writes nothing and nothing synchronises. A step
+The check phase's non-finite test runs inside the axis pass (on its sums, for the tensors with axis
+jobs; ``adafactor_finalize`` makes that flag the step's) and inside the statistics pass, and sets a
+device flag; the control and apply kernels read it, so a skipped step writes nothing and nothing
+synchronises. A step
 allocates nothing and uploads only what changed (pointers of fresh gradient tensors, scheduled
 learning rates), so it can be captured in a CUDA graph.
 

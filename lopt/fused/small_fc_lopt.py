@@ -1,21 +1,24 @@
 """Fused small_fc_lopt: launches ``cuda_src/small_fc_lopt.cu`` for every tensor of every group.
 
 Mirrors ``lopt/reference/small_fc_lopt.py``; one step is six launches, whatever the number of
-tensors and groups (seven where the fast check launches step 4 in two parts: the summed tensors'
+tensors and groups (in the exact mode on 60 million elements or more, steps 4–6 run per part of the
+tensors, the statistics and fold of each part on a side stream beside the apply pass of the ones
+before: ``_pipeline``; seven where the fast check launches step 4 in two parts: the summed tensors'
 chunks before it checks the other gradients, ``FusedEngine._statistics_early``; with FSDP2's sharded
 parameters eight, and between them the reduce phase's collectives: the means over split axes, the
 row-factor normalisers where d1 is split, the non-finite flag, the feature sums, and max_grad_norm's
 Σ g²; ``docs/distributed.md``):
 
 1. ``adafactor_axis_partials``  sums of G = g² + 1e-30 for the factored accumulators (update_accumulators, R/C part);
-                                with ``max_grad_norm``, also Σ G over each clipped tensor that is not factored
+                                with ``max_grad_norm``, also Σ G over each clipped tensor that is not factored;
+                                the non-finite test of every gradient element it reads (a non-finite sum)
 2. ``adafactor_finalize``       the means of G; the step's status flags reset; each clipped tensor's clip
                                 factor (clip_gradient_norm), which the later passes multiply the gradient by
 3. ``adafactor_factor_tables``  R, C updated (in the tables, from the clipped gradient's means) and their
                                 factors (adafactor_factors); with precision "fast" also each entry's table
                                 features packed as the first layer's BF16 inputs (``plan.row_packed``)
 4. ``small_fc_lopt_feature_stats``  per_element_features → sums of squares (normalise_features); the
-   non-finite test of every gradient element
+   non-finite test of every gradient element (the only one for tensors without axis jobs)
 5. ``small_fc_lopt_fold``       normaliser scales and time_features folded into the first layer; a kept
    step's R and C written to the state (by extra blocks, commit_blocks)
 6. ``small_fc_lopt_apply``      accumulators, features, mlp (tensor cores, float32 accuracy through
