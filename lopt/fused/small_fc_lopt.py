@@ -115,7 +115,6 @@ class SmallFCLOptFused(FusedEngine):
         forced = [int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")]
         self.forced_parts = forced[-1] if forced else None
         self._side_stream, self._part_events = None, []
-        self.narrow_parts = next((int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_NARROW=")), 0)
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -168,12 +167,11 @@ class SmallFCLOptFused(FusedEngine):
                      np.int64(layout.total_col_entries), ptr(plan.row_packed), ptr(plan.col_packed),
                      np.int32(first_tensor), np.int32(num_tensors)))
 
-    def _launch_apply(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int, finish: bool,
-                      grid: int | None = None) -> None:
+    def _launch_apply(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int, finish: bool) -> None:
         """The apply pass over chunks [first_chunk, first_chunk + num_chunks); ``finish``: this launch
-        advances the step counters (the step's last); ``grid``: blocks (default: one per slot of every SM)."""
+        advances the step counters (the step's last)."""
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("small_fc_lopt_apply", max(1, min(grid or self.apply_grid, num_chunks)), self.APPLY_THREADS,
+        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      *self.group_arguments(plan), np.int64(num_chunks), ptr(plan.folded),
                      ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
@@ -287,8 +285,6 @@ class SmallFCLOptFused(FusedEngine):
         for index, (_, _, (first_chunk, num_chunks), _) in enumerate(parts):
             if on_device:
                 main.wait_event(self._part_events[index])
-            narrow = index < self.narrow_parts  # (measured: an SM slot left free for the statistics)
-            grid = self.apply_grid - torch.cuda.get_device_properties(self.device).multi_processor_count if narrow else None
-            self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1, grid=grid)
+            self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
         if on_device:
             main.wait_stream(self._side_stream)
