@@ -115,9 +115,6 @@ class SmallFCLOptFused(FusedEngine):
         forced = [int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")]
         self.forced_parts = forced[-1] if forced else None
         self._side_stream, self._part_events = None, []
-        knob = lambda name, default: next((int(d.split("=", 1)[1]) for d in defines if d.startswith(name + "=")), default)
-        self.apply_grid *= knob("SFC_APPLY_GRID_SCALE", 1)  # (measured)
-        self.side_priority = -knob("SFC_PIPELINE_PRIORITY", 0)  # (measured; negative: higher)
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -273,7 +270,7 @@ class SmallFCLOptFused(FusedEngine):
         if on_device:
             main = torch.cuda.current_stream(self.device)
             if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(self.device, priority=self.side_priority)
+                self._side_stream = torch.cuda.Stream(self.device)
             while len(self._part_events) < len(parts):
                 self._part_events.append(torch.cuda.Event())
             self._side_stream.wait_stream(main)
