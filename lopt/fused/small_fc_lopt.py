@@ -182,7 +182,7 @@ class SmallFCLOptFused(FusedEngine):
     # The apply pass of the exact mode is bound by its arithmetic and the statistics pass by memory, and
     # a tensor's apply needs only its own statistics. So with the tensors in parts, part j's statistics
     # and fold run on a side stream while the apply pass of the parts before it runs (H100, GPT-2 medium
-    # exact, unthrottled: 18.22 ms against 18.70 in 8 parts; ViT-B/16 4.76 against 4.92 in 4; the fast
+    # exact, unthrottled: 18.23 ms against 18.71 in 8 parts; ViT-B/16 4.79 against 4.92 in 4; the fast
     # mode's apply pass keeps DRAM and L1 too busy to gain: benchmarks/RESULTS.md). A part's apply pass
     # must not start before every gradient of the step is checked, or a non-finite element in a later
     # part would leave the step half applied: the axis pass checks every gradient of a tensor with axis
