@@ -115,7 +115,6 @@ class SmallFCLOptFused(FusedEngine):
         forced = [int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")]
         self.forced_parts = forced[-1] if forced else None
         self._side_stream, self._part_events = None, []
-        self.first_half = "SFC_PIPELINE_FIRST_HALF=1" in defines
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
@@ -235,11 +234,9 @@ class SmallFCLOptFused(FusedEngine):
         numel = rows[:, t["numel"]].astype(np.float64)
         total = float(numel.sum())
         bounds, running = [0], 0.0
-        first_share = 0.5 if self.first_half else 1.0  # (measured)
-        threshold = lambda j: total * (first_share + (j - 1) * (k - first_share) / (k - 1)) / k if k > 1 else total
         for r in range(n - 1):
             running += numel[r]
-            if len(bounds) < k and running >= threshold(len(bounds)):
+            if len(bounds) < k and running >= total * len(bounds) / k:
                 bounds.append(r + 1)
         bounds.append(n)
         sources = set(layout.job_tensor)
