@@ -204,7 +204,7 @@ def _cmd_bench(args) -> int:
         mode=args.mode, optimizers=args.optimizers, param_sets=args.param_sets, contenders=contenders, device=device,
         weights=weights, steps=args.steps, warmup=args.warmup,
         dtype=getattr(torch, args.dtype or "float32"), same_grads=args.same_grads, batch_size=args.batch_size,
-        seq_len=args.seq_len, show_progress=not args.quiet)
+        seq_len=args.seq_len, show_progress=not args.quiet, cooldown_ms=args.cooldown_ms)
     plan.availability = runner.probe_availability(plan)
     if not runner.runnable(plan):
         reasons = "; ".join(f"{name} {c}: {reason}" for name in args.optimizers
@@ -228,7 +228,8 @@ def _cmd_bench(args) -> int:
         print(report.format_curves_summary(curves))
     weights_line = report.weights_status(weights)
     settings = {"steps": args.steps, "warmup": args.warmup, "dtype": (args.dtype or "float32") if args.mode == "step"
-                else None, "same_grads": args.same_grads, "contenders": contenders, "param_sets": args.param_sets,
+                else None, "same_grads": args.same_grads, "cooldown_ms": args.cooldown_ms, "contenders": contenders,
+                "param_sets": args.param_sets,
                 "batch_size": args.batch_size, "seq_len": args.seq_len,
                 "autocast": "bfloat16" if args.mode == "iteration" and device.type == "cuda" else None}
     written = []
@@ -339,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="untimed steps first (default: 2 on CUDA, 1 on the CPU)")
     bench.add_argument("--same-grads", action="store_true",
                        help="step mode: reuse one set of gradient tensors (default: new .grad tensors every step)")
+    bench.add_argument("--cooldown-ms", metavar="MS", type=_at_least(float, 0.0, "a number of milliseconds >= 0"),
+                       default=0.0,
+                       help="idle the device this long before each timed step (default 0: back to back). Repeated "
+                            "back to back, a step that keeps the GPU's arithmetic busy can reach its power cap and "
+                            "run at a lower clock than between a training run's forward and backward passes; "
+                            "~40 ms on an H100 times it at full clock (docs/bench.md)")
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="step mode: parameter dtype (default float32)")
     bench.add_argument("--batch-size", metavar="N", type=_at_least(int, 1, "a positive integer"), default=None,

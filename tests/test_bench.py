@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -72,6 +73,7 @@ def test_json_schema_and_values(full_run):
     assert record["schema_version"] == 2 and record["mode"] == "step"
     assert ENVIRONMENT_KEYS <= set(record["environment"]) and record["environment"]["torch"] == torch.__version__
     assert record["settings"]["steps"] == 3 and record["settings"]["same_grads"] is False
+    assert record["settings"]["cooldown_ms"] == 0.0
     assert record["weights"]["small_fc_lopt"]["pretrained"] is True
     rows = {r["contender"]: r for r in record["results"]}
     assert list(rows) == ["adamw", "naive", "naive+compile"], record["unavailable"]  # e.g. failed under torch.compile
@@ -245,6 +247,29 @@ def test_step_mode_assigns_new_gradient_tensors_every_step(same_grads):
     for grads in sets:  # N(0, 1e-3²) gradients of each parameter's shape
         assert [g.shape for g in grads] == [p.shape for p in params]
         assert 0.5e-3 < torch.cat([g.flatten() for g in grads]).std() < 2e-3
+
+
+def test_cooldown_idles_before_every_timed_step_and_only_then(monkeypatch):
+    """--cooldown-ms: the device idles that long before each timed step (outside the timed region), not
+    before warm-up steps; 0 (the default) never sleeps."""
+    params = [torch.nn.Parameter(torch.randn(6, 5))]
+    real_sleep = time.sleep  # (measure.time is this module: patched below)
+    for cooldown, expected in ((0.0, []), (25.0, [0.025] * 3)):
+        workload = measure.StepWorkload(params, measure.gradient_sets(params, 1), torch.device("cpu"))
+        contender = contenders.make_contender("adamw", "adamw", params, None, torch.device("cpu"))
+        slept = []
+        monkeypatch.setattr(measure.time, "sleep", lambda seconds: (slept.append(seconds), real_sleep(seconds)))
+        result = measure.measure_contender(workload, contender, weights=None, param_set="test", mode="step", steps=3,
+                                           warmup=2, baseline_bytes=None, num_steps=10, cooldown_ms=cooldown)
+        assert len(result.ms_all) == 3 and slept == expected
+        assert max(result.ms_all) < 25  # (the idle time is outside the timed region)
+
+
+def test_cooldown_must_be_a_non_negative_number(capsys):
+    for bad in ("-5", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            run_cli("bench", "--device", "cpu", "--cooldown-ms", bad)
+        assert "--cooldown-ms: must be a number of milliseconds >= 0" in capsys.readouterr().err
 
 
 def test_relative_update_error_against_float64():

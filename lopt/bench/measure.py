@@ -222,8 +222,10 @@ class IterationWorkload:
 
 
 def measure_contender(workload, contender: Contender, *, weights, param_set: str, mode: str, steps: int,
-                      warmup: int, baseline_bytes: int | None, progress=None, num_steps: int) -> BenchResult:
-    """Check (fused, compiled), warm up, time ``steps`` steps or iterations, count launches; one result row."""
+                      warmup: int, baseline_bytes: int | None, progress=None, num_steps: int,
+                      cooldown_ms: float = 0.0) -> BenchResult:
+    """Check (fused, compiled), warm up, time ``steps`` steps or iterations, count launches; one result row.
+    ``cooldown_ms``: the device idles that long before each timed step (``lopt bench --cooldown-ms``)."""
     device = workload.device
     workload.contender = contender
     error, warm_seconds, index = None, [], 0
@@ -247,6 +249,9 @@ def measure_contender(workload, contender: Contender, *, weights, param_set: str
     times = []
     for _ in range(steps):
         workload.before_timed(index)
+        if cooldown_ms:
+            _synchronize(device)  # (the idle time starts when the device has finished)
+            time.sleep(cooldown_ms / 1e3)
         times.append(elapsed_ms(lambda i=index: workload.timed(i), device))
         index += 1
         if progress is not None:

@@ -28,6 +28,7 @@ class BenchPlan:
     warmup: int = 2
     dtype: torch.dtype = torch.float32  # step mode's parameter dtype
     same_grads: bool = False
+    cooldown_ms: float = 0.0  # idle time before each timed step or iteration
     batch_size: int | None = None  # iteration mode (None: the model's default)
     seq_len: int | None = None
     show_progress: bool = True
@@ -130,7 +131,8 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
                 contender = make_contender(optimizer_name, contender_name, params, weights, plan.device)
                 result = measure_contender(workload, contender, weights=weights, param_set=param_set,
                                            mode=plan.mode, steps=plan.steps, warmup=plan.warmup,
-                                           baseline_bytes=baseline, progress=bar, num_steps=TIMING_NUM_STEPS)
+                                           baseline_bytes=baseline, progress=bar, num_steps=TIMING_NUM_STEPS,
+                                           cooldown_ms=plan.cooldown_ms)
             except Exception as err:
                 if contender_name != "naive+compile":
                     raise
