@@ -251,18 +251,25 @@ def test_step_mode_assigns_new_gradient_tensors_every_step(same_grads):
 
 def test_cooldown_idles_before_every_timed_step_and_only_then(monkeypatch):
     """--cooldown-ms: the device idles that long before each timed step (outside the timed region), not
-    before warm-up steps; 0 (the default) never sleeps."""
+    before warm-up steps; 0 (the default) never waits."""
     params = [torch.nn.Parameter(torch.randn(6, 5))]
-    real_sleep = time.sleep  # (measure.time is this module: patched below)
-    for cooldown, expected in ((0.0, []), (25.0, [0.025] * 3)):
+    real_idle = measure.idle
+    for cooldown, expected in ((0.0, []), (25.0, [25.0] * 3)):
         workload = measure.StepWorkload(params, measure.gradient_sets(params, 1), torch.device("cpu"))
         contender = contenders.make_contender("adamw", "adamw", params, None, torch.device("cpu"))
-        slept = []
-        monkeypatch.setattr(measure.time, "sleep", lambda seconds: (slept.append(seconds), real_sleep(seconds)))
+        waited = []
+        monkeypatch.setattr(measure, "idle", lambda ms: (waited.append(ms), real_idle(ms)))
         result = measure.measure_contender(workload, contender, weights=None, param_set="test", mode="step", steps=3,
                                            warmup=2, baseline_bytes=None, num_steps=10, cooldown_ms=cooldown)
-        assert len(result.ms_all) == 3 and slept == expected
+        assert len(result.ms_all) == 3 and waited == expected
         assert max(result.ms_all) < 25  # (the idle time is outside the timed region)
+
+
+def test_idle_waits_without_sleeping(monkeypatch):
+    monkeypatch.setattr(measure.time, "sleep", lambda seconds: pytest.fail("idle slept"))
+    begin = time.perf_counter()
+    measure.idle(30.0)
+    assert 0.030 <= time.perf_counter() - begin < 0.5
 
 
 def test_cooldown_must_be_a_non_negative_number(capsys):
