@@ -3,8 +3,8 @@
 ``lopt bench --mode iteration`` times one optimizer after another; between processes and machines its
 medians move by about ±0.5 ms, as much as most kernel changes. This script builds one model and one
 batch (GPT-2 medium, bfloat16 autocast, as the iteration mode), one optimizer per build over the same
-parameters (fused AdamW first), and times alternating blocks of iterations (zero_grad, forward,
-backward, step), so every build sees the same conditions. The parameters drift as each optimizer steps
+parameters (fused AdamW first), and times alternating blocks of iterations (``lopt bench``'s own:
+zero_grad, forward, backward, step), so every build sees the same conditions. The parameters drift as each optimizer steps
 them in turn; the timing does not depend on their values.
 
 While the blocks run, ``nvidia-smi`` samples the SM clock, the power draw and the active clock-event
@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lopt  # noqa: E402
 from bench_fused import make, split_variant  # noqa: E402
+from lopt.bench.contenders import Contender, step_function  # noqa: E402
+from lopt.bench.measure import IterationWorkload, elapsed_ms  # noqa: E402
 from lopt.bench.models import build_model  # noqa: E402
 from lopt.bench.report import environment  # noqa: E402
 
@@ -41,33 +43,26 @@ SMI_FIELDS = ("timestamp", "clocks.sm", "power.draw", "clocks_event_reasons.acti
 POWER_CAP = 0x4  # clocks_event_reasons: software power cap
 
 
-def iteration(model, batch, opt) -> None:
-    opt.zero_grad(set_to_none=True)
-    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-        loss = model.loss(batch)
-    loss.backward()
-    opt.step()
+def contender(label: str, optimizer_name: str, opt) -> Contender:
+    """A build as ``lopt bench`` runs it (its step function hands VeLO the loss)."""
+    return Contender(optimizer_name, label, "fused", opt, step_function(opt))
 
 
-def timed_block(model, batch, opt, iterations: int) -> list:
-    times = []
-    for _ in range(iterations):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        iteration(model, batch, opt)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+def timed_block(workload: IterationWorkload, build: Contender, iterations: int) -> list:
+    """``iterations`` timed training iterations of ``build`` (``lopt bench --mode iteration``'s)."""
+    workload.contender = build
+    return [elapsed_ms(lambda: workload.timed(0), workload.device) for _ in range(iterations)]
 
 
-def kernel_split(model, batch, opt, own_prefixes=("small_fc_lopt", "adafactor", "velo")) -> dict:
+def kernel_split(workload: IterationWorkload, build: Contender,
+                 own_prefixes=("small_fc_lopt", "adafactor", "velo")) -> dict:
     """CUDA ms of one profiled iteration: the optimizer's kernels by name, the rest as one sum."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    workload.contender = build
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        iteration(model, batch, opt)
+        workload.timed(0)
         torch.cuda.synchronize()
     split = {}
     for e in prof.events():
@@ -126,23 +121,22 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=4, help="timed iterations per block")
     args = parser.parse_args()
-    if args.optimizer == "velo":
-        raise SystemExit("VeLO needs the loss at step(): not supported by this probe yet")
 
     model = build_model(args.model, "cuda")
-    batch = model.random_batch()
+    workload = IterationWorkload(model, model.random_batch(), torch.device("cuda"))
     params = model.parameters()
     weights = lopt.random_weights(args.optimizer, seed=0)  # timing only
     builds = [(v or "default", v) for v in args.variants.split(";")]
     if len({label for label, _ in builds}) != len(builds):
         raise SystemExit(f"--variants lists a build twice: {args.variants!r}")
-    optimizers = {"adamw": make("adamw", params, "fused", None)}
+    optimizers = {"adamw": contender("adamw", "adamw", make("adamw", params, "fused", None))}
     for label, variant in builds:
         defines, options = split_variant(variant)
-        optimizers[label] = make(args.optimizer, params, "fused", weights, defines, options)
+        optimizers[label] = contender(label, args.optimizer, make(args.optimizer, params, "fused", weights, defines,
+                                                                  options))
     labels = list(optimizers)
     for label in labels:  # warm-up: compiles, plans, allocator
-        timed_block(model, batch, optimizers[label], 3)
+        timed_block(workload, optimizers[label], 3)
     times = {label: [] for label in labels}
     spans = []
     smi = start_sampling()
@@ -150,7 +144,7 @@ def main() -> int:
         order = labels if block % 2 == 0 else labels[::-1]
         for label in order:
             t0 = datetime.datetime.now().timestamp()
-            times[label] += timed_block(model, batch, optimizers[label], args.iterations)
+            times[label] += timed_block(workload, optimizers[label], args.iterations)
             spans.append((label, t0, datetime.datetime.now().timestamp()))
     power = samples_by_block(smi, spans)
     adamw = statistics.median(times["adamw"])
@@ -161,7 +155,7 @@ def main() -> int:
         median = statistics.median(times[label])
         q1, _, q3 = statistics.quantiles(times[label], n=4)
         row = {"median_ms": round(median, 3), "p25_ms": round(q1, 3), "p75_ms": round(q3, 3),
-               "overhead_vs_adamw": round(median / adamw - 1, 4), "kernel_ms": kernel_split(model, batch, optimizers[label]),
+               "overhead_vs_adamw": round(median / adamw - 1, 4), "kernel_ms": kernel_split(workload, optimizers[label]),
                "power": power.get(label)}
         result["variants"][label] = row
         print(f"  {label:45s} {median:8.2f} ms ({q1:.2f} .. {q3:.2f}), {100 * row['overhead_vs_adamw']:+.1f}% "

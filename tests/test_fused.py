@@ -244,7 +244,7 @@ def test_statistics_and_apply_in_parts_step_like_one_pass(precision, weights):
     its apply pass after them on the step's stream) leave bit-identical parameters and state to one pass
     each (SFC_PIPELINE_PARTS=1)."""
     parts, whole = step_twin_builds(weights, torch.float32, precision, [("SFC_PIPELINE_PARTS=3",), ("SFC_PIPELINE_PARTS=1",)])
-    assert parts.plan.pipeline_parts[0] == 3 and getattr(whole.plan, "pipeline_parts", None) is None
+    assert parts.plan.pipeline_parts[0] == 3 and whole.plan.pipeline_parts is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

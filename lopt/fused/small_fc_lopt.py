@@ -122,6 +122,7 @@ class SmallFCLOptFused(FusedEngine):
         plan.folded = plan.workspace(layout.num_tensors * FOLDED_FLOATS, torch.float32)
         plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS, torch.float32)
         plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
+        plan.pipeline_parts = None  # (how many, the parts): made by _parts when the step runs in parts
         if self.packed_entries:  # (int32 words: a uint4 per entry)
             plan.row_packed = plan.workspace(layout.total_row_entries * 4, torch.int32)
             plan.col_packed = plan.workspace(layout.total_col_entries * 4, torch.int32)
@@ -226,9 +227,8 @@ class SmallFCLOptFused(FusedEngine):
         the first part's statistics also cover every tensor without axis jobs (whose gradients the axis
         pass does not check). Kept with the plan."""
         k = self._parts_for(plan)
-        cached = getattr(plan, "pipeline_parts", None)
-        if cached is not None and cached[0] == k:
-            return cached[1]
+        if plan.pipeline_parts is not None and plan.pipeline_parts[0] == k:
+            return plan.pipeline_parts[1]
         layout, t = plan.layout, FIELD["TensorMeta"]
         rows, n = layout.static_rows, layout.num_tensors
         numel = rows[:, t["numel"]].astype(np.float64)
