@@ -553,7 +553,7 @@ LOPT_DEVICE bool axis_sum_unusable(double sum, float gradient_clip) { return gra
 // into the step's, a step whose statistics and apply passes run in parts (lopt.fused.small_fc_lopt)
 // knows before its first apply launch whether any of those gradients makes it a no-op.
 LOPT_DEVICE void report_axis_unusable(bool unusable, int* status) {
-  if (status != nullptr && __any_sync(0xffffffffu, unusable) && (threadIdx.x & 31) == 0)
+  if (__any_sync(0xffffffffu, unusable) && (threadIdx.x & 31) == 0)
     atomicExch(status + LOPT_STATUS_AXIS_NONFINITE, 1);
 }
 
