@@ -261,6 +261,9 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 
 // The exact mode's layer 2: 1 with FP16 high parts (split_mma.cuh's half_split_layer_32x32), 0 with
 // the TF32 split of layer 1 (measured against each other; 1 the default).
+#ifndef SFC_FAST_VECTORS_PROBE
+#define SFC_FAST_VECTORS_PROBE 0
+#endif
 #ifndef SFC_LAYER2_FP16
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
@@ -671,7 +674,11 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     }
   });
 #endif
+#if SFC_FAST_VECTORS_PROBE
+  if (use_quads) split_layer_32x32<2>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
+#else
   if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
+#endif
   else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
 #endif
@@ -684,11 +691,44 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
                              bool use_quads, const float4* slow_quads, bool fast_words_in_tile, const Layer2Operand& l2,
-                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3) {
+                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3,
+                             const float* fast_vectors) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
+#if SFC_FAST_VECTORS_PROBE >= 2
+  float4 fast_share[2][2][2];  // [m][row g, g + 8][units of n-tiles 0, 1 | 2, 3]
+  const auto load_fast_share = [&] {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float4* v = reinterpret_cast<const float4*>(fast_vectors + (16 * m + lane / 4 + 8 * half) * 32 + 8 * t);
+        fast_share[m][half][0] = __ldg(v);
+        fast_share[m][half][1] = __ldg(v + 1);
+      }
+  };
+  if (SFC_FAST_VECTORS_PROBE == 2 && use_quads) load_fast_share();
+#endif
   first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
+#if SFC_FAST_VECTORS_PROBE >= 2
+  if (SFC_FAST_VECTORS_PROBE == 3 && use_quads) load_fast_share();
+  if (use_quads) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float v[8] = {fast_share[m][half][0].x, fast_share[m][half][0].y, fast_share[m][half][0].z,
+                            fast_share[m][half][0].w, fast_share[m][half][1].x, fast_share[m][half][1].y,
+                            fast_share[m][half][1].z, fast_share[m][half][1].w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          h1[m][c][2 * half] = __fadd_rn(h1[m][c][2 * half], v[2 * c]);
+          h1[m][c][2 * half + 1] = __fadd_rn(h1[m][c][2 * half + 1], v[2 * c + 1]);
+        }
+      }
+  }
+#endif
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -1032,9 +1072,17 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       const float4* const warp_quads = nullptr;
       const bool use_quads = false;
 #endif
+#if SFC_FAST_VECTORS_PROBE >= 2
+      // (Probe: a stand-in table of the fast entries' vectors, 32 floats each, in the gradient's memory.)
+      const i64 warp_first = index - threadIdx.x % 32;
+      const float* const fast_vectors =
+          reinterpret_cast<const float*>(chunk_meta.grad) + (warp_first - slow_entry * chunk_meta.b) * 32;
+#else
+      const float* const fast_vectors = nullptr;
+#endif
       const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
                                           SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
-                                          b3);
+                                          b3, fast_vectors);
       if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
     };
 #if SFC_CHUNK_META
