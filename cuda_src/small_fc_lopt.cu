@@ -560,7 +560,7 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
 
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
-#define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
+#define SFC_FEATURE_STRIDE (SFC_FAST_VECTORS_PROBE == 4 ? 52 : 36)  // row stride of the feature tiles: conflict-free float4 access
 #if LOPT_SPLIT_MODE == 2
 #define SFC_TILE_ROW_FLOATS 20  // a row's 32 features as BF16 pairs, and 4 words of padding
 #else
@@ -644,6 +644,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
+    if (SFC_FAST_VECTORS_PROBE != 4 || q < 4 || !use_quads)
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
@@ -711,6 +712,20 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   if (SFC_FAST_VECTORS_PROBE == 2 && use_quads) load_fast_share();
 #endif
   first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
+#if SFC_FAST_VECTORS_PROBE == 4
+  if (use_quads) {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float4* v = reinterpret_cast<const float4*>(tile + (16 * m + lane / 4 + 8 * half) * SFC_FEATURE_STRIDE + 16 + 8 * t);
+        fast_share[m][half][0] = v[0];
+        fast_share[m][half][1] = v[1];
+      }
+  }
+#endif
 #if SFC_FAST_VECTORS_PROBE >= 2
   if (SFC_FAST_VECTORS_PROBE == 3 && use_quads) load_fast_share();
   if (use_quads) {
@@ -1055,6 +1070,25 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       i64 slow_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
+#if SFC_FAST_VECTORS_PROBE == 4
+      if (slow_vectors) {  // (probe: the stand-in table's 32 vectors of the warp, copied into its tile's columns 16 ... 47)
+        __syncwarp();
+        const int lane = threadIdx.x % 32;
+        const unsigned warp_first = static_cast<unsigned>(index - lane);
+        const unsigned fast_first =
+            warp_first - divide_by_reciprocal(warp_first, chunk_meta.b_reciprocal) * static_cast<unsigned>(chunk_meta.b);
+        const char* source = reinterpret_cast<const char*>(chunk_meta.grad) + static_cast<i64>(fast_first) * 128;
+        float* const tile = &feature_tiles[warp][0][0];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int i = lane + 32 * k;
+          const unsigned destination =
+              static_cast<unsigned>(__cvta_generic_to_shared(tile + (i / 8) * SFC_FEATURE_STRIDE + 16 + 4 * (i % 8)));
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(destination), "l"(source + 16 * i) : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+      }
+#endif
       apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                  clip_factor, entries, feature_shifts, x, state, param, slow_entry,
                                                  tile_row);
