@@ -560,7 +560,7 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
 
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
-#define SFC_FEATURE_STRIDE (SFC_FAST_VECTORS_PROBE == 4 ? 52 : 36)  // row stride of the feature tiles: conflict-free float4 access
+#define SFC_FEATURE_STRIDE (SFC_FAST_VECTORS_PROBE >= 4 ? 52 : 36)  // row stride of the feature tiles: conflict-free float4 access
 #if LOPT_SPLIT_MODE == 2
 #define SFC_TILE_ROW_FLOATS 20  // a row's 32 features as BF16 pairs, and 4 words of padding
 #else
@@ -644,7 +644,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
-    if (SFC_FAST_VECTORS_PROBE != 4 || q < 4 || !use_quads)
+    if (SFC_FAST_VECTORS_PROBE < 4 || q < 4 || !use_quads)
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
@@ -721,6 +721,18 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float4* v = reinterpret_cast<const float4*>(tile + (16 * m + lane / 4 + 8 * half) * SFC_FEATURE_STRIDE + 16 + 8 * t);
+        fast_share[m][half][0] = v[0];
+        fast_share[m][half][1] = v[1];
+      }
+  }
+#endif
+#if SFC_FAST_VECTORS_PROBE >= 5
+  if (use_quads) {  // (probe: the thread's own 32 values, in its tile row's columns 16 ... 47)
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float4* v = reinterpret_cast<const float4*>(tile + lane * SFC_FEATURE_STRIDE + 16 + 8 * (2 * m + half));
         fast_share[m][half][0] = v[0];
         fast_share[m][half][1] = v[1];
       }
@@ -882,6 +894,8 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     tile_row[2] = fast_words;
     FactorEntry fast{};
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
+#elif SFC_FAST_VECTORS_PROBE >= 6
+    const FactorEntry fast = slow;  // (probe: no fast entry read)
 #else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
 #endif
@@ -1010,6 +1024,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
+#if SFC_FAST_VECTORS_PROBE >= 5
+  for (int k = threadIdx.x; k < SFC_APPLY_WARPS * 32 * SFC_TILE_ROW_FLOATS; k += SFC_APPLY_THREADS)
+    (&feature_tiles[0][0][0])[k] = 1e-3f;
+#endif
   for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
@@ -1061,8 +1079,23 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     }
     // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
     const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
+#if SFC_FAST_VECTORS_PROBE >= 7
+      i64 index;
+      bool valid;
+      if (slow_vectors) {  // (probe: a warp's chunks walk down the rows of its 32 columns)
+        const unsigned w = static_cast<unsigned>((chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_WARPS + threadIdx.x / 32);
+        const unsigned rows = static_cast<unsigned>(chunk_meta.numel / chunk_meta.b);
+        const unsigned group = w / rows, row = w - group * rows;
+        valid = w < static_cast<unsigned>(chunk_meta.numel / 32);
+        index = static_cast<i64>(row) * chunk_meta.b + 32 * group + threadIdx.x % 32;
+      } else {
+        index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+        valid = index < chunk_meta.numel;
+      }
+#else
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
       const bool valid = index < chunk_meta.numel;
+#endif
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
       float x[SFC_NUM_FEATURES], param;
@@ -1096,7 +1129,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
       // warp's elements share slow_entry.)
-      if (slow_vectors && slow_entry != quads_entry) {
+      if (slow_vectors && (SFC_FAST_VECTORS_PROBE >= 5 || slow_entry != quads_entry)) {
         write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
         quads_entry = slow_entry;
       }
