@@ -1084,8 +1084,17 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       bool valid;
       if (slow_vectors) {  // (probe: a warp's chunks walk down the rows of its 32 columns)
         const unsigned w = static_cast<unsigned>((chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_WARPS + threadIdx.x / 32);
+#if SFC_FAST_VECTORS_PROBE >= 8
+        const unsigned rows = divide_by_reciprocal(static_cast<unsigned>(chunk_meta.numel), chunk_meta.b_reciprocal);
+        unsigned group = __float2uint_rz(__fmul_rn(static_cast<float>(w), __frcp_rn(static_cast<float>(rows))));
+        int rest = static_cast<int>(w - group * rows);
+        if (rest >= static_cast<int>(rows)) { ++group; rest -= rows; }
+        if (rest < 0) { --group; rest += rows; }
+        const unsigned row = static_cast<unsigned>(rest);
+#else
         const unsigned rows = static_cast<unsigned>(chunk_meta.numel / chunk_meta.b);
         const unsigned group = w / rows, row = w - group * rows;
+#endif
         valid = w < static_cast<unsigned>(chunk_meta.numel / 32);
         index = static_cast<i64>(row) * chunk_meta.b + 32 * group + threadIdx.x % 32;
       } else {
