@@ -1082,6 +1082,18 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_FAST_VECTORS_PROBE >= 7
       i64 index;
       bool valid;
+#if SFC_FAST_VECTORS_PROBE >= 9
+      if (slow_vectors && chunk_meta.b % SFC_APPLY_CHUNK == 0) {  // (probe: a block's chunks walk down the rows of a 128-column band)
+        const unsigned k = static_cast<unsigned>(chunk - chunk_meta.first_apply_chunk);
+        const unsigned rows = divide_by_reciprocal(static_cast<unsigned>(chunk_meta.numel), chunk_meta.b_reciprocal);
+        unsigned band = __float2uint_rz(__fmul_rn(static_cast<float>(k), __frcp_rn(static_cast<float>(rows))));
+        int rest = static_cast<int>(k - band * rows);
+        if (rest >= static_cast<int>(rows)) { ++band; rest -= rows; }
+        if (rest < 0) { --band; rest += rows; }
+        valid = k < static_cast<unsigned>(chunk_meta.numel / SFC_APPLY_CHUNK);
+        index = static_cast<i64>(rest) * chunk_meta.b + SFC_APPLY_CHUNK * band + threadIdx.x;
+      } else
+#endif
       if (slow_vectors) {  // (probe: a warp's chunks walk down the rows of its 32 columns)
         const unsigned w = static_cast<unsigned>((chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_WARPS + threadIdx.x / 32);
 #if SFC_FAST_VECTORS_PROBE >= 8
