@@ -888,7 +888,11 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 #endif
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
+#if SFC_FAST_VECTORS_PROBE >= 10
+    const FactorEntry slow = read_factor_entry(entries.slow, 0);  // (probe: one entry for the whole tensor)
+#else
     const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
+#endif
 #if SFC_PACKED_ENTRIES
     // Only the fast entry's factors as floats; its features straight into the tile, packed.
     tile_row[2] = fast_words;
