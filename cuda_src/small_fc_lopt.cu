@@ -264,6 +264,9 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 #ifndef SFC_FAST_VECTORS_PROBE
 #define SFC_FAST_VECTORS_PROBE 0
 #endif
+#ifndef SFC_FAST_ENTRY_PLANES_PROBE
+#define SFC_FAST_ENTRY_PLANES_PROBE 0
+#endif
 #ifndef SFC_LAYER2_FP16
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
@@ -900,6 +903,15 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
 #elif SFC_FAST_VECTORS_PROBE >= 6
     const FactorEntry fast = slow;  // (probe: no fast entry read)
+#elif SFC_FAST_ENTRY_PLANES_PROBE
+    // (Probe: the fast entry as three coalesced float4s from planes, stand-ins in the table's memory.)
+    const float4 plane0 = __ldg(reinterpret_cast<const float4*>(entries.fast) + without_a);
+    const float4 plane1 = __ldg(reinterpret_cast<const float4*>(entries.fast) + t.b + without_a);
+    const float4 factors = __ldg(entries.fast_factors + without_a);
+    FactorEntry fast;
+    fast.acc[0] = plane0.x; fast.acc[1] = plane0.y; fast.acc[2] = plane0.z;
+    fast.rsqrt_acc[0] = plane1.x; fast.rsqrt_acc[1] = plane1.y; fast.rsqrt_acc[2] = plane1.z;
+    fast.factor[0] = factors.x; fast.factor[1] = factors.y; fast.factor[2] = factors.z;
 #else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
 #endif
