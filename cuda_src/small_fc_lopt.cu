@@ -261,12 +261,6 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 
 // The exact mode's layer 2: 1 with FP16 high parts (split_mma.cuh's half_split_layer_32x32), 0 with
 // the TF32 split of layer 1 (measured against each other; 1 the default).
-#ifndef SFC_FAST_VECTORS_PROBE
-#define SFC_FAST_VECTORS_PROBE 0
-#endif
-#ifndef SFC_FAST_ENTRY_PLANES_PROBE
-#define SFC_FAST_ENTRY_PLANES_PROBE 0
-#endif
 #ifndef SFC_LAYER2_FP16
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
@@ -563,7 +557,7 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
 
 // Each warp runs its own 32 elements as two 16-row m-tiles, through a feature tile of its own: each
 // thread writes its element's row, then reads the A fragments of the rows the MMA gives it.
-#define SFC_FEATURE_STRIDE (SFC_FAST_VECTORS_PROBE >= 4 ? 52 : 36)  // row stride of the feature tiles: conflict-free float4 access
+#define SFC_FEATURE_STRIDE 36  // row stride of the feature tiles: conflict-free float4 access
 #if LOPT_SPLIT_MODE == 2
 #define SFC_TILE_ROW_FLOATS 20  // a row's 32 features as BF16 pairs, and 4 words of padding
 #else
@@ -647,7 +641,6 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
-    if (SFC_FAST_VECTORS_PROBE < 4 || q < 4 || !use_quads)
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
@@ -678,11 +671,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     }
   });
 #endif
-#if SFC_FAST_VECTORS_PROBE
-  if (use_quads) split_layer_32x32<2>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
-#else
   if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
-#endif
   else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
 #endif
@@ -695,70 +684,11 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
                              bool use_quads, const float4* slow_quads, bool fast_words_in_tile, const Layer2Operand& l2,
-                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3,
-                             const float* fast_vectors) {
+                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-#if SFC_FAST_VECTORS_PROBE >= 2
-  float4 fast_share[2][2][2];  // [m][row g, g + 8][units of n-tiles 0, 1 | 2, 3]
-  const auto load_fast_share = [&] {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float4* v = reinterpret_cast<const float4*>(fast_vectors + (16 * m + lane / 4 + 8 * half) * 32 + 8 * t);
-        fast_share[m][half][0] = __ldg(v);
-        fast_share[m][half][1] = __ldg(v + 1);
-      }
-  };
-  if (SFC_FAST_VECTORS_PROBE == 2 && use_quads) load_fast_share();
-#endif
   first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
-#if SFC_FAST_VECTORS_PROBE == 4
-  if (use_quads) {
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float4* v = reinterpret_cast<const float4*>(tile + (16 * m + lane / 4 + 8 * half) * SFC_FEATURE_STRIDE + 16 + 8 * t);
-        fast_share[m][half][0] = v[0];
-        fast_share[m][half][1] = v[1];
-      }
-  }
-#endif
-#if SFC_FAST_VECTORS_PROBE >= 5
-  if (use_quads) {  // (probe: the thread's own 32 values, in its tile row's columns 16 ... 47)
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float4* v = reinterpret_cast<const float4*>(tile + lane * SFC_FEATURE_STRIDE + 16 + 8 * (2 * m + half));
-        fast_share[m][half][0] = v[0];
-        fast_share[m][half][1] = v[1];
-      }
-  }
-#endif
-#if SFC_FAST_VECTORS_PROBE >= 2
-  if (SFC_FAST_VECTORS_PROBE == 3 && use_quads) load_fast_share();
-  if (use_quads) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float v[8] = {fast_share[m][half][0].x, fast_share[m][half][0].y, fast_share[m][half][0].z,
-                            fast_share[m][half][0].w, fast_share[m][half][1].x, fast_share[m][half][1].y,
-                            fast_share[m][half][1].z, fast_share[m][half][1].w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          h1[m][c][2 * half] = __fadd_rn(h1[m][c][2 * half], v[2 * c]);
-          h1[m][c][2 * half + 1] = __fadd_rn(h1[m][c][2 * half + 1], v[2 * c + 1]);
-        }
-      }
-  }
-#endif
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but was
@@ -891,27 +821,12 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 #endif
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-#if SFC_FAST_VECTORS_PROBE >= 10
-    const FactorEntry slow = read_factor_entry(entries.slow, 0);  // (probe: one entry for the whole tensor)
-#else
     const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
-#endif
 #if SFC_PACKED_ENTRIES
     // Only the fast entry's factors as floats; its features straight into the tile, packed.
     tile_row[2] = fast_words;
     FactorEntry fast{};
     fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
-#elif SFC_FAST_VECTORS_PROBE >= 6
-    const FactorEntry fast = slow;  // (probe: no fast entry read)
-#elif SFC_FAST_ENTRY_PLANES_PROBE
-    // (Probe: the fast entry as three coalesced float4s from planes, stand-ins in the table's memory.)
-    const float4 plane0 = __ldg(reinterpret_cast<const float4*>(entries.fast) + without_a);
-    const float4 plane1 = __ldg(reinterpret_cast<const float4*>(entries.fast) + t.b + without_a);
-    const float4 factors = __ldg(entries.fast_factors + without_a);
-    FactorEntry fast;
-    fast.acc[0] = plane0.x; fast.acc[1] = plane0.y; fast.acc[2] = plane0.z;
-    fast.rsqrt_acc[0] = plane1.x; fast.rsqrt_acc[1] = plane1.y; fast.rsqrt_acc[2] = plane1.z;
-    fast.factor[0] = factors.x; fast.factor[1] = factors.y; fast.factor[2] = factors.z;
 #else
     const FactorEntry fast = read_factor_entry(entries.fast, without_a);
 #endif
@@ -1040,10 +955,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
-#if SFC_FAST_VECTORS_PROBE >= 5
-  for (int k = threadIdx.x; k < SFC_APPLY_WARPS * 32 * SFC_TILE_ROW_FLOATS; k += SFC_APPLY_THREADS)
-    (&feature_tiles[0][0][0])[k] = 1e-3f;
-#endif
   for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
   if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
   write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
@@ -1095,44 +1006,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     }
     // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
     const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
-#if SFC_FAST_VECTORS_PROBE >= 7
-      i64 index;
-      bool valid;
-#if SFC_FAST_VECTORS_PROBE >= 9
-      if (slow_vectors && chunk_meta.b % SFC_APPLY_CHUNK == 0) {  // (probe: a block's chunks walk down the rows of a 128-column band)
-        const unsigned k = static_cast<unsigned>(chunk - chunk_meta.first_apply_chunk);
-        const unsigned rows = divide_by_reciprocal(static_cast<unsigned>(chunk_meta.numel), chunk_meta.b_reciprocal);
-        unsigned band = __float2uint_rz(__fmul_rn(static_cast<float>(k), __frcp_rn(static_cast<float>(rows))));
-        int rest = static_cast<int>(k - band * rows);
-        if (rest >= static_cast<int>(rows)) { ++band; rest -= rows; }
-        if (rest < 0) { --band; rest += rows; }
-        valid = k < static_cast<unsigned>(chunk_meta.numel / SFC_APPLY_CHUNK);
-        index = static_cast<i64>(rest) * chunk_meta.b + SFC_APPLY_CHUNK * band + threadIdx.x;
-      } else
-#endif
-      if (slow_vectors) {  // (probe: a warp's chunks walk down the rows of its 32 columns)
-        const unsigned w = static_cast<unsigned>((chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_WARPS + threadIdx.x / 32);
-#if SFC_FAST_VECTORS_PROBE >= 8
-        const unsigned rows = divide_by_reciprocal(static_cast<unsigned>(chunk_meta.numel), chunk_meta.b_reciprocal);
-        unsigned group = __float2uint_rz(__fmul_rn(static_cast<float>(w), __frcp_rn(static_cast<float>(rows))));
-        int rest = static_cast<int>(w - group * rows);
-        if (rest >= static_cast<int>(rows)) { ++group; rest -= rows; }
-        if (rest < 0) { --group; rest += rows; }
-        const unsigned row = static_cast<unsigned>(rest);
-#else
-        const unsigned rows = static_cast<unsigned>(chunk_meta.numel / chunk_meta.b);
-        const unsigned group = w / rows, row = w - group * rows;
-#endif
-        valid = w < static_cast<unsigned>(chunk_meta.numel / 32);
-        index = static_cast<i64>(row) * chunk_meta.b + 32 * group + threadIdx.x % 32;
-      } else {
-        index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-        valid = index < chunk_meta.numel;
-      }
-#else
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
       const bool valid = index < chunk_meta.numel;
-#endif
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
       float x[SFC_NUM_FEATURES], param;
@@ -1140,25 +1015,6 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       i64 slow_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-#if SFC_FAST_VECTORS_PROBE == 4
-      if (slow_vectors) {  // (probe: the stand-in table's 32 vectors of the warp, copied into its tile's columns 16 ... 47)
-        __syncwarp();
-        const int lane = threadIdx.x % 32;
-        const unsigned warp_first = static_cast<unsigned>(index - lane);
-        const unsigned fast_first =
-            warp_first - divide_by_reciprocal(warp_first, chunk_meta.b_reciprocal) * static_cast<unsigned>(chunk_meta.b);
-        const char* source = reinterpret_cast<const char*>(chunk_meta.grad) + static_cast<i64>(fast_first) * 128;
-        float* const tile = &feature_tiles[warp][0][0];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const int i = lane + 32 * k;
-          const unsigned destination =
-              static_cast<unsigned>(__cvta_generic_to_shared(tile + (i / 8) * SFC_FEATURE_STRIDE + 16 + 4 * (i % 8)));
-          asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(destination), "l"(source + 16 * i) : "memory");
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-      }
-#endif
       apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                  clip_factor, entries, feature_shifts, x, state, param, slow_entry,
                                                  tile_row);
@@ -1166,7 +1022,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
       // warp's elements share slow_entry.)
-      if (slow_vectors && (SFC_FAST_VECTORS_PROBE >= 5 || slow_entry != quads_entry)) {
+      if (slow_vectors && slow_entry != quads_entry) {
         write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
         quads_entry = slow_entry;
       }
@@ -1176,17 +1032,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       const float4* const warp_quads = nullptr;
       const bool use_quads = false;
 #endif
-#if SFC_FAST_VECTORS_PROBE >= 2
-      // (Probe: a stand-in table of the fast entries' vectors, 32 floats each, in the gradient's memory.)
-      const i64 warp_first = index - threadIdx.x % 32;
-      const float* const fast_vectors =
-          reinterpret_cast<const float*>(chunk_meta.grad) + (warp_first - slow_entry * chunk_meta.b) * 32;
-#else
-      const float* const fast_vectors = nullptr;
-#endif
       const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
                                           SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
-                                          b3, fast_vectors);
+                                          b3);
       if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
     };
 #if SFC_CHUNK_META
