@@ -933,10 +933,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // against 4.32). (The exact build, whose metadata stays in shared memory, spills 8 bytes more.)
 #define SFC_COMMON_PATH 1
 #endif
-template <bool B>
-struct Known {  // a test whose answer the copy of the code is compiled for
-  static constexpr bool value = B;
-};
 LOPT_DEVICE bool is_common_tensor(const TensorMeta& t) {
   return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32;
 }
@@ -1033,7 +1029,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, auto known_quads) {
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool known_quads) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
@@ -1044,7 +1040,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
 #if SFC_SLOW_VECTORS
-      const bool shared_slow = decltype(known_quads)::value || slow_vectors;
+      const bool shared_slow = known_quads || slow_vectors;
       const bool slow_values = !SFC_QUADS_LEAN || !shared_slow;  // (else write_slow_quads reads the slow entry's values)
 #else
       const bool slow_values = true;
@@ -1083,10 +1079,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const bool common_quads = false;
 #endif
     if (is_common_tensor(chunk_meta) && (!(SFC_QUADS_LEAN && SFC_SLOW_VECTORS) || common_quads)) {
-      apply_chunk(as_common_tensor(chunk_meta), Known<SFC_QUADS_LEAN && SFC_SLOW_VECTORS>{});
+      apply_chunk(as_common_tensor(chunk_meta), SFC_QUADS_LEAN && SFC_SLOW_VECTORS);
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, Known<false>{});
+    apply_chunk(chunk_meta, false);
   }
 }
