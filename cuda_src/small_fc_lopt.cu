@@ -261,9 +261,6 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 
 // The exact mode's layer 2: 1 with FP16 high parts (split_mma.cuh's half_split_layer_32x32), 0 with
 // the TF32 split of layer 1 (measured against each other; 1 the default).
-#ifndef SFC_QUADS_LEAN
-#define SFC_QUADS_LEAN 0
-#endif
 #ifndef SFC_LAYER2_FP16
 #define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
 #endif
@@ -644,7 +641,6 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
 #pragma unroll
   for (int q = 0; q < SFC_K / 4; ++q)
-    if (!SFC_QUADS_LEAN || !use_quads || q < SFC_SLOW_INPUTS_FIRST / 4)
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
@@ -800,7 +796,7 @@ template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const TensorEntries& entries, const float* shifts,
                                         float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
-                                        uint4* tile_row, bool slow_values) {
+                                        uint4* tile_row) {
   IssuedElement issued = issue_element_loads<Streamed>(t, e);
 #if SFC_PACKED_ENTRIES
   // The fast entry's reads (from L2) go out while the element's (from DRAM) are in flight, ahead of
@@ -825,17 +821,7 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 #endif
     slow_entry = without_b;
     const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-#if SFC_QUADS_LEAN
-    FactorEntry slow{};
-    if (slow_values) {
-      slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
-    } else {
-      const float4 factors = __ldg(reinterpret_cast<const float4*>(entries.slow + without_b * LOPT_TABLE_FLOATS) + 1);
-      slow.factor[0] = factors.x; slow.factor[1] = factors.y; slow.factor[2] = factors.z;
-    }
-#else
     const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
-#endif
 #if SFC_PACKED_ENTRIES
     // Only the fast entry's factors as floats; its features straight into the tile, packed.
     tile_row[2] = fast_words;
@@ -870,21 +856,11 @@ LOPT_DEVICE bool shares_slow_entries(const TensorMeta& t) { return t.factored &&
 #ifndef SFC_SLOW_VECTORS
 #define SFC_SLOW_VECTORS (LOPT_SPLIT_MODE == 0)
 #endif
-LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES],
-                                  const float* slow_entry_values, int lane) {
-#if SFC_QUADS_LEAN
-  const FactorEntry slow = read_factor_entry(slow_entry_values, 0);
-  const float inputs[SFC_SLOW_INPUTS] = {slow.acc[0], slow.acc[1], slow.acc[2],
-                                         slow.rsqrt_acc[0], slow.rsqrt_acc[1], slow.rsqrt_acc[2]};
-#endif
+LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES], int lane) {
   float v = 0.f;
 #pragma unroll
   for (int i = 0; i < SFC_SLOW_INPUTS; ++i)
-#if SFC_QUADS_LEAN
-    v = fmaf(slow_weights[i * SFC_HIDDEN + lane], inputs[i], v);
-#else
     v = fmaf(slow_weights[i * SFC_HIDDEN + lane], first_layer_input(x, SFC_SLOW_INPUTS_FIRST + i), v);
-#endif
   float* q = reinterpret_cast<float*>(quads);
   const int quad = 4 * (lane / 8) + (lane % 8) / 2, component = lane % 2;  // unit lane = 8c + 2t + component
   q[4 * quad + component] = v;
@@ -1029,7 +1005,7 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       current_end = meta.first_apply_chunk + meta.num_apply_chunks;
     }
     // The chunk's work, for its tensor's metadata chunk_meta (a copy or the shared row: SFC_CHUNK_META).
-    const auto apply_chunk = [&](const TensorMeta& chunk_meta, bool known_quads) {
+    const auto apply_chunk = [&](const TensorMeta& chunk_meta) {
       const i64 index = (chunk - chunk_meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
       const bool valid = index < chunk_meta.numel;
       // A lane past the tensor's end computes the features of its last element (every lane takes part in
@@ -1039,25 +1015,19 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       i64 slow_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-#if SFC_SLOW_VECTORS
-      const bool shared_slow = known_quads || slow_vectors;
-      const bool slow_values = !SFC_QUADS_LEAN || !shared_slow;  // (else write_slow_quads reads the slow entry's values)
-#else
-      const bool slow_values = true;
-#endif
       apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                  clip_factor, entries, feature_shifts, x, state, param, slow_entry,
-                                                 tile_row, slow_values);
+                                                 tile_row);
       if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
       // warp's elements share slow_entry.)
-      if (shared_slow && slow_entry != quads_entry) {
-        write_slow_quads(slow_quads[warp], slow_weights, x, entries.slow + slow_entry * LOPT_TABLE_FLOATS, threadIdx.x % 32);
+      if (slow_vectors && slow_entry != quads_entry) {
+        write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
         quads_entry = slow_entry;
       }
       const float4* const warp_quads = slow_quads[warp];
-      const bool use_quads = shared_slow;
+      const bool use_quads = slow_vectors;
 #else
       const float4* const warp_quads = nullptr;
       const bool use_quads = false;
@@ -1073,16 +1043,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     const TensorMeta& chunk_meta = meta;
 #endif
 #if SFC_COMMON_PATH
-#if SFC_SLOW_VECTORS
-    const bool common_quads = slow_vectors;  // (with SFC_QUADS_LEAN the common copy is for such tensors alone)
-#else
-    const bool common_quads = false;
-#endif
-    if (is_common_tensor(chunk_meta) && (!(SFC_QUADS_LEAN && SFC_SLOW_VECTORS) || common_quads)) {
-      apply_chunk(as_common_tensor(chunk_meta), SFC_QUADS_LEAN && SFC_SLOW_VECTORS);
+    if (is_common_tensor(chunk_meta)) {
+      apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
 #endif
-    apply_chunk(chunk_meta, false);
+    apply_chunk(chunk_meta);
   }
 }

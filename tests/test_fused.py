@@ -267,15 +267,6 @@ def test_common_path_steps_like_the_general_one(precision, dtype, weights):
     step_twin_builds(weights, dtype, precision, [("SFC_COMMON_PATH=1",), ("SFC_COMMON_PATH=0",)])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quads_copy_steps_like_the_general_code(dtype, weights):
-    """The exact mode's copy of the chunk code for a float32 factored matrix whose warps share their slow
-    entry (SFC_QUADS_LEAN: that sharing known when compiled, so the slow entry's values are read only to
-    form its vector, and the feature tile's unused columns are not written) leaves bit-identical
-    parameters and state to the code that tests the sharing per chunk (SFC_QUADS_LEAN=0)."""
-    step_twin_builds(weights, dtype, "exact", [("SFC_QUADS_LEAN=1",), ("SFC_QUADS_LEAN=0",)])
-
-
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as
