@@ -112,7 +112,6 @@ class SmallFCLOptFused(FusedEngine):
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
         # The parts of a step's statistics and apply passes (_parts_for): by the tensors' size, or as an
         # engine define SFC_PIPELINE_PARTS=k says (k = 1: one pass each; for measurements and tests).
-        self.probe_first_apply_unwaited = "SFC_PIPELINE_PROBE_NO_WAIT=1" in defines  # (probe: timing only)
         forced = [int(d.split("=", 1)[1]) for d in defines if d.startswith("SFC_PIPELINE_PARTS=")]
         self.forced_parts = forced[-1] if forced else None
         self._side_stream, self._part_events = None, []
@@ -284,7 +283,7 @@ class SmallFCLOptFused(FusedEngine):
                 if on_device:
                     self._part_events[index].record(self._side_stream)
         for index, (_, _, (first_chunk, num_chunks), _) in enumerate(parts):
-            if on_device and not (index == 0 and self.probe_first_apply_unwaited):
+            if on_device:
                 main.wait_event(self._part_events[index])
             self._launch_apply(plan, flags, first_chunk, num_chunks, finish=index == len(parts) - 1)
         if on_device:
