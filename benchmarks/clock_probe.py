@@ -77,14 +77,20 @@ def replay_breakdown(graph, replays: int = 20) -> dict:
             "nodes": middle["nodes"], "middle_replay": middle["per_node"]}
 
 
+def start_smi(fields) -> subprocess.Popen | None:
+    """``nvidia-smi`` sampling ``fields`` of GPU 0 every 20 ms (CSV lines on its stdout, read after
+    terminate()), or None where there is no nvidia-smi."""
+    try:
+        return subprocess.Popen(["nvidia-smi", "--id=0", f"--query-gpu={','.join(fields)}",
+                                 "--format=csv,noheader,nounits", "-lms", "20"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        return None
+
+
 def sampled(run, seconds: float) -> dict:
     """``run()`` repeated for ``seconds`` while nvidia-smi samples every 20 ms; medians of the samples."""
-    try:
-        smi = subprocess.Popen(["nvidia-smi", "--id=0", f"--query-gpu={','.join(SMI_FIELDS)}",
-                                "--format=csv,noheader,nounits", "-lms", "20"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except FileNotFoundError:
-        smi = None
+    smi = start_smi(SMI_FIELDS)
     count, begin = 0, time.perf_counter()
     while time.perf_counter() - begin < seconds:
         run()

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lopt  # noqa: E402
 from bench_fused import make, split_variant  # noqa: E402
+from clock_probe import start_smi  # noqa: E402
 from lopt.bench.contenders import Contender, step_function  # noqa: E402
 from lopt.bench.measure import IterationWorkload, elapsed_ms  # noqa: E402
 from lopt.bench.models import build_model  # noqa: E402
@@ -72,15 +72,6 @@ def kernel_split(workload: IterationWorkload, build: Contender,
             "adamw" if "FusedAdam" in e.name else "forward_backward_and_other")
         split[name] = split.get(name, 0.0) + e.device_time_total / 1e3
     return {k: round(v, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
-
-
-def start_sampling():
-    try:
-        return subprocess.Popen(["nvidia-smi", "--id=0", f"--query-gpu={','.join(SMI_FIELDS)}",
-                                 "--format=csv,noheader,nounits", "-lms", "20"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except FileNotFoundError:
-        return None
 
 
 def samples_by_block(smi, spans) -> dict:
@@ -139,7 +130,7 @@ def main() -> int:
         timed_block(workload, optimizers[label], 3)
     times = {label: [] for label in labels}
     spans = []
-    smi = start_sampling()
+    smi = start_smi(SMI_FIELDS)
     for block in range(args.blocks):
         order = labels if block % 2 == 0 else labels[::-1]
         for label in order:

@@ -232,7 +232,7 @@ class SmallFCLOptFused(FusedEngine):
         layout, t = plan.layout, FIELD["TensorMeta"]
         rows, n = layout.static_rows, layout.num_tensors
         numel = rows[:, t["numel"]].astype(np.float64)
-        total = float(numel.sum())
+        total = float(layout.total_elements)
         bounds, running = [0], 0.0
         for r in range(n - 1):
             running += numel[r]
