@@ -401,19 +401,6 @@ def test_gpu_scripts_split_a_variant_into_kernel_macros_and_the_precision_option
     assert split_variant("") == ((), None)
 
 
-def test_variants_ab_labels_its_builds_and_summarises_their_steps():
-    """benchmarks/variants_ab.py: the empty build is the default one, a build listed twice is refused,
-    and each build's times are summarised by their median and quartiles."""
-    from benchmarks.variants_ab import quartiles, variant_labels
-
-    assert variant_labels(";precision=fast,SFC_X=1") == [("default", ""), ("precision=fast,SFC_X=1", "precision=fast,SFC_X=1")]
-    with pytest.raises(SystemExit, match="lists a build twice"):
-        variant_labels("SFC_X=1;SFC_X=1")
-    times = [3.0, 1.0, 4.0, 1.5, 5.0, 9.0, 2.0, 6.0]  # sorted: 1 1.5 2 3 4 5 6 9
-    # median of 8: (3 + 4) / 2; quartiles by the "exclusive" method: positions 2.25 and 6.75 of 9
-    assert quartiles(times) == {"median_ms": 3.5, "p25_ms": 1.625, "p75_ms": 5.75, "steps": 8}
-
-
 def test_ncu_summary_sums_per_opcode_and_lists_the_most_stalled_instructions(tmp_path, capsys):
     """benchmarks/ncu_by_opcode.py on a source-page CSV as Nsight Compute writes it (a preamble, quoted
     fields): per-opcode sums over predicated and plain instructions, and --top's offsets and shares."""
