@@ -7,9 +7,9 @@ fresh set of gradient tensors every step): median step time after warm-up (CUDA 
 launches per step (torch.profiler), peak memory beyond parameters and gradients, the time per
 kernel (median over PROFILED_STEPS profiled steps), achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
 update error (one step from identical state). The device-to-device copy bandwidth is measured in the
-same process. ``--variants`` times extra kernel builds (``NAME=VALUE`` macros; ``precision=fast`` in a
-list builds the optimizer with that option), for tuning;
-``--graph`` also times each step captured in a CUDA graph and replayed (no host share).
+same process. ``--fast`` adds small_fc_lopt with ``precision="fast"``, ``--max-grad-norm`` a clipped row;
+``--graph`` also times each step captured in a CUDA graph and replayed, back to back and after 40 ms idle
+(no host share; the "unthrottled" time, see benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import torch
 import lopt
 from lopt.bench.report import environment
 from lopt.param_sets import build_parameters, param_set_shapes
-
-ENGINES = {"small_fc_lopt": ("lopt.fused.small_fc_lopt", "SmallFCLOptFused"), "velo": ("lopt.fused.velo", "VeLOFused")}
 
 
 def copy_bandwidth_tb_s() -> float:
@@ -50,26 +48,13 @@ def gradient_sets(params, count=3, seed=1):
     return [[(torch.randn(p.shape, generator=g) * 1e-3).to("cuda") for p in params] for _ in range(count)]
 
 
-def make(name, params, backend, weights, defines=(), options=None):
+def make(name, params, backend, weights, options=None):
+    """fused AdamW, or lopt's ``name`` on ``backend`` with the optimizer ``options`` (e.g. precision)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     if name == "velo":
-        opt = lopt.VeLO(params, num_steps=10_000, weights=weights, backend=backend, **(options or {}))
-    else:
-        opt = lopt.SmallFCLOpt(params, weights=weights, backend=backend, **(options or {}))
-    if defines:
-        module, cls = ENGINES[name]
-        opt._fused_engine = getattr(__import__(module, fromlist=[cls]), cls)(opt, defines=defines)
-    return opt
-
-
-def split_variant(macros: str) -> tuple:
-    """A variant's ','-separated ``NAME=VALUE`` items as (kernel macros, optimizer options or None):
-    ``precision=...`` is the optimizer's option, the rest are macros."""
-    items = [m for m in macros.split(",") if m]
-    defines = tuple(m for m in items if not m.startswith("precision="))
-    options = {"precision": m.split("=", 1)[1] for m in items if m.startswith("precision=")} or None
-    return defines, options
+        return lopt.VeLO(params, num_steps=10_000, weights=weights, backend=backend, **(options or {}))
+    return lopt.SmallFCLOpt(params, weights=weights, backend=backend, **(options or {}))
 
 
 def do_step(opt, loss):
@@ -113,7 +98,7 @@ def capture_step(opt, params, grads, warmup: int):
 
 def time_replays(graph, steps: int, warmup: int, pause_ms: float = 0.0) -> list:
     """The ms of each of ``steps`` replays of ``graph`` after ``warmup`` untimed ones (CUDA events);
-    ``pause_ms``: the device idles that long after each replay (see variants_ab's --pause-ms)."""
+    ``pause_ms``: the device idles that long before each replay (a cool device, as in training)."""
     times = []
     for i in range(warmup + steps):
         if pause_ms:
@@ -128,21 +113,21 @@ def time_replays(graph, steps: int, warmup: int, pause_ms: float = 0.0) -> list:
     return times
 
 
-def make_capturable(name, params, weights, defines=(), options=None):
+def make_capturable(name, params, weights, options=None):
     """``make``'s fused optimizer, AdamW with ``capturable=True`` (lopt's fused steps always are)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
-    return make(name, params, "fused", weights, defines, options)
+    return make(name, params, "fused", weights, options)
 
 
-PAUSE_MS = 40.0  # before each replay of the unthrottled timing (variants_ab.py --pause-ms)
+PAUSE_MS = 40.0  # before each replay of the unthrottled timing
 
 
 def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> tuple:
     """Median ms of one step captured in a CUDA graph and replayed (static gradient tensors, as in a
     captured training loop): the step without the host's share; replayed back to back, and with the
     device idle PAUSE_MS before each replay (the exact small_fc_lopt step otherwise runs at the H100's
-    power cap, which a training iteration does not reach: benchmarks/RESULTS.md)."""
+    power cap, which a training iteration does not reach: docs/performance.md)."""
     params = build_parameters(param_set, "cuda")
     opt = make_capturable(name, params, weights, options=options)
     graph, loss = capture_step(opt, params, gradient_sets(params, 1)[0], warmup)
@@ -182,16 +167,16 @@ def profile_step(opt, params, grad_sets, steps: int = PROFILED_STEPS) -> tuple:
     return launches, {name: round(statistics.median(times.get(name, 0.0) for times in per_step), 4) for name in names}
 
 
-def update_error(name, param_set, weights, defines=(), options=None) -> float:
+def update_error(name, param_set, weights, options=None) -> float:
     """max over tensors of ‖u_fused − u_naive‖ / ‖u_naive‖ for one step from identical state
-    (``defines``: the fused kernels' build; ``options``: the optimizer's, for both backends)."""
+    (``options``: the optimizer's, for both backends)."""
     updates = {}
     for backend in ("naive", "fused"):
         params = build_parameters(param_set, "cuda")
         before = [p.detach().clone() for p in params]
         for p, g in zip(params, gradient_sets(params, 1)[0]):
             p.grad = g
-        opt = make(name, params, backend, weights, defines if backend == "fused" else (), options)
+        opt = make(name, params, backend, weights, options)
         do_step(opt, torch.tensor(2.5, device="cuda"))
         updates[backend] = [(p.detach() - b).double() for p, b in zip(params, before)]
         del opt, params, before
@@ -199,18 +184,17 @@ def update_error(name, param_set, weights, defines=(), options=None) -> float:
     return max(float((f - n).norm() / n.norm().clamp_min(1e-30)) for f, n in zip(updates["fused"], updates["naive"]))
 
 
-def measure(name, backend, param_set, weights, steps, warmup, defines=(), options=None) -> dict:
+def measure(name, backend, param_set, weights, steps, warmup, options=None) -> dict:
     params = build_parameters(param_set, "cuda")
     grad_sets = gradient_sets(params)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    opt = make(name, params, backend, weights, defines, options)
+    opt = make(name, params, backend, weights, options)
     times = time_steps(opt, params, grad_sets, steps, warmup)
     peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20
     launches, split = profile_step(opt, params, grad_sets)
-    label = backend + (f"[{','.join(defines)}]" if defines else "")
-    label += "".join(f"+{key}={value}" for key, value in (options or {}).items())
+    label = backend + "".join(f"+{key}={value}" for key, value in (options or {}).items())
     row = {"optimizer": name, "backend": label, "param_set": param_set, "mode": "step",
            "ms_per_step": round(statistics.median(times), 4), "ms_all": [round(t, 4) for t in times],
            "launches_per_step": launches, "peak_extra_mib": round(peak, 1), "kernel_ms": split}
@@ -236,9 +220,6 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--naive-steps", type=int, default=3, help="0: skip the naive rows")
-    parser.add_argument("--variants", default="", help="';'-separated lists of ','-separated NAME=VALUE kernel macros "
-                                                       "(prefix a list with 'velo:' or 'small_fc_lopt:'; "
-                                                       "'precision=fast' in a list sets that option)")
     parser.add_argument("--graph", action="store_true",
                         help="also time each fused step (and AdamW's) captured in a CUDA graph and replayed")
     parser.add_argument("--max-grad-norm", type=float, default=None,
@@ -252,7 +233,6 @@ def main() -> int:
     env["copy_bandwidth_tb_s"] = round(copy_bandwidth_tb_s(), 3)
     weights = {name: lopt.random_weights(name, seed=0) for name in ("small_fc_lopt", "velo")}  # time only
     optimizers = args.optimizers.split(",")
-    variants = [v.split(":", 1) for v in args.variants.split(";") if v]
     rows = []
     for param_set in args.param_sets.split(","):
         numel = sum(math.prod(s) for _, s in param_set_shapes(param_set))
@@ -267,13 +247,6 @@ def main() -> int:
             fused["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name])
             rows.append(fused)
             write_record(args.out, env, rows)
-            for target, macros in variants:
-                if target == name:
-                    defines, options = split_variant(macros)
-                    rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, defines,
-                                        options))
-                    rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], defines, options)
-                    write_record(args.out, env, rows)
             for options in option_rows.get(name, ()):
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)

@@ -1,8 +1,9 @@
 """Where a captured step's time goes beyond its kernels, and what the SM clock does meanwhile. GPU only.
 
-The summed per-kernel CUDA times of small_fc_lopt's exact GPT-2-medium step (profiled, synchronised
-steps) have come out ~0.9 ms below its captured step (e.g. 18.67 against 19.58 ms at 19c2c93), where
-fused AdamW's match (3.73 against 3.74). This probe, in one process:
+Run it on a new GPU kind, or after a kernel change, before trusting back-to-back timings: on an H100
+the exact and fast small_fc_lopt steps, replayed back to back, draw the board's power cap and the SM
+clock drops by about a sixth, which a training iteration does not do (docs/performance.md). For fused
+AdamW and small_fc_lopt in each ``--precisions`` entry, in one process:
 
 1. replays each optimizer's captured step under torch.profiler and splits every replay into its
    kernels' busy time and the gaps between them (first kernel's start to the last one's end);
@@ -10,7 +11,7 @@ fused AdamW's match (3.73 against 3.74). This probe, in one process:
    power draw and the active clock-event reasons, and once with an idle pause between replays, to see
    whether a sustained exact step runs at a lower clock (power) than isolated profiled steps.
 
-    PYTHONPATH=. python3 benchmarks/clock_probe.py --out clock.json [--param-set gpt2-medium]
+    PYTHONPATH=. python3 benchmarks/clock_probe.py --out clock.json [--param-set gpt2-medium] [--precisions exact,fast]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lopt  # noqa: E402
-from bench_fused import capture_step, gradient_sets, make_capturable, split_variant, time_replays  # noqa: E402
+from bench_fused import capture_step, gradient_sets, make_capturable, time_replays  # noqa: E402
 from lopt.bench.report import environment  # noqa: E402
 from lopt.param_sets import build_parameters  # noqa: E402
 
@@ -121,20 +122,17 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--param-set", default="gpt2-medium")
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--variants", default=";precision=fast",
-                        help="';'-separated small_fc_lopt builds (bench_fused's variant syntax); '' the default")
+    parser.add_argument("--precisions", default="exact,fast", help="','-separated small_fc_lopt precisions")
     args = parser.parse_args()
     params = build_parameters(args.param_set, "cuda")
     grads = gradient_sets(params, 1)[0]
     weights = lopt.random_weights("small_fc_lopt", seed=0)
     rows = {}
-    builds = [("adamw", "")] + [(v or "exact", v) for v in args.variants.split(";")]
-    for label, variant in builds:
+    for label in ["adamw"] + args.precisions.split(","):
         if label == "adamw":
             opt = make_capturable("adamw", params, None)
         else:
-            defines, options = split_variant(variant)
-            opt = make_capturable("small_fc_lopt", params, weights, defines, options)
+            opt = make_capturable("small_fc_lopt", params, weights, {"precision": label})
         graph, loss = capture_step(opt, params, grads, 3)
         time_replays(graph, 5, 2)
         row = {"replays": replay_breakdown(graph)}

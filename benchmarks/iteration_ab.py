@@ -1,21 +1,20 @@
-"""Optimizer builds timed against each other inside a real training iteration, in one process. GPU only.
+"""Optimizers timed against each other inside a real training iteration, in one process. GPU only.
 
 ``lopt bench --mode iteration`` times one optimizer after another; between processes and machines its
 medians move by about ±0.5 ms, as much as most kernel changes. This script builds one model and one
 batch (GPT-2 medium, bfloat16 autocast, as the iteration mode), one optimizer per build over the same
 parameters (fused AdamW first), and times alternating blocks of iterations (``lopt bench``'s own:
 zero_grad, forward, backward, step), so every build sees the same conditions. The parameters drift as each optimizer steps
-them in turn; the timing does not depend on their values.
+them in turn; the timing does not depend on their values. A build is a fused lopt optimizer with an
+optional precision, ``small_fc_lopt``, ``small_fc_lopt:fast`` or ``velo``; to compare two versions of a
+kernel, run this once per commit on the same machine and compare each build's overhead over AdamW.
 
 While the blocks run, ``nvidia-smi`` samples the SM clock, the power draw and the active clock-event
 reasons; each sample is credited to the build whose block it fell in. After the blocks, one profiled
 iteration per build gives its kernels' CUDA time inside the iteration (the optimizer's own kernels
 named, the rest summed as forward and backward).
 
-    PYTHONPATH=. python3 benchmarks/iteration_ab.py --out it.json --variants ";precision=fast"
-
-A variant is ``bench_fused.py``'s ','-separated ``NAME=VALUE`` list (kernel macros, ``precision=...``);
-the empty variant is the default build.
+    PYTHONPATH=. python3 benchmarks/iteration_ab.py --out it.json [--builds small_fc_lopt,small_fc_lopt:fast,velo]
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lopt  # noqa: E402
-from bench_fused import make, split_variant  # noqa: E402
+from bench_fused import make  # noqa: E402
 from clock_probe import start_smi  # noqa: E402
 from lopt.bench.contenders import Contender, step_function  # noqa: E402
 from lopt.bench.measure import IterationWorkload, elapsed_ms  # noqa: E402
@@ -107,8 +106,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="gpt2-medium")
-    parser.add_argument("--optimizer", default="small_fc_lopt", choices=("small_fc_lopt", "velo"))
-    parser.add_argument("--variants", default="", help="';'-separated builds; '' (e.g. a leading ';') is the default")
+    parser.add_argument("--builds", default="small_fc_lopt,small_fc_lopt:fast,velo",
+                        help="','-separated OPTIMIZER[:PRECISION] (fused AdamW always runs first)")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=4, help="timed iterations per block")
     args = parser.parse_args()
@@ -116,15 +115,17 @@ def main() -> int:
     model = build_model(args.model, "cuda")
     workload = IterationWorkload(model, model.random_batch(), torch.device("cuda"))
     params = model.parameters()
-    weights = lopt.random_weights(args.optimizer, seed=0)  # timing only
-    builds = [(v or "default", v) for v in args.variants.split(";")]
-    if len({label for label, _ in builds}) != len(builds):
-        raise SystemExit(f"--variants lists a build twice: {args.variants!r}")
+    builds = args.builds.split(",")
+    if len(set(builds)) != len(builds) or "adamw" in builds:
+        raise SystemExit(f"--builds lists a build twice or names adamw: {args.builds!r}")
     optimizers = {"adamw": contender("adamw", "adamw", make("adamw", params, "fused", None))}
-    for label, variant in builds:
-        defines, options = split_variant(variant)
-        optimizers[label] = contender(label, args.optimizer, make(args.optimizer, params, "fused", weights, defines,
-                                                                  options))
+    for label in builds:
+        name, _, precision = label.partition(":")
+        if name not in ("small_fc_lopt", "velo"):
+            raise SystemExit(f"--builds: unknown optimizer {name!r} (small_fc_lopt or velo)")
+        weights = lopt.random_weights(name, seed=0)  # timing only
+        optimizers[label] = contender(label, name, make(name, params, "fused", weights,
+                                                        {"precision": precision} if precision else None))
     labels = list(optimizers)
     for label in labels:  # warm-up: compiles, plans, allocator
         timed_block(workload, optimizers[label], 3)
@@ -139,8 +140,8 @@ def main() -> int:
             spans.append((label, t0, datetime.datetime.now().timestamp()))
     power = samples_by_block(smi, spans)
     adamw = statistics.median(times["adamw"])
-    result = {"environment": environment(torch.device("cuda")), "model": args.model, "optimizer": args.optimizer,
-              "blocks": args.blocks, "iterations_per_block": args.iterations, "variants": {}}
+    result = {"environment": environment(torch.device("cuda")), "model": args.model,
+              "blocks": args.blocks, "iterations_per_block": args.iterations, "builds": {}}
     print(f"{args.model}: {args.blocks} alternating blocks of {args.iterations} iterations (bfloat16 autocast)")
     for label in labels:
         median = statistics.median(times[label])
@@ -148,7 +149,7 @@ def main() -> int:
         row = {"median_ms": round(median, 3), "p25_ms": round(q1, 3), "p75_ms": round(q3, 3),
                "overhead_vs_adamw": round(median / adamw - 1, 4), "kernel_ms": kernel_split(workload, optimizers[label]),
                "power": power.get(label)}
-        result["variants"][label] = row
+        result["builds"][label] = row
         print(f"  {label:45s} {median:8.2f} ms ({q1:.2f} .. {q3:.2f}), {100 * row['overhead_vs_adamw']:+.1f}% "
               f"over AdamW; {row['kernel_ms']}; {row['power']}", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -1,16 +1,16 @@
 """A fused step on a parameter set after warm-up, for Nsight Compute:
 
-    ncu -k velo_apply -c 1 --section SpeedOfLight python benchmarks/profile_fused.py velo vit-b16 [MACROS]
+    PYTHONPATH=. ncu -k velo_apply -c 1 --section SpeedOfLight python benchmarks/profile_fused.py velo vit-b16
+    PYTHONPATH=. ncu -k small_fc_lopt_apply -c 1 --section SpeedOfLight python benchmarks/profile_fused.py small_fc_lopt gpt2-medium fast
 
-MACROS (optional): ','-separated NAME=VALUE kernel macros of a variant, as bench_fused.py --variants takes
-(``precision=fast`` among them sets that option).
+The third argument (small_fc_lopt only) is its precision, ``exact`` (the default) or ``fast``.
 """
 
 import sys
 
 import torch
 
-from benchmarks.bench_fused import do_step, gradient_sets, make, split_variant
+from benchmarks.bench_fused import do_step, gradient_sets, make
 from lopt.param_sets import build_parameters
 from lopt.weights import random_weights
 
@@ -18,8 +18,8 @@ name = sys.argv[1] if len(sys.argv) > 1 else "velo"
 params = build_parameters(sys.argv[2] if len(sys.argv) > 2 else "vit-b16", "cuda")
 for p, g in zip(params, gradient_sets(params, 1)[0]):
     p.grad = g
-defines, options = split_variant(sys.argv[3] if len(sys.argv) > 3 else "")
-optimizer = make(name, params, "fused", random_weights(name), defines, options)
+precision = sys.argv[3] if len(sys.argv) > 3 else None
+optimizer = make(name, params, "fused", random_weights(name), {"precision": precision} if precision else None)
 for _ in range(3):
     do_step(optimizer, torch.tensor(2.5, device="cuda"))
 torch.cuda.synchronize()

@@ -9,12 +9,10 @@ import lopt
 
 # Every rank, small tensors and one of 78,000 elements (many blocks of each pass), a matrix whose rows are a
 # multiple of 32 long (small_fc_lopt's slow-entry vectors), two dtypes, two groups; small_fc_lopt a second
-# time with max_grad_norm in one group (norm jobs and clip factors), a third with precision="fast", and a
-# fourth with its statistics, fold and apply passes in 3 parts on two streams (as a large model's run).
+# time with max_grad_norm in one group (norm jobs and clip factors), and a third with precision="fast".
 shapes = [(), (5,), (33, 17), (4, 4), (2, 3, 5), (6, 2, 3, 3), (1, 9), (300,), (300, 260), (40, 96)]
-for name, max_grad_norm, precision, parts in (("small_fc_lopt", None, "exact", None), ("small_fc_lopt", 0.1, "exact", None),
-                                              ("small_fc_lopt", None, "fast", None), ("small_fc_lopt", None, "exact", 3),
-                                              ("velo", None, None, None)):
+for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small_fc_lopt", 0.1, "exact"),
+                                       ("small_fc_lopt", None, "fast"), ("velo", None, None)):
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(7, 5, device="cuda", dtype=torch.bfloat16)))
     groups = [{"params": params[:5]}, {"params": params[5:], "weight_decay": 0.01}]
@@ -25,10 +23,6 @@ for name, max_grad_norm, precision, parts in (("small_fc_lopt", None, "exact", N
         optimizer = lopt.VeLO(groups, num_steps=100, weights=weights, backend="fused")
     else:
         optimizer = lopt.SmallFCLOpt(groups, weights=weights, backend="fused", precision=precision)
-        if parts is not None:
-            from lopt.fused.small_fc_lopt import SmallFCLOptFused
-
-            optimizer._fused_engine = SmallFCLOptFused(optimizer, defines=(f"SFC_PIPELINE_PARTS={parts}",))
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p) * 1e-2

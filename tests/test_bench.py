@@ -392,15 +392,6 @@ def test_legacy_building_blocks_for_the_gpu_scripts():
                                                        ["small_fc_lopt", "fused[SFC_X=1]", "toy-lm"]]
 
 
-def test_gpu_scripts_split_a_variant_into_kernel_macros_and_the_precision_option():
-    """bench_fused.py --variants and profile_fused.py's MACROS: ``precision=`` is the optimizer's option."""
-    from benchmarks.bench_fused import split_variant
-
-    assert split_variant("SFC_X=1,precision=fast,LOPT_Y=2") == (("SFC_X=1", "LOPT_Y=2"), {"precision": "fast"})
-    assert split_variant("SFC_X=1") == (("SFC_X=1",), None)
-    assert split_variant("") == ((), None)
-
-
 def test_ncu_summary_sums_per_opcode_and_lists_the_most_stalled_instructions(tmp_path, capsys):
     """benchmarks/ncu_by_opcode.py on a source-page CSV as Nsight Compute writes it (a preamble, quoted
     fields): per-opcode sums over predicated and plain instructions, and --top's offsets and shares."""

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # lopt bench on a GPU machine, in one device call (about 5 minutes on an H100). From the repository root:
-#   LOPT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/device_bench_v2.sh
+#   LOPT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/device_bench.sh
 # Writes 8 files under $OUT: step.{json,md,png} (step mode, GPT-2 medium, every optimizer and AdamW),
 # iteration.{json,md,png} (zero_grad + forward + backward + step of GPT-2 medium at 8x1024 tokens and
 # ViT-B/16 at batch 64, bfloat16 autocast), curves.png (loss curves, their numbers are in iteration.json)
-# and bench_v2.log (everything printed). TESTS=1 adds the CUDA tests of tests/test_bench.py.
+# and lopt_bench.log (everything printed). TESTS=1 adds the CUDA tests of tests/test_bench.py.
 # Needs transformers and matplotlib (timm too, for ViT-B/16). Where they are missing and the machine is
 # offline, carry wheels: `bash benchmarks/fetch_bench_wheels.sh` fills .whl/ here; pass carry=[".whl"].
 set -u
 export PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_OFFLINE=1
 export LOPT_COMMIT=${LOPT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 OUT=${OUT:-/tmp/lopt-out}; mkdir -p "$OUT"
-LOG="$OUT/bench_v2.log"
+LOG="$OUT/lopt_bench.log"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   torch_before=$(python3 -c "import torch; print(torch.__version__)")
