@@ -181,13 +181,6 @@ LOPT_DEVICE int find_row(const Row* rows, int num_rows, i64 index) {
   return lo;
 }
 
-// The tensor of the statistics pass's chunk `chunk`: that pass takes the tensors in StatsRange order
-// (the axis jobs' sources first, GroupLayout.stats_order), so it searches that table, not the tensor
-// table, whose first_stats_chunk fields are not in row order.
-LOPT_DEVICE int statistics_tensor(const StatsRange* ranges, int num_tensors, i64 chunk) {
-  return static_cast<int>(ranges[find_row<LOPT_STATSRANGE_FIRST_STATS_CHUNK>(ranges, num_tensors, chunk)].tensor);
-}
-
 // Row `tensor` of the tensor table with this step's gradient address in its `grad` field. The
 // gradients are new tensors at new addresses every step (PyTorch frees them in zero_grad), so their
 // addresses come from an array of their own, one int64 per row (8 bytes a tensor uploaded per step,

@@ -38,16 +38,11 @@
 #define SFC_FOLDED_SLOW SFC_OPERAND_32x32               // and W1' of the 6 slow inputs, [input][unit]
 #define SFC_FOLDED_SHIFTS (SFC_FOLDED_SLOW + 6 * SFC_HIDDEN)  // and the shifts of the shiftable features
 #define SFC_FOLDED (SFC_FOLDED_SHIFTS + 8)
-#ifndef LOPT_STATS_UNROLL
-#define LOPT_STATS_UNROLL 1  // pairs of elements (one element per iteration unrolled by 2: 4.27 vs 4.49 ms, GPT-2 medium)
-#endif
-constexpr int STATS_UNROLL = LOPT_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
-#ifndef LOPT_STATS_PREFETCH
-#define LOPT_STATS_PREFETCH 1  // pairs ahead requested into L2 (H100, GPT-2 medium: 3.31 ms with none, 2.99 at 1, 3.12 at 2, 3.45 at 3)
-#endif
-#ifndef LOPT_STATS_MIN_BLOCKS
-#define LOPT_STATS_MIN_BLOCKS 3  // bounds registers so 24 warps per SM keep loads in flight
-#endif
+// The statistics pass is bound by memory: each thread takes its elements in pairs, asks L2 for the
+// next pair ahead of use, and the register bound keeps 24 warps per SM with loads in flight.
+constexpr int STATS_UNROLL = 1;    // pairs of elements per iteration
+constexpr int STATS_PREFETCH = 1;  // pairs requested into L2 ahead
+#define SFC_STATS_MIN_BLOCKS 3
 // Shared by all tensors: layer 2 as a B operand, its bias, and layer 3 (float32).
 #define SFC_SHARED_L2 0
 #define SFC_SHARED_B2 SFC_OPERAND_32x32
@@ -162,7 +157,7 @@ template <bool Factored>
 LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
                                       float clip_factor, const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
   bool unusable = false;
-  for_each_chunk_element<Factored, STATS_UNROLL, LOPT_STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
+  for_each_chunk_element<Factored, STATS_UNROLL, STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
                                                                             ElementState& s, const FactorIndex& f) {
     unusable |= gradient_unusable(raw_grad);
     float x[SFC_NUM_FEATURES], grad;
@@ -174,16 +169,15 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
   return unusable;
 }
 
-extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, LOPT_STATS_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, SFC_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-                            const StatsRange* __restrict__ stats_ranges, i64 first_chunk,
                             const GroupMeta* __restrict__ groups,
                             const float4* __restrict__ row_factors, const float4* __restrict__ col_factors,
                             const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                             int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const i64 block_chunk = first_chunk + blockIdx.x;  // (a launch covers a range of the chunks: _statistics)
-  const int tensor = statistics_tensor(stats_ranges, num_tensors, block_chunk);
+  const i64 block_chunk = blockIdx.x;
+  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
   const float clip_factor = tensor_clip_factor(clip_factors, tensor);
   const i64 chunk = block_chunk - t.first_stats_chunk;
@@ -259,24 +253,37 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
   return feature >= 0 ? x[feature] : 0.f;
 }
 
-// The exact mode's layer 2: 1 with FP16 high parts (split_mma.cuh's half_split_layer_32x32), 0 with
-// the TF32 split of layer 1 (measured against each other; 1 the default).
-#ifndef SFC_LAYER2_FP16
-#define SFC_LAYER2_FP16 (LOPT_SPLIT_MODE == 0)
+// ------------------------------------------------------------------------------------------
+// Precision traits. LOPT_SPLIT_MODE is the optimizer's precision (split_mma.cuh): 0 "exact", 2
+// "fast". Everything below that differs between the two follows from it here, and nowhere else.
+//
+//   SFC_LAYER2_FP16      exact: layer 2 takes its inputs' high parts in FP16 (half_split_layer_32x32)
+//   SFC_OUTPUT_MMA       fast: layer 3 on tensor cores with FP16 inputs (output_layer_mma); exact keeps
+//                        it in float32 on the CUDA cores (output_layer)
+//   SFC_PACKED_ENTRIES   fast: the factor tables also hold each entry's table features as packed BF16
+//                        inputs, copied straight into the feature tile
+//   SFC_SLOW_VECTORS     exact: a warp whose elements share their slow entry adds that entry's share of
+//                        layer 1 as one vector (one k-step fewer)
+//   SFC_L2_IN_REGISTERS  fast: layer 2's B operand is held in registers (it fits in the fast build's budget)
+//   SFC_CHUNK_META       fast: the tensor's metadata is copied out of shared memory once per chunk (the
+//                        fast pass runs its L1 pipe near its limit; the exact one would spill)
+//   SFC_APPLY_MIN_BLOCKS blocks per SM the apply pass's registers must allow (exact 96 registers, fast 72)
+// ------------------------------------------------------------------------------------------
+#define SFC_EXACT (LOPT_SPLIT_MODE == 0)
+#define SFC_FAST (LOPT_SPLIT_MODE == 2)
+#if !SFC_EXACT && !SFC_FAST
+#error "LOPT_SPLIT_MODE must be 0 (precision exact) or 2 (precision fast)"
 #endif
+#define SFC_LAYER2_FP16 SFC_EXACT
+#define SFC_OUTPUT_MMA SFC_FAST
+#define SFC_PACKED_ENTRIES SFC_FAST
+#define SFC_SLOW_VECTORS SFC_EXACT
+#define SFC_L2_IN_REGISTERS SFC_FAST
+#define SFC_CHUNK_META SFC_FAST
+#define SFC_APPLY_MIN_BLOCKS (SFC_FAST ? 7 : 5)
 // Floats of layer 2's B operand in the apply pass's shared memory.
 #define SFC_L2_OPERAND_FLOATS (SFC_LAYER2_FP16 ? LOPT_HALF_SPLIT_OPERAND_FLOATS : SFC_OPERAND_32x32)
 
-#ifndef SFC_OUTPUT_MMA
-// precision="fast" (mode 2) runs layer 3 on tensor cores too (H100, GPT-2 medium apply pass: 12.61 ms
-// against 13.67 on the CUDA cores); the exact mode keeps it in float32 on the CUDA cores.
-#define SFC_OUTPUT_MMA (LOPT_SPLIT_MODE == 2)
-#endif
-#ifndef SFC_OUTPUT_FP16
-// Layer 3 on tensor cores as FP16 products (1, the default) or TF32 ones (0, the earlier build, kept
-// to measure against).
-#define SFC_OUTPUT_FP16 SFC_OUTPUT_MMA
-#endif
 // 2^e as a float (|e| < 127).
 LOPT_DEVICE float exp2_of(int e) { return __int_as_float((127 + e) << 23); }
 
@@ -341,20 +348,18 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
                    const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                    int* status, float* __restrict__ folded, float* __restrict__ shared_frags, int phase,
                    double* __restrict__ tensor_sums, int fp16_exponent, i64 total_row_entries,
-                   i64 total_col_entries, uint4* __restrict__ row_packed, uint4* __restrict__ col_packed,
-                   int first_tensor, int fold_tensors) {
-  // Blocks 0 ... fold_tensors - 1 fold tensors first_tensor, ...; the launch of a whole step has
-  // first_tensor 0 and fold_tensors num_tensors (one of a part of the tensors ends at its own).
+                   i64 total_col_entries, uint4* __restrict__ row_packed, uint4* __restrict__ col_packed) {
+  // Blocks 0 ... num_tensors - 1 fold one tensor each; block num_tensors lays out layers 2 and 3.
   const StepFlags flags{grad_scale, found_inf, status};
   const int tid = threadIdx.x;
   const float* w1 = network + SFC_W1;
-  if (blockIdx.x > fold_tensors) {  // the blocks after layer 2's: a kept step's new R and C to the state
+  if (blockIdx.x > num_tensors) {  // the blocks after layer 2's: a kept step's new R and C to the state
     if (phase != 1 && !step_is_skipped(flags))
       commit_factored_accumulators(tensors, num_tensors, row_table, col_table, total_row_entries, total_col_entries,
-                                   blockIdx.x - fold_tensors - 1, gridDim.x - fold_tensors - 1, tid, SFC_FOLD_THREADS);
+                                   blockIdx.x - num_tensors - 1, gridDim.x - num_tensors - 1, tid, SFC_FOLD_THREADS);
     return;
   }
-  if (blockIdx.x == fold_tensors) {
+  if (blockIdx.x == num_tensors) {
     if (phase == 1) return;
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
@@ -365,8 +370,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     const float layer2_scale = 1.f, layer3_scale = 1.f;
 #else
     // (With FP16 products in layer 3: layer 2 scaled by 2^-e, layer 3 by 2^e.)
-    const float layer2_scale = SFC_OUTPUT_FP16 ? exp2_of(-fp16_exponent) : 1.f;
-    const float layer3_scale = SFC_OUTPUT_FP16 ? exp2_of(fp16_exponent) : 1.f;
+    const float layer2_scale = SFC_OUTPUT_MMA ? exp2_of(-fp16_exponent) : 1.f;
+    const float layer3_scale = SFC_OUTPUT_MMA ? exp2_of(fp16_exponent) : 1.f;
     write_split_operand(shared_frags + SFC_SHARED_L2,
                         [&](int k, int n) { return __fmul_rn(w2[n * SFC_HIDDEN + layer2_input_unit(k)], layer2_scale); },
                         tid, SFC_FOLD_THREADS);
@@ -376,7 +381,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
     return;
   }
-  const int tensor = first_tensor + static_cast<int>(blockIdx.x);
+  const int tensor = static_cast<int>(blockIdx.x);
   const TensorMeta t = tensor_row(tensors, gradients, tensor);  // (its gradient: the float64 fallback's)
   const bool skipped = step_is_skipped(flags);
   __shared__ double lane_sums[SFC_NUM_FEATURES][SFC_FOLD_LANES];
@@ -499,32 +504,22 @@ LOPT_DEVICE float2 output_layer(const float h2[2][4][4], const float* w3, const 
 }
 
 // The B operand of layer 3 on tensor cores, W3's two rows as columns 0 and 1 (lanes g >= 2 hold
-// zeros), per k-step and lane a uint2:
-// - FP16, 16-deep steps p = 0, 1: {f16x2 W3[g][16p + 2t, +1], f16x2 W3[g][16p + 2t + 8, +9]}, W3 scaled
-//   by 2^e beforehand (the fold's fp16_exponent) and rounded to nearest;
-// - TF32, 8-deep steps j = 0 ... 3: {W3[g][8j + 2t], W3[g][8j + 2t + 1]} rounded to TF32.
+// zeros), per 16-deep k-step p = 0, 1 and lane a uint2: {f16x2 W3[g][16p + 2t, +1], f16x2 W3[g][16p +
+// 2t + 8, +9]}, W3 scaled by 2^e beforehand (the fold's fp16_exponent) and rounded to nearest.
 LOPT_DEVICE void write_output_operand(uint2* w3_operand, const float* w3, int thread, int num_threads) {
-  for (int slot = thread; slot < (SFC_OUTPUT_FP16 ? 2 : 4) * 32; slot += num_threads) {
+  for (int slot = thread; slot < 2 * 32; slot += num_threads) {
     const int lane = slot % 32, step = slot / 32, g = lane / 4, t = lane % 4;
     const float* row = w3 + g * SFC_HIDDEN;
-#if SFC_OUTPUT_FP16
     const int k = 16 * step + 2 * t;
     w3_operand[slot] = g < 2 ? make_uint2(pack_f16x2_satfinite(row[k], row[k + 1]),
                                           pack_f16x2_satfinite(row[k + 8], row[k + 9]))
                              : make_uint2(0u, 0u);
-#else
-    const int k = 8 * step + 2 * t;
-    w3_operand[slot] = g < 2 ? make_uint2(to_tf32(row[k]), to_tf32(row[k + 1])) : make_uint2(0u, 0u);
-#endif
   }
 }
-// Layer 3 as tensor-core products: per m-tile and k-step one MMA with write_output_operand's B, the A
-// fragments layer 2's accumulators after the ReLU:
-// - FP16 (16 inputs per product): rounded to nearest inside a conversion that also applies the ReLU
-//   (one instruction per pair) and saturates at 65504, which the fold keeps them below by scaling
-//   layer 2 by 2^-e (fp16_exponent; W3 by 2^e); units in their natural order;
-// - TF32 (8 inputs): in layer2_input_unit order, their low 13 bits left for the tensor core to drop
-//   (truncated to TF32, at most 2^-10 of each value).
+// Layer 3 as tensor-core products: per m-tile and 16-deep k-step one FP16 MMA with
+// write_output_operand's B; the A fragments are layer 2's accumulators after the ReLU, rounded to
+// nearest inside a conversion that also applies the ReLU (one instruction per pair) and saturates at
+// 65504, which the fold keeps them below by scaling layer 2 by 2^-e (fp16_exponent; W3 by 2^e).
 // out[m]: lanes t == 0 hold (direction, magnitude) of rows g and g + 8.
 LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_operand, const float* b3, int lane,
                                   float out[2][4]) {
@@ -536,21 +531,14 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
     out[m][2] = bias_direction; out[m][3] = bias_magnitude;
   }
 #pragma unroll
-  for (int step = 0; step < (SFC_OUTPUT_FP16 ? 2 : 4); ++step) {
+  for (int step = 0; step < 2; ++step) {
     const uint2 b = w3_operand[step * 32 + lane];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-#if SFC_OUTPUT_FP16
       const float(&low)[4] = h2[m][2 * step], (&high)[4] = h2[m][2 * step + 1];  // units 16 step + 0 ... 7, 8 ... 15
       const unsigned a[4] = {pack_f16x2_relu_satfinite(low[0], low[1]), pack_f16x2_relu_satfinite(low[2], low[3]),
                              pack_f16x2_relu_satfinite(high[0], high[1]), pack_f16x2_relu_satfinite(high[2], high[3])};
       mma_f16_m16n8k16(out[m], a, b.x, b.y, out[m]);
-#else
-      const float(&acc)[4] = h2[m][step];
-      const unsigned a[4] = {__float_as_uint(fmaxf(acc[0], 0.f)), __float_as_uint(fmaxf(acc[2], 0.f)),
-                             __float_as_uint(fmaxf(acc[1], 0.f)), __float_as_uint(fmaxf(acc[3], 0.f))};
-      mma_tf32_m16n8k8(out[m], a, b.x, b.y, out[m]);
-#endif
     }
   }
 }
@@ -615,21 +603,9 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
   }, l1, nullptr, lane);
 }
 #else
-#ifndef SFC_LAYER1_TRUNCATED
-// The exact mode's layer 1: 1, A fragments by ldmatrix and TF32 parts truncated by the tensor core
-// (truncated_split_fragment); 0, float loads and TF32 parts rounded to nearest (split_fragment; the
-// earlier build, kept to measure against).
-#define SFC_LAYER1_TRUNCATED 1
-#endif
-#if SFC_LAYER1_TRUNCATED
 // Column of input k in a feature-tile row: k itself (rows SFC_FEATURE_STRIDE = 36 words apart, so
 // ldmatrix's 8-row reads of 16 bytes fall in distinct banks).
 LOPT_DEVICE constexpr int feature_column(int k) { return k; }
-#else
-// Column of input k in a feature-tile row: k = 8j + t + 4h sits at 8t + 2j + h, so that a
-// thread's A fragments for all four k-steps are two float4 loads per row.
-LOPT_DEVICE constexpr int feature_column(int k) { return 8 * (k % 4) + 2 * (k / 8) + (k % 8) / 4; }
-#endif
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
 // use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
@@ -644,7 +620,6 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
     reinterpret_cast<float4*>(tile + lane * SFC_FEATURE_STRIDE)[q] =
         make_float4(row[4 * q], row[4 * q + 1], row[4 * q + 2], row[4 * q + 3]);
   __syncwarp();
-#if SFC_LAYER1_TRUNCATED
   // The A fragment of k-step j in m-tile m, {(g, 8j + t), (g + 8, 8j + t), (g, 8j + t + 4), (g + 8, 8j + t + 4)},
   // is four 8 x 4 blocks of 32-bit values (rows 16m ... +7 and +8 ... +15, columns 8j ... +3 and +4 ... +7):
   // ldmatrix of them as 8 x 8 blocks of 16-bit values hands each thread its four in place.
@@ -657,20 +632,6 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       f[m] = truncated_split_fragment(a);
     }
   };
-#else
-  // A fragment values of k-step j for rows g and g + 8 of m-tile m: (g, k = 8j + t), (g + 8, 8j + t),
-  // (g, 8j + t + 4), (g + 8, 8j + t + 4), next to each other in the tile (feature_column), read as
-  // they are needed to keep registers free.
-  const int g = lane / 4, t = lane % 4;
-  const auto load_fragments = split_values([&](int j, float a[2][4]) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const float2 row_g = *reinterpret_cast<const float2*>(tile + (16 * m + g) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
-      const float2 row_g8 = *reinterpret_cast<const float2*>(tile + (16 * m + g + 8) * SFC_FEATURE_STRIDE + 8 * t + 2 * j);
-      a[m][0] = row_g.x; a[m][1] = row_g8.x; a[m][2] = row_g.y; a[m][3] = row_g8.y;
-    }
-  });
-#endif
   if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
   else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
@@ -705,16 +666,8 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
         f[m][2 * half + 1] = pack_bf16x2_relu(h1[m][j][2], h1[m][j][3]);  // row g + 8
       }
   }, l2, b2, lane);
-#elif SFC_LAYER2_FP16
-  half_split_layer_32x32(h2, h1, l2, b2, lane);  // (FP16 high parts, natural unit order)
 #else
-  split_layer_32x32(h2, split_values([&](int j, float a[2][4]) {  // (layer2_input_unit order)
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      a[m][0] = fmaxf(h1[m][j][0], 0.f); a[m][1] = fmaxf(h1[m][j][2], 0.f);
-      a[m][2] = fmaxf(h1[m][j][1], 0.f); a[m][3] = fmaxf(h1[m][j][3], 0.f);
-    }
-  }), l2, b2, lane);
+  half_split_layer_32x32(h2, h1, l2, b2, lane);  // (FP16 high parts, natural unit order)
 #endif
 #if SFC_OUTPUT_MMA
   float out[2][4];
@@ -766,18 +719,6 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
   return TensorEntries{row, col, tables.col_factors + t.col_table, tables.col_packed + t.col_table};
 }
 
-#ifndef SFC_PACKED_ENTRIES
-// Precision "fast" reads a factored tensor's fast entry (a different one for every element of a warp)
-// as the tables kernel packed its features for the first layer (packed_entry_inputs: 16 bytes) and its
-// factors from the compact copies (16 more), where the whole entry is 48 bytes, read as three float4s
-// 48 bytes apart; the same BF16 values reach the products either way. The slow entry is read whole (a
-// warp's elements mostly share it; read from two tables, it cost ViT-B/16 ~5%). H100 apply pass, GPT-2
-// medium 9.12-9.18 ms against 9.32, ViT-B/16 2.28 against 2.30 (0: the earlier build, to measure against).
-#define SFC_PACKED_ENTRIES (LOPT_SPLIT_MODE == 2)
-#endif
-#if SFC_PACKED_ENTRIES && LOPT_SPLIT_MODE != 2
-#error "SFC_PACKED_ENTRIES needs LOPT_SPLIT_MODE 2: only the BF16 first layer takes packed inputs"
-#endif
 
 // The apply pass's element features: element_features's, with a factored tensor's two entries read
 // by role (slow: indexed by the position without axis b; fast: without axis a) and handed to
@@ -853,9 +794,6 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
 // in every tensor laid out (outer, a, mid, b) with b a multiple of 32 (shares_slow_entries: linear
 // layers' weights, embeddings); other tensors multiply all 32 inputs.
 LOPT_DEVICE bool shares_slow_entries(const TensorMeta& t) { return t.factored && t.inner == 1 && t.b % 32 == 0; }
-#ifndef SFC_SLOW_VECTORS
-#define SFC_SLOW_VECTORS (LOPT_SPLIT_MODE == 0)
-#endif
 LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES], int lane) {
   float v = 0.f;
 #pragma unroll
@@ -868,47 +806,17 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
   __syncwarp();
 }
 
-#ifndef SFC_APPLY_STREAMED
-#define SFC_APPLY_STREAMED 1  // evict-first element loads and stores (H100, GPT-2 medium: 21.42 ms against 21.92)
-#endif
 // (The element loads stay where they are used. Taking their DRAM latency off the warp's path did not
 // pay: copying the next chunk's elements into shared memory by cp.async made the exact step 1.1-1.5 ms
 // slower (a8da4bf), loading them a chunk ahead into registers 1.3-1.9 ms (55a9d5d), and asking L2 for
 // them ahead gained nothing (a72b12b); benchmarks/RESULTS.md, #12 eleventh session.)
-#ifndef SFC_L2_IN_REGISTERS
-// Mode 2 holds layer 2's B operand (the same for every tensor) in 16 registers per thread, not re-read
-// from shared memory for every chunk: it fits in the 72 registers of 7 blocks/SM (H100 apply pass,
-// GPT-2 medium / ViT-B/16: 10.28 / 2.51 ms against 10.42 / 2.59; the first layer's held too, at 6 or 5
-// blocks/SM: 11.13 / 2.72 and 11.22 / 2.78).
-#define SFC_L2_IN_REGISTERS (LOPT_SPLIT_MODE == 2)
-#endif
-#ifndef SFC_CHUNK_META
-// Precision "fast" copies the tensor's metadata out of shared memory once per chunk: read where used,
-// a field was read again at every use (the chunk's barriers forbid the compiler to keep it), and the
-// pass runs its L1 data pipe near its limit (89.7% of wavefronts). H100, one process, apply pass:
-// GPT-2 medium 8.24 against 8.34 ms, ViT-B/16 2.03 against 2.08; the exact pass spills more with it
-// and gains nothing (17.14 against 17.07).
-#define SFC_CHUNK_META (LOPT_SPLIT_MODE == 2)
-#endif
-#ifndef SFC_APPLY_MIN_BLOCKS
-// Blocks per SM the registers must allow: the exact build at 5 (96 registers; H100, GPT-2 medium apply
-// pass 17.73 ms against 18.30 at 4 blocks and 20.57 at 3, since its first layer lost a k-step and its
-// layer 2 the TF32 split); precision "fast" fits in 72, and 7 blocks hide more of the element loads'
-// latency (10.86 ms against 11.04 at 6 blocks, 10.90 at 8 (64 registers) and 12.48 at its natural 92).
-// (The exact build at 6 blocks, which its 33.5 KB of shared memory allow: 80 registers, 56 bytes of
-// spills and a quarter of the L1 cache, step 20.2-20.9 ms against 19.7-19.9; benchmarks/RESULTS.md.)
-#define SFC_APPLY_MIN_BLOCKS (LOPT_SPLIT_MODE == 2 ? 7 : 5)
-#endif
-#ifndef SFC_COMMON_PATH
+// The apply pass reads and writes each element once: its loads and stores are evict-first (kStreamed)
+// so they do not push the factor tables and weights out of L2.
+constexpr bool kStreamed = true;
 // The common tensor: a factored matrix (plain_index) whose parameter and gradient are float32. Its
 // chunks run a copy of the chunk's code compiled with those fields as constants (as_common_tensor),
-// so the per-element tests of dtype, factoring and index form fold away: precision "fast" issues 319
-// instructions per 32 elements there, where the general code issues ~400. H100, one process,
-// alternating, GPT-2 medium apply pass: fast 7.72 ms against 8.15, exact 16.12 against 17.25 (H200:
-// fast 8.05 against 8.18, exact 17.38 against 17.24; ViT-B/16 fast 1.93 against 2.04, exact 4.13
-// against 4.32). (The exact build, whose metadata stays in shared memory, spills 8 bytes more.)
-#define SFC_COMMON_PATH 1
-#endif
+// so the per-element tests of dtype, factoring and index form fold away (about a fifth fewer
+// instructions per element on the path most elements of a transformer take).
 LOPT_DEVICE bool is_common_tensor(const TensorMeta& t) {
   return t.plain_index && t.factored && t.param_dtype == LOPT_F32 && t.grad_dtype == LOPT_F32;
 }
@@ -925,13 +833,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                     const float* __restrict__ col_table, const float4* __restrict__ row_factors,
                     const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
                     const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
-                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps,
-                    i64 first_chunk, int finish) {
-  // Chunks first_chunk ... first_chunk + total_chunks - 1; the launch with `finish` ends the step.
+                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
   const StepFlags flags{grad_scale, found_inf, status};
   const bool skipped = step_is_skipped(flags);
   // Every block has read the counters it needs (every fold read the time features before this launch).
-  if (finish && blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
   if (skipped) return;  // nothing is written
   __shared__ __align__(16) float l1[SFC_OPERAND_32x32];
   __shared__ __align__(16) float l2[SFC_L2_OPERAND_FLOATS];
@@ -975,8 +881,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   const float* const l2_operand = l2;  // (read from shared memory at each use: the exact mode's registers are full)
 #endif
 
-  const i64 chunk_begin = first_chunk + total_chunks * blockIdx.x / gridDim.x;
-  const i64 chunk_end = first_chunk + total_chunks * (blockIdx.x + 1) / gridDim.x;
+  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
+  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
   // Chunks ascend, so the tensor changes only where the current one's chunks end: the search (a
   // chain of dependent loads) runs once per tensor a block meets, not once per chunk.
   i64 current_end = -1;  // first chunk after the current tensor's
@@ -1015,10 +921,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       i64 slow_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
-      apply_element_features<SFC_APPLY_STREAMED>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
+      apply_element_features<kStreamed>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
                                                  clip_factor, entries, feature_shifts, x, state, param, slow_entry,
                                                  tile_row);
-      if (valid) store_element_state<SFC_APPLY_STREAMED>(chunk_meta, index, state);  // (they do not depend on the MLP)
+      if (valid) store_element_state<kStreamed>(chunk_meta, index, state);  // (they do not depend on the MLP)
 #if SFC_SLOW_VECTORS
       // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
       // warp's elements share slow_entry.)
@@ -1035,19 +941,17 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       const float2 mlp_output = mlp_chunk(x, &feature_tiles[warp][0][0], mlp_outputs[warp], l1, use_quads, warp_quads,
                                           SFC_PACKED_ENTRIES && chunk_meta.factored, l2_operand, BiasQuads{b2}, w3, w3_operand,
                                           b3);
-      if (valid) apply_update<SFC_APPLY_STREAMED>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
+      if (valid) apply_update<kStreamed>(chunk_meta, index, param, update_from_mlp(mlp_output, group), group);
     };
 #if SFC_CHUNK_META
     const TensorMeta chunk_meta = meta;
 #else
     const TensorMeta& chunk_meta = meta;
 #endif
-#if SFC_COMMON_PATH
     if (is_common_tensor(chunk_meta)) {
       apply_chunk(as_common_tensor(chunk_meta));
       continue;
     }
-#endif
     apply_chunk(chunk_meta);
   }
 }

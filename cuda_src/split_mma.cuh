@@ -20,11 +20,14 @@
 #include "common.cuh"
 
 
-// How split_layer_32x32 multiplies: 0 the float32-accurate split above (the default); cheaper and
-// less accurate, for measurements: 1 the TF32 product alone, 2 one BF16 product (a_hi, b_hi rounded
+// The precision the kernels are built for (the optimizer's `precision`, given by the engine as an NVRTC
+// define): 0 "exact", the float32-accurate split above; 2 "fast", one BF16 product (a_hi, b_hi rounded
 // to BF16, 16 k per instruction).
 #ifndef LOPT_SPLIT_MODE
 #define LOPT_SPLIT_MODE 0
+#endif
+#if LOPT_SPLIT_MODE != 0 && LOPT_SPLIT_MODE != 2
+#error "LOPT_SPLIT_MODE is 0 (precision exact) or 2 (precision fast)"
 #endif
 
 // Floats of a 32 x 32 B operand: per k-step, n-tile and lane a float4 (the split's four words); in
@@ -112,14 +115,12 @@ LOPT_MMA_F32(mma_bf16_m16n8k16, "m16n8k16.row.col.f32.bf16.bf16.f32")
 LOPT_MMA_F32(mma_f16_m16n8k16, "m16n8k16.row.col.f32.f16.f16.f32")
 
 // The value a weight w stands for once write_split_operand has split it: tf32(w) + bf16(w - tf32(w))
-// (mode 0), tf32(w) (mode 1), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
+// (mode 0), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
 // w, and the rest b - split_effective(b), which brings it to float32 accuracy.
 LOPT_DEVICE float split_effective(float w) {
   const SplitValue v = split(w);
 #if LOPT_SPLIT_MODE == 0
   return __fadd_rn(v.hi, __uint_as_float(pack_bf16x2(v.lo, 0.f) << 16));
-#elif LOPT_SPLIT_MODE == 1
-  return v.hi;
 #else
   return __uint_as_float(pack_bf16x2(v.hi, 0.f) << 16);
 #endif
@@ -328,9 +329,9 @@ LOPT_DEVICE void half_split_layer_32x32(float acc[2][4][4], const float in[2][4]
 }
 #endif
 
-// acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles (modes 0 and 1); load_fragments(j, f)
-// gives the thread's split A fragments of k-step j for both m-tiles (split_values, or
-// truncated_split_fragment). The bias (bias_fragment: BiasQuads, or nullptr where the inputs carry it)
+// acc[m][c] = bias + A_m B over 32 k for a warp's two m-tiles (mode 0); load_fragments(j, f)
+// gives the thread's split A fragments of k-step j for both m-tiles (truncated_split_fragment). The
+// bias (bias_fragment: BiasQuads, or nullptr where the inputs carry it)
 // enters as the first product's addend. Each B fragment is read from shared memory once for both m-tiles.
 // (Steps < 4: only the first Steps k-steps, the rest of the inputs being carried by the bias.)
 template <int Steps = 4, typename LoadFragments, typename Bias>
@@ -349,25 +350,11 @@ LOPT_DEVICE void split_layer_32x32(float acc[2][4][4], LoadFragments load_fragme
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
-#if LOPT_SPLIT_MODE == 0
         mma_bf16_m16n8k16(acc[m][c], f[m].correction, b.z, b.w, j == 0 ? initial : acc[m][c]);  // small terms first
         mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, acc[m][c]);
-#else
-        mma_tf32_m16n8k8(acc[m][c], f[m].hi, b.x, b.y, j == 0 ? initial : acc[m][c]);
-#endif
       }
     }
   }
 }
 
-// load_fragments for split_layer_32x32 from the A values (load_a(j, a): a[m] the four values of
-// k-step j in m-tile m, split_fragment's order), split with TF32 parts rounded to nearest.
-template <typename LoadA>
-LOPT_DEVICE auto split_values(LoadA load_a) {
-  return [=](int j, SplitFragment f[2]) {
-    float a[2][4];
-    load_a(j, a);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) f[m] = split_fragment(a[m]);
-  };
-}
+

@@ -157,17 +157,11 @@ LOPT_DEVICE float clip_gradient(float g) { return fminf(fmaxf(g, -VELO_GRADIENT_
 // ------------------------------------------------------------------------------------------
 // Statistics pass
 // ------------------------------------------------------------------------------------------
-#ifndef VELO_STATS_MIN_BLOCKS
-#define VELO_STATS_MIN_BLOCKS 3  // 80 registers with the L2 prefetch below (H100, GPT-2 medium: 3.31 ms; 4 blocks at 64
-                                 // registers: 3.68 without the prefetch, 3.78 with it)
-#endif
-#ifndef VELO_STATS_UNROLL
-#define VELO_STATS_UNROLL 1  // pairs of elements (with one element per iteration, 2: 4.44 ms against 4.46 with 1 at e2590e6)
-#endif
-constexpr int STATS_UNROLL = VELO_STATS_UNROLL;  // (#pragma unroll takes a constant, not a macro)
-#ifndef VELO_STATS_PREFETCH
-#define VELO_STATS_PREFETCH 1  // pairs ahead requested into L2 (H100, GPT-2 medium at 3 blocks/SM: 3.31 ms at 1, 3.42 at 2)
-#endif
+// The statistics pass is bound by memory: each thread takes its elements in pairs and asks L2 for the
+// next pair ahead of use; the register bound keeps 24 warps per SM with loads in flight.
+#define VELO_STATS_MIN_BLOCKS 3
+constexpr int STATS_UNROLL = 1;    // pairs of elements per iteration
+constexpr int STATS_PREFETCH = 1;  // pairs requested into L2 ahead
 
 // Per thread, sums in float32 (over at most LOPT_STATS_PER_THREAD elements; the block adds them in
 // float64). The old momentum and rms enter shifted by the tensor's first element's, so that their
@@ -180,7 +174,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
   const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
   const float shift_rms = pointer<const float>(t.rms)[0];
   bool unusable = false;
-  for_each_chunk_element<Factored, STATS_UNROLL, VELO_STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
+  for_each_chunk_element<Factored, STATS_UNROLL, STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
                                                                             ElementState& s, const FactorIndex& f) {
     unusable |= gradient_unusable(raw_grad);
     const float grad = clip_gradient(raw_grad);
@@ -210,12 +204,13 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, VELO_STATS_MIN_BLOCKS)
 velo_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-                const StatsRange* __restrict__ stats_ranges, i64 first_chunk, const GroupMeta* __restrict__ groups,
+                const GroupMeta* __restrict__ groups,
                 const float4* __restrict__ row_factors, const float4* __restrict__ col_factors, const float* grad_scale,
                 const float* found_inf, int* status, double* __restrict__ stats_partials) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const i64 block_chunk = first_chunk + blockIdx.x;  // (a launch covers a range of the chunks: _statistics)
-  const TensorMeta t = tensor_row(tensors, gradients, statistics_tensor(stats_ranges, num_tensors, block_chunk));
+  const i64 block_chunk = blockIdx.x;
+  const TensorMeta t = tensor_row(tensors, gradients,
+                                  find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk));
   const i64 chunk = block_chunk - t.first_stats_chunk;
   const Decays decays = group_decays(groups, t);
   const float inverse_scale = inverse_grad_scale(flags);

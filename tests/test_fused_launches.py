@@ -160,19 +160,18 @@ def declared_parameter_names(source_file: str) -> dict:
             for name, params in _KERNEL.findall(launcher.kernel_source(source_file))}
 
 
-@pytest.mark.parametrize("precision, defines, packed", [("exact", (), False), ("fast", (), True),
-                                                        ("fast", ("SFC_PACKED_ENTRIES=0",), False)])
-def test_fast_precision_hands_its_kernels_the_packed_entries(precision, defines, packed, recorded):
+@pytest.mark.parametrize("precision, packed", [("exact", False), ("fast", True)])
+def test_fast_precision_hands_its_kernels_the_packed_entries(precision, packed, recorded):
     """precision="fast" has the tables kernel pack each entry's table features (packed_entry_inputs),
     the fold re-pack a shifted tensor's, and the apply pass read them: all three get the plan's packed
-    tables. The exact mode, and a fast build without SFC_PACKED_ENTRIES, allocate none and pass null."""
+    tables. The exact mode allocates none and passes null."""
     from lopt.fused.small_fc_lopt import SmallFCLOptFused
 
     names = declared_parameter_names("small_fc_lopt.cu")
     params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5)),
               torch.nn.Parameter(torch.randn(3, 8, 2))]
     opt = naive_for("small_fc_lopt", params, precision=precision)
-    opt.backend, opt._fused_engine = "fused", SmallFCLOptFused(opt, defines=defines)
+    opt.backend, opt._fused_engine = "fused", SmallFCLOptFused(opt)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -188,45 +187,31 @@ def test_fast_precision_hands_its_kernels_the_packed_entries(precision, defines,
         assert given == expected and (all(given) if packed else not any(given)), kernel
 
 
-def test_statistics_fold_and_apply_in_parts_cover_every_chunk_and_tensor_once(recorded):
-    """SFC_PIPELINE_PARTS=3: the statistics launches cover every chunk once, the first part's taking the
-    chunks of every tensor without axis jobs (the axis pass checks the others' gradients before any apply
-    launch); the folds cover every tensor once, only the first with the layout and commit blocks; the
-    apply launches cover every chunk once, only the last advancing the step counters."""
-    from lopt.fused.small_fc_lopt import SmallFCLOptFused
-
-    names = declared_parameter_names("small_fc_lopt.cu")
+@pytest.mark.parametrize("name, stats, control", [("small_fc_lopt", "small_fc_lopt_feature_stats", "small_fc_lopt_fold"),
+                                                   ("velo", "velo_statistics", "velo_tensor_control")])
+def test_each_pass_is_one_launch_over_all_of_its_work(name, stats, control, recorded):
+    """One statistics launch has a block per chunk of every tensor (the kernels find a chunk's tensor by
+    its first_stats_chunk, in row order); the control launch a block per tensor and then its layout and
+    commit blocks; the apply launch covers every chunk (a persistent grid, each block a contiguous
+    range). Nothing depends on how many tensors there are but the grids."""
     shapes = [(40, 30), (7,), (64, 32), (3, 8, 16), (50,), (96, 64), (33, 5), (12,)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    opt = naive_for("small_fc_lopt", params)
-    opt.backend, opt._fused_engine = "fused", SmallFCLOptFused(opt, defines=("SFC_PIPELINE_PARTS=3",))
+    opt = engine_for(name, params)
     for p in params:
         p.grad = torch.randn_like(p)
-    opt.step()
+    opt.step(torch.tensor(1.0)) if opt.requires_loss else opt.step()
     layout = opt._fused_engine.plan.layout
-    arg = {kernel: lambda launch, name, kernel=kernel: int(launch[3][names[kernel].index(name)]) for kernel in names}
-    stats = [(arg["small_fc_lopt_feature_stats"](l, "first_chunk"), l[1]) for l in recorded
-             if l[0] == "small_fc_lopt_feature_stats"]
-    folds = [l for l in recorded if l[0] == "small_fc_lopt_fold"]
-    applies = [l for l in recorded if l[0] == "small_fc_lopt_apply"]
-    assert len(folds) == len(applies) == 3
-    covered = sorted(c for first, count in stats for c in range(first, first + count))
-    assert covered == list(range(layout.total_stats_chunks))
-    unchecked = [r for r in range(layout.num_tensors) if r not in set(layout.job_tensor)]
-    assert unchecked, "the test needs tensors without axis jobs"
-    first_part_stats = {c for first, count in stats[:2] for c in range(first, first + count)}
     t = FIELD["TensorMeta"]
-    for r in unchecked:
-        row = layout.static_rows[r]
-        assert set(range(row[t["first_stats_chunk"]], row[t["first_stats_chunk"]] + row[t["num_stats_chunks"]])) <= first_part_stats
-    tensors = [(arg["small_fc_lopt_fold"](l, "first_tensor"), arg["small_fc_lopt_fold"](l, "fold_tensors"), l[1])
-               for l in folds]
-    assert sorted(r for first, count, _ in tensors for r in range(first, first + count)) == list(range(layout.num_tensors))
-    assert [grid - count for _, count, grid in tensors] == [1 + commit_blocks(layout), 0, 0]
-    chunks = [(arg["small_fc_lopt_apply"](l, "first_chunk"), arg["small_fc_lopt_apply"](l, "total_chunks"),
-               arg["small_fc_lopt_apply"](l, "finish")) for l in applies]
-    assert sorted(c for first, count, _ in chunks for c in range(first, first + count)) == list(range(layout.total_apply_chunks))
-    assert [finish for _, _, finish in chunks] == [0, 0, 1]
+    starts = layout.static_rows[:, t["first_stats_chunk"]]
+    counts = layout.static_rows[:, t["num_stats_chunks"]]
+    assert list(starts) == [0, *np.cumsum(counts)[:-1].tolist()] and layout.total_stats_chunks == counts.sum()
+    [stats_launch] = [launch for launch in recorded if launch[0] == stats]
+    assert stats_launch[1] == layout.total_stats_chunks
+    [control_launch] = [launch for launch in recorded if launch[0] == control]
+    assert control_launch[1] >= layout.num_tensors + commit_blocks(layout)
+    [apply_launch] = [launch for launch in recorded if launch[0] == f"{name}_apply"]
+    names = declared_parameter_names(f"{name}.cu")
+    assert int(apply_launch[3][names[f"{name}_apply"].index("total_chunks")]) == layout.total_apply_chunks
 
 
 def test_kernels_are_declared_once_with_known_parameter_types():
@@ -381,9 +366,8 @@ def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_
     """A synchronised step waits for the host until its first launch, so a step with new gradients
     uploads only the gradient array (what the gradients' sums read besides the plan's fixed tables)
     before launching them. The fast check uploads the summed gradients' addresses, launches the
-    whole accumulate phase and the statistics of the summed tensors' chunks (which read no other
-    gradient), checks the other gradients, and uploads the whole array before the first kernel that
-    reads it, the statistics of the other chunks; no table is uploaded."""
+    whole accumulate phase (which reads no other gradient), checks the other gradients, and uploads
+    the whole array before the first kernel that reads it, the statistics pass; no table is uploaded."""
     record_uploads(monkeypatch, lambda table, rows: recorded.append(("upload", table, rows)))
     weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5))
     opt = engine_for(name, [weight, bias])
@@ -407,17 +391,15 @@ def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_
     statistics = [(index, recorded[index]) for index, event in enumerate(order) if event == STATISTICS_KERNELS[name]]
     first_reader = min(order.index(kernel) for kernel in order if isinstance(kernel, str)
                        and not kernel.startswith("adafactor_") and kernel != STATISTICS_KERNELS[name])
-    # (chunks: the weight's first, then the bias's; the launch's grid and first chunk, arguments 4)
-    chunks = [(launch[1], int(launch[3][4])) for _, launch in statistics]
+    [(statistics_index, statistics_launch)] = statistics
+    assert statistics_launch[1] == 2  # (a chunk each, the weight's and the bias's)
     if fast_check:  # (the weight is summed along its axes; the bias is checked after the accumulate phase)
         assert len(gradient_uploads) == 2
-        (early, _), (rest, _) = statistics
-        assert order.index("adafactor_factor_tables") < early < gradient_uploads[1] < rest < first_reader
-        assert chunks == [(1, 0), (1, 1)]
+        assert order.index("adafactor_factor_tables") < gradient_uploads[1] < statistics_index < first_reader
         assert uploads[0][:, 0].tolist() == [weight.grad.data_ptr(), previous_bias_grad.data_ptr()]
     else:
         assert len(gradient_uploads) == 1
-        assert gradient_uploads[0] < statistics[0][0] and chunks == [(2, 0)]
+        assert gradient_uploads[0] < statistics_index
     assert uploads[-1][:, 0].tolist() == [weight.grad.data_ptr(), bias.grad.data_ptr()]
 
 
@@ -484,11 +466,11 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         spoil()
         recorded.clear()
         assert engine.checked_gradients() is None
-        # (the bias is not factored: its gradient is checked after the accumulate phase and the weight's
-        # statistics were launched on the weight's gradient, which then do not count for the step)
+        # (the bias is not factored: its gradient is checked after the accumulate phase was launched on
+        # the weight's gradient, which then does not count for the step)
         early = [launch[0] for launch in recorded]
-        assert early == (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
-                          STATISTICS_KERNELS[name]] if spoil is not refused[0][0] else [])
+        assert early == (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables"]
+                         if spoil is not refused[0][0] else [])
         assert not engine.plan.accumulated
         with pytest.raises(error, match=message):
             step()
@@ -504,23 +486,22 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         warnings.simplefilter("ignore", UserWarning)  # (PyTorch calls its CSR support beta)
         csr = SimpleNamespace(grad=torch.randn(6, 4, generator=g).to_sparse_csr())
     assert not engine._read_gradients([(0, csr, (6, 4))], [None], [0], [None], [0])
-    taken = [  # (a change the general check takes; whether it re-plans; whether the fast check launched the
-        # weight's statistics before it gave up: never where the tensor table holds the weight's old address)
-        (lambda: setattr(weight, "grad", torch.randn(4, 6, generator=g).t()), False, False),  # strides unlike p's
-        (lambda: setattr(frozen, "grad", torch.randn(3, generator=g)), True, False),  # one more participating parameter
-        (lambda: setattr(bias, "grad", None), True, True),  # one less
-        (lambda: setattr(weight, "data", weight.data.clone()), False, False),  # the parameter's storage moved
-        (lambda: opt.param_groups[1].__setitem__("max_grad_norm", 1.0), True, False),  # clipping in a group
+    taken = [  # (a change the general check takes; whether it re-plans)
+        (lambda: setattr(weight, "grad", torch.randn(4, 6, generator=g).t()), False),  # strides unlike p's
+        (lambda: setattr(frozen, "grad", torch.randn(3, generator=g)), True),  # one more participating parameter
+        (lambda: setattr(bias, "grad", None), True),  # one less
+        (lambda: setattr(weight, "data", weight.data.clone()), False),  # the parameter's storage moved
+        (lambda: opt.param_groups[1].__setitem__("max_grad_norm", 1.0), True),  # clipping in a group
         # a new (supported) dtype, of the bias, clipped since the change above: a source whose dtype the table
         # does not hold
-        (lambda: setattr(bias.grad, "data", bias.grad.data.to(torch.bfloat16)), False, False),
+        (lambda: setattr(bias.grad, "data", bias.grad.data.to(torch.bfloat16)), False),
     ]
-    for change, replans, early_statistics in taken:
+    for change, replans in taken:
         new_gradients()
         change()
         recorded.clear()
         assert engine.checked_gradients() is None
-        assert (STATISTICS_KERNELS[name] in [launch[0] for launch in recorded]) == early_statistics
+        assert STATISTICS_KERNELS[name] not in [launch[0] for launch in recorded]  # (only ever after the check)
         plan_before = engine.plan
         assert not step()
         assert (engine.plan is not plan_before) == replans

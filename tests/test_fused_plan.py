@@ -49,16 +49,12 @@ def test_tensor_rows_ranges_are_contiguous_and_pointers_filled():
     for first, count in (("first_apply_chunk", "num_apply_chunks"), ("first_slab", "num_slabs"),
                          ("first_col_entry", "num_col_entries")):
         assert list(rows[:, t[first]]) == list(np.concatenate([[0], np.cumsum(rows[:, t[count]])[:-1]]))
-    # The statistics pass's chunks: the axis jobs' sources first (the factored tensors; a clipped one too),
-    # then the others, each part in row order; stats_order lists the tensors by first chunk.
-    for clipped, sources in ((None, [0, 3, 4]), ([False, True, False, False, False], [0, 1, 3, 4])):
+    # The statistics pass's chunks: each tensor's contiguous, in row order (the kernels search the tensor
+    # table by first_stats_chunk), whichever tensors have axis jobs or are clipped.
+    for clipped in (None, [False, True, False, False, False]):
         layout = GroupLayout(shapes, dims, [0] * len(shapes), stats_chunk=64, apply_chunk=128, clipped=clipped)
         rows = layout.static_rows
-        order = sources + [r for r in range(len(shapes)) if r not in sources]
-        starts = np.concatenate([[0], np.cumsum(rows[order, t["num_stats_chunks"]])[:-1]])
-        assert list(layout.stats_order[:, 1]) == order
-        assert list(rows[order, t["first_stats_chunk"]]) == list(layout.stats_order[:, 0]) == list(starts)
-        assert layout.source_stats_chunks == rows[sources, t["num_stats_chunks"]].sum() < layout.total_stats_chunks
+        assert list(rows[:, t["first_stats_chunk"]]) == list(np.concatenate([[0], np.cumsum(rows[:, t["num_stats_chunks"]])[:-1]]))
         assert layout.total_stats_chunks == rows[:, t["num_stats_chunks"]].sum()
         assert list(rows[:, t["num_stats_chunks"]]) == [1, 1, 1, 1, math.ceil(3000 / 64)]
     assert list(rows[:, t["num_apply_chunks"]]) == [1, 1, 1, 1, math.ceil(3000 / 128)]

@@ -71,18 +71,19 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
 
 # LOPT_SPLIT_MODE -> (TF32, BF16, FP16) MMAs of the MLP in the kernel's code, per n-tile and m-tile (4 x 2):
 # exact (mode 0), layer 1 a TF32 and a BF16 product per k-step, in two versions (4 k-steps, and 3 for
-# warps whose elements share their slow entry), layer 2 three FP16 products per 16-deep step (2); TF32
-# alone (mode 1); one BF16 product per two k-steps (mode 2, precision="fast"), whose output layer adds
-# 2 16-deep steps x 2 m-tiles of FP16. Counted in builds with one copy of the apply pass's chunk
-# code (SFC_COMMON_PATH=0; by default there is a second, for the common tensor).
-MMA_COUNTS = {0: (32 + 24, 32 + 24, 48), 1: (64, 0, 0), 2: (0, 32, 4)}
+# warps whose elements share their slow entry), layer 2 three FP16 products per 16-deep step (2); one
+# BF16 product per two k-steps (mode 2, precision="fast"), whose output layer adds 2 16-deep steps x 2
+# m-tiles of FP16. The apply pass has two copies of its chunk code (the general one and the common
+# tensor's, is_common_tensor), so each count appears twice.
+COPIES = 2
+MMA_COUNTS = {0: (COPIES * (32 + 24), COPIES * (32 + 24), COPIES * 48), 2: (0, COPIES * 32, COPIES * 4)}
 
 
 @pytest.mark.parametrize("mode", sorted(MMA_COUNTS))
 def test_mlp_layers_mma_counts(mode, tmp_path):
     unit = tmp_path / "small_fc_lopt.cu"
     unit.write_text(launcher.kernel_source("small_fc_lopt.cu"))
-    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", f"-DLOPT_SPLIT_MODE={mode}", "-DSFC_COMMON_PATH=0", str(unit),
+    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", f"-DLOPT_SPLIT_MODE={mode}", str(unit),
                              "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     ptx = (tmp_path / "out.ptx").read_text()

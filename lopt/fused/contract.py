@@ -45,10 +45,6 @@ STRUCTS: dict = {
         "row_col_sums",  # where axis d1 is split: first of this tensor's slab sums (3 per slab) in the
         #                  buffer reduced across processes between the two factor-table launches; else -1
     ),
-    # The statistics pass's chunk ranges in chunk order, one row per tensor: the axis jobs' sources
-    # first (the fast check validates their gradients first, and the engine launches their statistics
-    # while it checks the others), then the rest, each part in row order (GroupLayout.stats_order).
-    "StatsRange": ("first_stats_chunk", "tensor"),
     # One Adafactor reduction: means[first_output + q*i_len + i] = Σ_x G[(q*X + x)*I + i] / divisor, G = g² + 1e-30
     # (divisor: X, or the whole tensor's length of the axis where it is split among processes).
     # mode 0 ("strided", I > 1): a thread per output column, a block covers 256 columns x one x-chunk;

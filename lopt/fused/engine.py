@@ -121,10 +121,6 @@ class Plan:
         self.norm_table = launcher.MetadataTable(device)
         if layout.num_norm_jobs:
             self.norm_table.update(layout.static_norm_jobs)
-        self.stats_ranges = launcher.MetadataTable(device)  # (the statistics pass's search: StatsRange rows)
-        if layout.num_tensors:
-            self.stats_ranges.update(layout.stats_order)
-        self.statistics_launched = 0  # chunks of this step's statistics pass launched by the fast check
         # Sharded parameters: the partial sums reduced across processes between launches.
         self.slab_sums = workspace(layout.split_slab_sums, torch.float64) if layout.split_slab_sums else None
         if layout.sharded and layout.num_norm_jobs:
@@ -150,7 +146,6 @@ class Plan:
         self.axis_rows = layout.static_jobs.copy()
         self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
         self.tensor_rows_stale = True  # (the gradients' dtypes changed since the tensor table's upload)
-        self.uploaded_sources = None  # (the sources' parameter pointers and gradient dtypes the table holds)
         self.groups_signature = None  # (what the group tables were last built from: _groups_signature)
         self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
         self.group_params: list = []  # the participating parameters per group
@@ -171,7 +166,7 @@ class FusedEngine:
     GRADIENT_CLIP = 0.0  # Adafactor's gradient clip (VeLO: 1000); 0 = none
 
     def __init__(self, optimizer, defines: tuple = ()):
-        """``defines`` (``"NAME=VALUE"`` strings) override the kernels' tuning macros, for benchmarks."""
+        """``defines`` (``"NAME=VALUE"`` strings): the build of the kernels this engine runs (its precision)."""
         # A proxy, not a reference: the optimizer owns its engine, and a cycle between them would keep
         # the parameters' state and the workspaces on the GPU after `del opt` until the garbage
         # collector happens to run.
@@ -200,9 +195,8 @@ class FusedEngine:
 
         A synchronised step's device waits for the host until the first launch, so the gradients that
         the accumulate phase reads (the factored tensors', and the clipped tensors' for their norms)
-        are checked first and that phase is launched on them (``_accumulate_early``), with the
-        statistics of those tensors, before the others are checked: they write only workspaces, so a
-        check that fails after them changes nothing."""
+        are checked first and that phase is launched on them (``_accumulate_early``) before the
+        others are checked: it writes only workspaces, so a check that fails after it changes nothing."""
         plan = self.plan
         if plan is None or plan.group_members is None:
             return None
@@ -256,8 +250,7 @@ class FusedEngine:
         """The accumulate phase on the gradients checked so far (the axis jobs' sources), from the fast
         check: it reads the tensor table only for what is fixed for the plan (geometry, the factored
         accumulators) and the gradient array only at the sources' rows, which are uploaded first (the
-        whole array follows in _refresh, once the other gradients are checked). Then the statistics
-        of the sources' chunks (``_statistics_early``)."""
+        whole array follows in _refresh, once the other gradients are checked)."""
         rows = plan.source_row_indices
         if rows:  # (else no axis jobs: the launches below only reset the status flags)
             dtypes = [grad_dtypes[row] for row in rows]
@@ -275,25 +268,6 @@ class FusedEngine:
         self._refresh_groups(plan)
         self._finish_accumulate(plan)
         plan.accumulated = True
-        self._statistics_early(plan, grad_dtypes, param_pointers, grad_scale, found_inf)
-
-    @staticmethod
-    def _sources(plan: Plan, param_pointers, grad_dtypes) -> tuple:
-        """The sources' parameter pointers and gradient dtypes, in row order."""
-        rows = plan.source_row_indices
-        return [param_pointers[row] for row in rows], [grad_dtypes[row] for row in rows]
-
-    def _statistics_early(self, plan: Plan, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
-        """The statistics pass over the sources' chunks (the first ``source_stats_chunks``; the layout
-        puts them first), launched while the host checks the other gradients: on a model whose axis
-        sums are short (ViT-B/16) the device would otherwise wait for that check. Only where the
-        tensor table holds the sources as they are now (their parameters where they were, their
-        gradients' dtypes), which it is refreshed to only after the check; else their statistics go
-        with the others'. Like the accumulate phase it writes only workspaces (and the status flags,
-        which a refused step's accumulate phase resets)."""
-        if plan.layout.source_stats_chunks and plan.uploaded_sources == self._sources(plan, param_pointers, grad_dtypes):
-            self._launch_statistics(plan, self._flags(plan, grad_scale, found_inf), 0, plan.layout.source_stats_chunks)
-            plan.statistics_launched = plan.layout.source_stats_chunks
 
     @staticmethod
     def _same_strides(plan: Plan, params) -> bool:
@@ -486,8 +460,6 @@ class FusedEngine:
             plan.pointers[:, 0] = plan.param_pointers
             plan.tensor_table.update(plan.layout.tensor_rows(plan.pointers, out=plan.tensor_rows))
             plan.uploaded_param_pointers, plan.tensor_rows_stale = plan.param_pointers, False
-            if plan.group_members is not None:  # (what _statistics_early compares with)
-                plan.uploaded_sources = self._sources(plan, plan.param_pointers, plan.grad_dtypes)
 
     def _refresh_groups(self, plan: Plan) -> None:
         """The group tables (decays, multipliers, lr and weight decay as values or device pointers, the
@@ -607,7 +579,6 @@ class FusedEngine:
             plan.accumulated = False
             self._refresh_tensor_table(plan)
             return
-        plan.statistics_launched = 0  # (a fast check that launched some and then failed: all again)
         self._launch_axis_sums(plan, inputs.grad_scale)
         self._refresh_tensor_table(plan)  # (while the device runs the launch above)
         self._refresh_groups(plan)
@@ -677,16 +648,14 @@ class FusedEngine:
                                      f"(nonfinite='raise')")
 
     def _statistics(self, plan: Plan, flags: tuple) -> None:
-        """The statistics phase: one launch over the chunks the fast check did not launch
-        (``_statistics_early``); with sharded parameters the non-finite flag is then reduced, so that a
-        bad gradient element in any process's rows skips the step in all of them."""
-        first, plan.statistics_launched = plan.statistics_launched, 0
-        self._launch_statistics(plan, flags, first, plan.layout.total_stats_chunks - first)
+        """The statistics phase: one launch over every chunk; with sharded parameters the non-finite flag
+        is then reduced, so that a bad gradient element in any process's rows skips the step in all of them."""
+        self._launch_statistics(plan, flags)
         if plan.layout.sharded:
             self.optimizer.reducer.max_(plan.status)
 
-    def _launch_statistics(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int) -> None:
-        """Subclass hook: the statistics kernel over chunks [first_chunk, first_chunk + num_chunks)."""
+    def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
+        """Subclass hook: the statistics kernel over every chunk (``layout.total_stats_chunks`` blocks)."""
         raise NotImplementedError
 
     def _control(self, plan: Plan, flags: tuple, *args) -> None:

@@ -92,7 +92,7 @@ class GroupLayout:
         self._jobs = []
         self.job_tensor = []  # the tensor of each axis job
         self.total_axis_blocks = self.total_axis_partials = self.total_axis_outputs = 0
-        slabs = col_entries = row_entries = apply_chunks = split_slab_sums = 0
+        slabs = col_entries = row_entries = apply_chunks = stats_chunks = split_slab_sums = 0
         reductions = []  # (tensor, q, x, i, divisor, which means, split)
         for index, (shape, dim, group) in enumerate(zip(self.shapes, dims, groups)):
             row = rows[index]
@@ -101,7 +101,9 @@ class GroupLayout:
             row[_T["numel"]] = numel
             row[_T["count"]] = global_rows[index] * math.prod(shape[1:]) if split else numel
             row[_T["group"]] = group
-            row[_T["num_stats_chunks"]] = -(-numel // stats_chunk)  # (first_stats_chunk: _order_statistics)
+            row[_T["first_stats_chunk"]] = stats_chunks
+            row[_T["num_stats_chunks"]] = -(-numel // stats_chunk)
+            stats_chunks += row[_T["num_stats_chunks"]]
             row[_T["first_apply_chunk"]] = apply_chunks
             row[_T["num_apply_chunks"]] = -(-numel // apply_chunk)
             apply_chunks += row[_T["num_apply_chunks"]]
@@ -171,30 +173,13 @@ class GroupLayout:
         self.static_rows = rows
         self.static_jobs = np.stack(self._jobs) if self._jobs else empty_rows("AxisJob", 0)
         del self._jobs
-        self._order_statistics()
+        self.total_stats_chunks = int(stats_chunks)
         self.total_apply_chunks = int(apply_chunks)
         self.total_elements = int(rows[:, _T["numel"]].sum()) if self.num_tensors else 0
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)
         self.sharded = any(r is not None for r in global_rows)
-
-    def _order_statistics(self) -> None:
-        """The statistics pass's chunks: each tensor's contiguous, the axis jobs' sources first (their
-        gradients are the ones the fast check validates first; ``source_stats_chunks`` of them), then
-        the other tensors, each part in row order. ``stats_order`` (StatsRange rows) lists the tensors
-        by first chunk, for the kernels' search from a chunk to its tensor."""
-        rows, sources = self.static_rows, set(self.job_tensor)
-        order = [r for r in range(self.num_tensors) if r in sources] + \
-                [r for r in range(self.num_tensors) if r not in sources]
-        self.stats_order = empty_rows("StatsRange", self.num_tensors)
-        chunks = 0
-        for position, r in enumerate(order):
-            rows[r][_T["first_stats_chunk"]] = chunks
-            self.stats_order[position] = (chunks, r)
-            chunks += rows[r][_T["num_stats_chunks"]]
-        self.source_stats_chunks = int(sum(rows[r][_T["num_stats_chunks"]] for r in sources))
-        self.total_stats_chunks = int(chunks)
 
     def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, divisor) -> tuple[int, int]:
         """Appends the reduction of ``(q, x, i)`` over x; returns its (partial_offset, num_partials).

@@ -1,8 +1,7 @@
 """Fused VeLO: launches ``cuda_src/velo.cu`` for every tensor of every group.
 
 Mirrors ``lopt/reference/velo.py`` phase by phase; one step is ten launches, whatever the number
-of tensors and groups (eleven where the fast check launches step 4 in two parts:
-``FusedEngine._statistics_early``):
+of tensors and groups:
 
 1–3. ``adafactor_axis_partials``, ``adafactor_finalize``, ``adafactor_factor_tables``  accumulate
      (the gradient clipped to ±1000, as clip_gradient)
@@ -74,8 +73,8 @@ class VeLOFused(FusedEngine):
     APPLY_CHUNK = APPLY_THREADS
     GRADIENT_CLIP = reference.GRADIENT_CLIP
 
-    def __init__(self, optimizer, defines: tuple = ()):
-        super().__init__(optimizer, defines)
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
         weights = optimizer.meta_weights.tensors
         self.rnn = {name: weights["rnn"][name].detach().to(self.device, torch.float32).contiguous() for name in RNN_TENSORS}
         self.candidates = pack_candidates(weights["mlp"]).to(self.device)
@@ -129,11 +128,11 @@ class VeLOFused(FusedEngine):
         decays = self.optimizer.loss_buffer().decays
         return (ptr(first["loss_means"]), ptr(first["loss_running_min"]), ptr(first["loss_count"]), ptr(decays))
 
-    def _launch_statistics(self, plan: Plan, flags: tuple, first_chunk: int, num_chunks: int) -> None:
+    def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
-        self.launch("velo_statistics", num_chunks, STATS_THREADS,
+        self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.stats_ranges.table), np.int64(first_chunk), ptr(plan.group_table.table),
+                     ptr(plan.group_table.table),
                      ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
 
     def _step_arguments(self, plan: Plan, loss) -> tuple:
