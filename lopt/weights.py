@@ -224,6 +224,14 @@ def load_weights(source: WeightsSource, architecture_name: str, *, verify_checks
     problem; never returns partially loaded weights.
     """
     spec = architecture(architecture_name)
+    if source is None:
+        published = sorted(n for n, r in _REGISTERED.items() if r.architecture == architecture_name)
+        default = f" ({published[0]!r})" if published else ""
+        raise WeightsError(
+            f"weights=None: {architecture_name} needs meta-weights. Leave weights out for the published ones{default}, "
+            f"or pass\n  a registered name ({published}), a hub repo id {REPO_ID_FORM}, a local directory with "
+            f"{CONFIG_FILE} + {WEIGHTS_FILE},\n  a .safetensors file, or lopt.random_weights({architecture_name!r}) "
+            f"(untrained, for timing only)")
     if isinstance(source, MetaWeights):
         if source.architecture != architecture_name:
             raise WeightsError(
@@ -286,7 +294,7 @@ def _load_registered(entry: RegisteredWeights, spec: ArchitectureSpec, verify_ch
         )
     loaded = {}
     for comp_name, published in entry.components.items():
-        directory = _download_component(entry.name, published, verify_checksum)
+        directory = _download_component(entry.name, published, verify_checksum, architecture_name=spec.name)
         loaded[comp_name] = _load_component(spec.components[comp_name], directory)
     source = ", ".join(f"{p.repo_id}@{p.revision}" for p in entry.components.values())
     return _assemble(spec, loaded, f"{entry.name} ({source})")
@@ -327,13 +335,27 @@ def _convert_command(pickle_path: Path, target: Path) -> str:
 
 def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
     """Load one component from a local directory, a local .safetensors file or a hub repo id."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise WeightsError(f"weights for the {comp.name} network must be a path or a hub repo id, got "
+                           f"{type(source).__name__} {source!r}")
     path = Path(os.path.expanduser(str(source)))
     if path.is_dir():
         weights_path = path / WEIGHTS_FILE
+        if weights_path.is_dir():
+            nested = (f"; it holds a {WEIGHTS_FILE} itself: pass {weights_path} instead"
+                      if (weights_path / WEIGHTS_FILE).is_file() else "")
+            raise WeightsError(f"{weights_path} is a directory, not a safetensors file{nested}.\nPyLO's hub layout is a "
+                               f"directory holding the files {CONFIG_FILE} and {WEIGHTS_FILE}")
+        if path.suffix == ".safetensors" and not weights_path.exists():
+            raise WeightsError(f"{path} is a directory, not a .safetensors file; pass the file itself, or a directory "
+                               f"holding {CONFIG_FILE} + {WEIGHTS_FILE}")
         if not weights_path.is_file():
             pickled = path / "pytorch_model.bin"
             bin_hint = f" (it has pytorch_model.bin: convert it with {_convert_command(pickled, weights_path)})" if pickled.is_file() else ""
             raise WeightsError(f"{path} has no {WEIGHTS_FILE}{bin_hint}; expected PyLO's hub layout: {CONFIG_FILE} + {WEIGHTS_FILE}")
+        if (path / CONFIG_FILE).is_dir():
+            raise WeightsError(f"{path / CONFIG_FILE} is a directory, not a JSON file; remove it or replace it with "
+                               f"the {CONFIG_FILE} of the published weights")
         config = _read_config(path / CONFIG_FILE, comp) if (path / CONFIG_FILE).exists() else dict(comp.config)
         return _validate_tensors(comp, _read_safetensors(weights_path), str(weights_path)), config
     if path.is_file():
@@ -347,8 +369,9 @@ def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
     problem = _repo_id_problem(source)
     if problem is not None:
         raise WeightsError(
-            f"cannot find meta-weights {source!r}: no local directory or file {path.absolute()} exists, it is not a "
-            f"registered name ({sorted(_REGISTERED)}), and it is not a valid hub repo id {REPO_ID_FORM} ({problem}). "
+            f"cannot find meta-weights {source!r}: no local directory or file {path.absolute()} exists,\n"
+            f"it is not a registered name ({sorted(_REGISTERED)}),\n"
+            f"and it is not a valid hub repo id {REPO_ID_FORM} ({problem}).\n"
             f"Pass an existing directory with {CONFIG_FILE} + {WEIGHTS_FILE}, a .safetensors file, a registered name "
             f"or a hub repo id"
         )
@@ -356,13 +379,18 @@ def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
     repo_id, revision = _split_revision(source)
     published = PublishedComponent(repo_id, revision or "main", {CONFIG_FILE: None, WEIGHTS_FILE: None})
     try:
-        directory = _download_component(source, published, verify_checksum=False)
+        directory = _download_component(source, published, verify_checksum=False,
+                                        architecture_name=_architecture_of(comp))
     except WeightsError as err:
         raise WeightsError(
-            f"cannot find meta-weights {source!r}: no local directory or file {path.absolute()} exists, "
+            f"cannot find meta-weights {source!r}: no local directory or file {path.absolute()} exists,\n"
             f"and as a hub repo id: {err}"
         ) from None
     return _load_component(comp, directory)
+
+
+def _architecture_of(comp: ComponentSpec) -> str | None:
+    return next((spec.name for spec in _ARCHITECTURES.values() if any(c is comp for c in spec.components.values())), None)
 
 
 def _read_config(path: Path, comp: ComponentSpec) -> dict:
@@ -458,10 +486,110 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_component(label: str, published: PublishedComponent, verify_checksum: bool, *, force: bool = False) -> Path:
+def _fix_lines(label: str, architecture_name: str | None, *, offline: bool) -> str:
+    """What to do when the hub cannot provide weights that are not cached: one option a line."""
+    arch = repr(architecture_name) if architecture_name else "ARCHITECTURE"
+    lines = [f"run `lopt weights download {label}` on a machine with internet and copy its HF cache (HF_HOME) here",
+             f"or pass weights=<a local directory with {CONFIG_FILE} + {WEIGHTS_FILE}, or a .safetensors file>"]
+    if not offline:
+        lines.append("once the cache is filled, set HF_HUB_OFFLINE=1: lopt then reads it without trying the network")
+    lines.append(f"for timing only: weights=lopt.random_weights({arch}) (untrained: it does not train)")
+    return "Fix:\n" + "\n".join(f"  - {line}" for line in lines)
+
+
+def _http_status(err: BaseException) -> int | None:
+    """The HTTP status the hub answered with, if ``err`` (or what caused it) is an HTTP error."""
+    from huggingface_hub import errors as hub_errors
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, hub_errors.HfHubHTTPError) and getattr(err, "response", None) is not None:
+            return err.response.status_code
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _short(err: BaseException) -> str:
+    """``Type: first line of the message`` (huggingface_hub's messages run over several lines)."""
+    text = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _check_hub_reachable(label: str, published: PublishedComponent, filename: str, *, force: bool,
+                         architecture_name: str | None) -> None:
+    """Ask the hub once for ``filename``'s metadata, without retries; raise WeightsError at once if it is unreachable.
+
+    ``hf_hub_download`` retries an unreachable hub with a backoff (about half a minute) before it
+    gives up when nothing is cached. Any HTTP answer (even an error) means the hub is reachable:
+    the download then runs, with huggingface_hub's own bounded retries for 5xx answers.
+    """
+    import huggingface_hub
+    from huggingface_hub import constants as hub_constants
+    from huggingface_hub import errors as hub_errors
+
+    url = huggingface_hub.hf_hub_url(published.repo_id, filename, revision=published.revision)
+    try:
+        huggingface_hub.get_hf_file_metadata(url, timeout=hub_constants.HF_HUB_ETAG_TIMEOUT)
+    except hub_errors.HfHubHTTPError:
+        return
+    except Exception as err:  # connection refused, DNS failure, timeout, proxy, TLS
+        where = f"{published.repo_id}@{published.revision}"
+        why = f"the hub at {hub_constants.ENDPOINT} is unreachable ({_short(err)})"
+        if force:
+            raise WeightsError(f"cannot download {label!r} again ({where}): {why}; the cached copy, if any, is "
+                               f"unchanged. Run it again where the hub is reachable") from None
+        raise WeightsError(
+            f"cannot get {filename} of {label!r} from the Hugging Face hub repo {where}: {why} and the file is "
+            f"not in the cache ({hub_constants.HF_HUB_CACHE}).\n"
+            + _fix_lines(label, architecture_name, offline=False)
+        ) from None
+
+
+def _fetch_failure(label: str, published: PublishedComponent, filename: str, err: Exception, *, offline: bool,
+                   force: bool, architecture_name: str | None) -> WeightsError:
+    """The WeightsError for an ``hf_hub_download`` that failed other than by a missing repo, revision or file."""
+    from huggingface_hub import constants as hub_constants
+    from huggingface_hub import errors as hub_errors
+
+    where = f"{published.repo_id}@{published.revision}"
+    cache = hub_constants.HF_HUB_CACHE
+    if offline:
+        return WeightsError(
+            f"cannot get {filename} of {label!r} from the Hugging Face hub repo {where}: HF_HUB_OFFLINE is set "
+            f"and the file is not in the cache ({cache}).\n" + _fix_lines(label, architecture_name, offline=True))
+    metadata_failed = isinstance(err, hub_errors.LocalEntryNotFoundError) or (
+        isinstance(err, ValueError) and err.__cause__ is not None)  # force_download after a failed metadata request
+    cause = err.__cause__ if metadata_failed and err.__cause__ is not None else err
+    status = _http_status(cause)
+    if metadata_failed:
+        if status is not None:
+            why = (f"the hub answered HTTP {status} (huggingface_hub retried it and gave up; {_short(cause)}): "
+                   f"try again later")
+        else:
+            why = f"the hub at {hub_constants.ENDPOINT} is unreachable ({_short(cause)})"
+        if force:
+            return WeightsError(f"cannot download {label!r} again ({where}): {why}; the cached copy, if any, "
+                                f"is unchanged")
+        return WeightsError(
+            f"cannot get {filename} of {label!r} from the Hugging Face hub repo {where}: {why}, and the file is "
+            f"not in the cache ({cache}).\n" + _fix_lines(label, architecture_name, offline=False))
+    # The metadata came back, the transfer itself failed: huggingface_hub writes to a temporary file
+    # and moves it into the cache only when complete, so nothing of this download was kept.
+    answered = f"HTTP {status}" if status is not None else _short(err)
+    return WeightsError(
+        f"downloading {filename} of {label!r} from the Hugging Face hub repo {where} failed part-way "
+        f"({answered}); nothing of it was stored in the cache ({cache}).\n"
+        f"Fix: run `lopt weights download {label}` again (huggingface_hub resumes or restarts it)")
+
+
+def _download_component(label: str, published: PublishedComponent, verify_checksum: bool, *, force: bool = False,
+                        architecture_name: str | None = None) -> Path:
     """Fetch a component's files through the huggingface_hub cache; return the snapshot directory.
 
-    With ``HF_HUB_OFFLINE`` set only the cache is read (no network attempt, no retries).
+    With ``HF_HUB_OFFLINE`` set only the cache is read (no network attempt, no retries). Online,
+    a file that is not cached is fetched only after one quick request has shown that the hub is
+    reachable, so an offline machine fails in seconds instead of after huggingface_hub's retries.
     ``label`` is what the user asked for (a registered name or a repo id): the messages' fixes use it.
     """
     import huggingface_hub
@@ -473,7 +601,11 @@ def _download_component(label: str, published: PublishedComponent, verify_checks
         raise WeightsError(f"cannot download {label!r} again while HF_HUB_OFFLINE is set: unset it on a machine "
                            f"that reaches the Hugging Face hub")
     directory = None
+    reachable = False
     for filename, expected in published.files.items():
+        if not offline and not reachable and (force or not _in_cache(published, filename)):
+            _check_hub_reachable(label, published, filename, force=force, architecture_name=architecture_name)
+            reachable = True
         try:
             local = huggingface_hub.hf_hub_download(published.repo_id, filename, revision=published.revision,
                                                     force_download=force, local_files_only=offline)
@@ -484,36 +616,33 @@ def _download_component(label: str, published: PublishedComponent, verify_checks
         except hub_errors.EntryNotFoundError as err:
             if not isinstance(err, hub_errors.LocalEntryNotFoundError):  # the hub answered: the file is not there
                 raise WeightsError(f"hub repository {published.repo_id}@{published.revision} has no file {filename!r}") from None
-            cause = err
-        except Exception as err:  # offline and not cached, DNS failure, timeout, proxy, ...
-            cause = err
-        else:
-            cause = None
-        if cause is not None:
-            why = "HF_HUB_OFFLINE is set" if offline else "the hub is unreachable (set HF_HUB_OFFLINE=1 to fail at once instead of retrying)"
-            raise WeightsError(
-                f"cannot get {filename} of {label!r} from the Hugging Face hub repo {published.repo_id}@{published.revision}: "
-                f"{why} and the file is not in the cache ({hub_constants.HF_HUB_CACHE}). Fix: pass "
-                f"weights=<a local directory with config.json + model.safetensors, or a .safetensors file>, or run "
-                f"`lopt weights download {label}` on a machine with internet and copy its HF cache here (HF_HOME). "
-                f"[{type(cause).__name__}: {cause}]"
-            ) from None
+            raise _fetch_failure(label, published, filename, err, offline=offline, force=force,
+                                 architecture_name=architecture_name) from None
+        except Exception as err:  # offline and not cached, unreachable after retries, a broken transfer, ...
+            raise _fetch_failure(label, published, filename, err, offline=offline, force=force,
+                                 architecture_name=architecture_name) from None
         local = Path(local)
         if verify_checksum and expected:
             if "size" in expected and local.stat().st_size != expected["size"]:
                 raise WeightsError(
-                    f"{local} has {local.stat().st_size} bytes, but {published.repo_id}/{filename} has {expected['size']}: "
-                    f"the cached file is truncated or not the published one; delete it and download again "
-                    f"(`lopt weights download {label} --force`)"
+                    f"{local} has {local.stat().st_size} bytes, but {published.repo_id}/{filename} has "
+                    f"{expected['size']}:\nthe cached file is truncated or not the published one; delete it and "
+                    f"download again (`lopt weights download {label} --force`)"
                 )
             if expected.get("sha256") and _sha256(local) != expected["sha256"]:
                 raise WeightsError(
-                    f"checksum mismatch for {local}: sha256 {_sha256(local)}, expected {expected['sha256']} for "
-                    f"{published.repo_id}/{filename}; the file is corrupt or not the published one: delete it and "
+                    f"checksum mismatch for {local}:\nsha256 {_sha256(local)}, expected {expected['sha256']} for "
+                    f"{published.repo_id}/{filename};\nthe file is corrupt or not the published one: delete it and "
                     f"download again (`lopt weights download {label} --force`)"
                 )
         directory = local.parent
     return directory
+
+
+def _in_cache(published: PublishedComponent, filename: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(published.repo_id, filename, revision=published.revision), str)
 
 
 def _network_label(spec: ArchitectureSpec, comp: ComponentSpec) -> str:
@@ -543,7 +672,8 @@ def download(source: str, *, force: bool = False) -> list[Path]:
     """
     if source in _REGISTERED:
         entry = _REGISTERED[source]
-        directories = [_download_component(source, published, verify_checksum=True, force=force)
+        directories = [_download_component(source, published, verify_checksum=True, force=force,
+                                           architecture_name=entry.architecture)
                        for published in entry.components.values()]
         load_weights(source, entry.architecture)  # validates names and shapes too
         return directories
@@ -556,7 +686,8 @@ def download(source: str, *, force: bool = False) -> list[Path]:
     directory = _download_component(source, published, verify_checksum=False, force=force)
     matches, mismatches = _identify_networks(directory)
     if not matches:
-        raise WeightsError(f"{source} (cached in {directory}) holds none of the networks lopt knows: " + "; ".join(mismatches))
+        raise WeightsError(f"{source} (cached in {directory}) holds none of the networks lopt knows:\n"
+                           + "\n".join(f"  - {m}" for m in mismatches))
     return [directory]
 
 
@@ -609,4 +740,4 @@ def verify(source, architecture_name: str | None = None) -> tuple[str, MetaWeigh
             raise WeightsError(f"{source} holds {_network_label(_ARCHITECTURES[arch], _ARCHITECTURES[arch].components[comp])} "
                                f"only; {arch} needs one source per network {names}: pass them together, "
                                f"verify(({', '.join(n + '_dir' for n in names)}))")
-    raise WeightsError("; ".join(errors))
+    raise WeightsError(errors[0] if len(errors) == 1 else "\n".join(f"- {e}" for e in errors))
