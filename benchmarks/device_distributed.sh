@@ -2,8 +2,8 @@
 # One device call on 2 GPUs (NCCL): FSDP2 against one GPU on a GPT-2-small-sized model (random init,
 # no dropout, nothing downloaded), for SmallFCLOpt and VeLO and, as the yardstick, fused AdamW.
 # Run from the repository root on a machine with 2 GPUs:
+#   bash benchmarks/device_distributed.sh --backend auto   (the fused backends on the shards: the records)
 #   bash benchmarks/device_distributed.sh                  (lopt's naive backend)
-#   bash benchmarks/device_distributed.sh --backend fused  (once the fused engines take DTensors)
 # Writes distributed_gpt2_small_<backend>.json, .txt (the table) and .log under $OUT. NCCL_NVLS_ENABLE,
 # TORCH_SYMM_MEM_DISABLE_MULTICAST and NVSHMEM_DISABLE_NVLS are left as the environment sets them.
 set -u

@@ -56,7 +56,7 @@ def tensor_update_error(fused_update, naive_update, step_scale: float) -> float:
     update_scale, the root-mean-square update per element). A tensor of a handful of elements has an
     update of a few MLP outputs, and where the output layer cancels, that update is near zero: float32
     rounding in either backend then moves it by up to 1e-3 of itself (the exact mode's TF32 and FP16
-    builds alike: benchmarks/RESULTS.md), a difference far below the step's scale."""
+    builds alike: docs/performance.md), a difference far below the step's scale."""
     if fused_update.numel() >= TINY_TENSOR_NUMEL:
         return relative_error(fused_update, naive_update)
     fused, naive = fused_update.double(), naive_update.double()
