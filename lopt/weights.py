@@ -45,6 +45,25 @@ class WeightsError(ValueError):
     """Meta-weights could not be found, downloaded or validated (the message says why and what to do)."""
 
 
+class UntrainedWeightsWarning(UserWarning):
+    """An optimizer was built with untrained meta-weights (``lopt.random_weights``): its steps can be timed,
+    but it does not train a model. Where that is intended (timing, tests), silence it with
+    ``warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)``."""
+
+
+def warn_if_untrained(weights: "MetaWeights", owner: str, *, stacklevel: int = 4) -> None:
+    """One :class:`UntrainedWeightsWarning` when ``weights`` are not pretrained (called at an optimizer's construction)."""
+    if not weights.pretrained:
+        import warnings
+
+        warnings.warn(
+            f"{owner}: the meta-weights are untrained ({weights.source}): its steps can be timed, but it does not "
+            f"train a model. Leave weights= out for the published {weights.architecture} weights; where untrained "
+            f"weights are intended, silence this with "
+            f"warnings.filterwarnings('ignore', category=lopt.UntrainedWeightsWarning)",
+            UntrainedWeightsWarning, stacklevel=stacklevel)
+
+
 # --------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------

@@ -805,6 +805,7 @@ def test_a_corrupt_cached_kernel_is_rebuilt(tmp_path, monkeypatch, weights):
     launcher._compiled.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)  # (random weights on purpose)
         lopt.SmallFCLOpt(params, weights=weights["small_fc_lopt"], backend="fused")
 
 

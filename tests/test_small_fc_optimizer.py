@@ -301,6 +301,7 @@ def test_backend_choice_on_cpu():
         make(p, backend="fused")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto on CPU picks naive quietly
+        warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)  # (random weights on purpose)
         opt = make(p, backend="auto")
     assert opt.backend == "naive" and opt.backend_reason
     assert make(p).backend == "naive"

@@ -393,6 +393,7 @@ def test_num_steps_accepts_integer_types_and_warns_beyond_the_design_horizon(met
         VeLO(make_params([(2,)], seed=0), num_steps=200_000, weights=meta)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)  # (random weights on purpose)
         VeLO(make_params([(2,)], seed=0), num_steps=150_000, weights=meta)
 
 

@@ -329,6 +329,43 @@ def test_random_weights_are_deterministic_per_seed():
         lopt.random_weights("nope")
 
 
+def test_optimizers_warn_once_at_construction_that_random_weights_are_untrained(tmp_path):
+    import copy
+    import warnings
+
+    from lopt.bench import contenders
+
+    assert issubclass(lopt.UntrainedWeightsWarning, UserWarning) and "UntrainedWeightsWarning" in lopt.__all__
+    params = [torch.nn.Parameter(torch.ones(3, 2))]
+    for make, name in ((lambda w: lopt.SmallFCLOpt(params, weights=w), ARCH),
+                       (lambda w: lopt.VeLO(params, num_steps=10, weights=w), "velo")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = make(lopt.random_weights(name, seed=3))
+            opt.zero_grad()
+            params[0].grad = torch.ones(3, 2)
+            opt.step(torch.tensor(1.0)) if name == "velo" else opt.step()
+            copy.deepcopy(opt)
+        untrained = [w for w in caught if issubclass(w.category, lopt.UntrainedWeightsWarning)]
+        assert len(untrained) == 1, [str(w.message) for w in caught]
+        assert untrained[0].filename == __file__  # points at the line that built the optimizer
+        assert str(untrained[0].message) == (
+            f"{type(opt).__name__}: the meta-weights are untrained (random (seed 3)): its steps can be timed, but it "
+            f"does not train a model. Leave weights= out for the published {name} weights; where untrained weights "
+            f"are intended, silence this with warnings.filterwarnings('ignore', category=lopt.UntrainedWeightsWarning)")
+        # weights from a file are taken as trained (nothing says otherwise): no warning
+        directory = lopt.random_weights(name, seed=3).save(
+            tmp_path / name if name == ARCH else {"rnn": tmp_path / "rnn", "mlp": tmp_path / "mlp"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            make(directory[0] if name == ARCH else tuple(directory))
+    # lopt bench times untrained weights on purpose and says so in its header: its optimizers do not warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        contenders.make_contender(ARCH, "naive", params, lopt.random_weights(ARCH), torch.device("cpu"))
+        contenders.make_contender("velo", "naive", params, lopt.random_weights("velo"), torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------------------- malformed files
 
 

@@ -14,12 +14,14 @@ import contextlib
 import inspect
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from lopt.optimizers import OPTIMIZERS
+from lopt.weights import UntrainedWeightsWarning
 
 CONTENDERS = ("adamw", "naive", "naive+compile", "fused", "fused-fast")
 DEFAULT_CONTENDERS = ("adamw", "naive", "fused")
@@ -46,7 +48,10 @@ def make_learned_optimizer(optimizer_name: str, params, backend: str, weights, *
     """``lopt.<Optimizer>(params, weights=weights, backend=backend, **options)`` (VeLO also gets ``num_steps``)."""
     cls = OPTIMIZERS[optimizer_name]
     kwargs = {"num_steps": num_steps} if "num_steps" in inspect.signature(cls).parameters else {}
-    return cls(params, weights=weights, backend=backend, **kwargs, **(options or {}))
+    with warnings.catch_warnings():
+        # Untrained weights are timed on purpose (the run's header says "timing only" once).
+        warnings.filterwarnings("ignore", category=UntrainedWeightsWarning)
+        return cls(params, weights=weights, backend=backend, **kwargs, **(options or {}))
 
 
 def unsupported_options(optimizer_name: str, contender: str) -> str | None:

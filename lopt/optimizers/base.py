@@ -90,6 +90,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         # Load the meta-weights before anything else can fail half-way: construction either
         # succeeds with validated weights or raises.
         self.meta_weights = weights_lib.load_weights(weights, self.architecture)
+        weights_lib.warn_if_untrained(self.meta_weights, type(self).__name__)
         self.nonfinite = nonfinite
         first = self.param_groups[0]
         first.setdefault("skipped_steps", 0)
