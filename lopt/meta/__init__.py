@@ -1,0 +1,1 @@
+"""lopt.meta: meta-training learned optimizers in PyTorch (docs/meta_training.md)."""

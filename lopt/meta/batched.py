@@ -1,0 +1,205 @@
+"""Optimizers stepped over a population: every tensor carries a leading population axis ``P``.
+
+:class:`BatchedSmallFCLOpt` computes, for every population member ``m``, exactly the step
+``lopt.SmallFCLOpt(backend="naive")`` computes for that member's parameters (docs/small_fc_lopt.md),
+with every member allowed its own meta-weights and its own step count. It is built from the
+reference functions themselves (``lopt/reference/accumulators.py``, ``lopt/reference/small_fc_lopt.py``)
+wherever their broadcasting allows, so that there is one source of truth:
+
+* the accumulators (§3.2) and the 28 per-element features (§3.4, §3.5) are the reference functions
+  called on ``(P,) + S`` tensors with the factored axes shifted by one (every reduction they do is
+  along one of the member's own axes);
+* the per-tensor second-moment normalisation (§3.6) sums over each member's elements only (the
+  reference sums over every axis, which would mix members) and then calls the reference's
+  ``normalise_by_square_sums`` with the sums broadcast per member;
+* the time features (§3.7) are formed per member (members sit at different inner steps);
+* the MLP (§3.8) multiplies every member by its own weights (``torch.baddbmm``); all tensors of a
+  member go through it in one call;
+* the update and weight decay (§3.9) are the reference's ``update_from_mlp`` and ``apply_update``.
+
+A step whose gradients hold a non-finite value (or ``|g| >= 2^64``) changes nothing for that member
+(parameters, state, step count), as ``SmallFCLOpt``'s default ``nonfinite="skip"`` does for the whole
+optimizer. ``tests/test_meta_batched.py`` checks one member against ``SmallFCLOpt`` step by step.
+
+:class:`BatchedAdamW` is ``torch.optim.AdamW`` (single-tensor formula) with a learning rate per
+member, for the baselines of ``lopt meta-eval``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lopt.reference import accumulators
+from lopt.reference import small_fc_lopt as reference
+
+GRADIENT_LIMIT = 2.0**64  # as lopt.optimizers.naive: beyond it g² overflows float32 and the step is skipped
+TIMESCALES = torch.tensor(reference.TIMESCALES, dtype=torch.float32)
+NETWORK_NAMES = ("network.input.weight", "network.input.bias", "network.linear_0.weight", "network.linear_0.bias",
+                 "network.output.weight", "network.output.bias")
+
+
+def _shifted(dims):
+    return None if dims is None else (dims[0] + 1, dims[1] + 1)
+
+
+def batched_time_features(steps: torch.Tensor) -> torch.Tensor:
+    """(P, 11): ``tanh(τ / T_i − 1)`` with ``τ = step − 1`` per member (float32, as ``reference.time_features``)."""
+    tau = (steps.to(torch.float32) - 1.0).unsqueeze(-1)
+    return torch.tanh(tau / TIMESCALES.to(steps.device) - 1.0)
+
+
+def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """§3.8 per member: ``inputs`` (P, N, 39); each weight either batched (P, out, in) / (P, out), one
+    set per member, or shared (out, in) / (out,). Returns (direction, magnitude), each (P, N)."""
+
+    def layer(x, weight, bias):
+        if weight.dim() == 2:
+            return torch.nn.functional.linear(x, weight, bias)
+        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+    hidden = torch.relu(layer(inputs, network["network.input.weight"], network["network.input.bias"]))
+    hidden = torch.relu(layer(hidden, network["network.linear_0.weight"], network["network.linear_0.bias"]))
+    output = layer(hidden, network["network.output.weight"], network["network.output.bias"])
+    return output[..., 0], output[..., 1]
+
+
+class BatchedSmallFCLOpt:
+    """small_fc_lopt stepped for ``population`` members at once (tensors ``(P,) + S``).
+
+    Args:
+        shapes: the per-member parameter shapes ``S`` (any rank; 0-d is the 1-element vector of §3.6).
+        population: ``P``.
+        device: where state lives.
+        lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays, adafactor_decays:
+            as ``SmallFCLOpt`` (PyLO's defaults). ``lr`` may also be a (P,) tensor, one per member.
+
+    The state (:meth:`init_state`) is a dict: ``"step"`` (P,) int64 (steps taken, as ``group["step"]``)
+    and ``"tensors"``, one dict per parameter with SmallFCLOpt's buffers, each with the leading axis P.
+    """
+
+    def __init__(self, shapes, population: int, device="cpu", *, lr=1.0, weight_decay=0.0, exp_mult=0.001,
+                 step_mult=0.01, momentum_decays=reference.MOMENTUM_DECAY_OFFSETS,
+                 rms_decays=reference.RMS_DECAY_OFFSETS, adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
+                 skip_nonfinite: bool = True):
+        self.shapes = [tuple(s) for s in shapes]
+        self.population = int(population)
+        self.device = torch.device(device)
+        self.work_shapes = [s if s else (1,) for s in self.shapes]
+        self.dims = [_shifted(reference.factored_dims(s)) for s in self.shapes]
+        self.counts = [math.prod(s) for s in self.work_shapes]
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.exp_mult = exp_mult
+        self.step_mult = step_mult
+        self.skip_nonfinite = skip_nonfinite
+        self.decays = reference.Decays.from_offsets(momentum_decays, rms_decays, adafactor_decays).to(self.device)
+
+    def init_state(self) -> dict:
+        tensors = []
+        for shape, dims in zip(self.work_shapes, self.dims):
+            state = accumulators.init_state((self.population,) + shape, dims)
+            tensors.append({k: v.to(self.device) for k, v in state.items()})
+        return {"step": torch.zeros(self.population, dtype=torch.int64, device=self.device), "tensors": tensors}
+
+    def reset_members(self, state: dict, members: torch.Tensor) -> None:
+        """Zero the state of the members where ``members`` (P,) bool is True (a new task)."""
+        keep = ~members
+        state["step"].mul_(keep)
+        for buffers in state["tensors"]:
+            for name, buf in buffers.items():
+                if buf.numel():
+                    buf.mul_(keep.view((-1,) + (1,) * (buf.dim() - 1)).to(buf.dtype))
+
+    def finite_members(self, grads) -> torch.Tensor:
+        """(P,) bool: the members whose every gradient element is finite and below 2^64 in magnitude."""
+        ok = torch.ones(self.population, dtype=torch.bool, device=self.device)
+        for g in grads:
+            ok &= (g.detach().reshape(self.population, -1).abs() < GRADIENT_LIMIT).all(dim=1)
+        return ok
+
+    @torch.no_grad()
+    def step(self, params, grads, state: dict, network: dict) -> list:
+        """One step of every member; returns the new parameters (float32, ``(P,) + S``) and updates ``state``.
+
+        ``network``: the MLP's six tensors, each batched ``(P,) + shape`` or shared ``shape``.
+        """
+        P = self.population
+        ok = self.finite_members(grads) if self.skip_nonfinite else None
+        step = state["step"] + (ok.to(torch.int64) if ok is not None else 1)
+        inputs, pending = [], []
+        for i, (p, g, work_shape, dims, count) in enumerate(zip(params, grads, self.work_shapes, self.dims, self.counts)):
+            grad = g.detach().to(torch.float32).reshape((P,) + work_shape + (1,))
+            value = p.detach().to(torch.float32).reshape((P,) + work_shape + (1,))
+            buffers = state["tensors"][i]
+            old = {k: v.clone() for k, v in buffers.items() if v.numel()} if ok is not None else None
+            accumulators.update_accumulators(buffers, grad, self.decays, dims)
+            if old is not None:
+                for name, buf in old.items():
+                    current = buffers[name]
+                    current.copy_(torch.where(ok.view((-1,) + (1,) * (current.dim() - 1)), current, buf))
+            features = reference.per_element_features(grad, value, buffers, dims)
+            element_axes = list(range(1, features.dim() - 1))
+            sums = accumulators.float64_square_sum(features, dim=element_axes)  # (P, 28), per member
+            sums = sums.view((P,) + (1,) * len(element_axes) + (reference.NUM_ELEMENT_FEATURES,))
+            normalised = accumulators.normalise_by_square_sums(features, sums, count)
+            inputs.append(normalised.reshape(P, count, reference.NUM_ELEMENT_FEATURES))
+            pending.append((value.squeeze(-1), count))
+        features = torch.cat(inputs, dim=1) if len(inputs) > 1 else inputs[0]
+        time = batched_time_features(step).unsqueeze(1).expand(P, features.shape[1], reference.NUM_TIME_FEATURES)
+        direction, magnitude = batched_mlp(torch.cat([features, time], dim=-1), network)
+        updates = reference.update_from_mlp(direction, magnitude, self.exp_mult, self.step_mult)
+        new_params, offset = [], 0
+        lr = self.lr
+        for (value, count), shape in zip(pending, self.shapes):
+            update = updates[:, offset:offset + count].reshape(value.shape)
+            offset += count
+            member_lr = lr.view((-1,) + (1,) * (value.dim() - 1)) if torch.is_tensor(lr) and lr.dim() else lr
+            new = accumulators.apply_update(value, update, member_lr, self.weight_decay)
+            if ok is not None:
+                new = torch.where(ok.view((-1,) + (1,) * (new.dim() - 1)), new, value)
+            new_params.append(new.reshape((P,) + shape))
+        state["step"] = step
+        return new_params
+
+
+class BatchedAdamW:
+    """``torch.optim.AdamW``'s update (single-tensor, ``amsgrad=False``) with one learning rate per member.
+
+    ``lr`` is a (P,) tensor (or a number); betas, eps and weight_decay as torch's (defaults 0.9, 0.999,
+    1e-8, 1e-2). Non-finite gradients are not skipped (as torch's AdamW).
+    """
+
+    def __init__(self, shapes, population: int, device="cpu", *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2):
+        self.shapes = [tuple(s) for s in shapes]
+        self.population = int(population)
+        self.device = torch.device(device)
+        self.lr = lr
+        self.betas = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+
+    def init_state(self) -> dict:
+        zeros = [torch.zeros((self.population,) + s, device=self.device) for s in self.shapes]
+        return {"step": 0, "exp_avg": zeros, "exp_avg_sq": [z.clone() for z in zeros]}
+
+    @torch.no_grad()
+    def step(self, params, grads, state: dict, network=None) -> list:
+        beta1, beta2 = self.betas
+        state["step"] += 1
+        t = state["step"]
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        bias_correction2_sqrt = math.sqrt(bias_correction2)
+        new_params = []
+        for p, g, m, v in zip(params, grads, state["exp_avg"], state["exp_avg_sq"]):
+            lr = self.lr.view((-1,) + (1,) * (p.dim() - 1)) if torch.is_tensor(self.lr) else self.lr
+            p = p.detach() * (1 - lr * self.weight_decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            step_size = lr / bias_correction1
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            new_params.append(p - step_size * (m / denom))
+        return new_params

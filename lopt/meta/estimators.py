@@ -1,0 +1,234 @@
+"""Gradient estimators for the meta-parameters θ: truncated PES and full-length antithetic ES.
+
+Both follow google/learned_optimization's ``outer_trainers/truncated_pes.py`` and ``full_es.py``:
+
+* a population of ``num_tasks`` task instances of one family, each trained twice, by the
+  learned optimizer with ``θ + ε_i`` and with ``θ − ε_i`` (antithetic pairs; ``ε_i ~ N(0, σ² I)``),
+  all ``2·num_tasks`` members stepping together (:class:`InnerPopulation`);
+* the per-step meta-objective is the task's training loss at each inner step (before that step's
+  update), normalised by the family (clipped to ``1.5·L0``, NaN → ``1.5·L0``), averaged over the
+  steps of the unroll (ES) or of the truncation (PES);
+* the estimate is ``mean_i (L⁺_i − L⁻_i) · ξ_i / (2σ²)`` with ``ξ_i = ε_i`` for ES.
+
+**Truncated PES** keeps every instance's two inner trainings alive across outer steps and advances
+them ``truncation`` steps per outer step, each truncation with fresh noise; ``ξ_i`` is the sum of the
+noise the instance has been trained with since its unroll started (PES's accumulator: it makes the
+estimate unbiased across truncations). An instance's unroll length is drawn log-uniformly in
+``[min_unroll, max_unroll]``; when it is reached, the instance is replaced by a new draw of the task
+(new parameters, zero optimizer state, ξ reset to zero). Unroll lengths are rounded up to a
+multiple of the truncation, so a reset always falls on a truncation boundary and each truncation's
+ξ is exact (learned_optimization resets inside a truncation and switches to the new noise from the
+reset on). The starts are staggered as learned_optimization's ``random_initial_iteration_offset``
+does: the first unroll of each instance begins at a random truncation boundary inside its length
+(the optimizer's step count still starts at 0), so the instances reach the end of their unrolls at
+different outer steps.
+
+**Full ES** draws a new population every outer step and unrolls it for a length drawn
+log-uniformly in ``[min_unroll, max_unroll]`` (one length per outer step), ``ξ_i = ε_i``; a NaN
+difference counts as 0 and ``clip_loss_diff`` optionally bounds each difference, as in ``full_es.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lopt.meta.batched import BatchedSmallFCLOpt
+
+
+def _dup(value):
+    """Repeat along the leading axis for the antithetic pair: rows [+ ... , − ...]."""
+    if torch.is_tensor(value):
+        return torch.cat([value, value], dim=0)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_dup(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _dup(v) for k, v in value.items()}
+    raise TypeError(type(value))
+
+
+def _set_rows(target: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> None:
+    """target[mask] = source[mask] along the leading axis, in place (no host sync)."""
+    target.copy_(torch.where(mask.view((-1,) + (1,) * (target.dim() - 1)), source, target))
+
+
+class InnerPopulation:
+    """``num_tasks`` instances of ``family``, each trained by ``members`` (2: antithetic, 1: plain)
+    copies of the learned optimizer, batched along the leading axis (rows ``[+ for every instance,
+    − for every instance]``)."""
+
+    def __init__(self, family, num_tasks: int, members: int = 2, device="cpu", optimizer_kwargs=None):
+        self.family = family
+        self.num_tasks = int(num_tasks)
+        self.members = int(members)
+        self.population = self.num_tasks * self.members
+        self.device = torch.device(device)
+        self.optimizer = BatchedSmallFCLOpt(family.shapes(), self.population, self.device, **(optimizer_kwargs or {}))
+        self.params = None
+        self.opt_state = None
+        self.inst = None
+
+    def _expand(self, value):
+        return value if self.members == 1 else _dup(value)
+
+    def start(self, generator) -> None:
+        """Every instance drawn anew."""
+        self.inst = self.family.sample_instances(self.num_tasks, generator)
+        base = self.family.init_params(self.num_tasks, self.inst, generator)
+        self.params = [self._expand(p) for p in base]
+        self.opt_state = self.optimizer.init_state()
+
+    def reset(self, mask: torch.Tensor, generator) -> None:
+        """Replace the instances where ``mask`` (num_tasks,) is True by new draws (parameters, state)."""
+        fresh = self.family.sample_instances(self.num_tasks, generator)
+        base = self.family.init_params(self.num_tasks, fresh, generator)
+        for key, value in self.inst.items():
+            _set_rows(value, mask, fresh[key])
+        member_mask = self._expand(mask)
+        for p, new in zip(self.params, base):
+            _set_rows(p, member_mask, self._expand(new))
+        self.optimizer.reset_members(self.opt_state, member_mask)
+
+    def unroll(self, network: dict, steps: int, generator, on_step=None) -> torch.Tensor:
+        """Train every member ``steps`` steps with its meta-weights (``network``: batched (P, ...) or shared);
+        returns the normalised training losses (steps, P), each taken before that step's update."""
+        family = self.family
+        inst = self._expand(self.inst)
+        losses = []
+        params = self.params
+        for _ in range(steps):
+            batch = self._expand(family.sample_batch(self.inst, generator))
+            leaves = [p.detach().requires_grad_(True) for p in params]
+            with torch.enable_grad():
+                loss = family.loss(leaves, batch, inst)
+                grads = torch.autograd.grad(loss.sum(), leaves)
+            params = self.optimizer.step(leaves, grads, self.opt_state, network)
+            losses.append(family.normalise(loss.detach()))
+            if on_step is not None:
+                on_step()
+        self.params = params
+        return torch.stack(losses)
+
+    def state_dict(self) -> dict:
+        return {"params": self.params, "opt_state": self.opt_state, "inst": self.inst}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.device
+        self.params = [p.to(device) for p in state["params"]]
+        self.opt_state = {"step": state["opt_state"]["step"].to(device),
+                          "tensors": [{k: v.to(device) for k, v in t.items()} for t in state["opt_state"]["tensors"]]}
+        self.inst = {k: v.to(device) for k, v in state["inst"].items()}
+
+
+def log_uniform_int(low: int, high: int, generator: torch.Generator) -> int:
+    u = float(torch.rand((), generator=generator))
+    return int(round(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))))
+
+
+class TruncatedPES:
+    """Truncated PES over one task family (see the module docstring)."""
+
+    kind = "pes"
+
+    def __init__(self, family, space, *, num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=1000,
+                 device="cpu", optimizer_kwargs=None):
+        self.family = family
+        self.space = space
+        self.std = float(std)
+        self.truncation = int(truncation)
+        self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
+        self.device = torch.device(device)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs)
+        self.num_tasks = self.inner.num_tasks
+        self.accumulator = None   # ξ (num_tasks, D)
+        self.position = None      # inner steps taken in the current unroll (num_tasks,), host
+        self.length = None        # that unroll's length (num_tasks,), host
+
+    def _length(self, host_gen) -> int:
+        length = log_uniform_int(self.min_unroll, self.max_unroll, host_gen)
+        return max(self.truncation, -(-length // self.truncation) * self.truncation)
+
+    def start(self, host_gen, device_gen) -> None:
+        self.inner.start(device_gen)
+        self.accumulator = torch.zeros(self.num_tasks, self.space.dim, device=self.device)
+        self.length = [self._length(host_gen) for _ in range(self.num_tasks)]
+        # staggered starts: a random truncation boundary inside the first unroll
+        self.position = [int(torch.randint(n // self.truncation, (), generator=host_gen)) * self.truncation
+                         for n in self.length]
+
+    def estimate(self, theta: torch.Tensor, host_gen, device_gen, on_step=None) -> dict:
+        """One truncation: returns {"grad": (D,), "loss": mean normalised loss, "resets": int, ...}."""
+        done = [pos >= n for pos, n in zip(self.position, self.length)]
+        if any(done):
+            mask = torch.tensor(done, device=self.device)
+            self.inner.reset(mask, device_gen)
+            self.accumulator.mul_((~mask).unsqueeze(1).to(self.accumulator.dtype))
+            for i, d in enumerate(done):
+                if d:
+                    self.position[i], self.length[i] = 0, self._length(host_gen)
+        eps = torch.randn(self.num_tasks, self.space.dim, generator=device_gen, device=self.device) * self.std
+        members = torch.cat([theta + eps, theta - eps])
+        losses = self.inner.unroll(self.space.unflatten(members), self.truncation, device_gen, on_step)
+        mean = losses.mean(0)
+        positive, negative = mean[: self.num_tasks], mean[self.num_tasks:]
+        delta = torch.nan_to_num(positive - negative, nan=0.0, posinf=0.0, neginf=0.0)
+        self.accumulator.add_(eps)
+        grad = (delta.unsqueeze(1) * self.accumulator).mean(0) / (2 * self.std**2)
+        for i in range(self.num_tasks):
+            self.position[i] += self.truncation
+        return {"grad": grad, "loss": float(((positive + negative) / 2).mean()), "resets": int(sum(done)),
+                "inner_steps": self.truncation * self.inner.population}
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "accumulator": self.accumulator, "position": list(self.position),
+                "length": list(self.length)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.accumulator = state["accumulator"].to(self.device)
+        self.position, self.length = list(state["position"]), list(state["length"])
+
+
+class FullES:
+    """Antithetic ES over full unrolls (see the module docstring)."""
+
+    kind = "es"
+
+    def __init__(self, family, space, *, num_tasks=8, std=0.01, min_unroll=100, max_unroll=1000,
+                 clip_loss_diff=None, device="cpu", optimizer_kwargs=None, truncation=None):
+        self.family = family
+        self.space = space
+        self.std = float(std)
+        self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
+        self.clip_loss_diff = clip_loss_diff
+        self.device = torch.device(device)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs)
+        self.num_tasks = self.inner.num_tasks
+
+    def start(self, host_gen, device_gen) -> None:
+        pass
+
+    def estimate(self, theta: torch.Tensor, host_gen, device_gen, on_step=None) -> dict:
+        length = log_uniform_int(self.min_unroll, self.max_unroll, host_gen)
+        self.inner.start(device_gen)
+        eps = torch.randn(self.num_tasks, self.space.dim, generator=device_gen, device=self.device) * self.std
+        losses = self.inner.unroll(self.space.unflatten(torch.cat([theta + eps, theta - eps])), length, device_gen,
+                                   on_step)
+        mean = losses.mean(0)
+        positive, negative = mean[: self.num_tasks], mean[self.num_tasks:]
+        delta = torch.nan_to_num(positive - negative, nan=0.0, posinf=0.0, neginf=0.0)
+        if self.clip_loss_diff:
+            delta = delta.clamp(-self.clip_loss_diff, self.clip_loss_diff)
+        grad = (delta.unsqueeze(1) * eps).mean(0) / (2 * self.std**2)
+        return {"grad": grad, "loss": float(((positive + negative) / 2).mean()), "resets": self.num_tasks,
+                "inner_steps": length * self.inner.population}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+ESTIMATORS = {"pes": TruncatedPES, "es": FullES}

@@ -1,0 +1,131 @@
+"""Meta-training configurations: :class:`MetaTrainConfig` and the named presets.
+
+* ``mulo`` — μLO's recipe for small_fc_lopt (Thérien et al., "μLO: compute-efficient meta-
+  generalization of learned optimizers"): 5,000 AdamW outer steps, learning rate warmed up linearly
+  over 100 steps to 3e-3 then cosine-decayed to 1e-3, gradient clipping, truncated PES with
+  truncation 50, 8 perturbations (antithetic pairs), σ 0.01, unrolls of at most 1,000 steps; on
+  lopt's offline MLP tasks (digits, mnist1d, teacher–student).
+* ``celo`` — Celo's recipe (Moudgil et al., "Celo: training versatile learned optimizers on a
+  compute diet"): 8×8 image tasks with a 32-unit MLP at batch 64, the weight-rescale augmentation
+  (one global factor log-uniform in [1e-3, 1e3]), truncated PES with truncation 50, 8 tasks × 2
+  antithetic, σ 0.01, AdamW at 3e-4; digits is the only 8×8 image data set available offline, so
+  mnist1d joins it.
+* ``smoke`` — a few-second CPU configuration for tests and for trying the tools.
+
+What is lopt's own choice rather than the recipes' (the task suite, the unroll range of ``celo``,
+the clipping threshold, round-robin task groups) is said in docs/meta_training.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class MetaTrainConfig:
+    preset: str = "custom"
+    architecture: str = "small_fc_lopt"
+    estimator: str = "pes"                 # "pes" (truncated PES) or "es" (full-length antithetic ES)
+    tasks: list = field(default_factory=list)  # task-family specs ({"task": ..., ...}, lopt.meta.tasks.build)
+    groups_per_step: int = 1                # task families estimated per outer step (round robin); 0 = all
+    num_tasks: int = 8                      # instances per family = antithetic pairs (population 2·num_tasks)
+    std: float = 0.01
+    truncation: int = 50
+    min_unroll: int = 100
+    max_unroll: int = 1000
+    clip_loss_diff: float | None = None     # ES only
+    outer_steps: int = 5000
+    lr: float = 3e-3                        # peak outer learning rate
+    final_lr: float = 1e-3                  # cosine schedule's end
+    warmup_steps: int = 100
+    schedule: str = "cosine"                # "cosine" (linear warmup, cosine to final_lr) or "constant"
+    betas: tuple = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0           # global 2-norm of the outer gradient; None: no clipping
+    init: str = "random"                    # "random" (lopt.random_weights(seed)) or a weights source
+    seed: int = 0
+    validate_every: int = 250               # outer steps between validations (0: never)
+    validation_tasks: int = 4               # fixed instances per family for validation
+    validation_steps: int | None = None     # default: max_unroll
+    checkpoint_minutes: float = 2.0         # a checkpoint at least this often
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "MetaTrainConfig":
+        values = dict(values)
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown meta-training options {sorted(unknown)}")
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+    def lr_at(self, step: int) -> float:
+        """The outer learning rate of outer step ``step`` (0-based)."""
+        if self.schedule == "constant":
+            return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.outer_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.final_lr + (self.lr - self.final_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def resolved(self) -> "MetaTrainConfig":
+        """A copy whose randomly sized task families (``"student_hidden": "random"``) are drawn from the seed."""
+        out = copy.deepcopy(self)
+        generator = torch.Generator().manual_seed(10_000 + self.seed)
+        for spec in out.tasks:
+            if spec.get("student_hidden") == "random":
+                depth = int(torch.randint(1, 4, (), generator=generator))
+                spec["student_hidden"] = [int(2 ** torch.randint(3, 7, (), generator=generator)) for _ in range(depth)]
+        return out
+
+
+MLP_TASKS = [
+    {"task": "mlp", "dataset": "digits", "hidden": [32], "batch_size": 64},
+    {"task": "mlp", "dataset": "mnist1d", "hidden": [32, 32], "batch_size": 64},
+    {"task": "teacher_student", "in_dim": 16, "out_dim": 4, "teacher_hidden": [32, 32], "student_hidden": "random",
+     "batch_size": 64},
+]
+
+PRESETS = {
+    "mulo": MetaTrainConfig(
+        preset="mulo", estimator="pes", tasks=copy.deepcopy(MLP_TASKS), num_tasks=8, std=0.01, truncation=50,
+        min_unroll=100, max_unroll=1000, outer_steps=5000, lr=3e-3, final_lr=1e-3, warmup_steps=100,
+        schedule="cosine", grad_clip=1.0, validate_every=500, validation_tasks=4),
+    "celo": MetaTrainConfig(
+        preset="celo", estimator="pes",
+        tasks=[{"task": "mlp", "dataset": "digits", "hidden": [32], "batch_size": 64, "rescale": [1e-3, 1e3]},
+               {"task": "mlp", "dataset": "mnist1d", "hidden": [32], "batch_size": 64, "rescale": [1e-3, 1e3]}],
+        num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=2000, outer_steps=5000, lr=3e-4,
+        final_lr=3e-4, warmup_steps=0, schedule="constant", grad_clip=1.0, validate_every=500, validation_tasks=4),
+    "smoke": MetaTrainConfig(
+        preset="smoke", estimator="pes",
+        tasks=[{"task": "logreg", "dim": 8, "classes": 3, "separation": 3.0, "batch_size": 32}],
+        num_tasks=4, std=0.01, truncation=10, min_unroll=20, max_unroll=60, outer_steps=40, lr=1e-2, final_lr=1e-2,
+        warmup_steps=0, schedule="constant", grad_clip=None, validate_every=20, validation_tasks=4,
+        validation_steps=40, checkpoint_minutes=1.0),
+}
+
+
+def preset(name: str, **overrides) -> MetaTrainConfig:
+    """A copy of a named preset with ``overrides`` applied (None values ignored)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    config = copy.deepcopy(PRESETS[name])
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if not hasattr(config, key):
+            raise ValueError(f"unknown meta-training option {key!r}")
+        setattr(config, key, value)
+    return config

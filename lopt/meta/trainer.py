@@ -1,0 +1,313 @@
+"""The outer loop: estimators → clipped gradient → AdamW on θ; checkpoints that resume exactly.
+
+A run lives in one directory::
+
+    DIR/config.json, DIR/model.safetensors   the latest meta-weights in PyLO's hub layout
+                                             (lopt.SmallFCLOpt(weights="DIR") loads them)
+    DIR/best/                                the weights of the best validation so far (same layout)
+    DIR/meta_training.json                   the run's record: config, git commit, versions, device,
+                                             meta-loss curve, validation curve, chunks, inner steps/s
+    DIR/checkpoint.pt                        everything needed to continue exactly: θ, AdamW's state,
+                                             every estimator's state (inner parameters, optimizer
+                                             state, PES accumulators, unroll positions), RNG states
+
+Running again with the same directory resumes from ``checkpoint.pt``; on the same device and
+software the continued run is bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import lopt
+from lopt.meta import tasks as tasks_lib
+from lopt.meta.estimators import ESTIMATORS, InnerPopulation
+from lopt.meta.metaparams import MetaParamSpace
+from lopt.meta.presets import MetaTrainConfig
+
+CHECKPOINT = "checkpoint.pt"
+RECORD = "meta_training.json"
+FORMAT = "lopt.meta.checkpoint/1"
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "lopt"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _device_generator(device: torch.device, seed: int) -> torch.Generator:
+    generator = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+    return generator.manual_seed(seed)
+
+
+class MetaTrainer:
+    """Meta-trains ``config.architecture``'s MLP with ``config.estimator`` on ``config.tasks``.
+
+    >>> trainer = MetaTrainer(preset("smoke"), out_dir="run", device="cpu")
+    >>> trainer.run(max_minutes=8)      # resumable: MetaTrainer.resume("run").run(...)
+    """
+
+    def __init__(self, config: MetaTrainConfig, out_dir=None, device="cpu"):
+        self.config = config.resolved()
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        config = self.config
+        if config.estimator not in ESTIMATORS:
+            raise ValueError(f"unknown estimator {config.estimator!r}; known: {sorted(ESTIMATORS)}")
+        if not config.tasks:
+            raise ValueError("meta-training needs at least one task family")
+        self.space = MetaParamSpace(config.architecture)
+        self.families = [tasks_lib.build(spec).to(self.device) for spec in config.tasks]
+        estimator = ESTIMATORS[config.estimator]
+        self.estimators = [
+            estimator(family, self.space, num_tasks=config.num_tasks, std=config.std, truncation=config.truncation,
+                      min_unroll=config.min_unroll, max_unroll=config.max_unroll, device=self.device,
+                      **({"clip_loss_diff": config.clip_loss_diff} if config.estimator == "es" else {}))
+            for family in self.families]
+        self.host_gen = torch.Generator().manual_seed(config.seed)
+        self.device_gen = _device_generator(self.device, config.seed + 1)
+        self.theta = torch.nn.Parameter(self.space.initial(config.init, config.seed).to(self.device))
+        self.outer_opt = torch.optim.AdamW([self.theta], lr=config.lr_at(0), betas=tuple(config.betas),
+                                           weight_decay=config.weight_decay)
+        self.step = 0
+        self.started = False
+        self.elapsed = 0.0  # seconds of outer steps, over all chunks
+        self.history = {"step": [], "meta_loss": [], "lr": [], "grad_norm": [], "groups": [], "seconds": [],
+                        "inner_steps": [], "resets": [], "validation": []}
+        self.chunks = []
+        self.best = None  # (validation loss, step)
+        self._stop = False
+
+    # ------------------------------------------------------------------ one outer step
+    def _groups(self, step: int) -> list[int]:
+        n = len(self.estimators)
+        k = n if self.config.groups_per_step in (0, None) else min(n, self.config.groups_per_step)
+        return [(step * k + j) % n for j in range(k)]
+
+    def outer_step(self, on_inner_step=None) -> dict:
+        if not self.started:
+            for estimator in self.estimators:
+                estimator.start(self.host_gen, self.device_gen)
+            self.started = True
+        start = time.perf_counter()
+        theta = self.theta.detach()
+        groups = self._groups(self.step)
+        grads, losses, inner_steps, resets = [], [], 0, 0
+        for g in groups:
+            out = self.estimators[g].estimate(theta, self.host_gen, self.device_gen, on_inner_step)
+            grads.append(out["grad"])
+            losses.append(out["loss"])
+            inner_steps += out["inner_steps"]
+            resets += out["resets"]
+        grad = torch.stack(grads).mean(0)
+        grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+        norm = float(grad.norm())
+        if self.config.grad_clip:
+            grad = grad * min(1.0, self.config.grad_clip / (norm + 1e-6))
+        lr = self.config.lr_at(self.step)
+        for group in self.outer_opt.param_groups:
+            group["lr"] = lr
+        self.theta.grad = grad.to(self.theta.dtype)
+        self.outer_opt.step()
+        self.theta.grad = None
+        seconds = time.perf_counter() - start
+        self.elapsed += seconds
+        meta_loss = sum(losses) / len(losses)
+        h = self.history
+        h["step"].append(self.step)
+        h["meta_loss"].append(meta_loss)
+        h["lr"].append(lr)
+        h["grad_norm"].append(norm)
+        h["groups"].append(groups)
+        h["seconds"].append(seconds)
+        h["inner_steps"].append(inner_steps)
+        h["resets"].append(resets)
+        self.step += 1
+        return {"meta_loss": meta_loss, "grad_norm": norm, "lr": lr, "seconds": seconds, "inner_steps": inner_steps}
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def validate(self, theta=None) -> float:
+        """Mean normalised training loss over ``validation_steps`` steps of ``validation_tasks`` fixed instances
+        of every family, trained with θ itself (no perturbation); the instances are the same at every call."""
+        config = self.config
+        theta = self.theta.detach() if theta is None else theta.to(self.device)
+        steps = config.validation_steps or config.max_unroll
+        network = self.space.unflatten(theta)
+        values = []
+        for i, family in enumerate(self.families):
+            generator = _device_generator(self.device, 777_000 + 31 * i)
+            inner = InnerPopulation(family, config.validation_tasks, members=1, device=self.device)
+            inner.start(generator)
+            values.append(float(inner.unroll(network, steps, generator).mean()))
+        return sum(values) / len(values)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return _to_cpu({
+            "format": FORMAT, "config": self.config.to_dict(), "step": self.step, "started": self.started,
+            "elapsed": self.elapsed, "theta": self.theta.detach(), "outer_opt": self.outer_opt.state_dict(),
+            "estimators": [e.state_dict() for e in self.estimators] if self.started else None,
+            "host_gen": self.host_gen.get_state(), "device_gen": self.device_gen.get_state(),
+            "history": self.history, "chunks": self.chunks, "best": self.best, "device": str(self.device)})
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != FORMAT:
+            raise ValueError(f"not a lopt.meta checkpoint (format {state.get('format')!r}, expected {FORMAT!r})")
+        self.step, self.started, self.elapsed = state["step"], state["started"], state["elapsed"]
+        with torch.no_grad():
+            self.theta.copy_(state["theta"].to(self.device))
+        self.outer_opt.load_state_dict(state["outer_opt"])
+        if self.started:
+            for estimator, est_state in zip(self.estimators, state["estimators"]):
+                estimator.load_state_dict(est_state)
+        self.host_gen.set_state(state["host_gen"])
+        self.device_gen.set_state(state["device_gen"])
+        self.history, self.chunks, self.best = state["history"], state["chunks"], state["best"]
+
+    @classmethod
+    def resume(cls, out_dir, device=None) -> "MetaTrainer":
+        """The run saved in ``out_dir`` (its config from the checkpoint), ready to continue."""
+        path = Path(out_dir) / CHECKPOINT
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        config = MetaTrainConfig.from_dict(state["config"])
+        trainer = cls(config, out_dir, device or state["device"])
+        trainer.load_state_dict(state)
+        return trainer
+
+    def save(self) -> None:
+        """checkpoint.pt (atomically), the weights (latest), the record."""
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.out_dir / (CHECKPOINT + ".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, self.out_dir / CHECKPOINT)
+        self.weights(f"lopt meta-train {self.config.preset}, outer step {self.step}").save(self.out_dir)
+        self.write_record()
+
+    def weights(self, source: str = "lopt.meta"):
+        """θ as :class:`lopt.MetaWeights`."""
+        return self.space.to_meta_weights(self.theta.detach(), source)
+
+    def inner_steps_per_second(self, last: int | None = None) -> float | None:
+        h = self.history
+        steps, seconds = h["inner_steps"][-last:] if last else h["inner_steps"], h["seconds"][-last:] if last else h["seconds"]
+        return sum(steps) / sum(seconds) if seconds and sum(seconds) > 0 else None
+
+    def write_record(self) -> None:
+        record = {
+            "what": "lopt meta-train run record (docs/meta_training.md)",
+            "config": self.config.to_dict(),
+            "families": [f.describe() for f in self.families],
+            "git_commit": _git_commit(), "lopt": lopt.__version__, "torch": torch.__version__,
+            "device": str(self.device) + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""),
+            "outer_steps_done": self.step, "seconds": self.elapsed,
+            "inner_steps_per_second": self.inner_steps_per_second(),
+            "best_validation": self.best, "chunks": self.chunks, "history": self.history,
+        }
+        tmp = self.out_dir / (RECORD + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, self.out_dir / RECORD)
+
+    # ------------------------------------------------------------------ the loop
+    def _validate_and_keep_best(self) -> float:
+        value = self.validate()
+        self.history["validation"].append([self.step, value])
+        if self.best is None or value < self.best[0]:
+            self.best = [value, self.step]
+            if self.out_dir is not None:
+                self.weights(f"lopt meta-train {self.config.preset}, best validation at outer step {self.step}").save(
+                    self.out_dir / "best")
+        return value
+
+    def run(self, max_minutes: float | None = None, progress: bool = True, outer_steps: int | None = None) -> dict:
+        """Outer steps until ``config.outer_steps`` (or ``outer_steps`` more) are done or ``max_minutes`` would be
+        exceeded; checkpoints on the way (``checkpoint_minutes``) and at the end. Returns a summary."""
+        from tqdm.auto import tqdm
+
+        config = self.config
+        target = config.outer_steps if outer_steps is None else min(config.outer_steps, self.step + outer_steps)
+        chunk_start, chunk_step = time.perf_counter(), self.step
+        last_save = chunk_start
+        budget = None if max_minutes is None else max_minutes * 60.0
+        previous_handler = None
+        try:
+            previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread
+            pass
+        self._stop = False
+        if self.step == 0 and config.validate_every and not self.history["validation"]:
+            self._validate_and_keep_best()
+        bar = tqdm(total=config.outer_steps, initial=self.step, disable=not progress, desc="meta-train", unit="step",
+                   dynamic_ncols=True)
+        ema, step_time, stopped_for = None, None, None
+        try:
+            while self.step < target:
+                now = time.perf_counter()
+                if budget is not None and step_time is not None and (now - chunk_start) + 1.5 * step_time > budget:
+                    stopped_for = "time"
+                    break
+                if self._stop:
+                    stopped_for = "signal"
+                    break
+                out = self.outer_step()
+                step_time = out["seconds"] if step_time is None else 0.8 * step_time + 0.2 * out["seconds"]
+                ema = out["meta_loss"] if ema is None else 0.95 * ema + 0.05 * out["meta_loss"]
+                postfix = {"meta_loss": f"{ema:.4f}", "lr": f"{out['lr']:.2e}"}
+                if config.validate_every and self.step % config.validate_every == 0:
+                    postfix["val"] = f"{self._validate_and_keep_best():.4f}"
+                bar.set_postfix(postfix, refresh=False)
+                bar.update(1)
+                if time.perf_counter() - last_save > config.checkpoint_minutes * 60.0:
+                    self._record_chunk(chunk_step, chunk_start)
+                    self.save()
+                    self.chunks.pop()
+                    last_save = time.perf_counter()
+        finally:
+            bar.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        if self.step >= config.outer_steps and config.validate_every and (
+                not self.history["validation"] or self.history["validation"][-1][0] != self.step):
+            self._validate_and_keep_best()
+        self._record_chunk(chunk_step, chunk_start)
+        self.save()
+        return {"step": self.step, "outer_steps": config.outer_steps, "finished": self.step >= config.outer_steps,
+                "stopped_for": stopped_for, "chunk_seconds": time.perf_counter() - chunk_start,
+                "inner_steps_per_second": self.inner_steps_per_second(self.step - chunk_step or None),
+                "meta_loss_ema": ema, "best": self.best}
+
+    def _record_chunk(self, chunk_step, chunk_start):
+        self.chunks.append({"from_step": chunk_step, "to_step": self.step,
+                            "seconds": round(time.perf_counter() - chunk_start, 3), "device": str(self.device)})
+
+    def _on_sigterm(self, signum, frame):
+        self._stop = True

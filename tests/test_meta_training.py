@@ -1,0 +1,94 @@
+"""lopt.meta's outer loop on the CPU: the meta-loss goes down, checkpoints resume bit-exactly, the weights load."""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+import lopt
+from lopt.meta.presets import preset
+from lopt.meta.trainer import CHECKPOINT, RECORD, MetaTrainer
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_meta_loss_goes_down_on_a_tiny_population(tmp_path):
+    """40 PES outer steps of the smoke preset (logistic regression, random initial meta-weights, fixed seed):
+    the meta-loss's last 10 steps average well below its first 10, and the validation loss of θ itself
+    (fixed instances, no perturbation) drops too. (Seeds 0-2 measured: first 10 ≈ 1.24-1.35, last 10 ≈
+    0.61-0.86; validation 1.31-1.34 → 0.64-0.78.)"""
+    trainer = MetaTrainer(preset("smoke", seed=0), out_dir=tmp_path, device="cpu")
+    summary = trainer.run(progress=False)
+    assert summary["finished"] and summary["step"] == 40
+    losses = trainer.history["meta_loss"]
+    first, last = statistics.mean(losses[:10]), statistics.mean(losses[-10:])
+    assert last < first - 0.2, (first, last)
+    validation = trainer.history["validation"]
+    assert validation[0][0] == 0 and validation[-1][0] == 40
+    assert validation[-1][1] < validation[0][1] - 0.3, validation
+    # the output: PyLO's hub layout beside the record, loadable by SmallFCLOpt
+    assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()
+    record = json.loads((tmp_path / RECORD).read_text())
+    assert record["history"]["meta_loss"] == losses and record["config"]["preset"] == "smoke"
+    assert record["outer_steps_done"] == 40 and record["inner_steps_per_second"] > 0
+    model = torch.nn.Linear(3, 2)
+    opt = lopt.SmallFCLOpt(model.parameters(), weights=str(tmp_path), backend="naive")
+    loaded = opt.meta_weights.tensors["mlp"]
+    for name, tensor in trainer.space.unflatten(trainer.theta.detach()).items():
+        assert torch.equal(loaded[name], tensor)
+    best = lopt.load_weights(str(tmp_path / "best"), "small_fc_lopt")
+    assert best.tensors["mlp"]["network.input.weight"].shape == (32, 39)
+
+
+def _equal_states(a, b):
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal_states(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal_states(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.parametrize("estimator", ["pes", "es"])
+def test_checkpoint_resume_is_bit_exact(tmp_path, estimator):
+    """N outer steps straight == N/2, checkpoint, a new process-like resume from the directory, N/2 more:
+    identical θ, AdamW state, PES state (inner parameters, optimizer state, accumulators, positions)."""
+    config = preset("smoke", estimator=estimator, outer_steps=12, validate_every=0, min_unroll=10, max_unroll=30,
+                    tasks=[{"task": "mlp", "dataset": "mnist1d", "hidden": [8], "batch_size": 16,
+                            "rescale": [0.1, 10.0]},
+                           {"task": "teacher_student", "in_dim": 4, "out_dim": 2, "teacher_hidden": [8],
+                            "student_hidden": "random", "batch_size": 16}],
+                    num_tasks=2, groups_per_step=1)
+    straight = MetaTrainer(config, out_dir=tmp_path / "straight")
+    straight.run(progress=False)
+
+    first = MetaTrainer(config, out_dir=tmp_path / "chunks")
+    summary = first.run(progress=False, outer_steps=6)
+    assert summary["step"] == 6 and not summary["finished"]
+    del first
+    resumed = MetaTrainer.resume(tmp_path / "chunks")
+    assert resumed.step == 6
+    resumed.run(progress=False)
+
+    assert resumed.step == straight.step == 12
+    assert torch.equal(resumed.theta.detach(), straight.theta.detach())
+    a, b = straight.state_dict(), resumed.state_dict()
+    for key in ("theta", "outer_opt", "estimators", "host_gen", "device_gen"):
+        assert _equal_states(a[key], b[key]), key
+    assert a["history"]["meta_loss"] == b["history"]["meta_loss"]
+    assert {tuple(g) for g in a["history"]["groups"]} == {(0,), (1,)}  # both families, round robin
+    if estimator == "pes":
+        assert sum(a["history"]["resets"]) > 0  # instances reached the end of their unrolls and were replaced
+    assert [c["to_step"] for c in resumed.chunks] == [6, 12]
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_max_minutes_stops_and_leaves_a_checkpoint(tmp_path):
+    trainer = MetaTrainer(preset("smoke", outer_steps=10_000, validate_every=0), out_dir=tmp_path)
+    summary = trainer.run(progress=False, max_minutes=0.02)
+    assert summary["stopped_for"] == "time" and 0 < summary["step"] < 10_000
+    assert summary["chunk_seconds"] < 0.02 * 60 + 1.0
+    state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    assert state["step"] == summary["step"]
