@@ -9,9 +9,9 @@ wherever their broadcasting allows, so that there is one source of truth:
 * the accumulators (§3.2) and the 28 per-element features (§3.4, §3.5) are the reference functions
   called on ``(P,) + S`` tensors with the factored axes shifted by one (every reduction they do is
   along one of the member's own axes);
-* the per-tensor second-moment normalisation (§3.6) sums over each member's elements only (the
-  reference sums over every axis, which would mix members) and then calls the reference's
-  ``normalise_by_square_sums`` with the sums broadcast per member;
+* the per-tensor second-moment normalisation (§3.6): the reference's ``feature_square_sums`` mapped
+  over the population axis with ``torch.func.vmap`` (called on the whole batch it would sum over the
+  members too), then the reference's ``normalise_by_square_sums`` with the sums broadcast per member;
 * the time features (§3.7) are formed per member (members sit at different inner steps);
 * the MLP (§3.8) multiplies every member by its own weights (``torch.baddbmm``); all tensors of a
   member go through it in one call;
@@ -48,6 +48,11 @@ def batched_time_features(steps: torch.Tensor) -> torch.Tensor:
     """(P, 11): ``tanh(τ / T_i − 1)`` with ``τ = step − 1`` per member (float32, as ``reference.time_features``)."""
     tau = (steps.to(torch.float32) - 1.0).unsqueeze(-1)
     return torch.tanh(tau / TIMESCALES.to(steps.device) - 1.0)
+
+
+# The reference's per-tensor feature statistics (§3.6), per member: vmap maps the function over the
+# population axis, so whatever it does (float64 sums, which values it leaves out) holds here too.
+_member_square_sums = torch.func.vmap(accumulators.feature_square_sums)
 
 
 def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +145,8 @@ class BatchedSmallFCLOpt:
                     current = buffers[name]
                     current.copy_(torch.where(ok.view((-1,) + (1,) * (current.dim() - 1)), current, buf))
             features = reference.per_element_features(grad, value, buffers, dims)
-            element_axes = list(range(1, features.dim() - 1))
-            sums = accumulators.float64_square_sum(features, dim=element_axes)  # (P, 28), per member
-            sums = sums.view((P,) + (1,) * len(element_axes) + (reference.NUM_ELEMENT_FEATURES,))
+            sums = _member_square_sums(features)  # (P, 28): the reference's sums, per member
+            sums = sums.view((P,) + (1,) * (features.dim() - 2) + (reference.NUM_ELEMENT_FEATURES,))
             normalised = accumulators.normalise_by_square_sums(features, sums, count)
             inputs.append(normalised.reshape(P, count, reference.NUM_ELEMENT_FEATURES))
             pending.append((value.squeeze(-1), count))
