@@ -66,14 +66,16 @@ def make_optimizer(name: str, params, num_steps: int | None = None, **kwargs):
 
 
 def reference_training(model, steps, make_opt, *, autocast_dtype=None, scaler=None, lr_factors=None,
-                       gradient_divisor=None):
+                       gradient_divisor=None, clip_norm=None, grad_norms=None):
     """The hand-written loop: for each step, back-propagate every micro-batch's loss divided by the
     step's number of micro-batches (or by ``gradient_divisor``: Lightning divides by
     accumulate_grad_batches even in an epoch's last, shorter step), then step; VeLO gets the float64
     mean of the micro-batch losses.
 
     ``steps`` lists each step's micro-batches ``(x, y)``. ``lr_factors[t]`` (optional) multiplies every
-    group's initial lr at step ``t`` (a schedule). Returns (model, optimizer, per-step micro-batch losses).
+    group's initial lr at step ``t`` (a schedule). ``clip_norm``: clip the gradients' total norm before
+    each step (after ``scaler.unscale_``, the documented GradScaler recipe); ``grad_norms`` (a list)
+    receives each step's norm before clipping. Returns (model, optimizer, per-step micro-batch losses).
     """
     model = copy.deepcopy(model)
     opt = make_opt(model)
@@ -94,6 +96,12 @@ def reference_training(model, steps, make_opt, *, autocast_dtype=None, scaler=No
             (scaler.scale(divided) if scaler is not None else divided).backward()
             losses.append(float(loss.detach().double()))
         losses_per_step.append(losses)
+        if clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
         args = (sum(losses) / len(losses),) if opt.requires_loss else ()
         if scaler is not None:
             scaler.step(opt, *args)

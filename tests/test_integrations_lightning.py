@@ -18,7 +18,7 @@ from integrations_support import (
 L = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install -e '.[test]')")
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from lopt.integrations.lightning import VeLOLossCallback  # noqa: E402
+from lopt.integrations.lightning import GradientClippingCallback, VeLOLossCallback  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("single_intra_op_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning:lightning"),
@@ -146,6 +146,71 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path, optimizer_name):
     if optimizer_name == "velo":
         for key in ("loss_means", "loss_running_min", "loss_count"):
             assert torch.equal(resumed_state["param_groups"][0][key], straight_state["param_groups"][0][key]), key
+
+
+CLIP = 0.02  # below every step's gradient norm here: each step is clipped
+
+
+def clipping_callbacks(optimizer_name):
+    return [VeLOLossCallback()] if optimizer_name == "velo" else [GradientClippingCallback()]
+
+
+@pytest.mark.parametrize("optimizer_name", ["small_fc_lopt", "velo"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed-grad-scaler"])
+def test_gradient_clipping_under_mixed_precision(optimizer_name, precision):
+    """gradient_clip_val under bf16-mixed and 16-mixed (with its GradScaler) clips as the hand-written loop
+    does (GradScaler: unscale_, clip_grad_norm_, step); the optimizer's own attribute is restored afterwards."""
+    trainer_options, reference_options = PRECISIONS[precision]
+    module = RegressionModule(optimizer_name)
+    initial_net = make_net(seed=3)
+    trainer = make_trainer(accumulate_grad_batches=2, gradient_clip_val=CLIP, callbacks=clipping_callbacks(optimizer_name),
+                           **_resolve(trainer_options))
+    trainer.fit(module, loader())
+    opt = trainer.optimizers[0]
+    assert opt.param_groups[0]["step"] == 3 and opt._step_supports_amp_scaling is True
+    assert "_step_supports_amp_scaling" not in vars(opt)
+    steps, losses = module.steps(accumulation=2)
+    norms = []
+    expected, _, _ = reference_training(
+        initial_net, steps, lambda m: make_optimizer(optimizer_name, m.parameters(), num_steps=3), gradient_divisor=2,
+        clip_norm=CLIP, grad_norms=norms, **_resolve(reference_options))
+    assert len(norms) == 3 and min(norms) > 2 * CLIP  # clipping changed every step's gradients
+    assert_same_parameters(module.net, expected, rtol=1e-6, atol=1e-8)
+    if optimizer_name == "velo":
+        assert_fed_means(opt, losses)
+
+
+def test_velo_under_16_mixed_with_clipping_drops_the_losses_of_an_overflowing_step():
+    """With clipping, Lightning's GradScaler skips an overflowing step without calling step(): VeLO's next step
+    still averages only its own micro-batches, as when VeLO skips the step itself (the hand-written loop)."""
+    def scaler():  # the first step overflows in float16, the next ones do not
+        return torch.amp.GradScaler("cpu", init_scale=2.0 ** 30, backoff_factor=2.0 ** -20)
+
+    module = RegressionModule("velo", num_steps=3)
+    initial_net = make_net(seed=3)
+    trainer = make_trainer(accumulate_grad_batches=2, gradient_clip_val=CLIP, callbacks=[VeLOLossCallback()],
+                           plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler())])
+    trainer.fit(module, loader())
+    steps, _ = module.steps(accumulation=2)
+    expected, expected_opt, _ = reference_training(
+        initial_net, steps, lambda m: make_optimizer("velo", m.parameters(), num_steps=3), gradient_divisor=2,
+        clip_norm=CLIP, autocast_dtype=torch.float16, scaler=scaler())
+    velo = trainer.optimizers[0]
+    # 3 windows, the first one's step skipped (in the hand-written loop by VeLO itself, on GradScaler's found_inf)
+    assert velo.param_groups[0]["step"] == expected_opt.param_groups[0]["step"] == 2
+    assert_same_parameters(module.net, expected, rtol=1e-6, atol=1e-8)
+    for key in ("loss_means", "loss_running_min", "loss_count"):  # the losses VeLO used, step by step
+        torch.testing.assert_close(velo.param_groups[0][key], expected_opt.param_groups[0][key], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed-grad-scaler"])
+def test_without_the_callback_lightning_refuses_to_clip(precision):
+    """Lightning's own check (lopt's optimizers unscale inside step(), as fused AdamW does): the reason for
+    GradientClippingCallback. If a Lightning release lifts it, docs/integrations.md §5 should say so."""
+    trainer_options, _ = PRECISIONS[precision]
+    trainer = make_trainer(gradient_clip_val=1.0, **_resolve(trainer_options))
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping because it performs unscaling"):
+        trainer.fit(RegressionModule("small_fc_lopt"), loader())
 
 
 def test_callback_refuses_manual_optimisation_and_optimizers_other_than_velo():

@@ -24,7 +24,7 @@ class BenchSetupError(RuntimeError):
 
 # The library each model family needs, and how to get it.
 _LIBRARIES = {
-    "gpt2": ("transformers", "pip install 'lopt[bench]' (or pip install transformers)"),
+    "gpt2": ("transformers", "pip install -e '.[bench]' in the lopt checkout (or pip install transformers)"),
     "vit": ("timm", "pip install timm (it needs a torchvision built for your torch: install both from the same index)"),
 }
 
@@ -55,7 +55,7 @@ def require_matplotlib(option: str) -> None:
     problem = _import_problem("matplotlib")
     if problem is not None:
         raise BenchSetupError(f"{option} needs matplotlib, which cannot be imported ({problem}); "
-                              f"pip install 'lopt[bench]' (or pip install matplotlib)")
+                              f"pip install -e '.[bench]' in the lopt checkout (or pip install matplotlib)")
 
 
 @dataclass

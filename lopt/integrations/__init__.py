@@ -1,12 +1,13 @@
 """Glue between lopt's optimizers and the training loops that call ``step()`` for you.
 
 Each submodule imports its framework only when it is imported itself, so ``import lopt`` never
-needs any of them (``pip install "lopt[integrations]"`` brings the tested versions):
+needs any of them (``pip install -e ".[integrations]"`` in the lopt checkout brings the tested versions):
 
 - :mod:`lopt.integrations.transformers` — ``LoptTrainer`` / ``VeLOLossMixin`` for the Hugging Face
   ``Trainer``: every micro-batch's loss reaches :class:`lopt.VeLO`.
 - :mod:`lopt.integrations.lightning` — ``VeLOLossCallback`` for Lightning's automatic optimisation
-  (gradient accumulation, ``16-mixed`` with its GradScaler, ``bf16-mixed``).
+  (gradient accumulation, ``16-mixed`` with its GradScaler, ``bf16-mixed``), and
+  ``GradientClippingCallback``, which lets Lightning clip (``gradient_clip_val``) under mixed precision.
 - :mod:`lopt.integrations.timm` — ``register_timm_optimizers()``: ``timm.optim.create_optimizer_v2(model,
   "small_fc_lopt")`` and ``"velo"``.
 

@@ -13,6 +13,32 @@ _WRAPPED_OPTIMIZER_ATTRIBUTES = ("_optimizer", "optimizer")
 _MAX_WRAPPING_DEPTH = 8
 
 
+def find_learned_optimizer(optimizer):
+    """The lopt optimizer (:class:`lopt.SmallFCLOpt`, :class:`lopt.VeLO`) that ``optimizer`` is or wraps, else None."""
+    from lopt.optimizers.base import LearnedOptimizer
+
+    for _ in range(_MAX_WRAPPING_DEPTH):
+        inner = None
+        for name in _WRAPPED_OPTIMIZER_ATTRIBUTES:
+            candidate = getattr(optimizer, name, None)
+            if isinstance(candidate, torch.optim.Optimizer) and candidate is not optimizer:
+                inner = candidate
+                break
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer if isinstance(optimizer, LearnedOptimizer) else None
+
+
+def discard_pending_losses(velo: VeLO) -> None:
+    """Forget the losses handed to ``velo.accumulate_loss`` since its last step.
+
+    For a step that a framework skipped without calling ``step()`` (GradScaler's standard path on an
+    overflow): VeLO's own skip consumes them, so the next step averages its own micro-batches only.
+    """
+    velo._losses["accumulated"] = 0
+
+
 def find_velo(optimizer) -> VeLO | None:
     """The :class:`lopt.VeLO` that ``optimizer`` is or wraps (accelerate, Lightning), else None.
 

@@ -71,7 +71,7 @@ def __getattr__(name: str):
             from transformers import Trainer
         except ImportError as err:
             raise ImportError("lopt.integrations.transformers.LoptTrainer needs transformers: "
-                              "pip install 'lopt[integrations]' (or transformers)") from err
+                              "pip install -e '.[integrations]' in the lopt checkout (or pip install transformers)") from err
 
         trainer_class = type("LoptTrainer", (VeLOLossMixin, Trainer), {
             "__module__": __name__,
