@@ -377,11 +377,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (docs/bench.md)")
     bench.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a Markdown table")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    from lopt.meta.cli import add_commands as add_meta_commands  # meta-train, meta-eval (docs/meta_training.md)
+
+    add_meta_commands(sub)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "meta_handler"):
+        from lopt.meta.cli import run as run_meta
+
+        return run_meta(args)
     try:
         if args.command == "info":
             return _cmd_info(args)

@@ -92,3 +92,20 @@ def test_max_minutes_stops_and_leaves_a_checkpoint(tmp_path):
     assert summary["chunk_seconds"] < 0.02 * 60 + 1.0
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
     assert state["step"] == summary["step"]
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_meta_train_command_runs_resumes_and_refuses_other_settings(tmp_path, capsys):
+    from lopt.cli import main
+
+    out = tmp_path / "run"
+    common = ["meta-train", "--preset", "smoke", "--out", str(out), "--quiet", "--device", "cpu",
+              "--set", "validate_every=0", "--set", "outer_steps=6"]
+    assert main(common + ["--max-minutes", "0.001"]) == 0  # stops at once (after one step), checkpointed
+    assert "rerun the same command to continue" in capsys.readouterr().out
+    assert main(common) == 0
+    printed = capsys.readouterr()
+    assert "resuming" in printed.err and "outer step 6/6, finished" in printed.out
+    assert json.loads((out / RECORD).read_text())["outer_steps_done"] == 6
+    assert main(common + ["--seed", "3"]) == 2
+    assert "other settings (seed)" in capsys.readouterr().err

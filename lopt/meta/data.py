@@ -8,7 +8,8 @@
 * ``stdlib_text``: the source of a module that ships with Python (bytes; ``argparse`` by default)
   for a character-level language model.
 
-Features are standardised with the training split's mean and standard deviation; every split is a
+Features are standardised with the training split's mean and standard deviation (per feature for
+the tables, over all pixels for digits); every split is a
 fixed permutation (seed 0), so a data set is the same on every machine with the same versions.
 """
 
@@ -42,13 +43,19 @@ class Dataset:
                        self.num_classes, self.input_shape)
 
 
-def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, name: str, num_classes: int, input_shape) -> Dataset:
+def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, name: str, num_classes: int, input_shape,
+           per_feature: bool = True) -> Dataset:
+    """A fixed split; features standardised by the training split's statistics, per feature (tables) or
+    over all pixels at once (images, ``per_feature=False``: digits has pixels that are 0 in every
+    training image and not in every test image)."""
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     n_test = int(round(len(x) * test_fraction))
     test, train = order[:n_test], order[n_test:]
     flat = x.reshape(len(x), -1)
-    mean = flat[train].mean(0)
-    std = flat[train].std(0).clamp_min(1e-6)
+    if per_feature:
+        mean, std = flat[train].mean(0), flat[train].std(0).clamp_min(1e-6)
+    else:
+        mean, std = flat[train].mean(), flat[train].std()
     x = ((flat - mean) / std).reshape(x.shape).to(torch.float32)
     return Dataset(name, x[train], y[train], x[test], y[test], num_classes, tuple(input_shape))
 
@@ -68,7 +75,7 @@ def _sklearn(loader: str):
 def digits() -> Dataset:
     """scikit-learn's 8×8 handwritten digits: 1797 images, 10 classes; 20% held out. Inputs (1, 8, 8)."""
     x, y = _sklearn("load_digits")
-    return _split(x.reshape(-1, 1, 8, 8), y, 0.2, "digits", 10, (1, 8, 8))
+    return _split(x.reshape(-1, 1, 8, 8), y, 0.2, "digits", 10, (1, 8, 8), per_feature=False)
 
 
 def wine() -> Dataset:

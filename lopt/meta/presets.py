@@ -10,6 +10,7 @@
   (one global factor log-uniform in [1e-3, 1e3]), truncated PES with truncation 50, 8 tasks × 2
   antithetic, σ 0.01, AdamW at 3e-4; digits is the only 8×8 image data set available offline, so
   mnist1d joins it.
+* ``digits-cpu`` — a few minutes on a laptop CPU: PES on the digits MLP alone, short unrolls.
 * ``smoke`` — a few-second CPU configuration for tests and for trying the tools.
 
 What is lopt's own choice rather than the recipes' (the task suite, the unroll range of ``celo``,
@@ -108,6 +109,11 @@ PRESETS = {
                {"task": "mlp", "dataset": "mnist1d", "hidden": [32], "batch_size": 64, "rescale": [1e-3, 1e3]}],
         num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=2000, outer_steps=5000, lr=3e-4,
         final_lr=3e-4, warmup_steps=0, schedule="constant", grad_clip=1.0, validate_every=500, validation_tasks=4),
+    "digits-cpu": MetaTrainConfig(
+        preset="digits-cpu", estimator="pes", tasks=[{"task": "mlp", "dataset": "digits", "hidden": [32], "batch_size": 64}],
+        num_tasks=4, std=0.01, truncation=20, min_unroll=50, max_unroll=200, outer_steps=300, lr=1e-2, final_lr=1e-2,
+        warmup_steps=0, schedule="constant", grad_clip=None, validate_every=50, validation_tasks=4,
+        validation_steps=200, checkpoint_minutes=1.0),
     "smoke": MetaTrainConfig(
         preset="smoke", estimator="pes",
         tasks=[{"task": "logreg", "dim": 8, "classes": 3, "separation": 3.0, "batch_size": 32}],

@@ -1,0 +1,406 @@
+"""``lopt meta-eval``: meta-weights against AdamW on a frozen held-out suite.
+
+The suite ``heldout-v1`` was fixed in code (and in docs/meta_training.md) before any meta-training
+run, and none of its tasks is a training task: other data sets (breast_cancer, wine), another
+architecture (a digits CNN, a character-level transformer on the source of Python's ``argparse``),
+networks 8–16× wider and 7–8 layers deep, and horizons of 5,000 steps (5× the ``mulo`` preset's
+longest unroll).
+
+For every task, each optimizer trains the same instances (initial parameters and data order fixed by
+the seed):
+
+* the learned optimizer (``SmallFCLOpt(weights=WEIGHTS)``, lr 1, no weight decay) on seeds 2–6;
+* AdamW at torch's defaults (lr 1e-3, weight decay 0.01) on seeds 2–6;
+* AdamW with a tuned learning rate: 13 log-spaced values from 10^-4.5 to 10^-0.5, each on seeds 0–1;
+  the one with the lowest mean final training loss (a diverged run counts as +inf) is then run on
+  seeds 2–6.
+
+Reported per task and optimizer: the final training loss (mean of the last 5% of steps, at least 10),
+the held-out loss at the end, the divergence rate (a run diverges when its final training loss is
+not finite or exceeds 1.5·L0, the normaliser's cap), as mean ± std over the 5 seeds; a markdown
+table and a plot of the training curves (mean over seeds).
+
+All runs of one optimizer on one task train together as one population (lopt.meta.batched): the
+learned optimizer's step is ``SmallFCLOpt``'s (tests/test_meta_batched.py), AdamW's is
+``torch.optim.AdamW``'s with one learning rate per member.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lopt import weights as weights_lib
+from lopt.meta import tasks as tasks_lib
+from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt
+from lopt.meta.metaparams import MetaParamSpace
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    name: str
+    spec: dict
+    quick_spec: dict
+    what: str
+
+
+SUITES = {
+    "heldout-v1": [
+        EvalTask("breast_cancer_mlp", {"task": "mlp", "dataset": "breast_cancer", "hidden": [64, 64], "batch_size": 64},
+                 {"task": "mlp", "dataset": "breast_cancer", "hidden": [16], "batch_size": 32},
+                 "breast_cancer (30 features, 2 classes), MLP 64-64"),
+        EvalTask("wine_mlp", {"task": "mlp", "dataset": "wine", "hidden": [64, 64], "batch_size": 32},
+                 {"task": "mlp", "dataset": "wine", "hidden": [16], "batch_size": 16},
+                 "wine (13 features, 3 classes), MLP 64-64"),
+        EvalTask("digits_cnn", {"task": "cnn", "dataset": "digits", "channels": [16, 32], "batch_size": 64},
+                 {"task": "cnn", "dataset": "digits", "channels": [4], "batch_size": 16},
+                 "digits 8x8, CNN 3x3 conv 16-32, global average pool, linear"),
+        EvalTask("digits_mlp_256x6", {"task": "mlp", "dataset": "digits", "hidden": [256] * 6, "batch_size": 64},
+                 {"task": "mlp", "dataset": "digits", "hidden": [32] * 2, "batch_size": 16},
+                 "digits, MLP 6 hidden layers of 256 (8x wider than training, 7 layers)"),
+        EvalTask("mnist1d_mlp_512x7", {"task": "mlp", "dataset": "mnist1d", "hidden": [512] * 7, "batch_size": 64},
+                 {"task": "mlp", "dataset": "mnist1d", "hidden": [32] * 2, "batch_size": 16},
+                 "mnist1d, MLP 7 hidden layers of 512 (16x wider than training, 8 layers)"),
+        EvalTask("teacher_student_deep", {"task": "teacher_student", "in_dim": 32, "out_dim": 8,
+                                          "teacher_hidden": [64, 64, 64], "student_hidden": [256] * 6, "batch_size": 64},
+                 {"task": "teacher_student", "in_dim": 8, "out_dim": 2, "teacher_hidden": [16],
+                  "student_hidden": [16, 16], "batch_size": 16},
+                 "teacher-student regression 32->8, student 6 hidden layers of 256"),
+        EvalTask("char_transformer", {"task": "char_transformer", "module": "argparse", "width": 64, "layers": 2,
+                                      "heads": 4, "context": 64, "batch_size": 32},
+                 {"task": "char_transformer", "module": "argparse", "width": 16, "layers": 1, "heads": 2,
+                  "context": 16, "batch_size": 4},
+                 "character-level transformer (2 layers, width 64, context 64) on argparse.py's source"),
+    ],
+}
+
+HORIZON = 5000
+ADAMW_LRS = tuple(10 ** (-4.5 + i * (4.0 / 12)) for i in range(13))
+TUNE_SEEDS = (0, 1)
+REPORT_SEEDS = (2, 3, 4, 5, 6)
+QUICK = {"horizon": 30, "lrs": (1e-3, 1e-2, 1e-1), "tune_seeds": (0,), "report_seeds": (1, 2)}
+CURVE_POINTS = 200
+
+
+@dataclass
+class EvalSettings:
+    suite: str = "heldout-v1"
+    horizon: int = HORIZON
+    lrs: tuple = ADAMW_LRS
+    tune_seeds: tuple = TUNE_SEEDS
+    report_seeds: tuple = REPORT_SEEDS
+    quick: bool = False
+    tasks: tuple | None = None  # a subset of the suite's task names
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1"):
+        if quick:
+            settings = cls(suite=suite, horizon=QUICK["horizon"], lrs=QUICK["lrs"], tune_seeds=QUICK["tune_seeds"],
+                           report_seeds=QUICK["report_seeds"], quick=True, tasks=tasks)
+        else:
+            settings = cls(suite=suite, tasks=tasks)
+        if horizon is not None:
+            settings.horizon = int(horizon)
+        return settings
+
+    def task_list(self) -> list[EvalTask]:
+        if self.suite not in SUITES:
+            raise ValueError(f"unknown suite {self.suite!r}; known: {sorted(SUITES)}")
+        suite = SUITES[self.suite]
+        if self.tasks is None:
+            return list(suite)
+        names = {t.name for t in suite}
+        unknown = [n for n in self.tasks if n not in names]
+        if unknown:
+            raise ValueError(f"unknown tasks {unknown} in suite {self.suite}; known: {sorted(names)}")
+        return [t for t in suite if t.name in self.tasks]
+
+    def key(self) -> dict:
+        return {"suite": self.suite, "horizon": self.horizon, "lrs": list(self.lrs), "tune_seeds": list(self.tune_seeds),
+                "report_seeds": list(self.report_seeds), "quick": self.quick}
+
+
+def load_eval_weights(source) -> weights_lib.MetaWeights:
+    """``random`` (lopt.random_weights, seed 0: a yardstick), or anything ``lopt.load_weights`` takes."""
+    if source == "random":
+        return weights_lib.random_weights("small_fc_lopt", seed=0)
+    return weights_lib.load_weights(source, "small_fc_lopt")
+
+
+def weights_digest(meta_weights) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(meta_weights.tensors["mlp"].items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _seed_generator(device, seed):
+    generator = torch.Generator(device=device) if torch.device(device).type == "cuda" else torch.Generator()
+    return generator.manual_seed(1_000_003 * (seed + 1))
+
+
+def train_population(family, optimizer, member_seeds, horizon, device, on_step=None) -> dict:
+    """Train one member per entry of ``member_seeds`` for ``horizon`` steps with ``optimizer`` (a batched
+    optimizer over ``len(member_seeds)`` members). A seed fixes its instance (initial parameters, data
+    order) whatever else trains beside it. Returns training losses (horizon, P), held-out losses (P,)."""
+    device = torch.device(device)
+    seeds = sorted(set(member_seeds))
+    rows = torch.tensor([seeds.index(s) for s in member_seeds], device=device)
+    generators = [_seed_generator(device, s) for s in seeds]
+    insts = [family.sample_instances(1, g) for g in generators]
+    params = [family.init_params(1, inst, g) for inst, g in zip(insts, generators)]
+    params = [torch.cat(ps).index_select(0, rows) for ps in zip(*params)]
+    inst = {k: torch.cat([i[k] for i in insts]).index_select(0, rows) for k in insts[0]}
+
+    def pick(parts):
+        if torch.is_tensor(parts[0]):
+            return torch.cat(parts).index_select(0, rows)
+        return type(parts[0])(pick(list(p)) for p in zip(*parts))
+
+    state = optimizer.init_state()
+    losses = torch.empty(horizon, len(member_seeds), device=device)
+    network = getattr(optimizer, "network", None)
+    for t in range(horizon):
+        batch = pick([family.sample_batch(i, g) for i, g in zip(insts, generators)])
+        leaves = [p.detach().requires_grad_(True) for p in params]
+        with torch.enable_grad():
+            loss = family.loss(leaves, batch, inst)
+            grads = torch.autograd.grad(loss.sum(), leaves)
+        params = optimizer.step(leaves, grads, state, network)
+        losses[t] = loss.detach()
+        if on_step is not None:
+            on_step()
+    heldout = family.heldout_loss(params, inst, torch.Generator(device=device).manual_seed(99)
+                                  if device.type == "cuda" else torch.Generator().manual_seed(99))
+    return {"train": losses.cpu(), "heldout": heldout.cpu(), "params": params}
+
+
+def _summaries(family, result, horizon) -> list[dict]:
+    tail = max(10, horizon // 20)
+    train, heldout = result["train"], result["heldout"]
+    out = []
+    for m in range(train.shape[1]):
+        final = float(train[-tail:, m].mean())
+        diverged = not math.isfinite(final) or final > family.max_loss
+        out.append({"final_train": final, "heldout": float(heldout[m]), "diverged": diverged})
+    return out
+
+
+def _curve(train: torch.Tensor) -> list:
+    """The mean over members of the training loss, averaged into at most CURVE_POINTS windows: [[step, loss], ...]."""
+    horizon = train.shape[0]
+    width = max(1, horizon // CURVE_POINTS)
+    points = []
+    for start in range(0, horizon, width):
+        window = train[start:start + width].mean(1)
+        value = float(window.mean())
+        points.append([start + len(window), value if math.isfinite(value) else None])
+    return points
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    finals = [r["final_train"] for r in runs]
+    heldouts = [r["heldout"] for r in runs]
+
+    def stats(values):
+        finite = [v for v in values if math.isfinite(v)]
+        if not finite:
+            return {"mean": None, "std": None}
+        return {"mean": statistics.mean(finite), "std": statistics.pstdev(finite) if len(finite) > 1 else 0.0}
+
+    return {"final_train": stats(finals), "heldout": stats(heldouts),
+            "divergence_rate": sum(r["diverged"] for r in runs) / len(runs), "runs": runs}
+
+
+def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, done: dict | None = None,
+                  save=None, progress=None, deadline=None) -> dict:
+    """One task: the AdamW sweep, then the learned optimizer, AdamW at 1e-3 and AdamW at the tuned lr.
+    ``done`` holds runs finished earlier (resume); ``save(result)`` is called after every run."""
+    spec = task.quick_spec if settings.quick else task.spec
+    family = tasks_lib.build(spec).to(device)
+    shapes = family.shapes()
+    result = dict(done or {})
+    result.update({"task": task.name, "what": task.what, "spec": spec, "family": family.describe(),
+                   "horizon": settings.horizon})
+    result.setdefault("runs", {})
+    runs = result["runs"]
+    horizon = settings.horizon
+
+    def step_hook():
+        if progress is not None:
+            progress.update(1)
+
+    def finish(name, optimizer, seeds, extra=None):
+        if name in runs:
+            if progress is not None:
+                progress.update(horizon)
+            return
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TimeoutError
+        start = time.perf_counter()
+        out = train_population(family, optimizer, seeds, horizon, device, step_hook)
+        summaries = _summaries(family, out, horizon)
+        entry = {"seconds": round(time.perf_counter() - start, 2), "seeds": list(seeds),
+                 "members": len(seeds), "summaries": summaries, "train_curves": out["train"]}
+        entry.update(extra or {})
+        runs[name] = entry
+        if save is not None:
+            save(result)
+
+    # 1. the AdamW sweep on the tuning seeds
+    sweep_seeds = [s for _ in settings.lrs for s in settings.tune_seeds]
+    sweep_lrs = torch.tensor([lr for lr in settings.lrs for _ in settings.tune_seeds], device=device)
+    finish("adamw_sweep", BatchedAdamW(shapes, len(sweep_seeds), device, lr=sweep_lrs), sweep_seeds,
+           {"lrs": [float(lr) for lr in settings.lrs for _ in settings.tune_seeds]})
+    sweep = runs["adamw_sweep"]
+    by_lr = {}
+    for lr, summary in zip(sweep["lrs"], sweep["summaries"]):
+        value = math.inf if summary["diverged"] else summary["final_train"]
+        by_lr.setdefault(lr, []).append(value)
+    scores = {lr: sum(v) / len(v) for lr, v in by_lr.items()}
+    best_lr = min(scores, key=lambda lr: (scores[lr], lr))
+    result["sweep"] = {f"{lr:.3g}": (None if math.isinf(s) else s) for lr, s in scores.items()}
+    result["tuned_lr"] = best_lr
+
+    seeds = list(settings.report_seeds)
+    learned = BatchedSmallFCLOpt(shapes, len(seeds), device)
+    learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
+    finish("learned", learned, seeds)
+    finish("adamw_default", BatchedAdamW(shapes, len(seeds), device, lr=1e-3), seeds, {"lr": 1e-3})
+    finish("adamw_tuned", BatchedAdamW(shapes, len(seeds), device, lr=best_lr), seeds, {"lr": best_lr})
+    result["summary"] = {name: _aggregate(runs[name]["summaries"]) for name in ("learned", "adamw_tuned", "adamw_default")}
+    result["curves"] = {name: _curve(runs[name]["train_curves"]) for name in ("learned", "adamw_tuned", "adamw_default")}
+    return result
+
+
+def _fmt(stats, digits=3):
+    if stats["mean"] is None:
+        return "—"
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def markdown_table(results: list[dict], header: str = "") -> str:
+    lines = [header] if header else []
+    lines += ["| task | horizon | optimizer | final train loss | held-out loss | diverged |",
+              "|---|---:|---|---:|---:|---:|"]
+    names = {"learned": "learned (lr 1)", "adamw_tuned": "AdamW tuned", "adamw_default": "AdamW 1e-3"}
+    for r in results:
+        for key in ("learned", "adamw_tuned", "adamw_default"):
+            s = r["summary"][key]
+            label = names[key] + (f" (lr {r['tuned_lr']:.2g})" if key == "adamw_tuned" else "")
+            lines.append(f"| {r['task']} | {r['horizon']} | {label} | {_fmt(s['final_train'])} | {_fmt(s['heldout'])} | "
+                         f"{s['divergence_rate']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(results: list[dict], path) -> bool:
+    """One panel per task: the mean training loss of each optimizer. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    columns = min(4, len(results))
+    rows = -(-len(results) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for ax, r in zip(axes.flat, results):
+        for key, label in (("learned", "learned"), ("adamw_tuned", f"AdamW {r['tuned_lr']:.2g}"),
+                           ("adamw_default", "AdamW 1e-3")):
+            points = [(s, v) for s, v in r["curves"][key] if v is not None]
+            if points:
+                ax.plot(*zip(*points), label=label)
+        ax.set_title(r["task"], fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(results):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _jsonable(obj):
+    if torch.is_tensor(obj):
+        return None  # raw curves stay out of the JSON (the per-run summaries and the averaged curves stay)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items() if not torch.is_tensor(v)}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings | None = None, progress=True,
+              max_minutes=None) -> dict:
+    """Evaluate ``weights_source`` on the suite; results (and resumable per-task state) in ``out_dir``."""
+    from tqdm.auto import tqdm
+
+    settings = settings or EvalSettings()
+    device = torch.device(device)
+    meta_weights = load_eval_weights(weights_source)
+    MetaParamSpace("small_fc_lopt")  # (checks the architecture is trainable/evaluable here)
+    digest = weights_digest(meta_weights)
+    out = None if out_dir is None else Path(out_dir)
+    if out is not None:
+        (out / "tasks").mkdir(parents=True, exist_ok=True)
+    task_list = settings.task_list()
+    bar = tqdm(total=len(task_list) * 4 * settings.horizon, disable=not progress, desc="meta-eval",
+               unit="step", dynamic_ncols=True)
+    deadline = None if max_minutes is None else time.perf_counter() + max_minutes * 60
+    results, stopped = [], False
+    key = {"weights_sha": digest, **settings.key()}
+    try:
+        for task in task_list:
+            partial_path = None if out is None else out / "tasks" / f"{task.name}.pt"
+            done = None
+            if partial_path is not None and partial_path.exists():
+                saved = torch.load(partial_path, weights_only=True)
+                if saved.get("key") == key:
+                    done = saved["result"]
+
+            def save(result, partial_path=partial_path):
+                if partial_path is not None:
+                    tmp = partial_path.with_suffix(".tmp")
+                    torch.save({"key": key, "result": result}, tmp)
+                    os.replace(tmp, partial_path)
+
+            bar.set_postfix({"task": task.name}, refresh=False)
+            try:
+                result = evaluate_task(task, meta_weights, settings, device, done, save, bar, deadline)
+            except TimeoutError:
+                stopped = True
+                break
+            save(result)
+            results.append(result)
+    finally:
+        bar.close()
+    report = {"what": "lopt meta-eval results (docs/meta_training.md)", "weights": str(weights_source),
+              "weights_source": meta_weights.source, "weights_sha": digest, "device": str(device),
+              "torch": torch.__version__, "settings": settings.key(), "complete": not stopped and
+              len(results) == len(task_list), "tasks": [_jsonable(r) for r in results]}
+    header = (f"Meta-weights `{weights_source}` (sha {digest}) on suite {settings.suite}"
+              f"{' (quick mode)' if settings.quick else ''}: mean ± std over seeds {list(settings.report_seeds)}; "
+              f"AdamW's lr tuned over {len(settings.lrs)} values on seeds {list(settings.tune_seeds)}.\n")
+    report["markdown"] = markdown_table(results, header) if results else header
+    if out is not None:
+        (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "results.md").write_text(report["markdown"])
+        if results:
+            report["plot"] = str(out / "curves.png") if plot_curves(results, out / "curves.png") else None
+    return report
