@@ -351,7 +351,8 @@ def test_loading_a_foreign_state_dict_fails_clearly(meta):
     params = make_params([(3, 3)], seed=16)
     opt = VeLO(params, num_steps=8, weights=meta)
     adam = torch.optim.Adam(params)
-    with pytest.raises(ValueError, match=r"not a VeLO state dict: its first param group lacks \['num_steps'"):
+    with pytest.raises(ValueError, match=r"this is a state dict of torch\.optim\.Adam/AdamW, not of VeLO: its param "
+                                         r"group #0 lacks \['exp_mult'"):
         opt.load_state_dict(adam.state_dict())
 
 
@@ -359,7 +360,8 @@ def test_loaded_num_steps_wins_over_the_constructor(meta):
     params = make_params([(3, 3)], seed=17)
     saved = VeLO(params, num_steps=500, weights=meta).state_dict()
     opt = VeLO(params, num_steps=8, weights=meta)
-    opt.load_state_dict(saved)
+    with pytest.warns(UserWarning, match=r"saved with num_steps=500 and is resumed with that horizon"):
+        opt.load_state_dict(saved)
     assert opt.num_steps == 500
     set_grads(params, random_grads([(3, 3)], seed=2))
     opt.step(1.0)

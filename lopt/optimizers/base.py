@@ -12,6 +12,7 @@ A step runs in phases that both backends share (``docs/design.md``):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
@@ -29,10 +30,48 @@ from lopt.reference.accumulators import init_state
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "naive", "fused")
 NONFINITE_POLICIES = ("skip", "raise")
+DECAY_OFFSET_COUNTS = (("momentum_decays", 3), ("rms_decays", 1), ("adafactor_decays", 3))
+
+# torch.optim's own wording for the same errors, included in lopt's messages so that tools written
+# for torch.optim recognise them.
+_TORCH_PHRASES = {"lr": "Invalid learning rate", "weight_decay": "Invalid weight_decay value"}
+_TORCH_SET_PHRASE = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors "
+                     "in sets will change between runs. Please use a list instead.")
+
+# Below this, an lr is almost certainly an Adam learning rate (torch.optim.Adam's default is 1e-3, and
+# Adam's usual range ends near 1e-2), not a deliberate scaling of the learned step (lr=1.0 is the step
+# the meta-weights were trained for; lopt's own experiments scale it down to 0.05 at most).
+ADAM_HABIT_LR = 0.02
+
+# Device types torch.autocast knows; step() turns autocast off for each that has it on.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
+
+
+class AdamHabitWarning(UserWarning):
+    """A hyper-parameter that is almost certainly a habit from Adam (e.g. ``lr=1e-3``), where a learned
+    optimizer's ``lr`` multiplies the meta-trained step (1.0). Silence it with
+    ``warnings.filterwarnings("ignore", category=lopt.AdamHabitWarning)``."""
+
+
+def float32_math():
+    """A context in which the optimizer's math runs in float32 whatever the ambient ``torch.autocast``:
+    autocast is turned off for every device type that has it on (nothing is entered otherwise)."""
+    enabled = [device_type for device_type in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(device_type)]
+    if not enabled:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device_type in enabled:
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def _is_real_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _torch_phrase(name: str, value) -> str:
+    phrase = _TORCH_PHRASES.get(name)
+    return f" ({phrase}: {value!r})" if phrase else ""
 
 
 def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = False, allow_tensor: bool = True) -> None:
@@ -42,15 +81,52 @@ def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = Fals
         if not allow_tensor:
             raise TypeError(f"{name} must be a number, got a tensor")
         if value.numel() != 1 or value.dim() != 0 or not value.is_floating_point():
-            raise ValueError(f"{name} as a tensor must be a 0-d floating-point tensor, got shape "
-                             f"{tuple(value.shape)} and dtype {value.dtype}")
+            raise ValueError(f"{name} as a tensor must be a 0-d floating-point tensor (Tensor {name} must be "
+                             f"1-element), got shape {tuple(value.shape)} and dtype {value.dtype}")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} as a tensor is on the meta device (it has no value); pass a number or a "
+                             f"0-d tensor on the CPU or the parameters' device")
         number = float(value.detach().cpu())  # construction and add_param_group only, never in step()
     elif _is_real_number(value):
         number = float(value)
     else:
         raise TypeError(f"{name} must be a finite number {bound}, got {value!r} of type {type(value).__name__}")
     if not math.isfinite(number) or number < minimum or (strict and number == minimum):
-        raise ValueError(f"{name} must be a finite number {bound}, got {number!r}")
+        raise ValueError(f"{name} must be a finite number {bound}, got {number!r}{_torch_phrase(name, number)}")
+
+
+def _check_counter(what: str, value) -> None:
+    """A step counter: an int >= 0, or a 0-d tensor holding one (raises ValueError/TypeError naming ``what``)."""
+    if torch.is_tensor(value):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{what} must be an int >= 0 (or a 0-d tensor holding one), got a tensor of shape "
+                            f"{tuple(value.shape)} and dtype {value.dtype}")
+        number = float(value.detach().cpu())  # (state dicts only, never in step())
+        if not (math.isfinite(number) and number >= 0 and number == int(number)):
+            raise ValueError(f"{what} must be an int >= 0, got a tensor holding {number!r}")
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int >= 0, got {value!r} of type {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+
+
+def _overlapping_memory(p: torch.Tensor) -> bool:
+    """Whether several elements of ``p`` share memory (an ``expand``-ed or otherwise overlapping view)."""
+    sizes_strides = sorted((stride, size) for size, stride in zip(p.shape, p.stride()) if size > 1)
+    if any(stride == 0 for stride, _ in sizes_strides):
+        return True
+    extent = 1
+    for stride, size in sizes_strides:
+        if stride < extent:
+            break  # (rare: a layout whose axes interleave; decided exactly below)
+        extent = stride * size
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(p.shape, p.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return torch.unique(offsets).numel() < offsets.numel()
 
 
 class LearnedOptimizer(NaivePhases, Optimizer):
@@ -85,6 +161,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if isinstance(params, (set, frozenset)):
+            raise TypeError(f"{type(self).__name__}: {_TORCH_SET_PHRASE}")
         self._validate_group(dict(defaults), where="arguments")
         super().__init__(params, defaults)  # add_param_group validates every group and its parameters
         # Load the meta-weights before anything else can fail half-way: construction either
@@ -101,6 +179,26 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         self.backend, self.backend_reason = self._choose_backend(backend)
         self._start_fused_engine(strict=backend == "fused")
         self._create_sharded_state()
+        self._warn_about_adam_habits()
+
+    def _warn_about_adam_habits(self) -> None:
+        """One :class:`AdamHabitWarning` at construction where a group's lr is below ``ADAM_HABIT_LR``
+        (and not 0, which freezes a group on purpose): almost certainly an Adam learning rate."""
+        habits = []
+        for index, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            lr = float(lr.detach().cpu()) if torch.is_tensor(lr) else float(lr)  # (construction only)
+            if 0 < lr < ADAM_HABIT_LR:
+                habits.append(f"param group #{index} has lr={lr:g}" if len(self.param_groups) > 1 else f"lr={lr:g}")
+        if habits:
+            warnings.warn(
+                f"{type(self).__name__}: {', '.join(habits)}, which looks like an Adam learning rate. A learned "
+                f"optimizer's lr multiplies the step its meta-weights propose; lr=1.0 is the step they were trained "
+                f"for, so lr={ADAM_HABIT_LR:g} or less shrinks every step 50-fold or more{self._ADAM_HABIT_NOTE}. "
+                f"Keep the default lr=1.0 (a scheduler may scale it), or silence this with "
+                f"warnings.filterwarnings('ignore', category=lopt.AdamHabitWarning)", AdamHabitWarning, stacklevel=3)
+
+    _ADAM_HABIT_NOTE = ""
 
     @property
     def has_sharded_parameters(self) -> bool:
@@ -175,9 +273,10 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             _check_scalar("weight_decay", group["weight_decay"])
             for name in ("exp_mult", "step_mult"):
                 _check_scalar(name, group[name], minimum=-math.inf, allow_tensor=False)
-            for name, n in (("momentum_decays", 3), ("rms_decays", 1), ("adafactor_decays", 3)):
+            for name, n in DECAY_OFFSET_COUNTS:
                 offsets = group[name]
-                if len(offsets) != n or not all(_is_real_number(x) and math.isfinite(x) for x in offsets):
+                if (isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__") or len(offsets) != n
+                        or not all(_is_real_number(x) and math.isfinite(x) for x in offsets)):
                     raise ValueError(f"{name} needs {n} finite meta-learned offsets, got {offsets!r}")
         except (ValueError, TypeError) as err:
             raise type(err)(f"{type(self).__name__}: invalid {where}: {err}") from None
@@ -185,15 +284,23 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, with the group's hyper-parameters validated first (nothing is added on error)."""
         where = f"param group #{len(self.param_groups)}"
+        if not isinstance(param_group, dict):
+            raise TypeError(f"{type(self).__name__}: param_group must be a dict, but got {type(param_group)}")
         params = param_group["params"]
+        if isinstance(params, (set, frozenset)):
+            raise TypeError(f"{type(self).__name__}: {_TORCH_SET_PHRASE}")
         param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)  # (a generator once)
         first_index = sum(len(group["params"]) for group in self.param_groups)
-        for offset, p in enumerate(param_group["params"]):
+        # (named parameters, as model.named_parameters() gives them, are (name, tensor) pairs: torch's
+        # add_param_group splits them into "params" and "param_names")
+        named = [(p[1], repr(p[0])) if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else (p, None)
+                 for p in param_group["params"]]
+        tensors = [p for p, _ in named]
+        for offset, (p, name) in enumerate(named):
             if isinstance(p, torch.Tensor):
-                self._check_parameter_dtype(p, f"parameter #{first_index + offset}")
+                self._check_parameter(p, f"parameter #{first_index + offset}" + (f" ({name})" if name else ""))
         distributed.check_supported_parameters(
-            list(self._all_params()) + [p for p in param_group["params"] if isinstance(p, torch.Tensor)],
-            type(self).__name__)
+            list(self._all_params()) + [p for p in tensors if isinstance(p, torch.Tensor)], type(self).__name__)
         candidate = dict(param_group)
         for name, default in self.defaults.items():
             candidate.setdefault(name, default)
@@ -216,6 +323,23 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         for group in self.param_groups:
             yield from group["params"]
 
+    def _check_parameter(self, p, what: str) -> None:
+        """A parameter's dtype, device and memory layout, at construction and in add_param_group."""
+        self._check_parameter_dtype(p, what)
+        name = type(self).__name__
+        if p.device.type == "meta":
+            raise ValueError(
+                f"{name}: {what} (shape {tuple(p.shape)}) is on the meta device: it has no data to optimize. "
+                f"Materialize the model first (e.g. model.to_empty(device=...) and initialize its weights), then "
+                f"build the optimizer from its parameters")
+        local = local_part(p) if is_dtensor(p) else p
+        if _overlapping_memory(local):
+            raise ValueError(
+                f"{name}: {what} (shape {tuple(p.shape)}, strides {tuple(local.stride())}) is an expanded or "
+                f"overlapping view: more than one element of it refers to a single memory location, so no update "
+                f"can write each element once. Optimize a tensor that owns its elements, e.g. "
+                f"torch.nn.Parameter(t.clone()) or t.contiguous()")
+
     def _check_parameter_dtype(self, p, what: str) -> None:
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
@@ -231,8 +355,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         """Check phase. The fused engine first tries its fast check (the gradients of exactly the
         tensors its last step planned, validated and read in one pass); anything else, including
         anything wrong, goes through :meth:`_check_gradients`, which says what is wrong."""
-        for group in self.param_groups:
-            _validate_live_group(self, group)
+        for index, group in enumerate(self.param_groups):
+            _validate_live_group(self, group, index)
         if self.backend == "fused":
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
             checked = self._fused_engine.checked_gradients(grad_scale, found_inf)
@@ -407,6 +531,20 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     # State entries every parameter's state must carry (state dicts are checked against them).
     TENSOR_STATE_KEYS: tuple = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")
 
+    def _state_shapes(self, p) -> dict:
+        """The shape of every entry of ``TENSOR_STATE_KEYS`` for parameter ``p`` (its global shape for a
+        DTensor), as :meth:`ensure_state` creates them (``accumulators.init_state``), without allocating."""
+        shape = tuple(p.shape)
+        dims = self.reference.factored_dims(shape)
+        shapes = {"mom": shape + (3,), "rms": shape + (1,), "fac_vec_row": (0,), "fac_vec_col": (0,), "fac_vec_v": (0,)}
+        if dims is None:
+            shapes["fac_vec_v"] = shape + (3,)
+        else:
+            d1, d0 = dims
+            shapes["fac_vec_row"] = tuple(s for i, s in enumerate(shape) if i != d0) + (3,)
+            shapes["fac_vec_col"] = tuple(s for i, s in enumerate(shape) if i != d1) + (3,)
+        return shapes
+
     def state_dict(self):
         state = super().state_dict()
         for group in state["param_groups"]:
@@ -421,23 +559,51 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"{name}.load_state_dict: not an optimizer state dict (needs 'state' and 'param_groups')")
         groups = state_dict["param_groups"]
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g for g in groups):
+            raise ValueError(f"{name}.load_state_dict: not an optimizer state dict (its param_groups must be dicts "
+                             f"with 'params'); nothing was changed")
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{name}.load_state_dict: the state dict has {len(groups)} param groups, this optimizer "
-                             f"{len(self.param_groups)}")
+                             f"{len(self.param_groups)} (loaded state dict has a different number of parameter "
+                             f"groups); nothing was changed")
         foreign = _foreign_optimizer(state_dict, self)
         if foreign:
             raise ValueError(f"{name}.load_state_dict: this is a state dict of {foreign}, not of {name}; nothing "
                              f"was changed")
+        own_keys = set(self.defaults) | set(self.GLOBAL_STATE_KEYS) | {"params", "param_names", "step", "skipped_steps"}
+        for index, saved in enumerate(groups):
+            # (a never-stepped torch optimizer's state dict has no per-parameter state to tell it apart:
+            # its param groups do)
+            lacking = [key for key in self.defaults if key not in saved]
+            if lacking:
+                others = sorted(key for key in saved if key not in own_keys)
+                raise ValueError(f"{name}.load_state_dict: this is a state dict of {_optimizer_of_group(others)}, "
+                                 f"not of {name}: its param group #{index} lacks {lacking}"
+                                 + (f" and has {others}" if others else "") + "; nothing was changed")
         missing = [key for key in self.GLOBAL_STATE_KEYS if key not in groups[0]]
         if missing:
             raise ValueError(f"{name}.load_state_dict: not a {name} state dict: its first param group lacks {missing}")
         for index, (group, saved) in enumerate(zip(self.param_groups, groups)):
             if len(group["params"]) != len(saved.get("params", ())):
                 raise ValueError(f"{name}.load_state_dict: saved param group #{index} has "
-                                 f"{len(saved.get('params', ()))} parameters, this optimizer's {len(group['params'])}")
+                                 f"{len(saved.get('params', ()))} parameters, this optimizer's {len(group['params'])} "
+                                 f"(loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group); nothing was changed")
+            counters = ("step", "skipped_steps") if index == 0 else ("step",)
+            for key in counters:
+                if key in saved:
+                    try:
+                        _check_counter(f"saved param group #{index}'s {key}", saved[key])
+                    except (TypeError, ValueError) as err:
+                        raise ValueError(f"{name}.load_state_dict: {err}; nothing was changed") from None
         params = [p for group in self.param_groups for p in group["params"]]
         positions = _saved_positions(state_dict)
+        if not isinstance(state_dict["state"], dict):
+            raise ValueError(f"{name}.load_state_dict: not an optimizer state dict (its 'state' must be a dict)")
         for index, values in state_dict["state"].items():
+            if not isinstance(values, dict):
+                raise ValueError(f"{name}.load_state_dict: the state of parameter #{index} is a "
+                                 f"{type(values).__name__}, not a dict of tensors; nothing was changed")
             absent = [key for key in self.TENSOR_STATE_KEYS if key not in values]
             if absent:
                 raise ValueError(f"{name}.load_state_dict: not a {name} state dict: the state of parameter #{index} "
@@ -446,10 +612,18 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                 raise ValueError(f"{name}.load_state_dict: state for parameter #{index}, but the optimizer has "
                                  f"{len(params)} parameters")
             param = params[positions[index]]
-            expected = tuple(param.shape) + (3,)
-            if tuple(values["mom"].shape) != expected:
-                raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(param.shape)} "
-                                 f"but its saved momentum has shape {tuple(values['mom'].shape)} (expected {expected})")
+            for key, expected in self._state_shapes(param).items():
+                value = values[key]
+                label = "momentum" if key == "mom" else repr(key)
+                if not torch.is_tensor(value) or not value.is_floating_point():
+                    kind = f"a tensor of dtype {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+                    raise ValueError(f"{name}.load_state_dict: the saved {label} of parameter #{index} is {kind}; "
+                                     f"it must be a floating-point tensor (float32 is what lopt saves); nothing was "
+                                     f"changed")
+                if tuple(value.shape) != expected:
+                    raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(param.shape)} "
+                                     f"but its saved {label} has shape {tuple(value.shape)} (expected {expected}); "
+                                     f"nothing was changed")
             if is_dtensor(param) != is_dtensor(values["mom"]):
                 raise ValueError(
                     f"{name}.load_state_dict: parameter #{index} is "
@@ -509,14 +683,64 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                 f"groups={len(getattr(self, 'param_groups', []))})")
 
 
-def _validate_live_group(optimizer, group) -> None:
+def _validate_live_group(optimizer, group, index: int = 0) -> None:
     """Cheap per-step re-check of host-side hyper-parameters that code may have changed since (a
-    scheduler, a user): a negative or non-finite lr would silently reverse or poison the step."""
+    scheduler, a user): a negative or non-finite lr would silently reverse or poison the step, a
+    malformed value would fail half-way through it. Host metadata only, never a device read: a tensor
+    lr or weight decay has its shape, dtype and device checked here, and its value in the check phase
+    (the naive backend's non-finite check, the fused backend's on the device)."""
+    where = f"{type(optimizer).__name__}.step: param group"
+    done = "Nothing was changed"
     for name in ("lr", "weight_decay"):
         value = group[name]
-        if not torch.is_tensor(value) and not (_is_real_number(value) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"{type(optimizer).__name__}.step: param group {name} is {value!r}; it must be a finite "
-                             f"number >= 0 (or a 0-d tensor). Nothing was changed")
+        if torch.is_tensor(value):
+            if value.dim() != 0 or not value.is_floating_point():
+                raise ValueError(f"{where} {name} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype} "
+                                 f"(param group #{index}); it must be a 0-d floating-point tensor (Tensor {name} "
+                                 f"must be 1-element). {done}")
+            if value.device.type != "cpu" and any(p.device != value.device for p in group["params"]):
+                raise ValueError(f"{where} {name} is a tensor on {value.device} (param group #{index}), but the "
+                                 f"group's parameters are not all there; put it on the CPU or on their device. {done}")
+        elif not (_is_real_number(value) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where} {name} is {value!r}; it must be a finite number >= 0 (or a 0-d tensor)"
+                             f"{_torch_phrase(name, value)} (param group #{index}). {done}")
+    for name in ("exp_mult", "step_mult"):
+        value = group[name]
+        if not (_is_real_number(value) and math.isfinite(value)):
+            raise ValueError(f"{where} {name} is {value!r} (param group #{index}); it must be a finite number. {done}")
+    max_grad_norm = group.get("max_grad_norm")
+    if max_grad_norm is not None and not (_is_real_number(max_grad_norm) and math.isfinite(max_grad_norm)
+                                          and max_grad_norm > 0):
+        raise ValueError(f"{where} max_grad_norm is {max_grad_norm!r} (param group #{index}); it must be a finite "
+                         f"number > 0 or None. {done}")
+    for name, n in DECAY_OFFSET_COUNTS:
+        offsets = group[name]
+        if type(offsets) is tuple and len(offsets) == n and all(type(x) is float and math.isfinite(x) for x in offsets):
+            continue  # (the form add_param_group and load_state_dict store)
+        if (isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__") or len(offsets) != n
+                or not all(_is_real_number(x) and math.isfinite(x) for x in offsets)):
+            raise ValueError(f"{where} {name} is {offsets!r} (param group #{index}); it needs {n} finite "
+                             f"meta-learned offsets. {done}")
+        group[name] = tuple(float(x) for x in offsets)  # (a list, say: stored as the tuple it stands for)
+    step = group.get("step", 0)
+    if not (type(step) is int and step >= 0):
+        if torch.is_tensor(step):
+            if step.dim() != 0 or step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
+                raise ValueError(f"{where} step is a tensor of shape {tuple(step.shape)} and dtype {step.dtype} "
+                                 f"(param group #{index}); it must be an int >= 0 (or a 0-d integer tensor). {done}")
+        elif not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
+            raise ValueError(f"{where} step is {step!r} (param group #{index}); it must be an int >= 0 (the number "
+                             f"of steps taken). {done}")
+
+
+def _optimizer_of_group(keys) -> str:
+    """The kind of optimizer whose param groups carry ``keys`` (the ones lopt's groups do not have)."""
+    keys = set(keys)
+    if "betas" in keys:
+        return "torch.optim.Adam/AdamW"
+    if keys & {"momentum", "dampening", "nesterov"}:
+        return "torch.optim.SGD"
+    return "another optimizer"
 
 
 def _saved_positions(state_dict) -> dict:

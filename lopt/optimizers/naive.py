@@ -24,7 +24,8 @@ GRADIENT_LIMIT = 2.0**64
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A step saw a non-finite (or overflowing) gradient or loss under ``nonfinite="raise"``; nothing changed."""
+    """A step saw a non-finite (or overflowing) gradient or loss, or a tensor ``lr``/``weight_decay`` that is
+    not a finite number >= 0, under ``nonfinite="raise"``; nothing changed."""
 
 
 @dataclass
@@ -119,32 +120,37 @@ class NaivePhases:
         step must be skipped. ``packet`` may hold sums a subclass wants completed in the same collective.
 
         An AMP overflow (GradScaler's ``found_inf``) skips silently: GradScaler expects it and
-        lowers its scale. A non-finite or overflowing gradient (|g| >= 2^64), or a non-finite loss,
-        raises under ``nonfinite="raise"``; else the step is skipped, counted and warned about.
+        lowers its scale. A non-finite or overflowing gradient (|g| >= 2^64), a non-finite loss, or
+        a tensor ``lr``/``weight_decay`` holding NaN, ±inf or a negative value (checked here, in the
+        same read, as host numbers are in ``_validate_live_group``) raises under
+        ``nonfinite="raise"``; else the step is skipped, counted and warned about.
         The counts of such elements are summed over the processes, so that all of them decide alike.
         """
         packet = packet if packet is not None else SumPacket(self.reducer)
         device = tensors[0].grad.device if tensors else self._param_devices().pop()
         zero = torch.zeros((), dtype=torch.float64, device=device)
         bad_counts = [_bad_element_count(t.grad) for t in tensors]
+        hyper = _tensor_hyperparameters(self.param_groups)
         # What every process adds up, whichever tensors it holds: bad loss, bad elements of its whole
-        # tensors (per-tensor counts of split tensors are summed one by one below), GradScaler's flag.
+        # tensors (per-tensor counts of split tensors are summed one by one below), GradScaler's flag,
+        # bad tensor hyper-parameters.
         shared = torch.stack([
             (~torch.isfinite(loss)).to(device=device, dtype=torch.float64).reshape(()) if loss is not None else zero,
             sum((c.to(device) for c, t in zip(bad_counts, tensors) if not t.split), zero),
             inputs.found_inf.to(device=device, dtype=torch.float64).reshape(()) if inputs.found_inf is not None else zero,
+            sum((_bad_hyperparameter(value).to(device) for _, _, value in hyper), zero),
         ])
         shared_handle = packet.add(shared)
         count_handles = [packet.add(count, split=t.split) for count, t in zip(bad_counts, tensors)]
         packet.reduce()
         totals = torch.cat([packet[shared_handle]] + [packet[h].reshape(1).to(device) for h in count_handles]).cpu()
-        loss_total, whole_total, found_inf = (float(x) for x in totals[:3])
-        tensor_totals = [float(x) for x in totals[3:]]
+        loss_total, whole_total, found_inf, hyper_total = (float(x) for x in totals[:4])
+        tensor_totals = [float(x) for x in totals[4:]]
         if found_inf > 0:  # GradScaler's overflow
             return False
-        if loss_total == 0 and whole_total == 0 and not any(tensor_totals):
+        if loss_total == 0 and whole_total == 0 and hyper_total == 0 and not any(tensor_totals):
             return True
-        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss)
+        problem = self._describe_problem(tensors, bad_counts, tensor_totals, loss, hyper if hyper_total else ())
         if self.nonfinite == "raise":
             raise NonFiniteGradientError(f"{type(self).__name__}.step: {problem}; nothing was changed "
                                          f"(nonfinite='raise')")
@@ -156,8 +162,14 @@ class NaivePhases:
                       RuntimeWarning, stacklevel=4)
         return False
 
-    def _describe_problem(self, tensors, local_counts, totals, loss) -> str:
-        """What made the check fail, in the terms of this process (the first bad gradient, else the loss)."""
+    def _describe_problem(self, tensors, local_counts, totals, loss, hyper=()) -> str:
+        """What made the check fail, in the terms of this process (a bad tensor hyper-parameter, else the
+        first bad gradient, else the loss)."""
+        for index, name, value in hyper:
+            number = float(value)
+            if not (math.isfinite(number) and number >= 0):
+                return (f"param group #{index}'s {name} is a tensor holding {number!r} (it must be a finite number "
+                        f">= 0)")
         for t, local, total in zip(tensors, local_counts, totals):
             if total > 0:
                 index = next(i for i, p in enumerate(self._all_params()) if p is t.param)
@@ -224,6 +236,17 @@ class NaivePhases:
         """The per-element features of a tensor (from the updated accumulators and the pre-update value)."""
         return self.reference.per_element_features(t.step_grad, t.value.unsqueeze(-1), t.state, t.dims,
                                                    t.row_col_mean)
+
+
+def _tensor_hyperparameters(groups) -> list:
+    """(group index, name, tensor) of every group's lr and weight decay given as a tensor."""
+    return [(index, name, group[name]) for index, group in enumerate(groups) for name in ("lr", "weight_decay")
+            if torch.is_tensor(group[name])]
+
+
+def _bad_hyperparameter(value: torch.Tensor) -> torch.Tensor:
+    """1.0 where a tensor lr or weight decay is not a finite number >= 0 (NaN, ±inf, negative), else 0.0."""
+    return (~((value.detach() >= 0) & (value.detach() < math.inf))).to(torch.float64).reshape(())
 
 
 def _bad_element_count(values: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from lopt.distributed import SumPacket
-from lopt.optimizers.base import LearnedOptimizer
+from lopt.optimizers.base import LearnedOptimizer, float32_math
 from lopt.reference import small_fc_lopt as reference
 
 PRECISIONS = ("exact", "fast")
@@ -37,7 +37,8 @@ class SmallFCLOpt(LearnedOptimizer):
         params: parameters or parameter groups (groups may set ``lr``, ``weight_decay``, ...).
         lr: multiplies the meta-learned step (1.0 = the step the weights were meta-trained with).
             A number or a 0-d tensor (a CUDA tensor lets a compiled step or a captured CUDA graph
-            follow a scheduler without recompiling or re-capturing).
+            follow a scheduler without recompiling or re-capturing). Below 0.02 (other than 0) warns
+            once with :class:`lopt.AdamHabitWarning`: almost certainly an Adam learning rate.
         weight_decay: decoupled weight decay, applied after the update as ``p -= weight_decay*lr*p``
             (a number or a 0-d tensor).
         weights: meta-weights — a registered name (default ``"small_fc_lopt"``: hub repo
@@ -129,13 +130,14 @@ class SmallFCLOpt(LearnedOptimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
-        inputs = self._checked_inputs()
-        if self.backend == "fused":
-            self._check_fused_processes_hold_the_same_tensors()
-            self._fused_engine.step(inputs)
-        else:
-            self._naive_step(inputs)
+                loss = closure()  # (under the caller's autocast, if any: it runs the model)
+        with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
+            inputs = self._checked_inputs()
+            if self.backend == "fused":
+                self._check_fused_processes_hold_the_same_tensors()
+                self._fused_engine.step(inputs)
+            else:
+                self._naive_step(inputs)
         return loss
 
     def _naive_step(self, inputs) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import numbers
 import operator
 import warnings
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lopt.optimizers.base import LearnedOptimizer
+from lopt.optimizers.base import _TORCH_SET_PHRASE, LearnedOptimizer, float32_math
 from lopt.reference import velo as reference
 
 _MISSING_LOSS = (
@@ -41,6 +43,13 @@ def _validate_num_steps(num_steps) -> int:
         ) from None
     if value <= 0:
         raise ValueError(f"num_steps must be a positive int (the planned number of optimizer steps), got {value}")
+    if value > reference.MAX_NUM_STEPS:
+        raise ValueError(
+            f"num_steps={value} is longer than VeLO's loss buffer can represent: its slowest timescale's decay "
+            f"exp(-1/num_steps) rounds to 1.0 in float32 beyond num_steps={reference.MAX_NUM_STEPS}, which would "
+            f"make every step NaN. VeLO was meta-trained on runs of up to {reference.DESIGN_HORIZON_STEPS} steps: "
+            f"run a longer training as gradient accumulation over fewer optimizer steps (as JAX's VeLO does), "
+            f"with num_steps the number of optimizer steps")
     return value
 
 
@@ -81,8 +90,10 @@ class VeLO(LearnedOptimizer):
             include the fraction of it done, and its loss features average over timescales from
             10 steps up to ``num_steps``. VeLO was meta-trained on runs of up to 150k steps
             (JAX's prefab turns longer runs into gradient accumulation); stepping past
-            ``num_steps`` works, with the fraction features saturating.
-        lr: multiplies VeLO's step (1.0 = the meta-trained step).
+            ``num_steps`` works, with the fraction features saturating. At most 33_554_434
+            (``reference.MAX_NUM_STEPS``: beyond, the float32 loss buffer's slowest decay is 1.0).
+        lr: multiplies VeLO's step (1.0 = the meta-trained step). Below 0.02 (other than 0) warns once
+            with :class:`lopt.AdamHabitWarning`: almost certainly an Adam learning rate.
         weight_decay: decoupled weight decay after the update, ``p -= weight_decay * lr * p``.
         weights: meta-weights — a registered name (default ``"velo"``: hub repos
             ``Pauljanson002/VeLO_RNN`` and ``Pauljanson002/VeLO_MLP``), a pair ``(rnn, mlp)`` or
@@ -156,8 +167,10 @@ class VeLO(LearnedOptimizer):
             raise TypeError(f"VeLO: average_loss must be True or False, got {average_loss!r}")
         self.average_loss = average_loss
         if isinstance(params, torch.Tensor):
-            raise TypeError("VeLO: params must be an iterable of tensors or param-group dicts, got a single tensor; "
-                            "pass [tensor] or model.parameters()")
+            raise TypeError(f"VeLO: params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            f"but got {torch.typename(params)}; pass [tensor] or model.parameters()")
+        if isinstance(params, (set, frozenset)):
+            raise TypeError(f"VeLO: {_TORCH_SET_PHRASE}")
         params = list(params)  # (a generator is read twice: for the controller device, then by torch)
         defaults = self.accumulator_defaults(
             lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
@@ -193,6 +206,8 @@ class VeLO(LearnedOptimizer):
                 f"VeLO was meta-trained on runs of up to {reference.DESIGN_HORIZON_STEPS} steps; num_steps={num_steps} "
                 f"is outside that range (JAX's VeLO runs longer trainings as gradient accumulation over "
                 f"{reference.DESIGN_HORIZON_STEPS} optimizer steps)", UserWarning, stacklevel=2)
+
+    _ADAM_HABIT_NOTE = " (PyLO's VeLO defaults to lr=1e-3: pass it only to reproduce PyLO runs made with it)"
 
     def _init_caches(self) -> None:
         super()._init_caches()
@@ -230,6 +245,12 @@ class VeLO(LearnedOptimizer):
             constants["loss_decays", num_steps] = reference.loss_buffer_decays(num_steps, key)
         return constants
 
+    def _state_shapes(self, p) -> dict:
+        shapes = super()._state_shapes(p)
+        for key, index in (("lstm_hidden", 0), ("lstm_cell", 1)):
+            shapes[key] = tuple(self.meta_weights.tensors["rnn"][f"lstm_init_state.{index}"].shape[1:])
+        return shapes
+
     def ensure_state(self, p) -> dict:
         state = self.state[p]
         if not state:
@@ -253,6 +274,8 @@ class VeLO(LearnedOptimizer):
         value = _validated_loss(loss)
         if isinstance(value, torch.Tensor):
             value = float(value.item()) if value.device.type == "cpu" else value.detach().reshape(())
+        if not isinstance(value, torch.Tensor):
+            value = _as_float32(value)  # (beyond float32's range: inf, which the step's non-finite check sees)
         if self._loss_sum is None:
             self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.controller_device)
         if self._losses["accumulated"] == 0:
@@ -269,7 +292,7 @@ class VeLO(LearnedOptimizer):
                 raise ValueError(
                     f"VeLO.step got a loss, but {count} loss(es) were handed over with "
                     f"accumulate_loss() since the last step: use one way or the other")
-            self._losses["accumulated"] = 0
+            # (consumed by step() once the step has run or been skipped: a step that raises keeps them)
             return StepLoss(tensor=self._loss_sum, count=count)
         loss = explicit if explicit is not None else from_closure
         if loss is None:
@@ -279,7 +302,7 @@ class VeLO(LearnedOptimizer):
             if value.device.type == "cpu" and self.controller_device.type != "cpu":
                 return StepLoss(value=float(value.detach().float().item()))  # (reading a CPU tensor costs nothing)
             return StepLoss(tensor=value.detach().reshape(()))  # (a tensor: a compiled step does not specialise on it)
-        return StepLoss(value=float(value))
+        return StepLoss(value=_as_float32(value))  # (beyond float32's range: inf, the non-finite policy's case)
 
     def _averaged_loss(self, loss: StepLoss) -> StepLoss:
         """The step's loss averaged over the process group (``average_loss``): one all-reduce of a
@@ -324,16 +347,44 @@ class VeLO(LearnedOptimizer):
             if loss is not None:
                 raise TypeError("VeLO.step takes a loss or a closure, not both")
             with torch.enable_grad():
-                returned = from_closure = closure()
+                returned = from_closure = closure()  # (under the caller's autocast, if any: it runs the model)
+            if not self._losses["accumulated"] and not self._host.get("warned_lightning_accumulation"):
+                self._warn_about_lightning_accumulation(closure)
+        accumulated = self._losses["accumulated"]
         step_loss = self._step_loss(loss, from_closure)
-        inputs = self._checked_inputs()
-        step_loss = self._averaged_loss(step_loss)
-        if self.backend == "fused":
-            self._check_fused_processes_hold_the_same_tensors()
-            self._fused_engine.step(inputs, step_loss)
-        else:
-            self._naive_step(inputs, self._loss_on_controller(step_loss))
+        with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
+            inputs = self._checked_inputs()
+            averaged = self._averaged_loss(step_loss)
+            if self.backend == "fused":
+                self._check_fused_processes_hold_the_same_tensors()
+                self._fused_engine.step(inputs, averaged)
+            else:
+                self._naive_step(inputs, self._loss_on_controller(averaged))
+        if accumulated:
+            self._losses["accumulated"] = 0  # the accumulated losses are used (or the step was skipped)
         return returned
+
+    def _checked_inputs(self):
+        num_steps = self.param_groups[0].get("num_steps")
+        if not (type(num_steps) is int and 0 < num_steps <= reference.MAX_NUM_STEPS):  # (changed since: re-check)
+            try:
+                _validate_num_steps(num_steps)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"VeLO.step: the first param group's {err}. Nothing was changed") from None
+        return super()._checked_inputs()
+
+    def _warn_about_lightning_accumulation(self, closure) -> None:
+        """Once: a Lightning closure with accumulate_grad_batches > 1 and no losses handed over (no
+        VeLOLossCallback) returns the last micro-batch's loss divided by accumulate_grad_batches."""
+        accumulation = _lightning_accumulation(closure)
+        if accumulation > 1:
+            self._host["warned_lightning_accumulation"] = True
+            warnings.warn(
+                f"VeLO.step got Lightning's closure with accumulate_grad_batches={accumulation} and no loss handed "
+                f"over with accumulate_loss: that closure returns only the last micro-batch's loss divided by "
+                f"{accumulation}, so VeLO would see 1/{accumulation} of the loss. Add "
+                f"lopt.integrations.lightning.VeLOLossCallback() to the Trainer's callbacks (it hands VeLO every "
+                f"micro-batch's loss); see docs/integrations.md", UserWarning, stacklevel=3)
 
     def _naive_step(self, inputs, loss: torch.Tensor) -> None:
         """The naive backend, phase by phase over all tensors (``lopt/reference/velo.py``): check,
@@ -420,9 +471,44 @@ class VeLO(LearnedOptimizer):
                 first[key] = first[key].clone()
         return state
 
+    def _validate_state_dict(self, state_dict) -> None:
+        super()._validate_state_dict(state_dict)
+        first = state_dict["param_groups"][0]
+        try:
+            _validate_num_steps(first["num_steps"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"VeLO.load_state_dict: the saved {err}; nothing was changed") from None
+        timescales = (reference.NUM_LOSS_TIMESCALES,)
+        expected = {"loss_means": timescales, "loss_running_min": timescales, "loss_count": ()}
+        for key, shape in expected.items():
+            value = first[key]
+            try:
+                value = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError):
+                value = None
+            integral = key == "loss_count"
+            if (value is None or tuple(value.shape) != shape or value.is_complex() or value.dtype == torch.bool
+                    or (not integral and not value.is_floating_point())):
+                what = (f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}" if value is not None
+                        else type(first[key]).__name__)
+                want = "an int >= 0 (or a 0-d integer tensor)" if integral else f"a float tensor of shape {shape}"
+                raise ValueError(f"VeLO.load_state_dict: the saved {key!r} is {what}; it must be {want}; nothing "
+                                 f"was changed")
+            if integral:
+                count = float(value)
+                if not (count >= 0 and count == int(count)):
+                    raise ValueError(f"VeLO.load_state_dict: the saved 'loss_count' is {count!r}; it must be an int "
+                                     f">= 0; nothing was changed")
+
     def load_state_dict(self, state_dict):
         self._validate_state_dict(state_dict)
         num_steps = _validate_num_steps(state_dict["param_groups"][0]["num_steps"])
+        if num_steps != self.num_steps:
+            warnings.warn(
+                f"VeLO.load_state_dict: the checkpoint was saved with num_steps={num_steps} and is resumed with that "
+                f"horizon, not with this optimizer's num_steps={self.num_steps} (the checkpoint's loss buffer and "
+                f"schedule were planned for it). To plan for {self.num_steps} steps from here instead, set "
+                f"opt.param_groups[0]['num_steps'] = {self.num_steps} after loading", UserWarning, stacklevel=2)
         super().load_state_dict(state_dict)
         first = self.param_groups[0]
         first["num_steps"] = num_steps
@@ -441,8 +527,45 @@ def _first_param_device(params) -> torch.device:
         if isinstance(group_params, torch.Tensor):
             group_params = [group_params]
         for p in group_params:
+            if isinstance(p, tuple) and len(p) == 2:  # (name, tensor), as model.named_parameters() gives
+                p = p[1]
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"VeLO: optimizer can only optimize Tensors, but one of the params is "
+                                f"{torch.typename(p)}")
             return p.device
-    raise ValueError("VeLO got an empty parameter list")
+    raise ValueError("VeLO: optimizer got an empty parameter list")
+
+
+# float32's largest value, and the smallest magnitude that rounds to ±inf (halfway between it and 2^128).
+_FLOAT32_MAX = 2.0**128 - 2.0**104
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def _as_float32(value: float) -> float:
+    """A Python number as the step reads it: ±inf where float32 rounds it to ±inf (so that the non-finite
+    check sees it, instead of a float32 conversion failing), float32's largest value where it rounds to
+    that, else unchanged (rounded to float32 where it is used)."""
+    value = float(value)
+    if abs(value) >= _FLOAT32_OVERFLOW:
+        return math.copysign(math.inf, value)
+    return math.copysign(_FLOAT32_MAX, value) if abs(value) > _FLOAT32_MAX else value
+
+
+def _lightning_accumulation(closure) -> int:
+    """``accumulate_grad_batches`` of the Lightning Trainer whose optimizer-step closure this is, else 1.
+
+    Lightning's precision plugins call ``optimizer.step(closure=partial(plugin._wrap_closure, module,
+    optimizer, closure))``; the LightningModule knows its trainer."""
+    if not isinstance(closure, functools.partial):
+        return 1
+    owner = getattr(closure.func, "__self__", None)
+    if not type(owner).__module__.startswith(("lightning", "pytorch_lightning")):
+        return 1
+    for argument in closure.args:
+        accumulation = getattr(getattr(argument, "_trainer", None), "accumulate_grad_batches", None)
+        if isinstance(accumulation, int):
+            return accumulation
+    return 1
 
 
 def _validated_loss(loss):

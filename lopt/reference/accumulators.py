@@ -125,6 +125,15 @@ def safe_rsqrt(x: torch.Tensor) -> torch.Tensor:
 # all processes before the division.
 
 
+def finite_part(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its non-finite elements (NaN, ±inf) replaced by 0: what every sum over a tensor's elements
+    adds up. Such an element (of a parameter, or of state loaded or edited from outside: gradients are
+    checked before any step) then leaves the other elements' statistics alone, so that it stays in its own
+    element, as it does in AdamW, instead of reaching every element of its tensor through the normaliser
+    (and, in VeLO, every tensor through the controller). Finite values are unchanged, bit for bit."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def float64_sum(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """Σ of float32 values, accumulated in float64 (over ``dim``, or over everything)."""
     if dim is None:
@@ -195,8 +204,9 @@ def row_axis_of_d1(factored_dims) -> int:
 
 
 def row_col_sum(row: torch.Tensor, factored_dims) -> torch.Tensor:
-    """Σ of R over the parameter's axis d1 (keeping it), float64: the sum behind ``row_col_mean``."""
-    return float64_sum(row, row_axis_of_d1(factored_dims), keepdim=True)
+    """Σ of R over the parameter's axis d1 (keeping it), float64: the sum behind ``row_col_mean``
+    (non-finite entries of R, only ever from state loaded or edited from outside, left out: :func:`finite_part`)."""
+    return float64_sum(finite_part(row), row_axis_of_d1(factored_dims), keepdim=True)
 
 
 def adafactor_factors(state: dict, factored_dims, row_col_mean: torch.Tensor | None = None
@@ -250,8 +260,9 @@ def float64_square_sum(x: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def feature_square_sums(features: torch.Tensor) -> torch.Tensor:
-    """Σ x_j² over all elements, for every feature column j (the last axis), in float64."""
-    return float64_square_sum(features, dim=list(range(features.dim() - 1)))
+    """Σ x_j² over all elements, for every feature column j (the last axis), in float64; a non-finite
+    value (of a non-finite parameter or state element) is left out of its column's sum (:func:`finite_part`)."""
+    return float64_square_sum(finite_part(features), dim=list(range(features.dim() - 1)))
 
 
 def normalise_by_square_sums(features: torch.Tensor, square_sums: torch.Tensor, count: int,

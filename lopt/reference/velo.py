@@ -39,6 +39,7 @@ from lopt.reference.accumulators import (  # the shared steps (update_accumulato
     apply_update,
     factored_gradient,
     feature_square_sums,
+    finite_part,
     float64_square_sum,
     float64_sum,
     normalise_by_square_sums,
@@ -63,6 +64,10 @@ LOSS_RUNNING_MIN_INIT = 999999999999.0  # float32: 999999995904
 # JAX VeLO prefab runs longer trainings through gradient accumulation so that the optimizer never
 # sees more steps than this: the meta-training distribution's horizon.
 DESIGN_HORIZON_STEPS = 150_000
+# The longest horizon whose loss-buffer decays (loss_buffer_decays) all stay below 1 in float32 (2^25 + 2):
+# beyond it the slowest, exp(-1/num_steps), rounds to 1.0, its bias correction 1 - δ^n is 0 and every
+# step would turn NaN. lopt refuses longer horizons (tests/test_reliability.py checks this bound).
+MAX_NUM_STEPS = 33_554_434
 
 # VeLO has no meta-learned decay offsets: the mapping with zero offsets reproduces the decays.
 MOMENTUM_DECAY_OFFSETS = (0.0, 0.0, 0.0)
@@ -220,10 +225,12 @@ class TensorMoments:
 
 
 def moment_sums(param: torch.Tensor, mom: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
-    """First-pass sums over the tensor's elements, float64: ``[Σ p², Σ m_0, Σ m_1, Σ m_2, Σ v]``."""
+    """First-pass sums over the tensor's elements, float64: ``[Σ p², Σ m_0, Σ m_1, Σ m_2, Σ v]``, each
+    without its non-finite terms (``accumulators.finite_part``: a NaN parameter element stays in its
+    element instead of reaching the LSTM input, and through the controller's max every tensor)."""
     axes = list(range(param.dim()))
-    square_param = float64_square_sum(param).reshape(1)
-    return torch.cat([square_param, float64_sum(mom, axes), float64_sum(rms, axes)])
+    square_param = float64_square_sum(finite_part(param)).reshape(1)
+    return torch.cat([square_param, float64_sum(finite_part(mom), axes), float64_sum(finite_part(rms), axes)])
 
 
 def tensor_moments(sums: torch.Tensor, count: int) -> TensorMoments:
@@ -242,8 +249,8 @@ def centred_square_sums(mom: torch.Tensor, rms: torch.Tensor, moments: TensorMom
     axes = list(range(mom.dim() - 1))
     scaled_mom = mom.to(torch.float64) * moments.norm_mult
     scaled_rms = rms.to(torch.float64) * moments.norm_mult
-    return torch.cat([float64_sum((scaled_mom - moments.mean_mom) ** 2, axes),
-                      float64_sum((scaled_rms - moments.mean_mom) ** 2, axes)])
+    return torch.cat([float64_sum(finite_part((scaled_mom - moments.mean_mom) ** 2), axes),
+                      float64_sum(finite_part((scaled_rms - moments.mean_mom) ** 2), axes)])
 
 
 def statistics_from_sums(moments: TensorMoments, centred_sums: torch.Tensor, count: int) -> TensorStatistics:
