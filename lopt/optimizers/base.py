@@ -698,7 +698,10 @@ def _validate_live_group(optimizer, group, index: int = 0) -> None:
                 raise ValueError(f"{where} {name} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype} "
                                  f"(param group #{index}); it must be a 0-d floating-point tensor (Tensor {name} "
                                  f"must be 1-element). {done}")
-            if value.device.type != "cpu" and any(p.device != value.device for p in group["params"]):
+            # (the fused backend reads a tensor on another device on the host; the naive one would fail
+            # half-way: only it pays for this loop over the group)
+            if (value.device.type != "cpu" and getattr(optimizer, "backend", None) != "fused"
+                    and any(p.device != value.device for p in group["params"])):
                 raise ValueError(f"{where} {name} is a tensor on {value.device} (param group #{index}), but the "
                                  f"group's parameters are not all there; put it on the CPU or on their device. {done}")
         elif not (_is_real_number(value) and math.isfinite(value) and value >= 0):
