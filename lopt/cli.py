@@ -42,6 +42,7 @@ def _cmd_info(args) -> int:
 
 def _cmd_weights(args) -> int:
     if args.weights_command == "list":
+        print("name\tarchitecture\thub repo@revision\tcache\tdescription")
         for name, entry in weights_lib.registered_weights().items():
             repos = ", ".join(f"{c.repo_id}@{c.revision}" for c in entry.components.values())
             print(f"{name}\t{entry.architecture}\t{repos}\t{weights_lib.cached_status(name)}\t{entry.description}")
@@ -132,7 +133,11 @@ def _check_bench_options(args) -> None:
 
 
 def _check_output_paths(args) -> None:
-    """Each output file can be written, checked before the benchmark runs (the directory is created)."""
+    """Each output file can be written, checked before the benchmark runs (the directory is created), and
+    no two outputs are the same file. Records what it creates (``args.created``: directories, and the
+    output files that did not exist) for :func:`_remove_created_outputs`."""
+    args.created = {"directories": [], "files": []}
+    seen = {}
     for option in ("json", "markdown", "plot", "curves"):
         value = getattr(args, option)
         if value is None:
@@ -141,9 +146,18 @@ def _check_output_paths(args) -> None:
         flag = "--" + option
         if path.is_dir():
             raise UsageError(f"{flag} {value}: is a directory; give a file name")
+        same = seen.get(path.resolve())
+        if same is not None:
+            raise UsageError(f"{same} and {flag} both name {value}: one would overwrite the other; give each "
+                             f"output its own file")
+        seen[path.resolve()] = flag
         try:
+            missing = [d for d in path.absolute().parents if not d.exists()]  # (deepest first)
             path.parent.mkdir(parents=True, exist_ok=True)
+            args.created["directories"] += missing
             existed = path.exists()
+            if not existed:
+                args.created["files"].append(path)
             with open(path, "a"):
                 pass
             if not existed:
@@ -224,6 +238,8 @@ def _cmd_bench(args) -> int:
         curves = _loss_curves(args, weights, device) if args.curves else None
 
     print(report.format_table(results, unavailable, args.mode))
+    if report.naive_note(results):
+        print(report.naive_note(results))
     if curves:
         print(report.format_curves_summary(curves))
     weights_line = report.weights_status(weights)
@@ -404,6 +420,28 @@ def main(argv=None) -> int:
     except weights_lib.WeightsError as err:
         print(f"lopt: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        removed = _remove_created_outputs(args)
+        print(f"lopt {args.command}: interrupted" + (f"; removed {', '.join(removed)}" if removed else ""),
+              file=sys.stderr)
+        return 130
+
+
+def _remove_created_outputs(args) -> list:
+    """Remove the output files and directories this run created (``args.created``); return what was removed."""
+    created = getattr(args, "created", None) or {"directories": [], "files": []}
+    removed = []
+    for path in created["files"]:
+        if path.is_file():
+            path.unlink()
+            removed.append(str(path))
+    for directory in created["directories"]:  # deepest first; only if nothing else was put there
+        try:
+            directory.rmdir()
+            removed.append(str(directory) + "/")
+        except OSError:
+            pass
+    return removed
 
 
 if __name__ == "__main__":

@@ -103,12 +103,16 @@ def test_console_and_markdown_tables(full_run):
     _, out, paths, record = full_run
     markdown = paths["run.md"].read_text()
     assert markdown.startswith("# lopt bench (step mode)\n")
-    assert "| optimizer | contender | params | ms/step | vs adamw | launches | peak MiB | rel.err vs naive | compile s |" \
-        in markdown
+    assert ("| optimizer | contender | params | ms/step (median) | min-max | vs adamw | launches | peak MiB | "
+            "rel.err vs naive | compile s |") in markdown
     compiled = next(r for r in record["results"] if r["contender"] == "naive+compile")
-    assert (f"| small_fc_lopt | naive+compile | toy-lm | {compiled['ms_per_step']:.2f} | "
+    spread = f"{min(compiled['ms_all']):.2f}-{max(compiled['ms_all']):.2f}"  # the timed steps' range, beside the median
+    assert (f"| small_fc_lopt | naive+compile | toy-lm | {compiled['ms_per_step']:.2f} | {spread} | "
             f"{compiled['overhead_vs_adamw']:+.0f}% | - | - | {compiled['max_rel_error_vs_naive']:.2e} | "
             f"{compiled['compile_s']:.1f} |") in markdown
+    # no fused row (a CPU): what naive's time means is said, in the console and the Markdown
+    assert "Note: " + report.NAIVE_NOTE in markdown
+    assert "Note: naive is lopt's readable reference backend" in out and "Training speed is the fused" in out
     assert "| small_fc_lopt | fused | toy-lm | not run [1] |" in markdown
     assert "## Loss curves" in markdown
     table = out[out.index("optimizer  "):]

@@ -54,7 +54,9 @@ def test_weights_list_shows_cache_status(capsys, offline_hub, tmp_path):
     offline_hub.add("btherien/mulo", hub_layout_files(tmp_path / "w"))
     code, out, _ = run(capsys, "weights", "list")
     assert code == 0
-    rows = {line.split("\t")[0]: line.split("\t") for line in out.strip().splitlines()}
+    lines = out.strip().splitlines()
+    assert lines[0] == "name\tarchitecture\thub repo@revision\tcache\tdescription"
+    rows = {line.split("\t")[0]: line.split("\t") for line in lines[1:]}
     assert rows["small_fc_lopt"][2:4] == ["btherien/mulo@main", "cached"]
     assert rows["velo"][3] == "not cached"
 
@@ -147,7 +149,9 @@ def test_bare_bench_on_a_cpu_machine(capsys, offline_hub, monkeypatch):
     assert float(rows[("adamw", "adamw (foreach)", "tiny-lm")][0]) > 0
     for name in ("small_fc_lopt", "velo"):
         naive = rows[(name, "naive", "tiny-lm")]
-        assert float(naive[0]) > 0 and naive[1].startswith("+") and naive[1].endswith("%")
+        assert float(naive[0]) > 0 and naive[2].startswith("+") and naive[2].endswith("%")
+        low, high = (float(x) for x in naive[1].split("-"))  # the timed steps' range around the median
+        assert low <= float(naive[0]) <= high
         assert rows[(name, "fused", "tiny-lm")][:2] == ["not", "run"]
         assert rows[(name, "naive+compile", "tiny-lm")][:2] == ["not", "run"]
     notes = [line for line in lines if line.startswith("[")]
@@ -268,3 +272,61 @@ def test_bench_missing_optional_library_is_one_line(module, argv, message, capsy
 def test_other_bad_arguments_exit_2_with_one_line(argv, capsys):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "error:" in err
+
+
+def test_bench_refuses_two_outputs_in_one_file(capsys, tmp_path, no_benchmark):
+    target = tmp_path / "results.txt"
+    code, out, err = run(capsys, "bench", "--device", "cpu", "--json", target, "--markdown", target)
+    assert code == 2 and out == ""
+    assert err.strip() == (f"lopt bench: error: --json and --markdown both name {target}: one would overwrite the "
+                           f"other; give each output its own file")
+    code, _, err = run(capsys, "bench", "--device", "cpu", "--plot", tmp_path / "p.png", "--curves",
+                       tmp_path / "sub" / ".." / "p.png")  # the same file, spelled otherwise
+    assert code == 2 and "--plot and --curves both name" in err
+    assert not target.exists() and not (tmp_path / "p.png").exists()
+
+
+def test_bench_interrupted_exits_130_in_one_line_and_removes_what_it_created(capsys, tmp_path, monkeypatch):
+    from lopt.bench import runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_benchmarks", interrupted)
+    lopt.random_weights("small_fc_lopt").save(tmp_path / "w")
+    kept = tmp_path / "existing.md"
+    kept.write_text("mine")
+    new_dir = tmp_path / "out" / "run1"
+    code, _, err = run(capsys, "bench", "--device", "cpu", "--optimizer", "small_fc_lopt", "--weights", tmp_path / "w",
+                       "--params", "toy-lm", "--quiet", "--json", new_dir / "r.json", "--markdown", kept)
+    assert code == 130
+    assert err.strip() == f"lopt bench: interrupted; removed {new_dir}/, {tmp_path / 'out'}/"
+    assert not (tmp_path / "out").exists() and kept.read_text() == "mine"  # what existed before stays
+
+
+def test_ctrl_c_in_a_running_bench_exits_130_without_a_traceback(tmp_path, offline_hub):
+    """SIGINT to the real command while it times steps (a run that would take minutes)."""
+    import signal
+    import time
+
+    env = dict(__import__("os").environ, **offline_hub.env(), PYTHONUNBUFFERED="1")
+    output = tmp_path / "out" / "r.json"
+    process = subprocess.Popen([sys.executable, "-m", "lopt.cli", "bench", "--device", "cpu", "--optimizer", "small_fc_lopt",
+                                "--params", "tiny-lm", "--backends", "naive", "--no-adamw", "--steps", "100000",
+                                "--quiet", "--json", str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        for line in process.stdout:  # the header comes just before the timing starts
+            if line.startswith("step mode on cpu") or time.monotonic() > deadline:
+                break
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == f"lopt bench: interrupted; removed {output.parent}/"
+    assert "Traceback" not in err and not output.parent.exists()

@@ -93,10 +93,16 @@ def _order(rows: list) -> list:
     return sorted(rows, key=lambda r: (sets.index(r.param_set),) + _row_key(r))
 
 
+def spread(r) -> str:
+    """The timed steps' range, ``min-max`` ms ("-" without per-step times)."""
+    times = [t for t in (r.ms_all or []) if t is not None and math.isfinite(t)]
+    return f"{min(times):.2f}-{max(times):.2f}" if times else "-"
+
+
 def _cells(r) -> list:
     overhead = "-" if r.overhead_vs_adamw is None or r.optimizer == "adamw" else f"{r.overhead_vs_adamw:+.0f}%"
     return [r.optimizer, f"adamw ({r.backend})" if r.optimizer == "adamw" else _contender(r), r.param_set,
-            f"{r.ms_per_step:.2f}", overhead,
+            f"{r.ms_per_step:.2f}", spread(r), overhead,
             "-" if r.launches_per_step is None else str(r.launches_per_step),
             "-" if r.peak_extra_mib is None else f"{r.peak_extra_mib:.0f}",
             "-" if r.max_rel_error_vs_naive is None else f"{r.max_rel_error_vs_naive:.2e}",
@@ -104,8 +110,8 @@ def _cells(r) -> list:
 
 
 def _header(mode: str) -> list:
-    return ["optimizer", "contender", "params", UNIT[mode], "vs adamw", "launches", "peak MiB", "rel.err vs naive",
-            "compile s"]
+    return ["optimizer", "contender", "params", f"{UNIT[mode]} (median)", "min-max", "vs adamw", "launches", "peak MiB",
+            "rel.err vs naive", "compile s"]
 
 
 def _rows_with_footnotes(results: list, unavailable: list, mode: str) -> tuple[list, list]:
@@ -129,6 +135,19 @@ def format_table(results: list, unavailable: list = (), mode: str = "step") -> s
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines + notes)
+
+
+NAIVE_NOTE = ("naive is lopt's readable reference backend (plain PyTorch, phase by phase as the docs define the "
+              "math); its time is not what training with lopt costs. Training speed is the fused backend's: a CUDA "
+              "GPU with CuPy (pip install -e '.[cuda12]' or '.[cuda13]'); README.md, Speed.")
+
+
+def naive_note(results: list) -> str | None:
+    """What a naive row's overhead means, when the table has naive rows and no fused one (e.g. on a CPU)."""
+    contenders = {_contender(r) for r in results if r.optimizer != "adamw"}
+    if "naive" in contenders and not contenders & {"fused", "fused-fast"}:
+        return "\n".join(textwrap.wrap("Note: " + NAIVE_NOTE, width=110))
+    return None
 
 
 def describe_options(curves: dict) -> str:
@@ -158,6 +177,10 @@ def markdown(results: list, unavailable: list, mode: str, env: dict, weights_lin
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     if notes:
         lines += [""] + [f"{note}  " for note in notes]
+    if naive_note(results):
+        lines += ["", "Note: " + NAIVE_NOTE]
+    lines += ["", f"{UNIT[mode]}: the median of the timed steps; min-max: their range (every step's time: the JSON's "
+                  f"ms_all)."]
     if curves:
         lines += ["", "## Loss curves", "", format_curves_summary(curves).replace("\n  ", "\n- ")]
     return "\n".join(lines) + "\n"
