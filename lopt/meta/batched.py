@@ -44,10 +44,16 @@ def _shifted(dims):
     return None if dims is None else (dims[0] + 1, dims[1] + 1)
 
 
+_TIMESCALES_ON = {}
+
+
 def batched_time_features(steps: torch.Tensor) -> torch.Tensor:
     """(P, 11): ``tanh(τ / T_i − 1)`` with ``τ = step − 1`` per member (float32, as ``reference.time_features``)."""
+    timescales = _TIMESCALES_ON.get(steps.device)
+    if timescales is None:  # (kept per device: no host-to-device copy inside a step, which a CUDA graph captures)
+        timescales = _TIMESCALES_ON.setdefault(steps.device, TIMESCALES.to(steps.device))
     tau = (steps.to(torch.float32) - 1.0).unsqueeze(-1)
-    return torch.tanh(tau / TIMESCALES.to(steps.device) - 1.0)
+    return torch.tanh(tau / timescales - 1.0)
 
 
 # The reference's per-tensor feature statistics (§3.6), per member: vmap maps the function over the
@@ -164,15 +170,18 @@ class BatchedSmallFCLOpt:
             if ok is not None:
                 new = torch.where(ok.view((-1,) + (1,) * (new.dim() - 1)), new, value)
             new_params.append(new.reshape((P,) + shape))
-        state["step"] = step
+        state["step"].copy_(step)  # in place: a captured step keeps reading and writing the same tensor
         return new_params
 
 
 class BatchedAdamW:
-    """``torch.optim.AdamW``'s update (single-tensor, ``amsgrad=False``) with one learning rate per member.
+    """``torch.optim.AdamW``'s update (``amsgrad=False``) with one learning rate per member.
 
     ``lr`` is a (P,) tensor (or a number); betas, eps and weight_decay as torch's (defaults 0.9, 0.999,
-    1e-8, 1e-2). Non-finite gradients are not skipped (as torch's AdamW).
+    1e-8, 1e-2). The step count is a device tensor (float64) and the bias corrections are formed from it
+    on the device, in the arrangement of torch's ``capturable=True`` AdamW, so a CUDA graph can replay
+    the step. Non-finite
+    gradients are not skipped (as torch's AdamW).
     """
 
     def __init__(self, shapes, population: int, device="cpu", *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -180,30 +189,31 @@ class BatchedAdamW:
         self.shapes = [tuple(s) for s in shapes]
         self.population = int(population)
         self.device = torch.device(device)
-        self.lr = lr
+        self.lr = lr.to(self.device) if torch.is_tensor(lr) else lr
         self.betas = betas
         self.eps = eps
         self.weight_decay = weight_decay
 
     def init_state(self) -> dict:
         zeros = [torch.zeros((self.population,) + s, device=self.device) for s in self.shapes]
-        return {"step": 0, "exp_avg": zeros, "exp_avg_sq": [z.clone() for z in zeros]}
+        return {"step": torch.zeros((), dtype=torch.float64, device=self.device), "exp_avg": zeros,
+                "exp_avg_sq": [z.clone() for z in zeros]}
 
     @torch.no_grad()
     def step(self, params, grads, state: dict, network=None) -> list:
         beta1, beta2 = self.betas
-        state["step"] += 1
-        t = state["step"]
-        bias_correction1 = 1 - beta1**t
-        bias_correction2 = 1 - beta2**t
-        bias_correction2_sqrt = math.sqrt(bias_correction2)
+        step = state["step"]
+        step.add_(1)
+        # in float64, as torch's non-capturable AdamW forms them from Python floats, then float32
+        bias_correction1 = (1 - torch.pow(beta1, step)).to(torch.float32)
+        bias_correction2 = (1 - torch.pow(beta2, step)).to(torch.float32)
         new_params = []
         for p, g, m, v in zip(params, grads, state["exp_avg"], state["exp_avg_sq"]):
             lr = self.lr.view((-1,) + (1,) * (p.dim() - 1)) if torch.is_tensor(self.lr) else self.lr
             p = p.detach() * (1 - lr * self.weight_decay)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            step_size = lr / bias_correction1
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            new_params.append(p - step_size * (m / denom))
+            step_size_neg = -(lr / bias_correction1)
+            denom = (v.sqrt() / (bias_correction2.sqrt() * step_size_neg)).add_(self.eps / step_size_neg)
+            new_params.append(p + m / denom)
         return new_params

@@ -35,6 +35,7 @@ import math
 import torch
 
 from lopt.meta.batched import BatchedSmallFCLOpt
+from lopt.meta.stepper import PopulationStepper, _copy_into
 
 
 def _dup(value):
@@ -56,28 +57,37 @@ def _set_rows(target: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) ->
 class InnerPopulation:
     """``num_tasks`` instances of ``family``, each trained by ``members`` (2: antithetic, 1: plain)
     copies of the learned optimizer, batched along the leading axis (rows ``[+ for every instance,
-    − for every instance]``)."""
+    − for every instance]``). Its tensors keep their storage from the first ``start`` on (new draws
+    are copied in), so that a step captured as a CUDA graph (:mod:`lopt.meta.stepper`) stays valid."""
 
-    def __init__(self, family, num_tasks: int, members: int = 2, device="cpu", optimizer_kwargs=None):
+    def __init__(self, family, num_tasks: int, members: int = 2, device="cpu", optimizer_kwargs=None,
+                 use_graph: bool = False):
         self.family = family
         self.num_tasks = int(num_tasks)
         self.members = int(members)
         self.population = self.num_tasks * self.members
         self.device = torch.device(device)
         self.optimizer = BatchedSmallFCLOpt(family.shapes(), self.population, self.device, **(optimizer_kwargs or {}))
+        self.use_graph = use_graph
         self.params = None
         self.opt_state = None
         self.inst = None
+        self.stepper = None
 
     def _expand(self, value):
         return value if self.members == 1 else _dup(value)
 
     def start(self, generator) -> None:
-        """Every instance drawn anew."""
-        self.inst = self.family.sample_instances(self.num_tasks, generator)
-        base = self.family.init_params(self.num_tasks, self.inst, generator)
-        self.params = [self._expand(p) for p in base]
-        self.opt_state = self.optimizer.init_state()
+        """Every instance drawn anew (parameters, instance data), the optimizer state zeroed."""
+        inst = self.family.sample_instances(self.num_tasks, generator)
+        params = [self._expand(p) for p in self.family.init_params(self.num_tasks, inst, generator)]
+        if self.params is None:
+            self.inst, self.params, self.opt_state = inst, params, self.optimizer.init_state()
+            return
+        with torch.no_grad():
+            _copy_into(self.inst, inst)
+            _copy_into(self.params, params)
+        self.optimizer.reset_members(self.opt_state, torch.ones(self.population, dtype=torch.bool, device=self.device))
 
     def reset(self, mask: torch.Tensor, generator) -> None:
         """Replace the instances where ``mask`` (num_tasks,) is True by new draws (parameters, state)."""
@@ -90,35 +100,40 @@ class InnerPopulation:
             _set_rows(p, member_mask, self._expand(new))
         self.optimizer.reset_members(self.opt_state, member_mask)
 
+    def _stepper(self) -> PopulationStepper:
+        if self.stepper is None:
+            self.stepper = PopulationStepper(self.family, self.optimizer, self.params, self.opt_state,
+                                             lambda: self._expand(self.inst), self._expand, self.use_graph)
+        return self.stepper
+
     def unroll(self, network: dict, steps: int, generator, on_step=None) -> torch.Tensor:
         """Train every member ``steps`` steps with its meta-weights (``network``: batched (P, ...) or shared);
         returns the normalised training losses (steps, P), each taken before that step's update."""
-        family = self.family
-        inst = self._expand(self.inst)
-        losses = []
-        params = self.params
-        for _ in range(steps):
-            batch = self._expand(family.sample_batch(self.inst, generator))
-            leaves = [p.detach().requires_grad_(True) for p in params]
-            with torch.enable_grad():
-                loss = family.loss(leaves, batch, inst)
-                grads = torch.autograd.grad(loss.sum(), leaves)
-            params = self.optimizer.step(leaves, grads, self.opt_state, network)
-            losses.append(family.normalise(loss.detach()))
+        stepper = self._stepper()
+        losses = torch.empty(steps, self.population, device=self.device)
+        for t in range(steps):
+            loss = stepper.step(network, self.family.sample_batch(self.inst, generator))
+            losses[t] = self.family.normalise(loss)
             if on_step is not None:
                 on_step()
-        self.params = params
-        return torch.stack(losses)
+        return losses
 
     def state_dict(self) -> dict:
         return {"params": self.params, "opt_state": self.opt_state, "inst": self.inst}
 
     def load_state_dict(self, state: dict) -> None:
         device = self.device
-        self.params = [p.to(device) for p in state["params"]]
-        self.opt_state = {"step": state["opt_state"]["step"].to(device),
-                          "tensors": [{k: v.to(device) for k, v in t.items()} for t in state["opt_state"]["tensors"]]}
-        self.inst = {k: v.to(device) for k, v in state["inst"].items()}
+        params = [p.to(device) for p in state["params"]]
+        opt_state = {"step": state["opt_state"]["step"].to(device),
+                     "tensors": [{k: v.to(device) for k, v in t.items()} for t in state["opt_state"]["tensors"]]}
+        inst = {k: v.to(device) for k, v in state["inst"].items()}
+        if self.params is None:
+            self.params, self.opt_state, self.inst = params, opt_state, inst
+            return
+        with torch.no_grad():
+            _copy_into(self.params, params)
+            _copy_into(self.opt_state, opt_state)
+            _copy_into(self.inst, inst)
 
 
 def log_uniform_int(low: int, high: int, generator: torch.Generator) -> int:
@@ -132,14 +147,14 @@ class TruncatedPES:
     kind = "pes"
 
     def __init__(self, family, space, *, num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=1000,
-                 device="cpu", optimizer_kwargs=None):
+                 device="cpu", optimizer_kwargs=None, use_graph=False):
         self.family = family
         self.space = space
         self.std = float(std)
         self.truncation = int(truncation)
         self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
         self.device = torch.device(device)
-        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph)
         self.num_tasks = self.inner.num_tasks
         self.accumulator = None   # ξ (num_tasks, D)
         self.position = None      # inner steps taken in the current unroll (num_tasks,), host
@@ -196,14 +211,14 @@ class FullES:
     kind = "es"
 
     def __init__(self, family, space, *, num_tasks=8, std=0.01, min_unroll=100, max_unroll=1000,
-                 clip_loss_diff=None, device="cpu", optimizer_kwargs=None, truncation=None):
+                 clip_loss_diff=None, device="cpu", optimizer_kwargs=None, truncation=None, use_graph=False):
         self.family = family
         self.space = space
         self.std = float(std)
         self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
         self.clip_loss_diff = clip_loss_diff
         self.device = torch.device(device)
-        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph)
         self.num_tasks = self.inner.num_tasks
 
     def start(self, host_gen, device_gen) -> None:

@@ -33,7 +33,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from lopt import weights as weights_lib
 from lopt.meta import tasks as tasks_lib
 from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt
 from lopt.meta.metaparams import MetaParamSpace
+from lopt.meta.stepper import PopulationStepper
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class EvalSettings:
     report_seeds: tuple = REPORT_SEEDS
     quick: bool = False
     tasks: tuple | None = None  # a subset of the suite's task names
-    extra: dict = field(default_factory=dict)
+    cuda_graphs: bool = True
 
     @classmethod
     def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1"):
@@ -149,10 +150,11 @@ def _seed_generator(device, seed):
     return generator.manual_seed(1_000_003 * (seed + 1))
 
 
-def train_population(family, optimizer, member_seeds, horizon, device, on_step=None) -> dict:
+def train_population(family, optimizer, member_seeds, horizon, device, on_step=None, use_graph=True) -> dict:
     """Train one member per entry of ``member_seeds`` for ``horizon`` steps with ``optimizer`` (a batched
     optimizer over ``len(member_seeds)`` members). A seed fixes its instance (initial parameters, data
-    order) whatever else trains beside it. Returns training losses (horizon, P), held-out losses (P,)."""
+    order) whatever else trains beside it. Returns training losses (horizon, P), held-out losses (P,)
+    and the final parameters. On CUDA the steps replay a captured graph (``use_graph``)."""
     device = torch.device(device)
     seeds = sorted(set(member_seeds))
     rows = torch.tensor([seeds.index(s) for s in member_seeds], device=device)
@@ -163,26 +165,22 @@ def train_population(family, optimizer, member_seeds, horizon, device, on_step=N
     inst = {k: torch.cat([i[k] for i in insts]).index_select(0, rows) for k in insts[0]}
 
     def pick(parts):
+        """Per-seed batches (a list over seeds) → one batch per member."""
         if torch.is_tensor(parts[0]):
             return torch.cat(parts).index_select(0, rows)
         return type(parts[0])(pick(list(p)) for p in zip(*parts))
 
-    state = optimizer.init_state()
+    stepper = PopulationStepper(family, optimizer, params, optimizer.init_state(), inst, pick, use_graph)
     losses = torch.empty(horizon, len(member_seeds), device=device)
     network = getattr(optimizer, "network", None)
     for t in range(horizon):
-        batch = pick([family.sample_batch(i, g) for i, g in zip(insts, generators)])
-        leaves = [p.detach().requires_grad_(True) for p in params]
-        with torch.enable_grad():
-            loss = family.loss(leaves, batch, inst)
-            grads = torch.autograd.grad(loss.sum(), leaves)
-        params = optimizer.step(leaves, grads, state, network)
-        losses[t] = loss.detach()
+        losses[t] = stepper.step(network, [family.sample_batch(i, g) for i, g in zip(insts, generators)])
         if on_step is not None:
             on_step()
-    heldout = family.heldout_loss(params, inst, torch.Generator(device=device).manual_seed(99)
-                                  if device.type == "cuda" else torch.Generator().manual_seed(99))
-    return {"train": losses.cpu(), "heldout": heldout.cpu(), "params": params}
+    generator = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+    heldout = family.heldout_loss(params, inst, generator.manual_seed(99))
+    return {"train": losses.cpu(), "heldout": heldout.cpu(), "params": params,
+            "graph_steps": stepper.graph_steps, "eager_steps": stepper.eager_steps}
 
 
 def _summaries(family, result, horizon) -> list[dict]:
@@ -248,10 +246,11 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
         if deadline is not None and time.perf_counter() > deadline:
             raise TimeoutError
         start = time.perf_counter()
-        out = train_population(family, optimizer, seeds, horizon, device, step_hook)
+        out = train_population(family, optimizer, seeds, horizon, device, step_hook, settings.cuda_graphs)
         summaries = _summaries(family, out, horizon)
         entry = {"seconds": round(time.perf_counter() - start, 2), "seeds": list(seeds),
-                 "members": len(seeds), "summaries": summaries, "train_curves": out["train"]}
+                 "members": len(seeds), "summaries": summaries, "train_curves": out["train"],
+                 "cuda_graph_steps": out["graph_steps"]}
         entry.update(extra or {})
         runs[name] = entry
         if save is not None:

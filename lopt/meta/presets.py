@@ -54,6 +54,7 @@ class MetaTrainConfig:
     validation_tasks: int = 4               # fixed instances per family for validation
     validation_steps: int | None = None     # default: max_unroll
     checkpoint_minutes: float = 2.0         # a checkpoint at least this often
+    cuda_graphs: bool = True                # on CUDA, replay each population step from a captured graph
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

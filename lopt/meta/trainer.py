@@ -89,6 +89,7 @@ class MetaTrainer:
         self.estimators = [
             estimator(family, self.space, num_tasks=config.num_tasks, std=config.std, truncation=config.truncation,
                       min_unroll=config.min_unroll, max_unroll=config.max_unroll, device=self.device,
+                      use_graph=config.cuda_graphs,
                       **({"clip_loss_diff": config.clip_loss_diff} if config.estimator == "es" else {}))
             for family in self.families]
         self.host_gen = torch.Generator().manual_seed(config.seed)
@@ -104,6 +105,8 @@ class MetaTrainer:
         self.chunks = []
         self.best = None  # (validation loss, step)
         self._stop = False
+        self._validators = [InnerPopulation(family, config.validation_tasks, members=1, device=self.device,
+                                            use_graph=config.cuda_graphs) for family in self.families]
 
     # ------------------------------------------------------------------ one outer step
     def _groups(self, step: int) -> list[int]:
@@ -162,9 +165,8 @@ class MetaTrainer:
         steps = config.validation_steps or config.max_unroll
         network = self.space.unflatten(theta)
         values = []
-        for i, family in enumerate(self.families):
+        for i, inner in enumerate(self._validators):
             generator = _device_generator(self.device, 777_000 + 31 * i)
-            inner = InnerPopulation(family, config.validation_tasks, members=1, device=self.device)
             inner.start(generator)
             values.append(float(inner.unroll(network, steps, generator).mean()))
         return sum(values) / len(values)
@@ -222,6 +224,11 @@ class MetaTrainer:
         steps, seconds = h["inner_steps"][-last:] if last else h["inner_steps"], h["seconds"][-last:] if last else h["seconds"]
         return sum(steps) / sum(seconds) if seconds and sum(seconds) > 0 else None
 
+    def graph_counts(self) -> dict:
+        """Population steps of this process run eagerly and replayed from CUDA graphs (estimators only)."""
+        steppers = [e.inner.stepper for e in self.estimators if e.inner.stepper is not None]
+        return {"eager": sum(s.eager_steps for s in steppers), "replayed": sum(s.graph_steps for s in steppers)}
+
     def write_record(self) -> None:
         record = {
             "what": "lopt meta-train run record (docs/meta_training.md)",
@@ -231,7 +238,8 @@ class MetaTrainer:
             "device": str(self.device) + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""),
             "outer_steps_done": self.step, "seconds": self.elapsed,
             "inner_steps_per_second": self.inner_steps_per_second(),
-            "best_validation": self.best, "chunks": self.chunks, "history": self.history,
+            "best_validation": self.best, "chunks": self.chunks,
+            "cuda_graph_steps": self.graph_counts(), "history": self.history,
         }
         tmp = self.out_dir / (RECORD + ".tmp")
         tmp.write_text(json.dumps(record, indent=1) + "\n")
