@@ -71,3 +71,21 @@ def test_quick_meta_eval_writes_table_json_plot_and_resumes(tmp_path, capsys):
     before = (out / "results.md").read_text()
     assert main(["meta-eval", "random", "--quick", "--out", str(out), "--quiet"]) == 0
     assert (out / "results.md").read_text() == before
+
+
+def test_exported_data_sets_stand_in_for_scikit_learn(tmp_path, monkeypatch):
+    """`python -m lopt.meta.data export FILE` + LOPT_META_DATA=FILE: the same data sets where scikit-learn is
+    missing (an offline GPU machine); without either, a clear MissingDependency."""
+    import sys
+
+    from lopt.meta import data
+
+    path = data.export(tmp_path / "meta_data.pt")
+    expected = data.digits()
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import fails as if not installed
+    with pytest.raises(data.MissingDependency, match="LOPT_META_DATA"):
+        data.wine()
+    monkeypatch.setenv("LOPT_META_DATA", str(path))
+    got = data.digits()
+    assert torch.equal(got.train_x, expected.train_x) and torch.equal(got.test_y, expected.test_y)
+    assert data.breast_cancer().num_classes == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +61,46 @@ def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, name: str, nu
     return Dataset(name, x[train], y[train], x[test], y[test], num_classes, tuple(input_shape))
 
 
+SKLEARN_LOADERS = ("load_digits", "load_wine", "load_breast_cancer")
+EXPORT_ENV = "LOPT_META_DATA"
+
+
 def _sklearn(loader: str):
+    """(x float32, y int64) of one of scikit-learn's bundled data sets, or the same arrays from the file
+    ``$LOPT_META_DATA`` (written by ``python -m lopt.meta.data export FILE`` where scikit-learn is
+    installed: for a machine without it, e.g. an offline GPU machine)."""
+    exported = os.environ.get(EXPORT_ENV)
+    if exported:
+        arrays = torch.load(exported, weights_only=True)
+        if loader in arrays:
+            return arrays[loader]["x"], arrays[loader]["y"]
     try:
         datasets = importlib.import_module("sklearn.datasets")
     except ImportError:
         raise MissingDependency("this task needs scikit-learn's bundled data sets: pip install \"lopt[meta]\" "
-                                "(or pip install scikit-learn)") from None
+                                f"(or pip install scikit-learn), or point {EXPORT_ENV} at a file written by "
+                                f"`python -m lopt.meta.data export FILE` on a machine that has it") from None
     bunch = getattr(datasets, loader)()
     x = torch.tensor(bunch.data, dtype=torch.float32)
     y = torch.tensor(bunch.target, dtype=torch.int64)
     return x, y
+
+
+def export(path) -> Path:
+    """Write scikit-learn's three bundled data sets' arrays to ``path`` (for ``$LOPT_META_DATA``)."""
+    saved = os.environ.pop(EXPORT_ENV, None)
+    try:
+        arrays = {}
+        for loader in SKLEARN_LOADERS:
+            x, y = _sklearn(loader)
+            arrays[loader] = {"x": x, "y": y}
+    finally:
+        if saved is not None:
+            os.environ[EXPORT_ENV] = saved
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(arrays, path)
+    return path
 
 
 def digits() -> Dataset:
@@ -171,3 +202,11 @@ def load(name: str) -> Dataset:
             raise ValueError(f"unknown data set {name!r}; known: {sorted(DATASETS)}")
         _CACHE[name] = DATASETS[name]()
     return _CACHE[name]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "export":
+        sys.exit("usage: python -m lopt.meta.data export FILE   (scikit-learn's bundled data sets, for $LOPT_META_DATA)")
+    print(export(sys.argv[2]))
