@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import lopt
+from lopt import registry
 from lopt import weights as weights_lib
 from lopt.bench.models import BenchSetupError
 
@@ -28,10 +29,8 @@ def _cmd_info(args) -> int:
         print("CUDA: no device available to PyTorch")
     devices = {torch.device("cuda", 0)}  # what the fused backend would need
     print("backends:")
-    from lopt.optimizers import OPTIMIZERS
-
-    for name, cls in OPTIMIZERS.items():
-        reason = launcher.fused_unavailable_reason(cls.architecture, devices)
+    for name, entry in registry.OPTIMIZERS.items():
+        reason = launcher.fused_unavailable_reason(entry.architecture, devices)
         print(f"  {name}: naive available; fused {'available' if reason is None else 'unavailable: ' + reason}")
     print("registered weights:")
     for name, entry in weights_lib.registered_weights().items():
@@ -73,10 +72,8 @@ class UsageError(Exception):
 
 def _bench_defaults(args, device: torch.device) -> None:
     """Fill the options whose default depends on the device (or on another option)."""
-    from lopt.optimizers import OPTIMIZERS
-
     cuda = device.type == "cuda"
-    args.optimizers = sorted(OPTIMIZERS) if args.optimizer == "all" else [args.optimizer]
+    args.optimizers = registry.names() if args.optimizer == "all" else [args.optimizer]
     args.param_sets = args.params or ["gpt2-medium" if cuda else "tiny-lm"]
     args.steps = args.steps or (10 if cuda else 5)
     args.warmup = (2 if cuda else 1) if args.warmup is None else args.warmup
@@ -314,7 +311,6 @@ def _png_path(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from lopt.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS
-    from lopt.optimizers import OPTIMIZERS
     from lopt.param_sets import MODELS
 
     parser = _Parser(prog="lopt", description="Learned optimizers for PyTorch")
@@ -341,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", default="step", choices=["step", "iteration"],
                        help="step: optimizer.step() alone on a model's parameter set (default); iteration: "
                             "zero_grad + forward + backward + step of the real model")
-    bench.add_argument("--optimizer", default="all", choices=sorted(OPTIMIZERS) + ["all"],
+    bench.add_argument("--optimizer", default="all", choices=registry.names() + ["all"],
                        help="learned optimizer(s) to time (default: all)")
     bench.add_argument("--params", default=None, type=_name_list(list(MODELS), "parameter set"), metavar="SET[,SET]",
                        help=f"comma-separated parameter sets / models: {', '.join(MODELS)} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import lopt
+from lopt import registry
 
 # Every rank, tiny tensors and ones that fill many blocks; size-1 axes; ties between axis sizes; factored
 # tensors whose last axis is a multiple of 32 (small_fc_lopt's exact apply pass takes their warps' shared
@@ -103,6 +104,5 @@ def low_precision_excess(fused: torch.Tensor, naive: torch.Tensor, before: torch
 
 
 def make_optimizer(name, params, backend, weights, **kwargs):
-    if name == "velo":
-        return lopt.VeLO(params, num_steps=kwargs.pop("num_steps", 300), weights=weights, backend=backend, **kwargs)
-    return lopt.SmallFCLOpt(params, weights=weights, backend=backend, **kwargs)
+    """The registered optimizer ``name`` (with its required arguments, e.g. VeLO's num_steps, where not given)."""
+    return registry.get(name).build(params, weights=weights, backend=backend, **kwargs)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 from lopt import cli
 from lopt import weights as weights_lib
 from hub_cache import hub_layout_files
@@ -147,7 +148,7 @@ def test_bare_bench_on_a_cpu_machine(capsys, offline_hub, monkeypatch):
     assert "step mode on cpu (" in out and "time per optimizer step on tiny-lm (28 tensors, 0.56 M)" in out
     rows = _table_rows(out)
     assert float(rows[("adamw", "adamw (foreach)", "tiny-lm")][0]) > 0
-    for name in ("small_fc_lopt", "velo"):
+    for name in registry.names():
         naive = rows[(name, "naive", "tiny-lm")]
         assert float(naive[0]) > 0 and naive[2].startswith("+") and naive[2].endswith("%")
         low, high = (float(x) for x in naive[1].split("-"))  # the timed steps' range around the median

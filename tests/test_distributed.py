@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import lopt
+from lopt import registry
 from spawned import leave_process
 
 dist = pytest.importorskip("torch.distributed")
@@ -31,7 +32,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 WORLD = 2
 STEPS = 6
 CHECKPOINT_AT = 3
-OPTIMIZERS = ("small_fc_lopt", "velo")
+OPTIMIZERS = tuple(registry.names())
 MODELS = ("mlp", "transformer")
 STRATEGIES = ("ddp", "zero", "fsdp")
 UPDATE_RTOL = 1e-5  # per tensor: |p_distributed − p_single| / |p_single − p_initial|

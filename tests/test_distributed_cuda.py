@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 from spawned import leave_process
 
 pytestmark = pytest.mark.cuda
@@ -127,7 +128,7 @@ def worker(rank, name, init_file, out_file):
 COLLECTIVES = {"small_fc_lopt": 5, "velo": 5}
 
 
-@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+@pytest.mark.parametrize("name", registry.names())
 def test_fused_optimizer_on_fsdp2_shards_equals_one_process(tmp_path, name):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs")

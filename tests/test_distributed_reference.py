@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 from lopt import distributed
 from lopt.distributed import Reducer, SumPacket
 from lopt.reference import accumulators as acc
@@ -165,7 +166,7 @@ def test_plain_tensors_have_a_whole_layout():
 # ------------------------------------------------------------------------------------ the option
 
 
-@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+@pytest.mark.parametrize("name", registry.names())
 def test_process_group_option_is_validated(name):
     params = [torch.nn.Parameter(random((3, 4), 16))]
     kwargs = dict(weights=lopt.random_weights(name, seed=1), backend="naive")

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 from fused_helpers import (ALL_SHAPES, DTYPES, SHAPES, TINY_TENSOR_NUMEL, flat, kernel_launches, make_optimizer,
                            make_params, low_precision_excess, random_grads, relative_error, set_grads, step, sync_into,
                            tensor_update_error, update_scale)
 
 pytestmark = pytest.mark.cuda
-OPTIMIZERS = ["small_fc_lopt", "velo"]
+OPTIMIZERS = registry.names()
 # (one launch per pass, whatever the number of tensors: docs/design.md)
 LAUNCHES = {"small_fc_lopt": 6, "velo": 10}
 

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from lopt import registry
 
 from integrations_support import (
     assert_fed_means, assert_same_parameters, make_data, make_net, make_optimizer, mse, reference_training)
@@ -155,7 +156,7 @@ def clipping_callbacks(optimizer_name):
     return [VeLOLossCallback()] if optimizer_name == "velo" else [GradientClippingCallback()]
 
 
-@pytest.mark.parametrize("optimizer_name", ["small_fc_lopt", "velo"])
+@pytest.mark.parametrize("optimizer_name", registry.names())
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed-grad-scaler"])
 def test_gradient_clipping_under_mixed_precision(optimizer_name, precision):
     """gradient_clip_val under bf16-mixed and 16-mixed (with its GradScaler) clips as the hand-written loop

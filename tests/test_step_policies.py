@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 import spec_small_fc_lopt as spec
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 SMALL_FC_WEIGHTS = lopt.random_weights("small_fc_lopt", seed=2)
 VELO_WEIGHTS = lopt.random_weights("velo", seed=3)
 SHAPES = [(6, 5), (7,), (), (2, 3, 4)]
-OPTIMIZERS = ["small_fc_lopt", "velo"]
+OPTIMIZERS = registry.names()
 
 
 def make(name, params, **kwargs):

@@ -10,7 +10,7 @@ import torch
 
 import lopt
 from lopt import VeLO
-from lopt.optimizers import OPTIMIZERS
+from lopt import registry
 from lopt.reference import velo as R
 from lopt.weights import WeightsError
 
@@ -404,7 +404,7 @@ def test_defaults_and_registration(meta):
     group = opt.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["exp_mult"], group["step_mult"]) == (1.0, 0.0, 0.001, 0.001)
     assert VeLO.requires_loss is True and VeLO.architecture == "velo"
-    assert OPTIMIZERS["velo"] is VeLO and lopt.VeLO is VeLO
+    assert registry.get("velo").front_end_class is VeLO and lopt.VeLO is VeLO
     assert opt.backend == "naive"
     with pytest.raises(RuntimeError, match=r"VeLO\(backend='fused'\) cannot run: "):
         VeLO(make_params([(2,)], seed=0), num_steps=10, weights=meta, backend="fused")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from lopt.optimizers import OPTIMIZERS
+from lopt import registry
 from lopt.weights import UntrainedWeightsWarning
 
 CONTENDERS = ("adamw", "naive", "naive+compile", "fused", "fused-fast")
@@ -45,9 +45,11 @@ def adamw_backend(device: torch.device) -> str:
 
 def make_learned_optimizer(optimizer_name: str, params, backend: str, weights, *, num_steps: int = TIMING_NUM_STEPS,
                            options: dict | None = None):
-    """``lopt.<Optimizer>(params, weights=weights, backend=backend, **options)`` (VeLO also gets ``num_steps``)."""
-    cls = OPTIMIZERS[optimizer_name]
-    kwargs = {"num_steps": num_steps} if "num_steps" in inspect.signature(cls).parameters else {}
+    """``lopt.<Optimizer>(params, weights=weights, backend=backend, **options)``, with the registry's required
+    arguments (VeLO's ``num_steps``: ``num_steps`` here)."""
+    entry = registry.get(optimizer_name)
+    cls = entry.front_end_class
+    kwargs = {name: num_steps if name == "num_steps" else value for name, value in entry.required_arguments.items()}
     with warnings.catch_warnings():
         # Untrained weights are timed on purpose (the run's header says "timing only" once).
         warnings.filterwarnings("ignore", category=UntrainedWeightsWarning)
@@ -56,10 +58,11 @@ def make_learned_optimizer(optimizer_name: str, params, backend: str, weights, *
 
 def unsupported_options(optimizer_name: str, contender: str) -> str | None:
     """Why ``optimizer_name`` has no options of ``contender`` (None: it has them, or there are none)."""
-    parameters = inspect.signature(OPTIMIZERS[optimizer_name]).parameters
+    cls = registry.get(optimizer_name).front_end_class
+    parameters = inspect.signature(cls).parameters
     missing = [name for name in FUSED_CONTENDERS.get(contender, {}) if name not in parameters]
     if missing:
-        return f"{OPTIMIZERS[optimizer_name].__name__} has no {', '.join(missing)} option"
+        return f"{cls.__name__} has no {', '.join(missing)} option"
     return None
 
 

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lopt import registry
 from lopt import weights as weights_lib
 from lopt.bench.contenders import (LEARNED_CONTENDERS, TIMING_NUM_STEPS, adamw_backend, availability,
                                    make_contender, short_reason)
 from lopt.bench.measure import (GRADIENT_SETS, IterationWorkload, StepWorkload, Unavailable, gradient_sets,
                                 measure_contender, mlp_gmacs_per_s, warmup_steps)
 from lopt.bench.models import build_model
-from lopt.optimizers import OPTIMIZERS
 from lopt.param_sets import build_parameters, param_set_numel
 
 
@@ -37,7 +37,7 @@ class BenchPlan:
 
 def resolve_bench_weights(optimizer_name: str, weights_arg, require_pretrained: bool, say=print):
     """The weights to benchmark with: ``weights_arg``, else the registered ones, else random (timing only)."""
-    architecture = OPTIMIZERS[optimizer_name].architecture
+    architecture = registry.get(optimizer_name).architecture
     if weights_arg is not None:
         return weights_lib.load_weights(weights_arg, architecture)
     try:

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FUSED_ARCHITECTURES: tuple = ("small_fc_lopt", "velo")
+from lopt import registry
+
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the MLPs run on TF32 and BF16 tensor cores (mma.sync)
 
@@ -81,7 +82,7 @@ def cupy_or_none():
 
 def fused_unavailable_reason(architecture: str, devices) -> str | None:
     """None if the fused backend can run ``architecture`` for parameters on ``devices``, else why not."""
-    if architecture not in FUSED_ARCHITECTURES:
+    if architecture not in registry.fused_architectures():
         return f"lopt has no fused kernels for {architecture} yet"
     devices = set(devices)
     if not devices:

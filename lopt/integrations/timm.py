@@ -17,17 +17,10 @@ when a function here is called.
 
 from __future__ import annotations
 
-import lopt
+from lopt import registry as lopt_registry
 
 __all__ = ["register_timm_optimizers", "register_timm_optimizer", "timm_lookup_key"]
 
-# What register_timm_optimizers() registers: name -> (class, description).
-LOPT_OPTIMIZERS = {
-    "small_fc_lopt": (lopt.SmallFCLOpt, "lopt small_fc_lopt: a learned per-element MLP optimizer (lr=1.0 is the "
-                                        "meta-trained step)"),
-    "velo": (lopt.VeLO, "lopt VeLO: a learned optimizer that schedules itself; needs num_steps= and the loss "
-                        "(VeLO.accumulate_loss or step(loss))"),
-}
 _LOOKAHEAD_PREFIX = "lookahead"
 
 
@@ -80,9 +73,9 @@ def register_timm_optimizers(registry=None) -> list[str]:
     num_steps=...)`` build them (timm's weight-decay groups included). Returns the registered names.
     Idempotent.
     """
-    for name, (optimizer_class, description) in LOPT_OPTIMIZERS.items():
-        register_timm_optimizer(name, optimizer_class, description, registry=registry)
-    return list(LOPT_OPTIMIZERS)
+    for name, entry in lopt_registry.OPTIMIZERS.items():  # (every optimizer of lopt's registry)
+        register_timm_optimizer(name, entry.front_end_class, f"lopt {entry.description}", registry=registry)
+    return lopt_registry.names()
 
 
 def _timm_registry(registry):

@@ -1,9 +1,6 @@
-"""The ``torch.optim`` front-ends: parameter groups, state, backend choice."""
+"""The ``torch.optim`` front-ends: parameter groups, state, backend choice (``lopt.registry`` lists them)."""
 
 from lopt.optimizers.small_fc_lopt import SmallFCLOpt
 from lopt.optimizers.velo import VeLO
 
-# Optimizers by the name the CLI and the benchmarks use.
-OPTIMIZERS = {"small_fc_lopt": SmallFCLOpt, "velo": VeLO}
-
-__all__ = ["SmallFCLOpt", "VeLO", "OPTIMIZERS"]
+__all__ = ["SmallFCLOpt", "VeLO"]

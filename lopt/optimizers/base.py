@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 from torch.optim import Optimizer
 
-from lopt import distributed
+from lopt import distributed, registry
 from lopt import weights as weights_lib
 from lopt.distributed import is_dtensor, local_part
 from lopt.optimizers.naive import NaivePhases, NonFiniteGradientError, StepInputs  # noqa: F401  (public here too)
@@ -475,7 +475,11 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         return non_dense_parameter(self._all_params())
 
     def _make_fused_engine(self):
-        raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
+        """The registry's fused engine for this optimizer (``lopt.registry``)."""
+        engine = registry.entry_for(self).fused_engine_class
+        if engine is None:
+            raise NotImplementedError(f"{type(self).__name__} has no fused backend yet; use backend='naive'")
+        return engine(self)
 
     def decays(self, group, device=None):
         """The group's effective float32 decays (computed on the CPU once, cached per device)."""
@@ -754,15 +758,19 @@ def _saved_positions(state_dict) -> dict:
 
 
 def _foreign_optimizer(state_dict, optimizer) -> str | None:
-    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s kind."""
-    from lopt.optimizers.velo import VeLO
-
+    """The kind of optimizer a state dict came from, if it is recognisably not ``optimizer``'s kind: another
+    registered lopt optimizer (by the optimizer-wide keys it keeps in its first param group), or torch's."""
     first = state_dict["param_groups"][0] if state_dict["param_groups"] else {}
-    is_velo = isinstance(optimizer, VeLO)
-    if "num_steps" in first and "loss_means" in first and not is_velo:
-        return "lopt.VeLO"
-    if is_velo and "num_steps" not in first and any("mom" in v for v in state_dict["state"].values()):
-        return "lopt.SmallFCLOpt"
+    own = set(type(optimizer).GLOBAL_STATE_KEYS)
+    others = [entry.front_end_class for entry in registry.OPTIMIZERS.values()
+              if not isinstance(optimizer, entry.front_end_class)]
+    for cls in others:
+        markers = set(cls.GLOBAL_STATE_KEYS) - own
+        if markers and markers <= set(first):
+            return f"lopt.{cls.__name__}"
+    if own and not own & set(first) and any("mom" in v for v in state_dict["state"].values()):
+        plain = [f"lopt.{cls.__name__}" for cls in others if not cls.GLOBAL_STATE_KEYS]
+        return " or ".join(plain) if plain else "another lopt optimizer"
     for values in state_dict["state"].values():
         keys = set(values)
         if {"exp_avg", "exp_avg_sq"} & keys:

@@ -74,6 +74,7 @@ class SmallFCLOpt(LearnedOptimizer):
 
     architecture = "small_fc_lopt"
     reference = reference
+    PRECISIONS = PRECISIONS
     requires_loss = False  # step() takes an optional closure, not the loss
 
     def __init__(
@@ -118,11 +119,6 @@ class SmallFCLOpt(LearnedOptimizer):
         if max_grad_norm is not None and not (_is_positive_number(max_grad_norm)):
             raise ValueError(f"{type(self).__name__}: invalid {where}: max_grad_norm must be a finite number > 0 "
                              f"or None, got {max_grad_norm!r}")
-
-    def _make_fused_engine(self):
-        from lopt.fused.small_fc_lopt import SmallFCLOptFused
-
-        return SmallFCLOptFused(self)
 
     @torch.no_grad()
     def step(self, closure=None):

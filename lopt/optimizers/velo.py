@@ -213,11 +213,6 @@ class VeLO(LearnedOptimizer):
         super()._init_caches()
         self._constants_cache = {}
 
-    def _make_fused_engine(self):
-        from lopt.fused.velo import VeLOFused
-
-        return VeLOFused(self)
-
     # ------------------------------------------------------------------ global state
 
     @property
