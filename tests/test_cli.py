@@ -150,7 +150,8 @@ def test_bare_bench_on_a_cpu_machine(capsys, offline_hub, monkeypatch):
     assert float(rows[("adamw", "adamw (foreach)", "tiny-lm")][0]) > 0
     for name in registry.names():
         naive = rows[(name, "naive", "tiny-lm")]
-        assert float(naive[0]) > 0 and naive[2].startswith("+") and naive[2].endswith("%")
+        # (a one-step time on a busy CPU: the sign of naive's overhead over AdamW is noise, its form is not)
+        assert float(naive[0]) > 0 and naive[2][0] in "+-" and naive[2].endswith("%")
         low, high = (float(x) for x in naive[1].split("-"))  # the timed steps' range around the median
         assert low <= float(naive[0]) <= high
         assert rows[(name, "fused", "tiny-lm")][:2] == ["not", "run"]
