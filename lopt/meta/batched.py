@@ -9,8 +9,8 @@ wherever their broadcasting allows, so that there is one source of truth:
 * the accumulators (§3.2) and the 28 per-element features (§3.4, §3.5) are the reference functions
   called on ``(P,) + S`` tensors with the factored axes shifted by one (every reduction they do is
   along one of the member's own axes);
-* the per-tensor second-moment normalisation (§3.6): the reference's ``feature_square_sums`` mapped
-  over the population axis with ``torch.func.vmap`` (called on the whole batch it would sum over the
+* the per-tensor second-moment normalisation (§3.6): the reference's ``feature_square_sums`` with
+  every (member, feature) pair as one column (called on the batch as it is, it would sum over the
   members too), then the reference's ``normalise_by_square_sums`` with the sums broadcast per member;
 * the time features (§3.7) are formed per member (members sit at different inner steps);
 * the MLP (§3.8) multiplies every member by its own weights (``torch.baddbmm``); all tensors of a
@@ -56,9 +56,16 @@ def batched_time_features(steps: torch.Tensor) -> torch.Tensor:
     return torch.tanh(tau / timescales - 1.0)
 
 
-# The reference's per-tensor feature statistics (§3.6), per member: vmap maps the function over the
-# population axis, so whatever it does (float64 sums, which values it leaves out) holds here too.
-_member_square_sums = torch.func.vmap(accumulators.feature_square_sums)
+def _member_square_sums(features: torch.Tensor) -> torch.Tensor:
+    """The reference's per-tensor feature statistics (§3.6), per member: (P, ..., 28) → (P, 28).
+
+    ``accumulators.feature_square_sums`` reduces every axis but the last, column by column; with the
+    members moved beside the features, each (member, feature) pair is one column, so the reference
+    function itself forms every member's sums (whatever it does: float64, which values it leaves out).
+    """
+    population, columns = features.shape[0], features.shape[-1]
+    by_column = features.reshape(population, -1, columns).transpose(0, 1).reshape(-1, population * columns)
+    return accumulators.feature_square_sums(by_column).view(population, columns)
 
 
 def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
