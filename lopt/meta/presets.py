@@ -53,12 +53,14 @@ class MetaTrainConfig:
     validate_every: int = 250               # outer steps between validations (0: never)
     validation_tasks: int = 4               # fixed instances per family for validation
     validation_steps: int | None = None     # default: max_unroll
+    baseline_lrs: tuple = (1e-3, 1e-2)      # AdamW yardsticks on the validation instances (once, at step 0)
     checkpoint_minutes: float = 2.0         # a checkpoint at least this often
     cuda_graphs: bool = True                # on CUDA, replay each population step from a captured graph
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["betas"] = list(self.betas)
+        out["baseline_lrs"] = list(self.baseline_lrs)
         return out
 
     @classmethod
@@ -67,8 +69,9 @@ class MetaTrainConfig:
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown meta-training options {sorted(unknown)}")
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
+        for key in ("betas", "baseline_lrs"):
+            if key in values:
+                values[key] = tuple(values[key])
         return cls(**values)
 
     def lr_at(self, step: int) -> float:

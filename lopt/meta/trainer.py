@@ -28,6 +28,7 @@ import torch
 
 import lopt
 from lopt.meta import tasks as tasks_lib
+from lopt.meta.batched import BatchedAdamW
 from lopt.meta.estimators import ESTIMATORS, InnerPopulation
 from lopt.meta.metaparams import MetaParamSpace
 from lopt.meta.presets import MetaTrainConfig
@@ -171,6 +172,21 @@ class MetaTrainer:
             values.append(float(inner.unroll(network, steps, generator).mean()))
         return sum(values) / len(values)
 
+    @torch.no_grad()
+    def validate_adamw(self, lr: float) -> float:
+        """The same measure for AdamW (lr ``lr``, torch's other defaults) on the same instances: a yardstick."""
+        config = self.config
+        steps = config.validation_steps or config.max_unroll
+        values = []
+        for i, family in enumerate(self.families):
+            generator = _device_generator(self.device, 777_000 + 31 * i)
+            inner = InnerPopulation(family, config.validation_tasks, members=1, device=self.device,
+                                    use_graph=config.cuda_graphs)
+            inner.optimizer = BatchedAdamW(family.shapes(), inner.population, self.device, lr=lr)
+            inner.start(generator)
+            values.append(float(inner.unroll(None, steps, generator).mean()))
+        return sum(values) / len(values)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return _to_cpu({
@@ -274,6 +290,7 @@ class MetaTrainer:
         self._stop = False
         if self.step == 0 and config.validate_every and not self.history["validation"]:
             self._validate_and_keep_best()
+            self.history["validation_adamw"] = {f"{lr:g}": self.validate_adamw(lr) for lr in config.baseline_lrs}
         bar = tqdm(total=config.outer_steps, initial=self.step, disable=not progress, desc="meta-train", unit="step",
                    dynamic_ncols=True)
         ema, step_time, stopped_for = None, None, None
