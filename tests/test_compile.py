@@ -105,3 +105,35 @@ def test_compiled_velo_step_with_accumulate_loss_computes_what_the_eager_step_co
 def test_compiled_velo_step_with_the_loss_tensor_does_not_recompile_for_new_losses():
     # (The guard is dynamo's, whatever the backend: aot_eager keeps this expected failure cheap.)
     train("velo", compiled=True, feed="step", dynamo_backend="aot_eager")
+
+
+@pytest.mark.parametrize("name", ["small_fc_lopt", "velo"])
+def test_compiled_step_of_several_tensors_breaks_the_graph_once_and_compiles_nothing_per_tensor(name):
+    """Four tensors of two ranks. The compiled step has one graph break, the check's host read (the naive
+    backend decides on the host whether a step is skipped, as the eager step does; nothing else is read), and
+    no function is compiled per tensor: SumPacket.add was, once per call, up to dynamo's recompile limit of 8,
+    when dynamo gave up on the frames around the read. Here a limit of 3 fails the test if anything nears it."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        x, y = torch.randn(5, 8, 6), torch.randn(5, 8, 3)
+        opt = make_optimizer(name, model.parameters())
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+            for t in range(5):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x[t]), y[t])
+                loss.backward()
+                with torch._dynamo.config.patch(error_on_recompile=compiled and t >= WARM_UP_STEPS):
+                    step(loss.detach()) if name == "velo" else step()
+        return [p.detach().clone() for p in model.parameters()], dict(counters["graph_break"])
+
+    compiled, breaks = run(compiled=True)
+    assert len(breaks) == 1 and "tolist" in next(iter(breaks)), breaks  # one reason: the host read
+    eager, _ = run(compiled=False)
+    for a, e in zip(compiled, eager):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)

@@ -144,8 +144,12 @@ class NaivePhases:
         count_handles = [packet.add(count, split=t.split) for count, t in zip(bad_counts, tensors)]
         packet.reduce()
         totals = torch.cat([packet[shared_handle]] + [packet[h].reshape(1).to(device) for h in count_handles]).cpu()
-        loss_total, whole_total, found_inf, hyper_total = (float(x) for x in totals[:4])
-        tensor_totals = [float(x) for x in totals[4:]]
+        # The step's one host read, a statement of its own: under torch.compile it is the step's one graph
+        # break, which dynamo splits cleanly here (inside a generator it gave up on the whole frame and
+        # compiled every function it calls on its own, recompiling SumPacket.add for each call).
+        values = totals.tolist()
+        loss_total, whole_total, found_inf, hyper_total = values[:4]
+        tensor_totals = values[4:]
         if found_inf > 0:  # GradScaler's overflow
             return False
         if loss_total == 0 and whole_total == 0 and hyper_total == 0 and not any(tensor_totals):

@@ -151,7 +151,9 @@ class SmallFCLOpt(LearnedOptimizer):
             group["step"] = self._host_step(group) + 1
         for t, clip, handle in zip(tensors, clipped, norm_sums):
             grad = reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[handle]) if clip else t.grad
-            t.step_grad = grad.unsqueeze(-1)
+            # (torch.unsqueeze: a frame that names torch is one torch.compile traces when it resumes after
+            # the check's host read; without it dynamo skips this frame and compiles each callee on its own)
+            t.step_grad = torch.unsqueeze(grad, -1)
         self._naive_accumulate(tensors)
         square_sums = self._naive_feature_square_sums(tensors)
         for t, sums in zip(tensors, square_sums):
