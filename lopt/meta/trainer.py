@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -207,7 +208,14 @@ class MetaTrainer:
             for estimator, est_state in zip(self.estimators, state["estimators"]):
                 estimator.load_state_dict(est_state)
         self.host_gen.set_state(state["host_gen"])
-        self.device_gen.set_state(state["device_gen"])
+        saved_device = torch.device(state.get("device", "cpu"))
+        if saved_device.type == self.device.type:
+            self.device_gen.set_state(state["device_gen"])
+        else:  # another kind of generator: the run continues, with other random draws than on the saved device
+            warnings.warn(f"lopt.meta: resuming a run saved on {saved_device} on {self.device}: the device's random "
+                          f"stream starts anew (the continuation is not the one {saved_device} would have computed)",
+                          RuntimeWarning, stacklevel=2)
+            self.device_gen.manual_seed(self.config.seed + 1 + 1_000_003 * self.step)
         self.history, self.chunks, self.best = state["history"], state["chunks"], state["best"]
 
     @classmethod
