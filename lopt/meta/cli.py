@@ -150,7 +150,8 @@ def cmd_meta_train(args) -> int:
     state = "finished" if summary["finished"] else f"stopped ({summary['stopped_for'] or 'steps'}): rerun the same command to continue"
     print(f"outer step {summary['step']}/{summary['outer_steps']}, {state}; this chunk {summary['chunk_seconds'] / 60:.1f} min, "
           f"{rate:,.0f} inner steps/s (members x inner steps / s); best validation {summary['best']}")
-    print(f"weights: {out} (SmallFCLOpt(weights={str(out)!r})), best: {out / 'best'}, record: {out / 'meta_training.json'}")
+    best = f", best validation's: {out / 'best'}" if (out / "best").is_dir() else ""
+    print(f"weights: {out} (SmallFCLOpt(weights={str(out)!r})){best}, record: {out / 'meta_training.json'}")
     return 0
 
 
