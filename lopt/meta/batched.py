@@ -36,8 +36,6 @@ from lopt.reference import small_fc_lopt as reference
 
 GRADIENT_LIMIT = 2.0**64  # as lopt.optimizers.naive: beyond it g² overflows float32 and the step is skipped
 TIMESCALES = torch.tensor(reference.TIMESCALES, dtype=torch.float32)
-NETWORK_NAMES = ("network.input.weight", "network.input.bias", "network.linear_0.weight", "network.linear_0.bias",
-                 "network.output.weight", "network.output.bias")
 
 
 def _shifted(dims):
@@ -68,19 +66,30 @@ def _member_square_sums(features: torch.Tensor) -> torch.Tensor:
     return accumulators.feature_square_sums(by_column).view(population, columns)
 
 
+def _layer_names(network: dict) -> list:
+    """PyLO's MetaMLP layers in order: ``network.input``, ``network.linear_0``, ``network.linear_1``, …, ``network.output``."""
+    hidden = sorted((int(k[len("network.linear_"):-len(".weight")]) for k in network
+                     if k.startswith("network.linear_") and k.endswith(".weight")))
+    return ["network.input"] + [f"network.linear_{i}" for i in hidden] + ["network.output"]
+
+
 def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """§3.8 per member: ``inputs`` (P, N, 39); each weight either batched (P, out, in) / (P, out), one
-    set per member, or shared (out, in) / (out,). Returns (direction, magnitude), each (P, N)."""
+    set per member, or shared (out, in) / (out,). ReLU between layers (as many hidden layers as the
+    network has). Returns (direction, magnitude), each (P, N)."""
 
     def layer(x, weight, bias):
         if weight.dim() == 2:
             return torch.nn.functional.linear(x, weight, bias)
         return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
 
-    hidden = torch.relu(layer(inputs, network["network.input.weight"], network["network.input.bias"]))
-    hidden = torch.relu(layer(hidden, network["network.linear_0.weight"], network["network.linear_0.bias"]))
-    output = layer(hidden, network["network.output.weight"], network["network.output.bias"])
-    return output[..., 0], output[..., 1]
+    names = _layer_names(network)
+    x = inputs
+    for i, name in enumerate(names):
+        x = layer(x, network[f"{name}.weight"], network[f"{name}.bias"])
+        if i < len(names) - 1:
+            x = torch.relu(x)
+    return x[..., 0], x[..., 1]
 
 
 class BatchedSmallFCLOpt:
