@@ -109,3 +109,23 @@ def test_meta_train_command_runs_resumes_and_refuses_other_settings(tmp_path, ca
     assert json.loads((out / RECORD).read_text())["outer_steps_done"] == 6
     assert main(common + ["--seed", "3"]) == 2
     assert "other settings (seed)" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_sigterm_ends_the_chunk_after_the_current_step_with_a_checkpoint(tmp_path):
+    import signal
+
+    trainer = MetaTrainer(preset("smoke", validate_every=0), out_dir=tmp_path)
+    step = trainer.outer_step
+
+    def step_then_terminate(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if trainer.step == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    trainer.outer_step = step_then_terminate
+    summary = trainer.run(progress=False)
+    assert summary["stopped_for"] == "signal" and summary["step"] == 3
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 3
+    assert signal.getsignal(signal.SIGTERM) != trainer._on_signal  # the previous handler is back

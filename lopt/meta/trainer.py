@@ -282,7 +282,8 @@ class MetaTrainer:
 
     def run(self, max_minutes: float | None = None, progress: bool = True, outer_steps: int | None = None) -> dict:
         """Outer steps until ``config.outer_steps`` (or ``outer_steps`` more) are done or ``max_minutes`` would be
-        exceeded; checkpoints on the way (``checkpoint_minutes``) and at the end. Returns a summary."""
+        exceeded; checkpoints on the way (``checkpoint_minutes``) and at the end, also after SIGTERM or a first
+        Ctrl-C (which end the chunk after the current outer step). Returns a summary."""
         from tqdm.auto import tqdm
 
         config = self.config
@@ -290,11 +291,12 @@ class MetaTrainer:
         chunk_start, chunk_step = time.perf_counter(), self.step
         last_save = chunk_start
         budget = None if max_minutes is None else max_minutes * 60.0
-        previous_handler = None
-        try:
-            previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread
-            pass
+        previous_handlers = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous_handlers[signum] = signal.signal(signum, self._on_signal)
+            except ValueError:  # not the main thread
+                pass
         self._stop = False
         if self.step == 0 and config.validate_every and not self.history["validation"]:
             self._validate_and_keep_best()
@@ -326,8 +328,8 @@ class MetaTrainer:
                     last_save = time.perf_counter()
         finally:
             bar.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
         if self.step >= config.outer_steps and config.validate_every and (
                 not self.history["validation"] or self.history["validation"][-1][0] != self.step):
             self._validate_and_keep_best()
@@ -342,5 +344,8 @@ class MetaTrainer:
         self.chunks.append({"from_step": chunk_step, "to_step": self.step,
                             "seconds": round(time.perf_counter() - chunk_start, 3), "device": str(self.device)})
 
-    def _on_sigterm(self, signum, frame):
+    def _on_signal(self, signum, frame):
+        """SIGTERM or a first Ctrl-C: finish the current outer step, checkpoint, return. A second Ctrl-C: abort."""
+        if self._stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
         self._stop = True
