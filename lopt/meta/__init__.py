@@ -6,14 +6,21 @@
   ``SmallFCLOpt``'s step; :class:`BatchedAdamW`;
 * :mod:`lopt.meta.tasks`, :mod:`lopt.meta.data`: offline task families and data sets;
 * :func:`run_suite`: the frozen held-out evaluation against AdamW (``lopt meta-eval``).
+
+The names are imported on first use, so that ``python -m lopt.meta.data`` and the CLI's parser stay light.
 """
 
-from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt
-from lopt.meta.estimators import FullES, TruncatedPES
-from lopt.meta.evaluate import SUITES, EvalSettings, run_suite
-from lopt.meta.metaparams import MetaParamSpace
-from lopt.meta.presets import PRESETS, MetaTrainConfig, preset
-from lopt.meta.trainer import MetaTrainer
+import importlib
 
-__all__ = ["BatchedAdamW", "BatchedSmallFCLOpt", "FullES", "TruncatedPES", "SUITES", "EvalSettings", "run_suite",
-           "MetaParamSpace", "PRESETS", "MetaTrainConfig", "preset", "MetaTrainer"]
+_EXPORTS = {
+    "BatchedAdamW": "batched", "BatchedSmallFCLOpt": "batched", "FullES": "estimators", "TruncatedPES": "estimators",
+    "SUITES": "evaluate", "EvalSettings": "evaluate", "run_suite": "evaluate", "MetaParamSpace": "metaparams",
+    "PRESETS": "presets", "MetaTrainConfig": "presets", "preset": "presets", "MetaTrainer": "trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"lopt.meta.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'lopt.meta' has no attribute {name!r}")
