@@ -9,16 +9,20 @@ import lopt
 
 # Every rank, small tensors and one of 78,000 elements (many blocks of each pass), a matrix whose rows are a
 # multiple of 32 long (small_fc_lopt's slow-entry vectors), two dtypes, two groups; small_fc_lopt a second
-# time with max_grad_norm in one group (norm jobs and clip factors), and a third with precision="fast".
+# time with max_grad_norm in one group (norm jobs and clip factors), a third with precision="fast", and a
+# fourth with weights of another MLP geometry (the generic float32 path).
 shapes = [(), (5,), (33, 17), (4, 4), (2, 3, 5), (6, 2, 3, 3), (1, 9), (300,), (300, 260), (40, 96)]
 for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small_fc_lopt", 0.1, "exact"),
-                                       ("small_fc_lopt", None, "fast"), ("velo", None, None)):
+                                       ("small_fc_lopt", None, "fast"), ("small_fc_lopt", None, "h8x2"),
+                                       ("velo", None, None)):
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(7, 5, device="cuda", dtype=torch.bfloat16)))
     groups = [{"params": params[:5]}, {"params": params[5:], "weight_decay": 0.01}]
     if max_grad_norm is not None:
         groups[1]["max_grad_norm"] = max_grad_norm
-    weights = lopt.random_weights(name)
+    weights = (lopt.random_weights(name, hidden_size=8, hidden_layers=2) if precision == "h8x2"
+               else lopt.random_weights(name))
+    precision = "exact" if precision == "h8x2" else precision
     if name == "velo":
         optimizer = lopt.VeLO(groups, num_steps=100, weights=weights, backend="fused")
     else:

@@ -17,16 +17,31 @@
 
 #define SFC_NUM_FEATURES 28
 #define SFC_NUM_TIME_FEATURES 11
-#define SFC_INPUTS 39
-#define SFC_HIDDEN 32
+#define SFC_INPUTS (SFC_NUM_FEATURES + SFC_NUM_TIME_FEATURES)
 
-// The network buffer (lopt.fused.small_fc_lopt.pack_network): W1, b1, W2, b2, W3, b3, PyTorch (out x in) layout.
-#define SFC_W1 0                                         // (32, 39)
-#define SFC_B1 (SFC_W1 + SFC_HIDDEN * SFC_INPUTS)        // (32,)
-#define SFC_W2 (SFC_B1 + SFC_HIDDEN)                     // (32, 32)
-#define SFC_B2 (SFC_W2 + SFC_HIDDEN * SFC_HIDDEN)        // (32,)
-#define SFC_W3 (SFC_B2 + SFC_HIDDEN)                     // (2, 32)
-#define SFC_B3 (SFC_W3 + 2 * SFC_HIDDEN)                 // (2,)
+// The network is data: its geometry, and where each layer lies in the packed buffer, come from the
+// weights' own config (lopt.network.MLPGeometry.cuda_defines, passed by the engine: kernel traits as
+// NVRTC defines). SFC_MLP_HIDDEN units in each of 1 + SFC_MLP_HIDDEN_LAYERS hidden layers; layer i
+// (0 the input layer ... SFC_MLP_HIDDEN_LAYERS + 1 the output layer) at SFC_MLP_W<i>, SFC_MLP_B<i>
+// (PyTorch's out x in layout); the hidden-to-hidden layers also as SFC_MLP_LINEAR_W/_B plus
+// SFC_MLP_LINEAR_STRIDE per layer, and the output layer as SFC_MLP_OUTPUT_W/_B.
+#ifndef SFC_MLP_HIDDEN
+#error "build small_fc_lopt.cu with its network's geometry: lopt.fused.small_fc_lopt.kernel_defines"
+#endif
+static_assert(SFC_MLP_INPUTS == SFC_INPUTS && SFC_MLP_OUTPUTS == 2,
+              "small_fc_lopt's MLP takes 28 features and 11 time features and gives direction and magnitude");
+#define SFC_HIDDEN SFC_MLP_HIDDEN
+#define SFC_W1 SFC_MLP_W0
+#define SFC_B1 SFC_MLP_B0
+// The published geometry, 39 -> 32 -> 32 -> 2, runs its layers on tensor cores (the apply pass below);
+// any other runs them in float32 on the CUDA cores (generic_mlp), whatever the precision.
+#define SFC_TENSOR_CORES (SFC_MLP_HIDDEN == 32 && SFC_MLP_HIDDEN_LAYERS == 1)
+#if SFC_TENSOR_CORES
+#define SFC_W2 SFC_MLP_W1
+#define SFC_B2 SFC_MLP_B1
+#define SFC_W3 SFC_MLP_W2
+#define SFC_B3 SFC_MLP_B2
+#endif
 
 // The MLP's 32 x 32 layers run on tensor cores with float32 accuracy (split_mma.cuh: a TF32 product
 // plus one BF16 product for the correction terms); their weights are kept as B operands in the
@@ -35,8 +50,15 @@
 #define SFC_K 32                                          // 28 features, 2 bias inputs, padded to 4 k-steps
 // Per tensor: the folded first layer as a B operand: W1' = W1 scaled per feature, and b1' (time
 // features folded in) as the weights of two constant inputs (first_layer_input's order)
+// (The generic MLP's: W1' as [unit][feature] floats, then b1'.)
+#if SFC_TENSOR_CORES
 #define SFC_FOLDED_SLOW SFC_OPERAND_32x32               // and W1' of the 6 slow inputs, [input][unit]
 #define SFC_FOLDED_SHIFTS (SFC_FOLDED_SLOW + 6 * SFC_HIDDEN)  // and the shifts of the shiftable features
+#else
+#define SFC_FOLDED_W1 0
+#define SFC_FOLDED_B1 (SFC_HIDDEN * SFC_NUM_FEATURES)
+#define SFC_FOLDED_SHIFTS (SFC_FOLDED_B1 + SFC_HIDDEN)
+#endif
 #define SFC_FOLDED (SFC_FOLDED_SHIFTS + 8)
 // The statistics pass is bound by memory: each thread takes its elements in pairs, asks L2 for the
 // next pair ahead of use, and the register bound keeps 24 warps per SM with loads in flight.
@@ -205,6 +227,7 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
   }
 }
 
+#if SFC_TENSOR_CORES
 // The first layer's inputs, in the order the MMA takes them (the fold lays W1's columns out to match):
 //
 //   0 ... 12   the features 0 ... 12 (gradient, parameter, momenta, rms, ..., the factored gradient)
@@ -298,6 +321,7 @@ LOPT_DEVICE float exp2_of(int e) { return __int_as_float((127 + e) << 23); }
 // n-tile j holds columns 8j + 2t and 8j + 2t + 1, and k-step j's A fragment wants k = 8j + t and
 // k = 8j + t + 4, so those are units 8j + 2t and 8j + 2t + 1; no data moves between threads.
 LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
+#endif  // SFC_TENSOR_CORES
 
 // ------------------------------------------------------------------------------------------
 // Fold: one block per tensor. normalise_features' scales go into the columns of W1 and the 11
@@ -360,6 +384,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     return;
   }
   if (blockIdx.x == num_tensors) {
+#if SFC_TENSOR_CORES
     if (phase == 1) return;
     const float* w2 = network + SFC_W2;
     const float* w3 = network + SFC_W3;
@@ -379,7 +404,8 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     if (tid < 2 * SFC_HIDDEN) shared_frags[SFC_SHARED_W3 + tid] = __fmul_rn(w3[tid], layer3_scale);
     if (tid < SFC_HIDDEN) shared_frags[SFC_SHARED_B2 + tid] = __fmul_rn(network[SFC_B2 + tid], layer2_scale);
     if (tid < 2) shared_frags[SFC_SHARED_B3 + tid] = network[SFC_B3 + tid];
-    return;
+#endif
+    return;  // (the generic MLP reads its later layers from the network buffer itself)
   }
   const int tensor = static_cast<int>(blockIdx.x);
   const TensorMeta t = tensor_row(tensors, gradients, tensor);  // (its gradient: the float64 fallback's)
@@ -441,6 +467,7 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   if (t.factored && tables_shifted())
     scale_table_accumulators(t, row_table, col_table, row_packed, col_packed, accumulator_shift, accumulator_shift + 3,
                              tid, SFC_FOLD_THREADS);
+#if SFC_TENSOR_CORES
   // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
   // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
   const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
@@ -457,8 +484,26 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   // The slow inputs' weights once more, whole: the apply pass forms their share of layer 1 per entry.
   for (int i = tid; i < SFC_SLOW_INPUTS * SFC_HIDDEN; i += SFC_FOLD_THREADS)
     out[SFC_FOLDED_SLOW + i] = folded_weight(SFC_SLOW_INPUTS_FIRST + i / SFC_HIDDEN, i % SFC_HIDDEN);
+#else
+  // The generic MLP's first layer: W1' = W1 scaled per feature, b1' with the time features folded in.
+  for (int i = tid; i < SFC_HIDDEN * SFC_NUM_FEATURES; i += SFC_FOLD_THREADS) {
+    const int n = i / SFC_NUM_FEATURES, k = i % SFC_NUM_FEATURES;
+    out[SFC_FOLDED_W1 + i] = __fmul_rn(w1[n * SFC_INPUTS + k], scale[k]);
+  }
+  for (int n = tid; n < SFC_HIDDEN; n += SFC_FOLD_THREADS) out[SFC_FOLDED_B1 + n] = bias[n];
+#endif
 }
 
+// update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
+LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
+  return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
+}
+
+// The apply pass reads and writes each element once: its loads and stores are evict-first (kStreamed)
+// so they do not push the factor tables and weights out of L2.
+constexpr bool kStreamed = true;
+
+#if SFC_TENSOR_CORES
 // ------------------------------------------------------------------------------------------
 // Apply: a block (4 warps) takes 128 elements at a time, one per thread. Every thread computes its
 // element's 28 features (as the statistics pass did); mlp_chunk runs the MLP for each warp's 32
@@ -690,10 +735,6 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
 #endif
 }
 
-// update_from_mlp: u = direction · exp(exp_mult · magnitude) · step_mult.
-LOPT_DEVICE float update_from_mlp(float2 mlp_output, const ApplyScalars& a) {
-  return __fmul_rn(__fmul_rn(mlp_output.x, expf(__fmul_rn(mlp_output.y, a.exp_mult))), a.step_mult);
-}
 
 // Where a factored tensor's elements read their table entries, by role (TensorMeta's entry offsets
 // into the tables): the whole entries, and for the fast one (SFC_PACKED_ENTRIES) its compact factors
@@ -810,9 +851,6 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 // pay: copying the next chunk's elements into shared memory by cp.async made the exact step 1.1-1.5 ms
 // slower (a8da4bf), loading them a chunk ahead into registers 1.3-1.9 ms (55a9d5d), and asking L2 for
 // them ahead gained nothing (a72b12b); benchmarks/RESULTS.md, #12 eleventh session.)
-// The apply pass reads and writes each element once: its loads and stores are evict-first (kStreamed)
-// so they do not push the factor tables and weights out of L2.
-constexpr bool kStreamed = true;
 // The common tensor: a factored matrix (plain_index) whose parameter and gradient are float32. Its
 // chunks run a copy of the chunk's code compiled with those fields as constants (as_common_tensor),
 // so the per-element tests of dtype, factoring and index form fold away (about a fifth fewer
@@ -829,7 +867,7 @@ extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS, SFC_APPLY_MIN_BL
 small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                     const GroupMeta* __restrict__ groups,
                     int num_groups, i64 total_chunks, const float* __restrict__ folded,
-                    const float* __restrict__ shared_frags, const float* __restrict__ row_table,
+                    const float* __restrict__ later_layers, const float* __restrict__ row_table,
                     const float* __restrict__ col_table, const float4* __restrict__ row_factors,
                     const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
                     const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
@@ -861,10 +899,10 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   __shared__ TensorMeta meta;
   __shared__ ApplyScalars group;  // in shared memory, not ~20 registers held through the whole kernel
   __shared__ float clip_factor;
-  for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = shared_frags[SFC_SHARED_L2 + k];
-  if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = shared_frags[SFC_SHARED_W3 + threadIdx.x];
-  write_bias_quads(b2, shared_frags + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
-  if (threadIdx.x < 2) b3[threadIdx.x] = shared_frags[SFC_SHARED_B3 + threadIdx.x];
+  for (int k = threadIdx.x; k < SFC_L2_OPERAND_FLOATS; k += SFC_APPLY_THREADS) l2[k] = later_layers[SFC_SHARED_L2 + k];
+  if (threadIdx.x < 2 * SFC_HIDDEN) w3[threadIdx.x] = later_layers[SFC_SHARED_W3 + threadIdx.x];
+  write_bias_quads(b2, later_layers + SFC_SHARED_B2, threadIdx.x, SFC_APPLY_THREADS);
+  if (threadIdx.x < 2) b3[threadIdx.x] = later_layers[SFC_SHARED_B3 + threadIdx.x];
   // (In shared memory: held in a register through the loop, it was spilled and reloaded every chunk.
   // Read after the first chunk's __syncthreads.)
   __shared__ float inverse_scale;
@@ -955,3 +993,98 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
     apply_chunk(chunk_meta);
   }
 }
+#else  // SFC_TENSOR_CORES
+// ------------------------------------------------------------------------------------------
+// Apply, any other geometry: a thread per element, the MLP in float32 on the CUDA cores. The first
+// layer is the fold's W1' and b1' (normalisation and time features folded in); the later layers are
+// read from the network buffer (the same address in every lane: one broadcast load each, cached).
+// ------------------------------------------------------------------------------------------
+LOPT_DEVICE float2 generic_mlp(const float x[SFC_NUM_FEATURES], const float* folded, const float* network) {
+  float h[SFC_HIDDEN];
+#pragma unroll 4
+  for (int n = 0; n < SFC_HIDDEN; ++n) {
+    float a = folded[SFC_FOLDED_B1 + n];
+#pragma unroll
+    for (int k = 0; k < SFC_NUM_FEATURES; ++k) a = fmaf(folded[SFC_FOLDED_W1 + n * SFC_NUM_FEATURES + k], x[k], a);
+    h[n] = fmaxf(a, 0.f);
+  }
+#pragma unroll
+  for (int layer = 0; layer < SFC_MLP_HIDDEN_LAYERS; ++layer) {
+    const float* w = network + SFC_MLP_LINEAR_W + layer * SFC_MLP_LINEAR_STRIDE;
+    const float* b = network + SFC_MLP_LINEAR_B + layer * SFC_MLP_LINEAR_STRIDE;
+    float next[SFC_HIDDEN];
+#pragma unroll 4
+    for (int n = 0; n < SFC_HIDDEN; ++n) {
+      float a = __ldg(b + n);
+#pragma unroll
+      for (int k = 0; k < SFC_HIDDEN; ++k) a = fmaf(__ldg(w + n * SFC_HIDDEN + k), h[k], a);
+      next[n] = fmaxf(a, 0.f);
+    }
+#pragma unroll
+    for (int n = 0; n < SFC_HIDDEN; ++n) h[n] = next[n];
+  }
+  const float* w = network + SFC_MLP_OUTPUT_W;
+  const float* b = network + SFC_MLP_OUTPUT_B;
+  float out[2];
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {
+    float a = __ldg(b + o);
+#pragma unroll
+    for (int k = 0; k < SFC_HIDDEN; ++k) a = fmaf(__ldg(w + o * SFC_HIDDEN + k), h[k], a);
+    out[o] = a;
+  }
+  return make_float2(out[0], out[1]);
+}
+
+// The same arguments as the tensor-core apply pass (the engine launches either alike): later_layers is
+// the network buffer here (there the fold's layout of layers 2 and 3), and no packed entries are read.
+extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS)
+small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                    const GroupMeta* __restrict__ groups,
+                    int num_groups, i64 total_chunks, const float* __restrict__ folded,
+                    const float* __restrict__ later_layers, const float* __restrict__ row_table,
+                    const float* __restrict__ col_table, const float4* __restrict__ row_factors,
+                    const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
+                    const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
+                    const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const bool skipped = step_is_skipped(flags);
+  if (blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
+  if (skipped) return;  // nothing is written
+  const float inverse_scale = inverse_grad_scale(flags);
+  const TableInputs tables{row_table, col_table, nullptr, nullptr};
+  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
+  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  i64 current_end = -1;
+  int tensor = 0;
+  TensorMeta meta;
+  ApplyScalars group;
+  float clip_factor = 1.f;
+  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    if (chunk >= current_end) {
+      tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+      meta = tensor_row(tensors, gradients, tensor);
+      group = read_apply_scalars(groups[meta.group]);
+      clip_factor = tensor_clip_factor(clip_factors, tensor);
+      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
+    }
+    const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+    if (index >= meta.numel) continue;
+    const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
+    float x[SFC_NUM_FEATURES], grad, param;
+    ElementState state;
+    element_features<false, kStreamed>(meta, index, group.decays, inverse_scale, clip_factor, tables, x, state, grad,
+                                       param);
+    store_element_state<kStreamed>(meta, index, state);
+    // The feature shifts (the fold's): rms's always; V's for a tensor that is not factored (R's and C's
+    // come shifted in the tables).
+    x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], f[SFC_FOLDED_SHIFTS]);
+    if (!meta.factored) {
+#pragma unroll
+      for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i)
+        x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], f[SFC_FOLDED_SHIFTS + i]);
+    }
+    apply_update<kStreamed>(meta, index, param, update_from_mlp(generic_mlp(x, f, later_layers), group), group);
+  }
+}
+#endif  // SFC_TENSOR_CORES

@@ -77,6 +77,32 @@ class ComponentSpec:
     config: dict
     tensors: dict  # tensor name -> shape tuple
     ignored_tensors: tuple = ()  # names a published file may carry that are not meta-weights
+    # config fields a weights file may set otherwise (an MLP's hidden_size and hidden_layers): the tensors
+    # then follow from the file's config (lopt.network.MLPGeometry); the registered config is the default
+    variable: tuple = ()
+
+    def for_config(self, config: dict, where: str = "the config") -> "ComponentSpec":
+        """This network as ``config`` describes it (itself where nothing variable differs)."""
+        if not self.variable or all(config.get(key, self.config[key]) == self.config[key] for key in self.variable):
+            return self
+        from lopt.network import MLPGeometry
+
+        merged = {**self.config, **{key: config[key] for key in self.variable if key in config}}
+        try:
+            geometry = MLPGeometry.from_config(merged, outputs=self.tensors["network.output.weight"][0])
+        except (ValueError, TypeError) as err:
+            raise WeightsError(f"{where} describes an MLP lopt cannot run: {err}") from None
+        return ComponentSpec(self.name, merged, geometry.tensor_shapes(), self.ignored_tensors, self.variable)
+
+    def config_of_tensors(self, tensors: Mapping) -> dict:
+        """The config a bare weights file (no config.json) describes by its tensors' shapes (variable fields only)."""
+        if not self.variable or not all(isinstance(tensors.get(f"network.{layer}.weight"), torch.Tensor)
+                                        for layer in ("input", "output")):
+            return dict(self.config)
+        from lopt.network import MLPGeometry
+
+        geometry = MLPGeometry.of({k: v for k, v in tensors.items() if k.startswith("network.")})
+        return {**self.config, **{key: geometry.config()[key] for key in self.variable}}
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,7 @@ def _parse_registry(data: dict) -> tuple[dict, dict]:
                 config=dict(comp["config"]),
                 tensors={t: tuple(s) for t, s in comp["tensors"].items()},
                 ignored_tensors=tuple(comp.get("ignored_tensors", ())),
+                variable=tuple(comp.get("variable", ())),
             )
             for comp_name, comp in arch["components"].items()
         }
@@ -212,22 +239,31 @@ class MetaWeights:
         return written
 
 
-def random_weights(architecture_name: str, seed: int = 0) -> MetaWeights:
+def random_weights(architecture_name: str, seed: int = 0, **config) -> MetaWeights:
     """Randomly initialised weights of the registered shapes (for timing and tests, not training).
 
     Matrices (and stacks of matrices) draw U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = the
-    last dimension, as ``torch.nn.Linear`` does; vectors draw U(-1/sqrt(n), 1/sqrt(n)).
+    last dimension, as ``torch.nn.Linear`` does; vectors draw U(-1/sqrt(n), 1/sqrt(n)). ``config``
+    sets what the architecture lets a weights file choose, e.g. ``random_weights("small_fc_lopt",
+    hidden_size=8, hidden_layers=2)`` for another geometry of small_fc_lopt's MLP.
     """
     spec = architecture(architecture_name)
+    settable = {key for comp in spec.components.values() for key in comp.variable}
+    unknown = sorted(set(config) - settable)
+    if unknown:
+        raise WeightsError(f"random_weights({architecture_name!r}): {unknown} cannot be chosen; "
+                           f"{architecture_name} lets weights choose {sorted(settable) or 'nothing'}")
     generator = torch.Generator().manual_seed(seed)
-    tensors = {}
+    tensors, configs = {}, {}
     for comp_name, comp in spec.components.items():
+        comp = comp.for_config({**comp.config, **{k: v for k, v in config.items() if k in comp.variable}},
+                               f"random_weights({architecture_name!r}, {config})")
+        configs[comp_name] = dict(comp.config)
         tensors[comp_name] = {}
         for tensor_name, shape in comp.tensors.items():
             fan_in = shape[-1] if len(shape) else 1
             bound = 1.0 / math.sqrt(max(fan_in, 1))
             tensors[comp_name][tensor_name] = (torch.rand(shape, generator=generator) * 2 - 1) * bound
-    configs = {c: dict(comp.config) for c, comp in spec.components.items()}
     return MetaWeights(architecture_name, tensors, configs, source=f"random (seed {seed})", pretrained=False)
 
 
@@ -257,7 +293,8 @@ def load_weights(source: WeightsSource, architecture_name: str, *, verify_checks
                 f"these meta-weights are for {source.architecture!r}, not {architecture_name!r}; "
                 f"load weights of the {architecture_name} architecture"
             )
-        tensors = {c: _validate_tensors(spec.components[c], source.tensors.get(c, {}), source.source) for c in spec.components}
+        tensors = {c: _validate_tensors(spec.components[c].for_config(source.configs.get(c, {}), source.source),
+                                        source.tensors.get(c, {}), source.source) for c in spec.components}
         return MetaWeights(architecture_name, tensors, copy.deepcopy(source.configs), source.source, source.pretrained)
 
     if isinstance(source, str) and source in _REGISTERED:
@@ -375,10 +412,14 @@ def _load_component(comp: ComponentSpec, source) -> tuple[dict, dict]:
         if (path / CONFIG_FILE).is_dir():
             raise WeightsError(f"{path / CONFIG_FILE} is a directory, not a JSON file; remove it or replace it with "
                                f"the {CONFIG_FILE} of the published weights")
-        config = _read_config(path / CONFIG_FILE, comp) if (path / CONFIG_FILE).exists() else dict(comp.config)
-        return _validate_tensors(comp, _read_safetensors(weights_path), str(weights_path)), config
+        tensors = _read_safetensors(weights_path)
+        config = (_read_config(path / CONFIG_FILE, comp) if (path / CONFIG_FILE).exists()
+                  else comp.config_of_tensors(tensors))
+        return _validate_tensors(comp.for_config(config, str(path / CONFIG_FILE)), tensors, str(weights_path)), config
     if path.is_file():
-        return _validate_tensors(comp, _read_safetensors(path), str(path)), dict(comp.config)
+        tensors = _read_safetensors(path)
+        config = comp.config_of_tensors(tensors)
+        return _validate_tensors(comp.for_config(config, str(path)), tensors, str(path)), config
     if path.suffix == ".safetensors":
         looked_for = "" if path.is_absolute() else f" (looked for {path.absolute()})"
         raise WeightsError(f"weights file {path} does not exist{looked_for}")
@@ -419,7 +460,8 @@ def _read_config(path: Path, comp: ComponentSpec) -> dict:
         raise WeightsError(f"{path} is not valid JSON ({err}); replace it with the config.json of the published weights") from None
     if not isinstance(config, dict):
         raise WeightsError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    wrong = {k: (config[k], v) for k, v in comp.config.items() if k in config and config[k] != v}
+    wrong = {k: (config[k], v) for k, v in comp.config.items()
+             if k in config and config[k] != v and k not in comp.variable}
     if wrong:
         details = ", ".join(f"{k}={got!r} (lopt needs {want!r})" for k, (got, want) in wrong.items())
         raise WeightsError(f"{path} describes a different network: {details}; these weights do not fit this architecture")
@@ -436,6 +478,8 @@ def _not_safetensors(path: Path) -> tuple[str, str] | None:
     with open(path, "rb") as f:
         head = f.read(64)
     convert = f"convert it in place with {_convert_command(path, path)}"
+    if head[8:9] == b"{":  # (a header length whose low byte is 0x80 must not read as a pickle's opcode)
+        return None
     if head.startswith(b"PK\x03\x04"):
         return "it is a zip archive, the format torch.save writes (a PyTorch checkpoint)", convert
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:

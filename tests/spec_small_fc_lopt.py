@@ -190,10 +190,14 @@ def time_features(t: int) -> torch.Tensor:
 
 
 def mlp(x: torch.Tensor, net: dict):
-    """39 → 32 → 32 → 2 with ReLU, PyTorch (out × in) weights; returns (direction, magnitude)."""
+    """39 → h → (h → h) × hidden_layers → 2 with ReLU (the published weights: h = 32, one linear_0), PyTorch
+    (out × in) weights; returns (direction, magnitude)."""
     w = {k: t.to(F64) for k, t in net.items()}
     h = torch.clamp(x @ w["network.input.weight"].T + w["network.input.bias"], min=0)
-    h = torch.clamp(h @ w["network.linear_0.weight"].T + w["network.linear_0.bias"], min=0)
+    i = 0
+    while f"network.linear_{i}.weight" in w:
+        h = torch.clamp(h @ w[f"network.linear_{i}.weight"].T + w[f"network.linear_{i}.bias"], min=0)
+        i += 1
     out = h @ w["network.output.weight"].T + w["network.output.bias"]
     return out[..., 0], out[..., 1]
 

@@ -113,6 +113,44 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
     assert int(fused.state_dict()["param_groups"][0]["step"]) == steps
 
 
+# Other geometries of small_fc_lopt's MLP (lopt.network.MLPGeometry; the kernels are specialised to each):
+# hidden sizes 4 ... 64 and 1 ... 3 hidden layers (PyLO's count), the published 32 x 1 among them.
+GEOMETRIES = [(hidden, layers) for hidden in (4, 8, 16, 32, 64) for layers in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("hidden, layers", GEOMETRIES, ids=[f"h{h}x{l}" for h, l in GEOMETRIES])
+def test_every_mlp_geometry_fused_matches_naive(hidden, layers):
+    """small_fc_lopt with weights of another geometry steps fused as naive does: per step (from the same
+    state), updates within 1e-5 over the whole step and per tensor (tiny tensors against the step's scale),
+    every rank; the published geometry on tensor cores, the others on the generic path, whose precision
+    "fast" is the same float32 arithmetic."""
+    weights = {"small_fc_lopt": lopt.random_weights("small_fc_lopt", seed=hidden + layers, hidden_size=hidden,
+                                                    hidden_layers=layers)}
+    precisions = ["exact"] if (hidden, layers) == (32, 1) else ["exact", "fast"]
+    for precision in precisions:
+        fused, fused_params, naive, naive_params = twin_optimizers("small_fc_lopt", weights, lr=0.7,
+                                                                   weight_decay=0.01, precision=precision)
+        assert fused._fused_engine.tensor_cores == ((hidden, layers) == (32, 1))
+        worst = 0.0
+        for index in range(12):
+            grads = random_grads(fused_params, seed=100 + index)
+            set_grads(fused_params, grads)
+            set_grads(naive_params, grads)
+            before = [p.detach().float().clone() for p in fused_params]
+            step(fused, loss_of(index))
+            step(naive, loss_of(index))
+            fused_updates = [f.detach().float() - b for f, b in zip(fused_params, before)]
+            naive_updates = [n.detach().float() - b for n, b in zip(naive_params, before)]
+            error = relative_error(flat(fused_updates), flat(naive_updates))
+            worst = max(worst, error)
+            assert error <= STEP_TOLERANCE, f"{precision} step {index}: relative update error {error:.2e}"
+            scale = update_scale(naive_updates)
+            for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
+                assert tensor_update_error(uf, un, scale) <= tensor_tolerance(uf), (precision, index, shape)
+            sync_into(naive, naive_params, fused, fused_params)
+        print(f"\n[small_fc_lopt h{hidden}x{layers} {precision}] worst per-step relative update error {worst:.2e}")
+
+
 # precision="fast" (small_fc_lopt): the 32-wide layers multiply BF16-rounded operands and the output
 # layer FP16 ones (float32 accumulation), so each product is off by up to ~2^-8 of its size and a
 # step's update by ~1e-3 (docs/small_fc_lopt.md §3.10). Bounds per step, each from the same state: the

@@ -88,39 +88,50 @@ def recorded(monkeypatch):
     return launches
 
 
-def naive_for(name, params, **kwargs):
-    weights = lopt.random_weights(name, seed=1)
-    if name == "velo":
-        return lopt.VeLO(params, num_steps=10, weights=weights, backend="naive", **kwargs)
-    return lopt.SmallFCLOpt(params, weights=weights, backend="naive", **kwargs)
+def naive_for(name, params, geometry=None, **kwargs):
+    """The registered optimizer ``name`` on the naive backend (``geometry``: (hidden, layers) of its MLP)."""
+    entry = registry.get(name)
+    shape = {} if geometry is None else {"hidden_size": geometry[0], "hidden_layers": geometry[1]}
+    weights = lopt.random_weights(entry.architecture, seed=1, **shape)
+    return entry.build(params, weights=weights, backend="naive", **kwargs)
 
 
 def engine_for(name, params, **kwargs):
     opt = naive_for(name, params, **kwargs)
-    if name == "velo":
-        from lopt.fused.velo import VeLOFused as Engine
-    else:
-        from lopt.fused.small_fc_lopt import SmallFCLOptFused as Engine
-    opt.backend, opt._fused_engine = "fused", Engine(opt)  # the CPU tensors stand in for device memory
+    # (the CPU tensors stand in for device memory)
+    opt.backend, opt._fused_engine = "fused", registry.get(name).fused_engine_class(opt)
     return opt
 
 
-@pytest.mark.parametrize("precision, defines", [("exact", ()), ("fast", ("LOPT_SPLIT_MODE=2",))])
-def test_precision_chooses_the_kernels_arithmetic(precision, defines, recorded, monkeypatch):
-    """SmallFCLOpt(precision=...) builds its kernels with split_mma.cuh's mode: exact the default split, fast
-    one BF16 product (LOPT_SPLIT_MODE=2, whose MMA counts test_kernels_compile.py checks)."""
+@pytest.mark.parametrize("precision, mode", [("exact", 0), ("fast", 2)])
+@pytest.mark.parametrize("hidden, layers", [(32, 1), (8, 2)])
+def test_precision_and_geometry_choose_the_kernels_build(precision, mode, hidden, layers, recorded, monkeypatch):
+    """SmallFCLOpt(precision=...) builds its kernels with split_mma.cuh's mode (exact the float32-accurate
+    split, fast one BF16 product: LOPT_SPLIT_MODE 0 or 2, whose MMA counts test_kernels_compile.py checks),
+    and for the geometry of its weights' MLP (lopt.network.MLPGeometry.cuda_defines)."""
+    from lopt.network import MLPGeometry
+
     builds = []
     monkeypatch.setattr(launcher, "get_module", lambda source, device, defines=(): builds.append((source, defines))
                         or FakeModule(recorded))
-    opt = lopt.SmallFCLOpt([torch.nn.Parameter(torch.randn(6, 4))], weights=lopt.random_weights("small_fc_lopt", seed=1),
-                           backend="naive", precision=precision)
-    opt._make_fused_engine()
-    assert builds == [("small_fc_lopt.cu", defines)]
+    weights = lopt.random_weights("small_fc_lopt", seed=1, hidden_size=hidden, hidden_layers=layers)
+    opt = lopt.SmallFCLOpt([torch.nn.Parameter(torch.randn(6, 4))], weights=weights, backend="naive",
+                           precision=precision)
+    engine = opt._make_fused_engine()
+    [(source, defines)] = builds
+    assert source == "small_fc_lopt.cu" and defines[0] == f"LOPT_SPLIT_MODE={mode}"
+    geometry = MLPGeometry(39, hidden, layers, 2)
+    assert defines[1:] == geometry.cuda_defines("SFC_MLP")
+    assert f"SFC_MLP_HIDDEN={hidden}" in defines and f"SFC_MLP_HIDDEN_LAYERS={layers}" in defines
+    assert engine.tensor_cores == ((hidden, layers) == (32, 1))
+    assert engine.packed_entries == (engine.tensor_cores and precision == "fast")
+    assert torch.equal(engine.network.cpu(), geometry.pack(weights.tensors["mlp"]))
 
 
 @pytest.mark.parametrize("name, source, options", [
     ("small_fc_lopt", "small_fc_lopt.cu", {}),
     ("small_fc_lopt", "small_fc_lopt.cu", {"max_grad_norm": 0.5}),  # (norm jobs, clip factors)
+    ("small_fc_lopt", "small_fc_lopt.cu", {"geometry": (16, 2)}),  # (the generic MLP)
     ("velo", "velo.cu", {}),
 ])
 def test_every_launch_matches_its_kernel_declaration(name, source, options, recorded):
@@ -129,7 +140,9 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     shapes = [(), (5,), (6, 4), (2, 3, 4), (8, 3, 3, 3)]
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
     params[2] = torch.nn.Parameter(torch.randn(4, 6, generator=g).t())  # a transposed parameter
-    opt = engine_for(name, [{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.5), **options}])
+    geometry = options.pop("geometry", None)
+    opt = engine_for(name, [{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.5), **options}],
+                     geometry=geometry)
     for step in range(2):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g) * 1e-2
@@ -149,6 +162,12 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
             expected = np.uint64 if c_type == "pointer" else C_TYPES[c_type]
             assert type(arg) is expected, f"{kernel} argument #{index}: {type(arg).__name__} for a {c_type}"
         assert all(g > 0 for g in (grid if isinstance(grid, tuple) else (grid,))) and 0 < block <= 1024
+    if name == "small_fc_lopt":  # the apply pass reads the fold's layers 2 and 3 on tensor cores, else the network
+        engine = opt._fused_engine
+        apply = next(launch for launch in recorded if launch[0] == "small_fc_lopt_apply")
+        later = apply[3][declared_parameter_names(source)["small_fc_lopt_apply"].index("later_layers")]
+        assert later == launcher.pointer(engine.plan.shared_frags if engine.tensor_cores else engine.network)
+        assert engine.tensor_cores == (geometry is None)
     # The state was laid out in each parameter's own memory order, with unchanged logical shapes.
     state = opt.state[params[2]]
     assert state["mom"].shape == (6, 4, 3) and state["mom"].permute(1, 0, 2).is_contiguous()

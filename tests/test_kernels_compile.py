@@ -7,7 +7,8 @@ import subprocess
 import pytest
 
 from lopt.fused import launcher
-from lopt.fused.small_fc_lopt import SmallFCLOptFused
+from lopt.fused.small_fc_lopt import TENSOR_CORE_GEOMETRY, kernel_defines
+from lopt.network import MLPGeometry
 
 SOURCES = sorted(p.name for p in launcher.cuda_source_dir().glob("*.cu"))
 # Ampere, Hopper and (consumer) Blackwell: NVRTC builds for the device it runs on (launcher.nvrtc_architecture).
@@ -21,6 +22,15 @@ def nvcc():
             pytest.fail("nvcc is not on PATH: CI must compile every kernel")
         pytest.skip("nvcc is not installed")
     return path
+
+
+# Geometries of small_fc_lopt's MLP besides the published one (which runs on tensor cores): the generic path.
+GENERIC_GEOMETRIES = [MLPGeometry(39, hidden, layers, 2) for hidden, layers in ((4, 1), (8, 2), (16, 3), (64, 1), (32, 3))]
+
+
+def build_defines(source, precision="exact", geometry=TENSOR_CORE_GEOMETRY):
+    """What the engine compiles ``source`` with (small_fc_lopt.cu: its precision and its network's geometry)."""
+    return kernel_defines(precision, geometry) if source == "small_fc_lopt.cu" else ()
 
 
 def test_there_are_kernel_sources():
@@ -40,20 +50,30 @@ def compile_unit(text, arch, tmp_path, extra=()):
 def test_kernel_compiles(source, arch, tmp_path):
     # The exact text NVRTC gets at run time (headers inlined, the contract generated from Python),
     # with the same exactness options.
-    result = compile_unit(launcher.kernel_source(source), arch, tmp_path, ("-Werror", "all-warnings"))
+    result = compile_unit(launcher.kernel_source(source), arch, tmp_path,
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in build_defines(source)]))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out.cubin").stat().st_size > 0
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("precision", [p for p, defines in SmallFCLOptFused.PRECISION_DEFINES.items() if defines])
-def test_small_fc_lopt_builds_of_each_precision_compile(precision, arch, tmp_path):
-    """small_fc_lopt.cu as the engine builds it for each precision that adds macros (the default build is
-    test_kernel_compiles'), without warnings."""
-    defines = SmallFCLOptFused.PRECISION_DEFINES[precision]
+def test_small_fc_lopt_fast_precision_compiles(arch, tmp_path):
+    """small_fc_lopt.cu as the engine builds it for precision "fast" (exact: test_kernel_compiles), without warnings."""
     result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), arch, tmp_path,
-                          ("-Werror", "all-warnings", *[f"-D{d}" for d in defines]))
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in build_defines("small_fc_lopt.cu", "fast")]))
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("geometry", GENERIC_GEOMETRIES, ids=lambda g: f"h{g.hidden}x{g.hidden_layers}")
+def test_small_fc_lopt_other_geometries_compile(geometry, tmp_path):
+    """The kernels specialised to another MLP geometry (the generic float32 path), without warnings; and a
+    build without a geometry is refused by the kernel source itself."""
+    result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), "sm_90", tmp_path,
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in build_defines("small_fc_lopt.cu", "exact", geometry)]))
+    assert result.returncode == 0, result.stderr
+    if geometry is GENERIC_GEOMETRIES[0]:
+        bare = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), "sm_90", tmp_path)
+        assert bare.returncode != 0 and "kernel_defines" in bare.stderr
 
 
 @pytest.mark.parametrize("source, struct, field", [("velo.cu", "VeloTensor", "rank_class"),
@@ -65,7 +85,7 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
     from lopt.fused import contract
 
     monkeypatch.setitem(contract.STRUCTS, struct, tuple(f for f in contract.STRUCTS[struct] if f != field))
-    result = compile_unit(launcher.kernel_source(source), "sm_90", tmp_path)
+    result = compile_unit(launcher.kernel_source(source), "sm_90", tmp_path, [f"-D{d}" for d in build_defines(source)])
     assert result.returncode != 0 and field in result.stderr
 
 
@@ -75,21 +95,25 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
 # BF16 product per two k-steps (mode 2, precision="fast"), whose output layer adds 2 16-deep steps x 2
 # m-tiles of FP16. The apply pass has two copies of its chunk code (the general one and the common
 # tensor's, is_common_tensor), so each count appears twice.
+# Another geometry (the generic path) multiplies on the CUDA cores: no MMA at all.
 COPIES = 2
-MMA_COUNTS = {0: (COPIES * (32 + 24), COPIES * (32 + 24), COPIES * 48), 2: (0, COPIES * 32, COPIES * 4)}
+MMA_COUNTS = {("exact", TENSOR_CORE_GEOMETRY): (COPIES * (32 + 24), COPIES * (32 + 24), COPIES * 48),
+              ("fast", TENSOR_CORE_GEOMETRY): (0, COPIES * 32, COPIES * 4),
+              ("exact", GENERIC_GEOMETRIES[1]): (0, 0, 0)}
 
 
-@pytest.mark.parametrize("mode", sorted(MMA_COUNTS))
-def test_mlp_layers_mma_counts(mode, tmp_path):
+@pytest.mark.parametrize("precision, geometry", list(MMA_COUNTS), ids=lambda v: getattr(v, "hidden", v))
+def test_mlp_layers_mma_counts(precision, geometry, tmp_path):
     unit = tmp_path / "small_fc_lopt.cu"
     unit.write_text(launcher.kernel_source("small_fc_lopt.cu"))
-    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", f"-DLOPT_SPLIT_MODE={mode}", str(unit),
+    defines = [f"-D{d}" for d in build_defines("small_fc_lopt.cu", precision, geometry)]
+    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", *defines, str(unit),
                              "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     ptx = (tmp_path / "out.ptx").read_text()
     assert (ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
             ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
-            ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")) == MMA_COUNTS[mode]
+            ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")) == MMA_COUNTS[precision, geometry]
 
 
 def test_kernel_source_inlines_each_header_once():
@@ -130,6 +154,7 @@ def test_kernel_compiles_with_nvrtc(source, arch):
                                     0, None, None) == 0
     try:
         options = [o.encode() for o in launcher.NVRTC_OPTIONS] + [f"--gpu-architecture={arch}".encode()]
+        options += [f"-D{d}".encode() for d in build_defines(source)]
         status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         size = ctypes.c_size_t()
         nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))

@@ -408,6 +408,31 @@ def test_mlp_matches_oracle_and_output_rows():
     assert torch.allclose(m2, magnitude + 1.0, atol=1e-6)
 
 
+@pytest.mark.parametrize("hidden, layers", [(4, 1), (8, 2), (16, 3), (64, 1), (32, 3)])
+def test_other_mlp_geometries_step_as_the_oracle(hidden, layers):
+    """Weights of another geometry (their config's hidden_size and hidden_layers) run the MLP they describe:
+    SmallFCLOpt (naive) steps a matrix, a vector and a conv kernel as the float64 oracle does (4 steps)."""
+    weights = lopt.random_weights("small_fc_lopt", seed=hidden * 10 + layers, hidden_size=hidden, hidden_layers=layers)
+    net = weights.tensors["mlp"]
+    assert net["network.input.weight"].shape == (hidden, 39)
+    assert sum(name.endswith(".weight") for name in net) == layers + 2
+    gen = torch.Generator().manual_seed(hidden + 100 * layers)
+    shapes = [(9, 6), (7,), (4, 3, 3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in shapes]
+    opt = lopt.SmallFCLOpt(params, weights=weights, backend="naive", lr=0.5)
+    states = [spec.new_state(s) for s in shapes]
+    for t in range(1, 5):
+        grads = [random_grad(s, gen) for s in shapes]
+        wants = [spec.step(p.detach(), g, st, t, net, lr=0.5) for p, g, st in zip(params, grads, states)]
+        before = [p.detach().double().clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        for p, b, want in zip(params, before, wants):
+            got = (b - p.detach().double()) / 0.5
+            assert rel_err(got, want["u"]) < UPDATE_RTOL, (hidden, layers, t, tuple(p.shape))
+
+
 @pytest.mark.parametrize("lr,wd", [(1.0, 0.0), (0.3, 0.0), (0.7, 0.2)])
 def test_update_formula_and_decoupled_weight_decay(lr, wd):
     gen = torch.Generator().manual_seed(23)

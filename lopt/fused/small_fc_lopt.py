@@ -21,6 +21,11 @@ flag, the feature sums, and max_grad_norm's Σ g²; ``docs/distributed.md``):
    split products: layer 1 a TF32 product plus a BF16 correction product per 8 inputs, layer 2
    three FP16 products per 16; docs/small_fc_lopt.md §3.10), update_from_mlp,
    apply_update; the step counters advance (or a skipped step is counted)
+
+The MLP's geometry is the weights' own (``lopt.network.MLPGeometry``): the kernels are compiled for it
+(``kernel_defines``). The published geometry, 39 → 32 → 32 → 2, runs on tensor cores as above; any
+other (hidden size 4, 8, 64, ...; more hidden layers) runs in float32 on the CUDA cores, one thread per
+element, in both precisions.
 """
 
 from __future__ import annotations
@@ -33,15 +38,32 @@ import torch
 from lopt.fused import launcher
 from lopt.fused.contract import FIELD
 from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
+from lopt.network import MLPGeometry
 from lopt.reference import small_fc_lopt as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 FOLD_THREADS = 256
 OPERAND_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix as a tensor-core B operand (split_mma.cuh; exact, the larger)
-FOLDED_FLOATS = OPERAND_32x32 + 6 * 32 + 8  # per tensor: the folded first layer (operand, its bias on two constant inputs), its 6 slow inputs, the feature shifts
+# The geometry whose layers run on tensor cores (the published weights'); any other takes the generic path.
+TENSOR_CORE_GEOMETRY = MLPGeometry(inputs=39, hidden=32, hidden_layers=1, outputs=2)
 SHARED_FRAGS_FLOATS = OPERAND_32x32 + 32 + 2 * 32 + 2  # layer 2 (operand) + bias, layer 3 + bias
-NETWORK_TENSORS = ("network.input.weight", "network.input.bias", "network.linear_0.weight", "network.linear_0.bias",
-                   "network.output.weight", "network.output.bias")
+# The kernels' arithmetic per the optimizer's precision: split_mma.cuh's LOPT_SPLIT_MODE (0: split
+# products, float32-accurate; 2: one BF16 product per two k-steps).
+PRECISION_DEFINES = {"exact": ("LOPT_SPLIT_MODE=0",), "fast": ("LOPT_SPLIT_MODE=2",)}
+
+
+def kernel_defines(precision: str, geometry: MLPGeometry) -> tuple:
+    """What small_fc_lopt.cu is compiled with: the precision, and the network's geometry (kernel traits)."""
+    return PRECISION_DEFINES[precision] + geometry.cuda_defines("SFC_MLP")
+
+
+def folded_floats(geometry: MLPGeometry) -> int:
+    """Floats of one tensor's folded first layer (the fold's output; SFC_FOLDED in the kernels): on tensor
+    cores its operand, the 6 slow inputs' weights and the feature shifts; else W1' (hidden x 28), b1' and
+    the shifts."""
+    if geometry == TENSOR_CORE_GEOMETRY:
+        return OPERAND_32x32 + 6 * geometry.hidden + 8
+    return geometry.hidden * NUM_FEATURES + geometry.hidden + 8
 
 
 def first_layer_bounds(network: dict, max_count: int) -> torch.Tensor:
@@ -80,11 +102,6 @@ def layer3_exponent(network: dict, max_count: int) -> int:
     return fp16_exponent(float((w2 @ first_layer_bounds(network, max_count) + b2).max()))
 
 
-def pack_network(network: dict) -> torch.Tensor:
-    """W1, b1, W2, b2, W3, b3 (PyTorch out x in layout), float32, as small_fc_lopt.cu reads them."""
-    return torch.cat([network[name].detach().cpu().to(torch.float32).reshape(-1) for name in NETWORK_TENSORS])
-
-
 class SmallFCLOptFused(FusedEngine):
     """The fused engine behind ``SmallFCLOpt(backend="fused")``."""
 
@@ -93,30 +110,28 @@ class SmallFCLOptFused(FusedEngine):
     APPLY_CHUNK = 128  # one element per thread of a 4-warp block
     APPLY_THREADS = 128
 
-    # The kernels' arithmetic per the optimizer's precision: split_mma.cuh's LOPT_SPLIT_MODE (0: split
-    # products, float32-accurate; 2: one BF16 product per two k-steps).
-    PRECISION_DEFINES = {"exact": (), "fast": ("LOPT_SPLIT_MODE=2",)}
-
     def __init__(self, optimizer):
-        super().__init__(optimizer, self.PRECISION_DEFINES[optimizer.precision])
-        # Precision "fast" reads the table features packed as BF16 inputs (the kernels' SFC_PACKED_ENTRIES).
-        self.packed_entries = optimizer.precision == "fast"
         self.mlp = optimizer.meta_weights.tensors["mlp"]
-        self.network = pack_network(self.mlp).to(self.device)
+        self.geometry = MLPGeometry.of(self.mlp)
+        self.tensor_cores = self.geometry == TENSOR_CORE_GEOMETRY
+        super().__init__(optimizer, kernel_defines(optimizer.precision, self.geometry))
+        # Precision "fast" on tensor cores reads the table features packed as BF16 inputs (SFC_PACKED_ENTRIES).
+        self.packed_entries = optimizer.precision == "fast" and self.tensor_cores
+        self.network = self.geometry.pack(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
 
     def _allocate(self, plan: Plan) -> None:
         layout = plan.layout
         plan.stats_partials = plan.workspace(layout.total_stats_chunks * NUM_FEATURES, torch.float64)
-        plan.folded = plan.workspace(layout.num_tensors * FOLDED_FLOATS, torch.float32)
-        plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS, torch.float32)
+        plan.folded = plan.workspace(layout.num_tensors * folded_floats(self.geometry), torch.float32)
+        plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS if self.tensor_cores else 1, torch.float32)
         plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
         if self.packed_entries:  # (int32 words: a uint4 per entry)
             plan.row_packed = plan.workspace(layout.total_row_entries * 4, torch.int32)
             plan.col_packed = plan.workspace(layout.total_col_entries * 4, torch.int32)
         max_count = int(layout.static_rows[:, FIELD["TensorMeta"]["count"]].max()) if layout.num_tensors else 1
         exponent = layer2_exponent if self.optimizer.precision == "exact" else layer3_exponent
-        plan.fp16_exponent = exponent(self.mlp, max_count)
+        plan.fp16_exponent = exponent(self.mlp, max_count) if self.tensor_cores else 0  # (generic: float32 throughout)
 
     def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
@@ -153,6 +168,6 @@ class SmallFCLOptFused(FusedEngine):
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      *self.group_arguments(plan), np.int64(num_chunks), ptr(plan.folded),
-                     ptr(plan.shared_frags), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
+                     ptr(plan.shared_frags if self.tensor_cores else self.network), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
                      ptr(plan.col_factors), ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), *flags,
                      self.skipped_counter()))

@@ -30,6 +30,10 @@ from lopt.reference.accumulators import init_state
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "naive", "fused")
 NONFINITE_POLICIES = ("skip", "raise")
+# Keys some torch versions add to an optimizer's defaults or groups themselves (torch 2.11 adds
+# "differentiable" to the defaults but not to every saved group): not lopt's hyper-parameters, so a state
+# dict is not told apart by them.
+TORCH_GROUP_KEYS = frozenset({"differentiable", "foreach", "maximize", "capturable", "fused", "decoupled_weight_decay"})
 DECAY_OFFSET_COUNTS = (("momentum_decays", 3), ("rms_decays", 1), ("adafactor_decays", 3))
 
 # torch.optim's own wording for the same errors, included in lopt's messages so that tools written
@@ -578,7 +582,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         for index, saved in enumerate(groups):
             # (a never-stepped torch optimizer's state dict has no per-parameter state to tell it apart:
             # its param groups do)
-            lacking = [key for key in self.defaults if key not in saved]
+            lacking = [key for key in self.defaults if key not in saved and key not in TORCH_GROUP_KEYS]
             if lacking:
                 others = sorted(key for key in saved if key not in own_keys)
                 raise ValueError(f"{name}.load_state_dict: this is a state dict of {_optimizer_of_group(others)}, "

@@ -19,8 +19,8 @@ functions and names.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from lopt.network import forward as network_forward
 from lopt.reference import accumulators
 from lopt.reference.accumulators import (  # the shared steps (update_accumulators, apply_update, ...)
     adafactor_features,
@@ -87,10 +87,9 @@ def normalise_features(features: torch.Tensor) -> torch.Tensor:
 
 
 def mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """§3.8: 39 → 32 → 32 → 2 with ReLU; returns (direction, magnitude), each shaped like the param."""
-    hidden = F.relu(F.linear(inputs, network["network.input.weight"], network["network.input.bias"]))
-    hidden = F.relu(F.linear(hidden, network["network.linear_0.weight"], network["network.linear_0.bias"]))
-    output = F.linear(hidden, network["network.output.weight"], network["network.output.bias"])
+    """§3.8: the MLP (39 → 32 → 32 → 2 for the published weights; any geometry their config gives, lopt.network)
+    with ReLU; returns (direction, magnitude), each shaped like the param."""
+    output = network_forward(inputs, network)
     return output[..., 0], output[..., 1]
 
 
