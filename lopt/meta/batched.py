@@ -132,12 +132,11 @@ class BatchedSmallFCLOpt:
 
     def reset_members(self, state: dict, members: torch.Tensor) -> None:
         """Zero the state of the members where ``members`` (P,) bool is True (a new task)."""
-        keep = ~members
-        state["step"].mul_(keep)
+        state["step"].masked_fill_(members, 0)
         for buffers in state["tensors"]:
-            for name, buf in buffers.items():
-                if buf.numel():
-                    buf.mul_(keep.view((-1,) + (1,) * (buf.dim() - 1)).to(buf.dtype))
+            for buf in buffers.values():
+                if buf.numel():  # (masked_fill, not a product: a non-finite entry is cleared too)
+                    buf.masked_fill_(members.view((-1,) + (1,) * (buf.dim() - 1)), 0.0)
 
     def finite_members(self, grads) -> torch.Tensor:
         """(P,) bool: the members whose every gradient element is finite and below 2^64 in magnitude."""

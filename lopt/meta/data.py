@@ -39,7 +39,9 @@ class Dataset:
     input_shape: tuple
 
     def to(self, device) -> "Dataset":
-        move = (lambda t: None if t is None else t.to(device))
+        def move(t):
+            return None if t is None else t.to(device)
+
         return Dataset(self.name, move(self.train_x), move(self.train_y), move(self.test_x), move(self.test_y),
                        self.num_classes, self.input_shape)
 

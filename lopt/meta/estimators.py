@@ -178,7 +178,7 @@ class TruncatedPES:
         if any(done):
             mask = torch.tensor(done, device=self.device)
             self.inner.reset(mask, device_gen)
-            self.accumulator.mul_((~mask).unsqueeze(1).to(self.accumulator.dtype))
+            self.accumulator.masked_fill_(mask.unsqueeze(1), 0.0)
             for i, d in enumerate(done):
                 if d:
                     self.position[i], self.length[i] = 0, self._length(host_gen)
