@@ -66,7 +66,7 @@ class PopulationStepper:
     on CUDA.
     """
 
-    WARMUP = 3  # eager steps (on a side stream) before capture, as torch.cuda.graph's documentation asks
+    WARMUP = 3  # eager steps on a side stream before capture (on that stream), as torch.cuda.graph's documentation asks
 
     def __init__(self, family, optimizer, params, opt_state, inst, expand, use_graph: bool = True,
                  emulate: bool | None = None):
@@ -87,6 +87,7 @@ class PopulationStepper:
         self._static_batch = None
         self._static_network = None
         self._static_loss = None
+        self._stream = None
 
     def _step(self, network, source_batch) -> torch.Tensor:
         batch = self.expand(source_batch)
@@ -110,7 +111,9 @@ class PopulationStepper:
                 self.eager_steps += 1
                 return self._step(network, source_batch)
             if self.eager_steps < self.WARMUP:
-                side = torch.cuda.Stream(self.device)
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(self.device)
+                side = self._stream
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     loss = self._step(network, source_batch)
@@ -154,7 +157,8 @@ class PopulationStepper:
         graph = torch.cuda.CUDAGraph()
         try:
             torch.cuda.synchronize(self.device)
-            with torch.cuda.graph(graph):
+            # captured on the stream the warm-up ran on (libraries' per-stream handles and workspaces exist by then)
+            with torch.cuda.graph(graph, stream=self._stream):
                 self._static_loss = self._step(self._static_network, self._static_batch)
         except Exception as err:  # noqa: BLE001 - any capture failure: fall back to eager steps
             warnings.warn(f"lopt.meta: CUDA graph capture of the population step failed ({type(err).__name__}: {err}); "
