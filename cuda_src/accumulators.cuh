@@ -355,17 +355,17 @@ LOPT_DEVICE void table_feature_square_sums(const TensorMeta& t, const float* row
   for (i64 entry = tid; entry < num_row_entries(t); entry += threads) {
     const FactorEntry r = read_factor_entry(row_table, t.row_table + entry);
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      row_sums[k] += static_cast<double>(__fmul_rn(r.acc[k], r.acc[k]));
-      row_sums[3 + k] += static_cast<double>(__fmul_rn(r.rsqrt_acc[k], r.rsqrt_acc[k]));
+    for (int k = 0; k < 3; ++k) {  // (non-finite values left out of every sum: finite_part in the reference)
+      if (is_finite(r.acc[k])) row_sums[k] += static_cast<double>(__fmul_rn(r.acc[k], r.acc[k]));
+      if (is_finite(r.rsqrt_acc[k])) row_sums[3 + k] += static_cast<double>(__fmul_rn(r.rsqrt_acc[k], r.rsqrt_acc[k]));
     }
   }
   for (i64 entry = tid; entry < t.num_col_entries; entry += threads) {
     const FactorEntry c = read_factor_entry(col_table, t.col_table + entry);
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
-      col_sums[k] += static_cast<double>(__fmul_rn(c.acc[k], c.acc[k]));
-      col_sums[3 + k] += static_cast<double>(__fmul_rn(c.rsqrt_acc[k], c.rsqrt_acc[k]));
+      if (is_finite(c.acc[k])) col_sums[k] += static_cast<double>(__fmul_rn(c.acc[k], c.acc[k]));
+      if (is_finite(c.rsqrt_acc[k])) col_sums[3 + k] += static_cast<double>(__fmul_rn(c.rsqrt_acc[k], c.rsqrt_acc[k]));
     }
   }
 #pragma unroll
@@ -632,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(LOPT_FINALIZE_THREADS)
 adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_outputs,
                    const double* __restrict__ partials, float* __restrict__ axis_means, int* status,
                    const NormJob* __restrict__ norm_jobs, const TensorMeta* __restrict__ tensors,
-                   const GroupMeta* __restrict__ groups, float* __restrict__ clip_factors,
+                   const GroupMeta* __restrict__ groups, int num_groups, float* __restrict__ clip_factors,
                    double* __restrict__ norm_sums) {
   const i64 mean_blocks = finalize_mean_blocks(total_outputs);
   if (blockIdx.x >= mean_blocks) {
@@ -657,6 +657,12 @@ adafactor_finalize(const AxisJob* __restrict__ jobs, int num_jobs, i64 total_out
 #pragma unroll
     for (int k = 0; k < LOPT_STATUS_INTS; ++k) status[k] = 0;
     status[LOPT_STATUS_NONFINITE] = axis_unusable;
+    // A group's lr or weight decay read on the device (a scheduler's tensor) that is NaN, ±inf or negative
+    // makes the step unusable like a non-finite gradient: skipped (or raised) before anything is written.
+    for (int g = 0; g < num_groups; ++g) {
+      const float lr = *pointer<const float>(groups[g].lr), weight_decay = *pointer<const float>(groups[g].weight_decay);
+      if (!usable_hyperparameter(lr) || !usable_hyperparameter(weight_decay)) status[LOPT_STATUS_NONFINITE] = 1;
+    }
   }
   if (gid >= total_outputs || num_jobs == 0) return;
   const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_OUTPUT>(jobs, num_jobs, gid)];
@@ -702,7 +708,7 @@ adafactor_factor_tables(const TensorMeta* __restrict__ tensors, int num_tensors,
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         acc[k] = ema(old_row[entry * 3 + k], decays.adafactor[k], decays.adafactor_mix[k], mean);
-        partial[k] += acc[k];
+        if (is_finite(acc[k])) partial[k] += acc[k];  // (a non-finite R entry, only from outside, stays in its row)
       }
       float4* slot = reinterpret_cast<float4*>(row_table + (t.row_table + entry) * LOPT_TABLE_FLOATS);
       slot[0] = make_float4(acc[0], acc[1], acc[2], 0.f);  // read back below by the same thread

@@ -106,6 +106,8 @@ LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.globa
 
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).
 LOPT_DEVICE bool is_finite(float x) { return fabsf(x) <= 3.40282347e38f; }
+// A learning rate or weight decay the step can use: a finite number >= 0 (NaN fails both tests).
+LOPT_DEVICE bool usable_hyperparameter(float x) { return x >= 0.f && x <= 3.40282347e38f; }
 #define LOPT_NEGATIVE_INFINITY __int_as_float(0xff800000)
 
 // ------------------------------------------------------------------------------------------

@@ -186,7 +186,8 @@ LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Deca
     loaded_element_features<Factored>(t, f, decays, clip_factor, tables, raw_grad, param, s, x, grad);
 #pragma unroll
     for (int j = 0; j < SFC_NUM_FEATURES; ++j)
-      if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+      // (a non-finite feature, of a non-finite parameter or state element, is left out: finite_part)
+      if (!(Factored && is_table_feature(j)) && is_finite(x[j])) squares[j] = fmaf(x[j], x[j], squares[j]);
   });
   return unusable;
 }
@@ -356,7 +357,8 @@ __device__ __noinline__ void sum_squared_features_float64(const TensorMeta* tens
     element_features(t, e, decays, inverse_scale, clip_factor, TableInputs{row_table, col_table, nullptr, nullptr}, x, s,
                      grad, param);
 #pragma unroll
-    for (int j = 0; j < SFC_NUM_FEATURES; ++j) partial[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
+    for (int j = 0; j < SFC_NUM_FEATURES; ++j)
+      if (is_finite(x[j])) partial[j] += static_cast<double>(x[j]) * static_cast<double>(x[j]);
   }
   block_sums<SFC_NUM_FEATURES, SFC_FOLD_THREADS>(partial, scratch, sums);
 }

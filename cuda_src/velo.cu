@@ -179,7 +179,10 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
     unusable |= gradient_unusable(raw_grad);
     const float grad = clip_gradient(raw_grad);
     // tensor_statistics: the pre-update parameter and the old accumulators.
-    lstm[0] = fmaf(param, param, lstm[0]);
+    // (a non-finite parameter element, and below a non-finite feature, is left out of the tensor's sums,
+    // finite_part in the reference: it stays in its element instead of reaching every tensor through the
+    // controller; the momentum and rms sums do not leave such values out yet: docs/velo.md)
+    if (is_finite(param)) lstm[0] = fmaf(param, param, lstm[0]);
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       const float d = __fsub_rn(s.mom[k], shift_mom[k]);
@@ -197,7 +200,7 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
     per_element_features(x, grad, param, s, Factored, row, col);
 #pragma unroll
     for (int j = 0; j < VELO_NUM_FEATURES; ++j)
-      if (!(Factored && is_table_feature(j))) squares[j] = fmaf(x[j], x[j], squares[j]);
+      if (!(Factored && is_table_feature(j)) && is_finite(x[j])) squares[j] = fmaf(x[j], x[j], squares[j]);
   });
   return unusable;
 }

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import lopt
-from lopt import registry
 from fused_helpers import (ALL_SHAPES, DTYPES, SHAPES, TINY_TENSOR_NUMEL, flat, kernel_launches, make_optimizer,
                            make_params, low_precision_excess, random_grads, relative_error, set_grads, step, sync_into,
                            tensor_update_error, update_scale)
+from fused_helpers import fused_engine_optimizers
 
 pytestmark = pytest.mark.cuda
-OPTIMIZERS = registry.names()
+OPTIMIZERS = fused_engine_optimizers()  # (MuLO's fused test, on SmallFCLOpt's engine: tests/test_mulo.py)
 # (one launch per pass, whatever the number of tensors: docs/design.md)
 LAUNCHES = {"small_fc_lopt": 6, "velo": 10}
 
@@ -111,6 +111,74 @@ def test_fused_matches_naive_every_rank_and_dtype(name, dtype, weights):
              f"{worst_tiny:.2e}" if dtype == torch.float32
              else f"; elements that differ: {mismatched}/{total}"))
     assert int(fused.state_dict()["param_groups"][0]["step"]) == steps
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_non_finite_parameter_element_stays_in_its_element_as_in_naive(name, weights):
+    """One NaN in a parameter row no gradient touches (gradients and loss finite): the fused statistics leave
+    it out of every sum, as the naive backend does (docs/small_fc_lopt.md §3.6), so only that element stays
+    non-finite and every other element steps as naive's."""
+    fused, fused_params, naive, naive_params = twin_optimizers(name, weights, shapes=SHAPES, lr=0.7)
+    row = next(i for i, p in enumerate(fused_params) if p.dim() == 2 and p.shape[0] > 3)
+    with torch.no_grad():
+        for params in (fused_params, naive_params):
+            params[row][2, 1] = float("nan")
+    for index in range(3):
+        grads = random_grads(fused_params, seed=300 + index)
+        grads[row][2, :] = 0.0
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().float().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        masks = [torch.isfinite(n) for n in naive_params]
+        fused_updates = [(f.detach().float() - b)[keep] for f, b, keep in zip(fused_params, before, masks)]
+        naive_updates = [(n.detach().float() - b)[keep] for n, b, keep in zip(naive_params, before, masks)]
+        scale = update_scale(naive_updates)
+        for f, keep, uf, un, shape in zip(fused_params, masks, fused_updates, naive_updates, SHAPES):
+            assert torch.equal(torch.isfinite(f), keep), (index, shape)
+            # (as the every-rank test's bounds; VeLO's its float64-controller bound)
+            bound = 1e-4 if name == "velo" else tensor_tolerance(uf)
+            assert tensor_update_error(uf, un, scale) <= bound, (index, shape)
+    assert int((~torch.isfinite(fused_params[row])).sum()) == 1
+    assert all(bool(torch.isfinite(p).all()) for i, p in enumerate(fused_params) if i != row)
+    assert fused.skipped_steps == 0
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("value", [float("nan"), -0.5, float("inf")])
+def test_a_bad_device_lr_is_caught_on_the_device(name, value, weights):
+    """A scheduler's lr tensor on the device (read by the kernels, never by the host) that turns NaN,
+    negative or infinite skips the step like a non-finite gradient, without a synchronisation; with
+    nonfinite="raise" the error names the group."""
+    params = make_params(SHAPES[:6], seed=9)
+    lr = torch.tensor(0.5, device="cuda")
+    opt = make_optimizer(name, [{"params": params[:3]}, {"params": params[3:], "lr": lr}], "fused", weights[name])
+    set_grads(params, random_grads(params, 0))
+    step(opt, loss_of(0))
+    lr.fill_(value)
+    set_grads(params, random_grads(params, 1))
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    loss = loss_of(1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(opt, loss)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    for p, saved in zip(params, state_before):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+    with pytest.warns(RuntimeWarning, match=r"1 step\(s\) were skipped"):
+        assert opt.skipped_steps == 1
+    opt.nonfinite = "raise"
+    with pytest.raises(lopt.NonFiniteGradientError, match=rf"param group #1's lr is a tensor holding {value!r}"):
+        step(opt, loss_of(2))
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    lr.fill_(0.5)
+    step(opt, loss_of(3))
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))
 
 
 # Other geometries of small_fc_lopt's MLP (lopt.network.MLPGeometry; the kernels are specialised to each):

@@ -599,7 +599,8 @@ class FusedEngine:
                     (ptr(axis_table), np.int32(layout.num_mean_jobs), np.int64(layout.total_axis_outputs),
                      ptr(plan.axis_partials), ptr(plan.axis_means), ptr(plan.status),
                      ptr(plan.norm_table.table if layout.num_norm_jobs else None), ptr(plan.tensor_table.table),
-                     ptr(plan.group_table.table), ptr(plan.clip_factors), ptr(plan.norm_sums)))
+                     ptr(plan.group_table.table), np.int32(len(self.optimizer.param_groups)), ptr(plan.clip_factors),
+                     ptr(plan.norm_sums)))
         reducer = self.optimizer.reducer
         if layout.split_outputs:
             reducer.sum_(plan.axis_means[:layout.split_outputs])
@@ -631,12 +632,18 @@ class FusedEngine:
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""
-        from lopt.optimizers.naive import NonFiniteGradientError
+        from lopt.optimizers.naive import NonFiniteGradientError, _tensor_hyperparameters
 
         if inputs.found_inf is not None and float(inputs.found_inf) != 0:
             return  # GradScaler's overflow: it skips the step itself
         if int(plan.status[CONSTANTS["STATUS_NONFINITE"]]) == 0:
             return
+        for index, name, value in _tensor_hyperparameters(self.optimizer.param_groups):
+            number = float(value)
+            if not (number >= 0 and number < float("inf")):
+                raise NonFiniteGradientError(
+                    f"{self.optimizer.__class__.__name__}.step: param group #{index}'s {name} is a tensor holding "
+                    f"{number!r} (it must be a finite number >= 0); nothing was changed (nonfinite='raise')")
         index = next((i for i, p in enumerate(self.optimizer._all_params())
                       if p.grad is not None and not bool((local_part(p.grad).float().abs() < 2.0**64).all())), None)
         if index is None:
