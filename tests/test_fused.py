@@ -250,7 +250,7 @@ def test_small_fc_fp16_scaling_keeps_the_steps(precision, exponent, weights, mon
         before = [p.detach().clone() for p in fused_params]
         step(fused)
         step(naive)
-        assert fused._fused_engine.plan.fp16_exponent == exponent
+        assert fused._fused_engine.plan.work.fp16_exponent == exponent
         fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
         naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
         step_error = relative_error(flat(fused_updates), flat(naive_updates))

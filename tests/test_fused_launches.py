@@ -166,7 +166,7 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
         engine = opt._fused_engine
         apply = next(launch for launch in recorded if launch[0] == "small_fc_lopt_apply")
         later = apply[3][declared_parameter_names(source)["small_fc_lopt_apply"].index("later_layers")]
-        assert later == launcher.pointer(engine.plan.shared_frags if engine.tensor_cores else engine.network)
+        assert later == launcher.pointer(engine.plan.work.shared_frags if engine.tensor_cores else engine.network)
         assert engine.tensor_cores == (geometry is None)
     # The state was laid out in each parameter's own memory order, with unchanged logical shapes.
     state = opt.state[params[2]]

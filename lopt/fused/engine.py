@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -88,16 +89,50 @@ class GatheredGradients(NamedTuple):
     grad_dtypes: list
 
 
-class Plan:
-    """The shape-dependent part of a step: the layout, the workspaces and the device tables."""
+@dataclass
+class FastCheck:
+    """What the fast check (:meth:`FusedEngine.checked_gradients`) expects of a plan's steps: the groups'
+    members, the parameters without a gradient, the axis jobs' sources (checked first, their accumulate
+    phase launched early) and the other rows, each as ``(row, parameter, planned shape)``."""
 
-    def __init__(self, key, params, groups, layout: GroupLayout, memory_orders, device):
+    group_members: list
+    without_gradients: list
+    source_rows: list
+    other_rows: list
+    source_row_indices: list
+    job_source: np.ndarray  # each axis job's position among the sources
+    group_row_ranges: list  # each group's [start, end) of rows
+    source_dtypes: list | None = None  # the sources' gradient dtypes as the axis table holds them
+
+
+class Plan:
+    """The shape-dependent part of a step, in three parts:
+
+    * what defines it and never changes: ``layout`` (an immutable :class:`GroupLayout`), the parameters,
+      their groups, memory orders and local views' geometry;
+    * ``work``: the workspaces and per-plan constants the engine declares (``FusedEngine._allocate``
+      returns them), beside the ones every engine's accumulate phase uses (declared here);
+    * what each step refreshes: the device tables and their host mirrors, the pointers and dtypes they
+      were built from, and ``check``, the fast check's expectations (None: every step takes the general
+      check) with ``accumulated`` (whether it launched this step's accumulate phase).
+    """
+
+    def __init__(self, key, params, groups, group_params, layout: GroupLayout, memory_orders, locals_, device, *,
+                 packed_entries: bool, allocate, fast_check):
         self.key = key
         self.params = params
         self.groups = groups  # group row of each tensor
+        self.group_params = group_params  # the participating parameters per group
         self.layout = layout
         self.memory_orders = memory_orders
         self.device = device
+        self.locals = locals_  # this step's parameters as the kernels step them (a DTensor's local rows)
+        self.param_pointers = [p.data_ptr() for p in locals_]
+        self.sharded_rows = any(map(distributed.is_dtensor, params))  # (else each step skips local_part)
+        self.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
+        # (row, strides) of parameters with two axes of one size (FusedEngine._same_strides)
+        self.permutable_rows = [(row, p.stride()) for row, p in enumerate(locals_) if permutable(p.shape)]
+        self.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
 
         def workspace(n, dtype):
             return torch.empty(max(int(n), 1), dtype=dtype, device=device)
@@ -111,8 +146,9 @@ class Plan:
         self.row_factors = workspace(layout.total_row_entries * 4, torch.float32)  # compact copies (a float4 each)
         self.col_factors = workspace(layout.total_col_entries * 4, torch.float32)
         # The table features packed as BF16 inputs (packed_entry_inputs, a uint4 per entry), for an engine
-        # whose apply pass reads them (its _allocate sets them); None: the tables kernel writes none.
-        self.row_packed = self.col_packed = None
+        # whose apply pass reads them; None: the tables kernel writes none.
+        self.row_packed = workspace(layout.total_row_entries * 4, torch.int32) if packed_entries else None
+        self.col_packed = workspace(layout.total_col_entries * 4, torch.int32) if packed_entries else None
         self.status = torch.zeros(CONSTANTS["STATUS_INTS"], dtype=torch.int32, device=device)
         # max_grad_norm: each tensor's clip factor (1 for a tensor that is not clipped; None: none is)
         self.clip_factors = torch.ones(layout.num_tensors, device=device) if layout.num_norm_jobs else None
@@ -147,13 +183,10 @@ class Plan:
         self.grad_pointers = self.grad_dtypes = self.grad_dtype_codes = self.uploaded_param_pointers = None
         self.tensor_rows_stale = True  # (the gradients' dtypes changed since the tensor table's upload)
         self.groups_signature = None  # (what the group tables were last built from: _groups_signature)
-        self.locals: list = []  # this step's parameters as the kernels step them (a DTensor's local rows)
-        self.group_params: list = []  # the participating parameters per group
-        # The fast check's expectations (FusedEngine._fast_check_rows; group_members None: every step
-        # takes the general check), and whether it launched this step's accumulate phase.
-        self.group_members = self.without_gradients = None
+        self.limits = None  # (sharded max_grad_norm: the clip limits max_norms holds)
         self.accumulated = False
-        self.permutable_rows: list = []  # (row, strides) of parameters with two axes of one size (_same_strides)
+        self.work = allocate(self)  # the engine's workspaces and per-plan constants
+        self.check: FastCheck | None = fast_check(self)
 
 
 class FusedEngine:
@@ -198,31 +231,32 @@ class FusedEngine:
         are checked first and that phase is launched on them (``_accumulate_early``) before the
         others are checked: it writes only workspaces, so a check that fails after it changes nothing."""
         plan = self.plan
-        if plan is None or plan.group_members is None:
+        if plan is None or plan.check is None:
             return None
+        check = plan.check
         plan.accumulated = False
         groups = self.optimizer.param_groups
-        if len(groups) != len(plan.group_members):
+        if len(groups) != len(check.group_members):
             return None
         if tuple(group.get("max_grad_norm") is not None for group in groups) != plan.key[2]:
             return None
-        for group, members in zip(groups, plan.group_members):
+        for group, members in zip(groups, check.group_members):
             params = group["params"]
             if len(params) != len(members) or not all(map(operator.is_, params, members)):
                 return None
-        if any(p.grad is not None for p in plan.without_gradients):
+        if any(p.grad is not None for p in check.without_gradients):
             return None  # (one more participating parameter: the general check re-plans)
         n = plan.layout.num_tensors
         grads, grad_pointers, grad_dtypes, param_pointers = [None] * n, [0] * n, [None] * n, [0] * n
-        if not self._read_gradients(plan.source_rows, grads, grad_pointers, grad_dtypes, param_pointers):
+        if not self._read_gradients(check.source_rows, grads, grad_pointers, grad_dtypes, param_pointers):
             return None
         self._accumulate_early(plan, grad_pointers, grad_dtypes, param_pointers, grad_scale, found_inf)
-        if (not self._read_gradients(plan.other_rows, grads, grad_pointers, grad_dtypes, param_pointers)
+        if (not self._read_gradients(check.other_rows, grads, grad_pointers, grad_dtypes, param_pointers)
                 or grad_dtypes != plan.grad_dtypes or param_pointers != plan.param_pointers
                 or not self._same_strides(plan, plan.params)):
             plan.accumulated = False  # (a new dtype is validated by the general check; a new layout re-plans)
             return None
-        grads_by_group = [grads[start:end] for start, end in plan.group_row_ranges]
+        grads_by_group = [grads[start:end] for start, end in check.group_row_ranges]
         return plan.group_params, grads_by_group, GatheredGradients(plan, grad_pointers, grad_dtypes)
 
     def _read_gradients(self, rows, grads, grad_pointers, grad_dtypes, param_pointers) -> bool:
@@ -251,17 +285,18 @@ class FusedEngine:
         check: it reads the tensor table only for what is fixed for the plan (geometry, the factored
         accumulators) and the gradient array only at the sources' rows, which are uploaded first (the
         whole array follows in _refresh, once the other gradients are checked)."""
-        rows = plan.source_row_indices
+        check = plan.check
+        rows = check.source_row_indices
         if rows:  # (else no axis jobs: the launches below only reset the status flags)
             dtypes = [grad_dtypes[row] for row in rows]
-            if dtypes != plan.source_dtypes:
+            if dtypes != check.source_dtypes:
                 codes = launcher.DTYPE_CODES
                 if not all(dtype in codes for dtype in dtypes):
                     return  # (the general check refuses it)
                 jobs = plan.axis_rows  # (its other columns are fixed for the plan)
-                jobs[:, _J["dtype"]] = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[plan.job_source]
+                jobs[:, _J["dtype"]] = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[check.job_source]
                 plan.axis_table.update(jobs)
-                plan.source_dtypes = dtypes
+                check.source_dtypes = dtypes
             plan.grad_addresses[rows, 0] = [grad_pointers[row] for row in rows]
             plan.gradients.update(plan.grad_addresses)
         self._launch_axis_sums(plan, grad_scale)
@@ -276,31 +311,29 @@ class FusedEngine:
         pointer and no shape: the element order the plan steps in."""
         return all(params[row].stride() == strides for row, strides in plan.permutable_rows)
 
-    def _fast_check_rows(self, plan: Plan) -> None:
-        """What the fast check expects of a new plan's step (``plan.group_members`` None: every step
-        takes the general check)."""
-        plan.group_members = plan.without_gradients = None
+    def _fast_check_rows(self, plan: Plan) -> FastCheck | None:
+        """What the fast check expects of a new plan's steps (None: every step takes the general check)."""
         if plan.sharded_rows or plan.strided_rows:
-            return  # (their gradients need local parts or copies, which the general path makes)
+            return None  # (their gradients need local parts or copies, which the general path makes)
         participating = {id(p): row for row, p in enumerate(plan.params)}
         members, without = [], []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in participating:
                     if p.grad is not None:
-                        return  # (a zero-element parameter with a gradient: the general check validates it)
+                        return None  # (a zero-element parameter with a gradient: the general check validates it)
                     without.append(p)
             members.append(list(group["params"]))
         sources = set(plan.layout.job_tensor)
         rows = [(row, p, p.shape) for row, p in enumerate(plan.params)]
-        plan.source_rows = [entry for entry in rows if entry[0] in sources]
-        plan.other_rows = [entry for entry in rows if entry[0] not in sources]
-        plan.source_row_indices = [row for row, _, _ in plan.source_rows]
-        plan.job_source = np.searchsorted(plan.source_row_indices, plan.layout.job_tensor)  # (each job's source)
-        plan.source_dtypes = None  # (their dtypes as the axis table holds them)
+        source_rows = [entry for entry in rows if entry[0] in sources]
+        source_row_indices = [row for row, _, _ in source_rows]
         ends = np.cumsum([len(group_params) for group_params in plan.group_params])
-        plan.group_row_ranges = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
-        plan.group_members, plan.without_gradients = members, without
+        return FastCheck(group_members=members, without_gradients=without, source_rows=source_rows,
+                         other_rows=[entry for entry in rows if entry[0] not in sources],
+                         source_row_indices=source_row_indices,
+                         job_source=np.searchsorted(source_row_indices, plan.layout.job_tensor),
+                         group_row_ranges=list(zip([0, *ends[:-1].tolist()], ends.tolist())))
 
     # ------------------------------------------------------------------ plan
 
@@ -360,20 +393,14 @@ class FusedEngine:
                              clipped=[clipped_groups[g] for g in groups], global_rows=global_rows)
         if layout.sharded and self.optimizer.reducer.is_identity:
             raise RuntimeError("sharded parameters need the reducer of their device mesh")
-        plan = Plan(key, params, groups, layout, orders, self.device)
-        plan.param_pointers, plan.locals = [p.data_ptr() for p in locals_], locals_
-        plan.sharded_rows = any(map(distributed.is_dtensor, params))  # (else each step skips local_part)
-        plan.geometries = [(tuple(p.shape), p.stride()) for p in locals_]
-        plan.permutable_rows = [(row, p.stride()) for row, p in enumerate(locals_) if permutable(p.shape)]
-        plan.strided_rows = {row for row, p in enumerate(locals_) if not p.is_contiguous()}
+        plan = Plan(key, params, groups, [list(group_params) for group_params in inputs.params], layout, orders,
+                    locals_, self.device, packed_entries=self.packed_entries, allocate=self._allocate,
+                    fast_check=self._fast_check_rows)
         state = self.optimizer.state
         plan.pointers[:, 1:1 + len(STATE_POINTER_FIELDS)] = np.array(
             [[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
             dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
         plan.pointers[:, -2] = [launcher.DTYPE_CODES[p.dtype] for p in params]
-        self._allocate(plan)
-        plan.group_params = [list(group_params) for group_params in inputs.params]
-        self._fast_check_rows(plan)
         self.plan = plan
         return plan
 
@@ -403,8 +430,12 @@ class FusedEngine:
                 buf = arranged(buf, buf_order + (len(logical_axes),))
             state[name] = buf
 
-    def _allocate(self, plan: Plan) -> None:
-        """Subclass hook: the optimizer's own workspaces and tables (called once per plan)."""
+    packed_entries = False  # (an engine whose apply pass reads the packed table features: Plan.row_packed)
+
+    def _allocate(self, plan: Plan):
+        """Subclass hook: the engine's own workspaces, tables and per-plan constants for ``plan`` (its ``work``;
+        called once, while the plan is built: its layout and parameters are set)."""
+        return None
 
     # ------------------------------------------------------------------ per step
 
@@ -623,7 +654,7 @@ class FusedEngine:
         gradient_clip_factor forms them (min(1, (1 / (‖g‖ + 1e-6)) · max_norm), float32), on the device."""
         groups = self.optimizer.param_groups
         limits = [groups[plan.groups[int(t)]]["max_grad_norm"] for t in plan.layout.static_norm_jobs[:, 0]]
-        if getattr(plan, "limits", None) != limits:
+        if plan.limits != limits:
             plan.max_norms.copy_(torch.tensor(limits, dtype=torch.float32))
             plan.limits = limits
         plan.norms.copy_(square_sums.clamp_(min=0).sqrt_())

@@ -31,6 +31,7 @@ element, in both precisions.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -102,6 +103,17 @@ def layer3_exponent(network: dict, max_count: int) -> int:
     return fp16_exponent(float((w2 @ first_layer_bounds(network, max_count) + b2).max()))
 
 
+@dataclass
+class SmallFCLOptWork:
+    """What a small_fc_lopt plan holds besides the shared accumulate phase's workspaces."""
+
+    stats_partials: torch.Tensor  # per statistics chunk, the 28 features' sums of squares (float64)
+    folded: torch.Tensor  # per tensor, the fold's first layer (folded_floats each)
+    shared_frags: torch.Tensor  # layers 2 and 3 laid out for the tensor cores (1 float on the generic path)
+    tensor_sums: torch.Tensor | None  # sharded parameters: per tensor, the feature sums reduced across processes
+    fp16_exponent: int  # the power of two that keeps the FP16 inputs in range (layer2/layer3_exponent)
+
+
 class SmallFCLOptFused(FusedEngine):
     """The fused engine behind ``SmallFCLOpt(backend="fused")``."""
 
@@ -120,18 +132,16 @@ class SmallFCLOptFused(FusedEngine):
         self.network = self.geometry.pack(self.mlp).to(self.device)
         self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
 
-    def _allocate(self, plan: Plan) -> None:
+    def _allocate(self, plan: Plan) -> "SmallFCLOptWork":
         layout = plan.layout
-        plan.stats_partials = plan.workspace(layout.total_stats_chunks * NUM_FEATURES, torch.float64)
-        plan.folded = plan.workspace(layout.num_tensors * folded_floats(self.geometry), torch.float32)
-        plan.shared_frags = plan.workspace(SHARED_FRAGS_FLOATS if self.tensor_cores else 1, torch.float32)
-        plan.tensor_sums = plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None
-        if self.packed_entries:  # (int32 words: a uint4 per entry)
-            plan.row_packed = plan.workspace(layout.total_row_entries * 4, torch.int32)
-            plan.col_packed = plan.workspace(layout.total_col_entries * 4, torch.int32)
         max_count = int(layout.static_rows[:, FIELD["TensorMeta"]["count"]].max()) if layout.num_tensors else 1
         exponent = layer2_exponent if self.optimizer.precision == "exact" else layer3_exponent
-        plan.fp16_exponent = exponent(self.mlp, max_count) if self.tensor_cores else 0  # (generic: float32 throughout)
+        return SmallFCLOptWork(
+            stats_partials=plan.workspace(layout.total_stats_chunks * NUM_FEATURES, torch.float64),
+            folded=plan.workspace(layout.num_tensors * folded_floats(self.geometry), torch.float32),
+            shared_frags=plan.workspace(SHARED_FRAGS_FLOATS if self.tensor_cores else 1, torch.float32),
+            tensor_sums=plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None,
+            fp16_exponent=exponent(self.mlp, max_count) if self.tensor_cores else 0)  # (generic: float32 throughout)
 
     def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
@@ -139,7 +149,7 @@ class SmallFCLOptFused(FusedEngine):
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      ptr(plan.group_table.table),
                      ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.clip_factors), *flags,
-                     ptr(plan.stats_partials)))
+                     ptr(plan.work.stats_partials)))
 
     def _control(self, plan: Plan, flags: tuple) -> None:
         """The fold; with sharded parameters in two launches around the reduce of every tensor's
@@ -148,7 +158,7 @@ class SmallFCLOptFused(FusedEngine):
         for phase in ((1, 2) if layout.sharded else (0,)):
             self._launch_fold(plan, flags, phase)
             if phase == 1:
-                self.optimizer.reducer.sum_(plan.tensor_sums)
+                self.optimizer.reducer.sum_(plan.work.tensor_sums)
 
     def _launch_fold(self, plan: Plan, flags: tuple, phase: int) -> None:
         """One block per tensor, then one that lays out layers 2 and 3, then the blocks that commit a
@@ -156,9 +166,9 @@ class SmallFCLOptFused(FusedEngine):
         ptr, layout = launcher.pointer, plan.layout
         self.launch("small_fc_lopt_fold", layout.num_tensors + 1 + commit_blocks(layout), FOLD_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
-                     ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.folded), ptr(plan.shared_frags), np.int32(phase),
-                     ptr(plan.tensor_sums), np.int32(plan.fp16_exponent), np.int64(layout.total_row_entries),
+                     ptr(plan.group_table.table), ptr(plan.work.stats_partials), ptr(plan.row_table),
+                     ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.work.folded), ptr(plan.work.shared_frags), np.int32(phase),
+                     ptr(plan.work.tensor_sums), np.int32(plan.work.fp16_exponent), np.int64(layout.total_row_entries),
                      np.int64(layout.total_col_entries), ptr(plan.row_packed), ptr(plan.col_packed)))
 
     def _apply(self, plan: Plan, flags: tuple) -> None:
@@ -167,7 +177,7 @@ class SmallFCLOptFused(FusedEngine):
         num_chunks = layout.total_apply_chunks
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)), self.APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(num_chunks), ptr(plan.folded),
-                     ptr(plan.shared_frags if self.tensor_cores else self.network), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
+                     *self.group_arguments(plan), np.int64(num_chunks), ptr(plan.work.folded),
+                     ptr(plan.work.shared_frags if self.tensor_cores else self.network), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
                      ptr(plan.col_factors), ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), *flags,
                      self.skipped_counter()))

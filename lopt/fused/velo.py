@@ -34,6 +34,8 @@ or gradient turns every write into a no-op on the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -64,6 +66,28 @@ def pack_candidates(mlp: dict) -> torch.Tensor:
     return torch.cat([s.reshape(s.shape[0], -1) for s in stacks], dim=1).contiguous()
 
 
+@dataclass
+class VeLOWork:
+    """What a VeLO plan holds besides the shared accumulate phase's workspaces: the statistics, the
+    controller's per-tensor inputs and outputs (the LSTM's float64 rows, the generated MLPs' records), the
+    factor tables' share of the first layer, and the per-tensor LSTM state table."""
+
+    stats_partials: torch.Tensor
+    feature_scales: torch.Tensor
+    lstm_inputs: torch.Tensor
+    param_scales: torch.Tensor
+    mixed_max: torch.Tensor
+    mix_partial: torch.Tensor
+    hidden_new: torch.Tensor
+    cell_new: torch.Tensor
+    records: torch.Tensor
+    row_contributions: torch.Tensor
+    col_contributions: torch.Tensor
+    loss: torch.Tensor  # a loss tensor of another dtype or device, converted
+    tensor_sums: torch.Tensor | None  # sharded parameters: per tensor, the sums reduced across processes
+    velo_table: launcher.MetadataTable  # VeloTensor rows (the LSTM state's addresses, the rank class)
+
+
 class VeLOFused(FusedEngine):
     """The fused engine behind ``VeLO(backend="fused")``."""
 
@@ -80,21 +104,8 @@ class VeLOFused(FusedEngine):
         self.candidates = pack_candidates(weights["mlp"]).to(self.device)
         self.apply_grid = self.persistent_grid("velo_apply", APPLY_THREADS)
 
-    def _allocate(self, plan: Plan) -> None:
+    def _allocate(self, plan: Plan) -> "VeLOWork":
         layout, n = plan.layout, plan.layout.num_tensors
-        plan.stats_partials = plan.workspace(layout.total_stats_chunks * STATS_PER_CHUNK, torch.float64)
-        plan.feature_scales = plan.workspace(n * NUM_FEATURES, torch.float32)
-        plan.lstm_inputs = plan.workspace(n * reference.NUM_LSTM_FEATURES, torch.float64)
-        plan.param_scales = plan.workspace(n, torch.float32)
-        plan.mixed_max = plan.workspace(HIDDEN, torch.int64)
-        plan.mix_partial = plan.workspace(n * HIDDEN, torch.float64)
-        plan.hidden_new = plan.workspace(n * HIDDEN, torch.float64)
-        plan.cell_new = plan.workspace(n * HIDDEN, torch.float64)
-        plan.records = plan.workspace(n * RECORD_FLOATS, torch.float32)
-        plan.row_contributions = plan.workspace(layout.total_row_entries * 4, torch.float32)
-        plan.col_contributions = plan.workspace(layout.total_col_entries * 4, torch.float32)
-        plan.loss = plan.workspace(1, torch.float32)  # a loss tensor of another dtype or device, converted
-        plan.tensor_sums = plan.workspace(n * STATS_PER_CHUNK, torch.float64) if layout.sharded else None
         rows = empty_rows("VeloTensor", n)
         for row, p in enumerate(plan.params):
             state = self.optimizer.state[p]
@@ -104,8 +115,24 @@ class VeLOFused(FusedEngine):
             rows[row, _V["lstm_hidden"]] = state["lstm_hidden"].data_ptr()
             rows[row, _V["lstm_cell"]] = state["lstm_cell"].data_ptr()
             rows[row, _V["rank_class"]] = min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)
-        plan.velo_table = launcher.MetadataTable(self.device)
-        plan.velo_table.update(rows)
+        velo_table = launcher.MetadataTable(self.device)
+        velo_table.update(rows)
+        workspace = plan.workspace
+        return VeLOWork(
+            stats_partials=workspace(layout.total_stats_chunks * STATS_PER_CHUNK, torch.float64),
+            feature_scales=workspace(n * NUM_FEATURES, torch.float32),
+            lstm_inputs=workspace(n * reference.NUM_LSTM_FEATURES, torch.float64),
+            param_scales=workspace(n, torch.float32),
+            mixed_max=workspace(HIDDEN, torch.int64),
+            mix_partial=workspace(n * HIDDEN, torch.float64),
+            hidden_new=workspace(n * HIDDEN, torch.float64),
+            cell_new=workspace(n * HIDDEN, torch.float64),
+            records=workspace(n * RECORD_FLOATS, torch.float32),
+            row_contributions=workspace(layout.total_row_entries * 4, torch.float32),
+            col_contributions=workspace(layout.total_col_entries * 4, torch.float32),
+            loss=workspace(1, torch.float32),
+            tensor_sums=workspace(n * STATS_PER_CHUNK, torch.float64) if layout.sharded else None,
+            velo_table=velo_table)
 
     def _loss_arguments(self, plan: Plan, loss) -> tuple:
         """(loss tensor pointer, dtype code, value, divisor) for the kernels (lopt.optimizers.velo.StepLoss)."""
@@ -113,8 +140,8 @@ class VeLOFused(FusedEngine):
             return (np.uint64(0), np.int32(0), np.float32(loss.value), np.float32(1.0))
         tensor = loss.tensor
         if tensor.device != self.device or tensor.dtype not in launcher.DTYPE_CODES:
-            plan.loss.copy_(tensor.reshape(1))  # float64, another GPU: one conversion
-            tensor = plan.loss
+            plan.work.loss.copy_(tensor.reshape(1))  # float64, another GPU: one conversion
+            tensor = plan.work.loss
         return (launcher.pointer(tensor), np.int32(launcher.DTYPE_CODES[tensor.dtype]), np.float32(0.0),
                 np.float32(loss.count))
 
@@ -133,7 +160,7 @@ class VeLOFused(FusedEngine):
         self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
                      ptr(plan.group_table.table),
-                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.stats_partials)))
+                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.work.stats_partials)))
 
     def _step_arguments(self, plan: Plan, loss) -> tuple:
         return (self._loss_arguments(plan, loss),)
@@ -143,39 +170,39 @@ class VeLOFused(FusedEngine):
         # With sharded parameters in two launches around the reduce of every tensor's sums (one collective).
         for phase in ((1, 2) if plan.layout.sharded else (0,)):
             self.launch("velo_tensor_control", n + commit_blocks(plan.layout), CONTROL_THREADS,
-                        (ptr(plan.tensor_table.table), ptr(plan.velo_table.table), np.int32(n),
-                         ptr(plan.group_table.table), ptr(plan.stats_partials), ptr(plan.row_table),
+                        (ptr(plan.tensor_table.table), ptr(plan.work.velo_table.table), np.int32(n),
+                         ptr(plan.group_table.table), ptr(plan.work.stats_partials), ptr(plan.row_table),
                          ptr(plan.col_table), *flags, *self._loss_buffer_arguments(), *loss_arguments,
-                         np.int64(self.optimizer.num_steps), ptr(plan.feature_scales), ptr(plan.lstm_inputs),
-                         ptr(plan.param_scales), ptr(plan.mixed_max), np.int32(phase), ptr(plan.tensor_sums),
+                         np.int64(self.optimizer.num_steps), ptr(plan.work.feature_scales), ptr(plan.work.lstm_inputs),
+                         ptr(plan.work.param_scales), ptr(plan.work.mixed_max), np.int32(phase), ptr(plan.work.tensor_sums),
                          np.int64(plan.layout.total_row_entries), np.int64(plan.layout.total_col_entries)))
             if phase == 1:
-                self.optimizer.reducer.sum_(plan.tensor_sums)
+                self.optimizer.reducer.sum_(plan.work.tensor_sums)
         rnn = self.rnn
         self.launch("velo_mix", n, HIDDEN,
-                    (ptr(plan.lstm_inputs), ptr(rnn["mix_layer2.weight"]), ptr(rnn["mix_layer2.bias"]),
-                     ptr(rnn["final_mix_layer.weight"]), ptr(rnn["final_mix_layer.bias"]), ptr(plan.mixed_max),
-                     ptr(plan.mix_partial)))
+                    (ptr(plan.work.lstm_inputs), ptr(rnn["mix_layer2.weight"]), ptr(rnn["mix_layer2.bias"]),
+                     ptr(rnn["final_mix_layer.weight"]), ptr(rnn["final_mix_layer.bias"]), ptr(plan.work.mixed_max),
+                     ptr(plan.work.mix_partial)))
         self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS), LSTM_THREADS,
-                    (ptr(plan.velo_table.table), np.int32(n), ptr(plan.mix_partial), ptr(plan.mixed_max),
-                     ptr(rnn["lstm.linear.weight"]), ptr(rnn["lstm.linear.bias"]), ptr(plan.hidden_new),
-                     ptr(plan.cell_new)))
+                    (ptr(plan.work.velo_table.table), np.int32(n), ptr(plan.work.mix_partial), ptr(plan.work.mixed_max),
+                     ptr(rnn["lstm.linear.weight"]), ptr(rnn["lstm.linear.bias"]), ptr(plan.work.hidden_new),
+                     ptr(plan.work.cell_new)))
         self.launch("velo_heads", n, HEADS_THREADS,
-                    (ptr(plan.velo_table.table), ptr(plan.hidden_new), ptr(plan.cell_new),
+                    (ptr(plan.work.velo_table.table), ptr(plan.work.hidden_new), ptr(plan.work.cell_new),
                      ptr(rnn["rnn_to_controls.weight"]), ptr(rnn["rnn_to_controls.bias"]), ptr(rnn["step_size.weight"]),
-                     ptr(rnn["step_size.bias"]), ptr(self.candidates), ptr(plan.feature_scales), ptr(plan.param_scales),
-                     *flags, *loss_arguments, ptr(plan.records)))
+                     ptr(rnn["step_size.bias"]), ptr(self.candidates), ptr(plan.work.feature_scales), ptr(plan.work.param_scales),
+                     *flags, *loss_arguments, ptr(plan.work.records)))
         layout = plan.layout
         entries = layout.total_row_entries + layout.total_col_entries
         self.launch("velo_table_contributions", -(-entries // CONTRIBUTION_THREADS), CONTRIBUTION_THREADS,
-                    (ptr(plan.tensor_table.table), np.int32(n), ptr(plan.records), ptr(plan.row_table), ptr(plan.col_table),
-                     np.int64(layout.total_row_entries), np.int64(layout.total_col_entries), ptr(plan.row_contributions),
-                     ptr(plan.col_contributions)))
+                    (ptr(plan.tensor_table.table), np.int32(n), ptr(plan.work.records), ptr(plan.row_table), ptr(plan.col_table),
+                     np.int64(layout.total_row_entries), np.int64(layout.total_col_entries), ptr(plan.work.row_contributions),
+                     ptr(plan.work.col_contributions)))
 
     def _apply(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
         ptr, layout = launcher.pointer, plan.layout
         self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
                     (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.records),
-                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.row_contributions), ptr(plan.col_contributions), *flags, self.skipped_counter(),
+                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.work.records),
+                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.work.row_contributions), ptr(plan.work.col_contributions), *flags, self.skipped_counter(),
                      *self._loss_buffer_arguments(), *loss_arguments))
