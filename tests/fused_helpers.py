@@ -106,3 +106,15 @@ def low_precision_excess(fused: torch.Tensor, naive: torch.Tensor, before: torch
 def make_optimizer(name, params, backend, weights, **kwargs):
     """The registered optimizer ``name`` (with its required arguments, e.g. VeLO's num_steps, where not given)."""
     return registry.get(name).build(params, weights=weights, backend=backend, **kwargs)
+
+
+def fused_engine_optimizers() -> list:
+    """One registered optimizer per fused engine, the first registered that uses it (small_fc_lopt, velo):
+    the fused tests run once per engine. Optimizers without one (ELO) are naive-only; one that reuses
+    another's engine (MuLO: SmallFCLOpt's, on groups of its own) has its fused test in its own module."""
+    first = {}
+    for name in registry.names():
+        engine = registry.get(name).fused
+        if engine and engine not in first:
+            first[engine] = name
+    return list(first.values())

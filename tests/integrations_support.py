@@ -11,6 +11,7 @@ import types
 import torch
 
 import lopt
+from lopt import registry
 
 SMALL_FC_WEIGHTS = lopt.random_weights("small_fc_lopt", seed=11)
 VELO_WEIGHTS = lopt.random_weights("velo", seed=12)
@@ -62,7 +63,10 @@ def make_optimizer(name: str, params, num_steps: int | None = None, **kwargs):
     kwargs.setdefault("backend", "naive")
     if name == "velo":
         return record_losses(lopt.VeLO(params, num_steps=num_steps, weights=VELO_WEIGHTS, **kwargs))
-    return lopt.SmallFCLOpt(params, weights=SMALL_FC_WEIGHTS, **kwargs)
+    if name == "small_fc_lopt":
+        return lopt.SmallFCLOpt(params, weights=SMALL_FC_WEIGHTS, **kwargs)
+    entry = registry.get(name)  # (any other registered optimizer, with its required arguments)
+    return entry.build(params, weights=lopt.random_weights(entry.architecture, seed=2), **kwargs)
 
 
 def reference_training(model, steps, make_opt, *, autocast_dtype=None, scaler=None, lr_factors=None,

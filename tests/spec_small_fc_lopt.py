@@ -94,21 +94,23 @@ def new_state(shape) -> dict:
     return state
 
 
-def accumulate(state: dict, g: torch.Tensor) -> None:
-    """§3.2 in place (float64)."""
+def accumulate(state: dict, g: torch.Tensor, decays=None) -> None:
+    """§3.2 in place (float64). ``decays``: ``(β_m, β_v, β_f)`` (3, 1 and 3 values) instead of §2's
+    (ELO's are its raw decays: spec_elo.py)."""
+    beta_m, (beta_v,), beta_f = decays if decays is not None else (BETA_M, (BETA_V,), BETA_F)
     g = g.to(F64)
     dims = factored_axes(g.shape)
     for k in range(3):
-        state["m"][k] = BETA_M[k] * state["m"][k] + (1 - BETA_M[k]) * g
-    state["v"] = BETA_V * state["v"] + (1 - BETA_V) * (g * g)
+        state["m"][k] = beta_m[k] * state["m"][k] + (1 - beta_m[k]) * g
+    state["v"] = beta_v * state["v"] + (1 - beta_v) * (g * g)
     big_g = g * g + 1e-30
     for k in range(3):
         if dims is None:
-            state["V"][k] = BETA_F[k] * state["V"][k] + (1 - BETA_F[k]) * big_g
+            state["V"][k] = beta_f[k] * state["V"][k] + (1 - beta_f[k]) * big_g
         else:
             d1, d0 = dims
-            state["R"][k] = BETA_F[k] * state["R"][k] + (1 - BETA_F[k]) * big_g.mean(dim=d0)
-            state["C"][k] = BETA_F[k] * state["C"][k] + (1 - BETA_F[k]) * big_g.mean(dim=d1)
+            state["R"][k] = beta_f[k] * state["R"][k] + (1 - beta_f[k]) * big_g.mean(dim=d0)
+            state["C"][k] = beta_f[k] * state["C"][k] + (1 - beta_f[k]) * big_g.mean(dim=d1)
 
 
 def _safe_rsqrt(x):

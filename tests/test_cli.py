@@ -235,8 +235,13 @@ def test_bench_fused_only_without_a_gpu_is_an_error(capsys, offline_hub, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, out, err = run(capsys, "bench", "--backends", "fused")
     assert code == 2 and "wrote" not in out
-    assert err.strip() == ("lopt bench: error: nothing to run with --backends fused: small_fc_lopt fused: no CUDA "
-                           "device is available to PyTorch; velo fused: no CUDA device is available to PyTorch")
+    assert err.strip().startswith("lopt bench: error: nothing to run with --backends fused: small_fc_lopt fused: no "
+                                  "CUDA device is available to PyTorch; velo fused: no CUDA device is available to "
+                                  "PyTorch")
+    reasons = [f"{name} fused: " + ("no CUDA device is available to PyTorch" if registry.get(name).fused else
+                                    f"lopt has no fused kernels for {registry.get(name).architecture} yet")
+               for name in registry.names()]  # (every registered optimizer's, in registration order)
+    assert err.strip() == "lopt bench: error: nothing to run with --backends fused: " + "; ".join(reasons)
 
 
 @pytest.mark.parametrize("option", ["--json", "--markdown", "--plot", "--curves"])

@@ -37,25 +37,29 @@ MODELS = ("mlp", "transformer")
 STRATEGIES = ("ddp", "zero", "fsdp")
 UPDATE_RTOL = 1e-5  # per tensor: |p_distributed − p_single| / |p_single − p_initial|
 WORKER_TIMEOUT_S = 600
+ELO_CLIP = 0.05  # below every step's global gradient norm here
 
 
 def weights(name):
-    seed = {"small_fc_lopt": 2, "velo": 3}[name]
-    return lopt.random_weights(name, seed=seed)
+    seed = {"small_fc_lopt": 2, "velo": 3}.get(name, 4)
+    return lopt.random_weights(registry.get(name).architecture, seed=seed)
 
 
 def make_optimizer(name, params, **kwargs):
     kwargs.setdefault("backend", "naive")
     if name == "velo":
         return lopt.VeLO(params, num_steps=20, weights=weights(name), **kwargs)
-    return lopt.SmallFCLOpt(params, weights=weights(name), **kwargs)
+    if name == "small_fc_lopt":
+        return lopt.SmallFCLOpt(params, weights=weights(name), **kwargs)
+    return registry.get(name).build(params, weights=weights(name), **kwargs)  # (with its required arguments)
 
 
-def optimizer_class_and_kwargs(name):
+def optimizer_class_and_kwargs(name, **extra):
     """For ZeroRedundancyOptimizer, which builds each process's optimizer from a class and keyword arguments."""
     if name == "velo":
-        return lopt.VeLO, dict(num_steps=20, weights=weights(name), backend="naive")
-    return lopt.SmallFCLOpt, dict(weights=weights(name), backend="naive")
+        return lopt.VeLO, dict(num_steps=20, weights=weights(name), backend="naive", **extra)
+    entry = registry.get(name)
+    return entry.front_end_class, dict(entry.required_arguments, weights=weights(name), backend="naive", **extra)
 
 
 # ------------------------------------------------------------------------------------ models and data
@@ -177,12 +181,12 @@ def run_ddp(name, model_name, rank, **opt_kwargs):
             "bytes": opt.reducer.bytes_reduced / STEPS}
 
 
-def run_zero(name, model_name, rank):
+def run_zero(name, model_name, rank, **opt_kwargs):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(make_model(model_name))
-    optimizer_class, kwargs = optimizer_class_and_kwargs(name)
+    optimizer_class, kwargs = optimizer_class_and_kwargs(name, **opt_kwargs)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **kwargs)
     for step in range(STEPS):
         opt.zero_grad()
@@ -385,6 +389,12 @@ def worker(rank, port, directory):
         results["velo", "mlp", "ddp_own_loss"] = run_ddp("velo", "mlp", rank, average_loss=False)
         results["small_fc_lopt", "mlp", "fsdp_clipped"] = fsdp_result(
             *run_fsdp("small_fc_lopt", "mlp", rank, max_grad_norm=0.05))
+        if "elo" in OPTIMIZERS:  # ELO's max_grad_norm: the global norm over every tensor (and every shard)
+            for model_name in MODELS:
+                results["elo", model_name, "ddp_clipped"] = run_ddp("elo", model_name, rank, max_grad_norm=ELO_CLIP)
+                results["elo", model_name, "zero_clipped"] = run_zero("elo", model_name, rank, max_grad_norm=ELO_CLIP)
+                results["elo", model_name, "fsdp_clipped"] = fsdp_result(
+                    *run_fsdp("elo", model_name, rank, max_grad_norm=ELO_CLIP))
         results["refusals"] = refusals(rank)
         results["fused_guard"] = fused_guard(rank)
         results["uneven_participation"] = uneven_participation(rank)
@@ -517,6 +527,25 @@ def test_a_full_state_dict_of_the_sharded_optimizer_resumes_on_one_process(distr
         assert max(errors.values()) <= UPDATE_RTOL, errors
 
 
+@pytest.mark.skipif("elo" not in OPTIMIZERS, reason="ELO is not registered")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("model_name", MODELS)
+def test_elo_clips_by_the_global_norm_like_one_process(distributed_results, model_name, strategy):
+    """ELO's max_grad_norm spans every tensor: under DDP (each process holds every tensor: its own sum is the
+    whole one), ZeRO (each holds some tensors: the sums add up over the processes) and FSDP2 (each holds a
+    shard of every tensor) the step is one process's, clipped by the norm of all the gradients."""
+    model = make_model(model_name)
+    initial = full_parameters(model)
+    opt = make_optimizer("elo", model.parameters(), max_grad_norm=ELO_CLIP)
+    single_process_run("elo", model_name, model=model, opt=opt)
+    want = full_parameters(model)
+    unclipped = distributed_results[0]["elo", model_name, strategy]["params"]
+    assert any(not torch.allclose(unclipped[n], want[n]) for n in want)  # the clipping mattered
+    for result in distributed_results:
+        errors = relative_errors(result["elo", model_name, f"{strategy}_clipped"]["params"], want, initial)
+        assert max(errors.values()) <= UPDATE_RTOL, errors
+
+
 def test_max_grad_norm_clips_by_the_whole_tensors_norm_under_fsdp(distributed_results):
     model = make_model("mlp")
     initial = full_parameters(model)
@@ -574,7 +603,8 @@ def test_reductions_are_packed_not_per_tensor(distributed_results, name):
     per_step = {(m, s): distributed_results[0][name, m, s]["collectives"] for m in MODELS for s in STRATEGIES}
     for strategy in STRATEGIES:
         assert per_step["mlp", strategy] == per_step["transformer", strategy], per_step
-    expected = {"small_fc_lopt": {"ddp": 1, "zero": 1, "fsdp": 3},  # check; check, accumulate, features
+    small_fc = {"ddp": 1, "zero": 1, "fsdp": 3}  # check; check, accumulate, features
+    expected = {"small_fc_lopt": small_fc, "elo": small_fc, "mulo": small_fc,
                 "velo": {"ddp": 3, "zero": 3, "fsdp": 6}}[name]  # + loss, mixing max; + two statistics passes
     assert {s: per_step["mlp", s] for s in STRATEGIES} == expected
 

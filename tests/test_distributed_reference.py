@@ -169,8 +169,9 @@ def test_plain_tensors_have_a_whole_layout():
 @pytest.mark.parametrize("name", registry.names())
 def test_process_group_option_is_validated(name):
     params = [torch.nn.Parameter(random((3, 4), 16))]
-    kwargs = dict(weights=lopt.random_weights(name, seed=1), backend="naive")
-    cls = lopt.VeLO if name == "velo" else lopt.SmallFCLOpt
+    entry = registry.get(name)
+    kwargs = dict(entry.required_arguments, weights=lopt.random_weights(entry.architecture, seed=1), backend="naive")
+    cls = entry.front_end_class
     if name == "velo":
         kwargs["num_steps"] = 10
     with pytest.raises(TypeError, match=r"process_group must be None \(the default group when torch.distributed is "

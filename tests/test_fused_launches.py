@@ -21,9 +21,11 @@ from lopt import registry
 from lopt.fused import launcher
 from lopt.fused.contract import FIELD
 from lopt.fused.engine import FusedEngine, commit_blocks
+from fused_helpers import fused_engine_optimizers
 from spawned import leave_process
 
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
+FUSED = fused_engine_optimizers()  # (one optimizer per fused engine)
 # numpy type each C parameter type must be passed as
 C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64}
 
@@ -241,7 +243,7 @@ def test_kernels_are_declared_once_with_known_parameter_types():
             assert not unknown, f"{source} {kernel}: parameter types {unknown}"
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector(name, recorded):
     """The engine refers to its optimizer weakly: `del opt` frees the state and the workspaces at once
     (a cycle would hold GPU memory until a collection, enough to run a benchmark out of memory)."""
@@ -260,7 +262,7 @@ def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector
         gc.enable()
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_a_step_uploads_only_what_changed(name, recorded, monkeypatch):
     """New gradient tensors (every step, after zero_grad) upload the gradient array alone, one address
     per tensor row; the tensor table follows the gradients' dtypes and the parameters' addresses, the
@@ -305,7 +307,7 @@ def test_a_step_uploads_only_what_changed(name, recorded, monkeypatch):
     assert step_and_uploads() == []
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_the_group_tables_follow_the_groups_hyper_parameters(name, recorded, monkeypatch):
     """The group tables are rebuilt only where what they hold changed: a value changed by a user or a
     scheduler, a tensor replaced; a tensor read on the device (float32 there) is read by address, so
@@ -349,7 +351,7 @@ def test_the_group_tables_follow_the_groups_hyper_parameters(name, recorded, mon
     assert step() == []
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_a_refused_step_leaves_no_stale_gradient_address(name, recorded):
     """The fast check uploads the summed gradients' addresses before it reads the others. When the step
     is then refused, the next step still brings the whole array to its own gradients' addresses, also
@@ -380,7 +382,7 @@ def test_a_refused_step_leaves_no_stale_gradient_address(name, recorded):
 STATISTICS_KERNELS = {"small_fc_lopt": "small_fc_lopt_feature_stats", "velo": "velo_statistics"}
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("fast_check", [True, False])
 def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_check, recorded, monkeypatch):
     """A synchronised step waits for the host until its first launch, so a step with new gradients
@@ -423,7 +425,7 @@ def test_the_first_launch_follows_only_the_gradient_addresses_upload(name, fast_
     assert uploads[-1][:, 0].tolist() == [weight.grad.data_ptr(), bias.grad.data_ptr()]
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_to_it(name, recorded, monkeypatch):
     """While the last plan fits, the check phase validates the gradients and reads their pointers in
     one pass (FusedEngine.checked_gradients): the same parameters and gradients as the general check,
@@ -535,7 +537,7 @@ def test_the_fast_check_reads_what_the_general_check_would_and_leaves_the_rest_t
         assert step()  # the fast check again
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("backend", ["naive", "fused"])
 def test_a_parameter_resized_after_its_first_step_is_refused_and_nothing_changes(name, backend, recorded):
     """A parameter given another shape through .data after it took a step no longer matches its state:
@@ -566,7 +568,7 @@ def test_a_parameter_resized_after_its_first_step_is_refused_and_nothing_changes
     assert int(opt.state_dict()["param_groups"][0]["step"]) == steps_before
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_the_fast_check_without_factored_tensors_launches_the_accumulate_phase_first(name, recorded):
     """Vectors only: no axis jobs, so nothing to upload before the accumulate phase (its finalize still
     resets the status flags), which goes out before the gradients are read and matches the general
@@ -590,7 +592,7 @@ def test_the_fast_check_without_factored_tensors_launches_the_accumulate_phase_f
     assert checked is not None and checked[2].grad_pointers == [p.grad.data_ptr() for p in params]
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_a_square_parameter_transposed_in_place_is_replanned_in_its_new_order(name, recorded):
     """p.data = p.data.t() on a square matrix keeps the address and the shape, so only the strides tell
     the plan its element order changed: both checks look at them for parameters with two axes of one
@@ -670,7 +672,7 @@ SHARDED_STEPS = {
 }
 
 
-@pytest.mark.parametrize("name", registry.names())
+@pytest.mark.parametrize("name", FUSED)
 def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
     """FSDP2 (gloo, 2 processes, recorded kernels): the launches of a step, each matching its kernel's
     declaration, and a fixed number of collectives, laid out alike in both processes."""

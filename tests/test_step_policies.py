@@ -27,7 +27,10 @@ def make(name, params, **kwargs):
     kwargs.setdefault("backend", "naive")
     if name == "velo":
         return lopt.VeLO(params, num_steps=50, weights=VELO_WEIGHTS, **kwargs)
-    return lopt.SmallFCLOpt(params, weights=SMALL_FC_WEIGHTS, **kwargs)
+    if name == "small_fc_lopt":
+        return lopt.SmallFCLOpt(params, weights=SMALL_FC_WEIGHTS, **kwargs)
+    entry = registry.get(name)  # (any other registered optimizer, with its required arguments)
+    return entry.build(params, weights=lopt.random_weights(entry.architecture, seed=2), **kwargs)
 
 
 def make_params(seed, shapes=SHAPES):

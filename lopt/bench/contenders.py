@@ -126,6 +126,9 @@ def fused_unavailable_reason(optimizer_name: str, weights, device: torch.device,
     unsupported = unsupported_options(optimizer_name, contender)
     if unsupported:
         return unsupported
+    entry = registry.get(optimizer_name)
+    if entry.fused is None:  # (naive only, whatever the device)
+        return f"lopt has no fused kernels for {entry.architecture} yet"
     if device.type != "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device is available to PyTorch"

@@ -37,11 +37,12 @@ class BenchPlan:
 
 def resolve_bench_weights(optimizer_name: str, weights_arg, require_pretrained: bool, say=print):
     """The weights to benchmark with: ``weights_arg``, else the registered ones, else random (timing only)."""
-    architecture = registry.get(optimizer_name).architecture
+    entry = registry.get(optimizer_name)
+    architecture = entry.architecture
     if weights_arg is not None:
         return weights_lib.load_weights(weights_arg, architecture)
     try:
-        return weights_lib.load_weights(architecture, architecture)
+        return weights_lib.load_weights(entry.default_weights, architecture)
     except weights_lib.WeightsError as err:
         if require_pretrained:
             raise

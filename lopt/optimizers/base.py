@@ -151,12 +151,16 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     _PICKLED_ATTRIBUTES = ("meta_weights", "backend", "backend_reason", "nonfinite", "process_group")
 
     @staticmethod
-    def accumulator_defaults(*, lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays,
-                             adafactor_decays) -> dict:
-        """The group defaults shared by every optimizer built on lopt's accumulators."""
-        return dict(lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
-                    momentum_decays=tuple(momentum_decays), rms_decays=tuple(rms_decays),
-                    adafactor_decays=tuple(adafactor_decays))
+    def accumulator_defaults(*, lr, weight_decay, exp_mult, momentum_decays, rms_decays, adafactor_decays,
+                             step_mult=None) -> dict:
+        """The group defaults shared by every optimizer built on lopt's accumulators (``step_mult`` only
+        where the optimizer has one: ELO's ``lr`` is its step multiplier)."""
+        defaults = dict(lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult,
+                        momentum_decays=tuple(momentum_decays), rms_decays=tuple(rms_decays),
+                        adafactor_decays=tuple(adafactor_decays))
+        if step_mult is None:
+            del defaults["step_mult"]
+        return defaults
 
     def __init__(self, params, defaults: dict, *, weights, backend: str, nonfinite: str = "skip", process_group=None):
         distributed.resolve_process_group(process_group)  # (validates the option's type)
@@ -188,10 +192,11 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     def _warn_about_adam_habits(self) -> None:
         """One :class:`AdamHabitWarning` at construction where a group's lr is below ``ADAM_HABIT_LR``
         (and not 0, which freezes a group on purpose): almost certainly an Adam learning rate."""
+        if not self._WARNS_ABOUT_ADAM_HABITS:
+            return
         habits = []
         for index, group in enumerate(self.param_groups):
-            lr = group["lr"]
-            lr = float(lr.detach().cpu()) if torch.is_tensor(lr) else float(lr)  # (construction only)
+            lr = self._lr_as_given(group)
             if 0 < lr < ADAM_HABIT_LR:
                 habits.append(f"param group #{index} has lr={lr:g}" if len(self.param_groups) > 1 else f"lr={lr:g}")
         if habits:
@@ -203,6 +208,14 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                 f"warnings.filterwarnings('ignore', category=lopt.AdamHabitWarning)", AdamHabitWarning, stacklevel=3)
 
     _ADAM_HABIT_NOTE = ""
+    # False where lr is the step itself rather than a multiplier of the meta-trained step (ELO: 1e-3).
+    _WARNS_ABOUT_ADAM_HABITS = True
+
+    def _lr_as_given(self, group) -> float:
+        """The group's lr as the user gave it, a number (construction only: a tensor is read on the host).
+        MuLO's internal groups hold it divided by their width multiplier."""
+        lr = group["lr"]
+        return float(lr.detach().cpu()) if torch.is_tensor(lr) else float(lr)
 
     @property
     def has_sharded_parameters(self) -> bool:
@@ -276,7 +289,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             _check_scalar("lr", group["lr"])
             _check_scalar("weight_decay", group["weight_decay"])
             for name in ("exp_mult", "step_mult"):
-                _check_scalar(name, group[name], minimum=-math.inf, allow_tensor=False)
+                if name in group:  # (ELO has no step_mult)
+                    _check_scalar(name, group[name], minimum=-math.inf, allow_tensor=False)
             for name, n in DECAY_OFFSET_COUNTS:
                 offsets = group[name]
                 if (isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__") or len(offsets) != n
@@ -538,6 +552,10 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     GLOBAL_STATE_KEYS: tuple = ()
     # State entries every parameter's state must carry (state dicts are checked against them).
     TENSOR_STATE_KEYS: tuple = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")
+    # The hyper-parameter keys of the optimizer's param groups (its defaults, torch's own keys left out),
+    # declared by optimizers that share their state layout and their GLOBAL_STATE_KEYS (SmallFCLOpt, ELO,
+    # MuLO): load_state_dict tells their state dicts apart by them. None: not declared.
+    GROUP_KEYS: frozenset | None = None
 
     def _state_shapes(self, p) -> dict:
         """The shape of every entry of ``TENSOR_STATE_KEYS`` for parameter ``p`` (its global shape for a
@@ -552,6 +570,11 @@ class LearnedOptimizer(NaivePhases, Optimizer):
             shapes["fac_vec_row"] = tuple(s for i, s in enumerate(shape) if i != d0) + (3,)
             shapes["fac_vec_col"] = tuple(s for i, s in enumerate(shape) if i != d1) + (3,)
         return shapes
+
+    def _saved_state_shapes(self, p, values: dict) -> dict:
+        """The entries (and their shapes) the saved state ``values`` of parameter ``p`` must hold: those of
+        :meth:`_state_shapes`, unless the optimizer's state depends on more than the parameter (CELO2's branch)."""
+        return self._state_shapes(p)
 
     def state_dict(self):
         state = super().state_dict()
@@ -620,7 +643,12 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                 raise ValueError(f"{name}.load_state_dict: state for parameter #{index}, but the optimizer has "
                                  f"{len(params)} parameters")
             param = params[positions[index]]
-            for key, expected in self._state_shapes(param).items():
+            shapes = self._saved_state_shapes(param, values)
+            absent = [key for key in shapes if key not in values]
+            if absent:
+                raise ValueError(f"{name}.load_state_dict: not a {name} state dict: the state of parameter #{index} "
+                                 f"lacks {absent}")
+            for key, expected in shapes.items():
                 value = values[key]
                 label = "momentum" if key == "mom" else repr(key)
                 if not torch.is_tensor(value) or not value.is_floating_point():
@@ -632,11 +660,12 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                     raise ValueError(f"{name}.load_state_dict: parameter #{index} has shape {tuple(param.shape)} "
                                      f"but its saved {label} has shape {tuple(value.shape)} (expected {expected}); "
                                      f"nothing was changed")
-            if is_dtensor(param) != is_dtensor(values["mom"]):
+            first_key = next(iter(shapes), None)
+            if first_key is not None and is_dtensor(param) != is_dtensor(values[first_key]):
                 raise ValueError(
                     f"{name}.load_state_dict: parameter #{index} is "
                     f"{'a DTensor' if is_dtensor(param) else 'a plain tensor'} but its saved state is "
-                    f"{'a DTensor' if is_dtensor(values['mom']) else 'plain tensors'}; save and load "
+                    f"{'a DTensor' if is_dtensor(values[first_key]) else 'plain tensors'}; save and load "
                     f"sharded (FSDP2) optimizer state with torch.distributed.checkpoint's get_optimizer_state_dict "
                     f"and set_optimizer_state_dict (full_state_dict=True converts between the two)")
         for index, group in enumerate(groups):
@@ -716,6 +745,8 @@ def _validate_live_group(optimizer, group, index: int = 0) -> None:
             raise ValueError(f"{where} {name} is {value!r}; it must be a finite number >= 0 (or a 0-d tensor)"
                              f"{_torch_phrase(name, value)} (param group #{index}). {done}")
     for name in ("exp_mult", "step_mult"):
+        if name not in optimizer.defaults:
+            continue  # (ELO has no step_mult)
         value = group[name]
         if not (_is_real_number(value) and math.isfinite(value)):
             raise ValueError(f"{where} {name} is {value!r} (param group #{index}); it must be a finite number. {done}")
@@ -754,6 +785,24 @@ def _optimizer_of_group(keys) -> str:
     return "another optimizer"
 
 
+def _registered_optimizer_of_group(first: dict, optimizer, others) -> str | None:
+    """The registered optimizer (among ``others``) whose declared ``GROUP_KEYS`` fit a saved first param
+    group best — the most keys, every one present — where ``optimizer``'s own hyper-parameters do not
+    fit it at least as well (a scheduler's ``initial_lr`` and other extra keys do not matter)."""
+    keys = set(first)
+    best = None
+    for cls in others:
+        declared = cls.GROUP_KEYS
+        if declared and declared <= keys and (best is None or len(declared) > len(best.GROUP_KEYS)):
+            best = cls
+    if best is None:
+        return None
+    own = set(optimizer.defaults) - TORCH_GROUP_KEYS
+    if own <= keys and len(own) >= len(best.GROUP_KEYS):
+        return None
+    return f"lopt.{best.__name__}"
+
+
 def _saved_positions(state_dict) -> dict:
     """Position among the optimizer's parameters of each key of a saved state (indices, or the
     parameter names torch.distributed.checkpoint uses), by the order of the saved groups' params."""
@@ -766,12 +815,20 @@ def _foreign_optimizer(state_dict, optimizer) -> str | None:
     registered lopt optimizer (by the optimizer-wide keys it keeps in its first param group), or torch's."""
     first = state_dict["param_groups"][0] if state_dict["param_groups"] else {}
     own = set(type(optimizer).GLOBAL_STATE_KEYS)
-    others = [entry.front_end_class for entry in registry.OPTIMIZERS.values()
-              if not isinstance(optimizer, entry.front_end_class)]
+    try:
+        own_class = registry.entry_for(optimizer).front_end_class  # (a subclass of a registered optimizer: its base)
+    except ValueError:
+        own_class = type(optimizer)
+    others = [entry.front_end_class for entry in registry.OPTIMIZERS.values() if entry.front_end_class is not own_class]
     for cls in others:
         markers = set(cls.GLOBAL_STATE_KEYS) - own
         if markers and markers <= set(first):
             return f"lopt.{cls.__name__}"
+    by_group_keys = _registered_optimizer_of_group(first, optimizer, others)
+    if by_group_keys:
+        return by_group_keys
+    if type(optimizer).GROUP_KEYS and type(optimizer).GROUP_KEYS <= set(first):
+        return None  # its own declared hyper-parameters (CELO2's AdamW-branch state holds exp_avg, as Adam's does)
     if own and not own & set(first) and any("mom" in v for v in state_dict["state"].values()):
         plain = [f"lopt.{cls.__name__}" for cls in others if not cls.GLOBAL_STATE_KEYS]
         return " or ".join(plain) if plain else "another lopt optimizer"

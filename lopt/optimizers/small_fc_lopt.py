@@ -76,6 +76,8 @@ class SmallFCLOpt(LearnedOptimizer):
     reference = reference
     PRECISIONS = PRECISIONS
     requires_loss = False  # step() takes an optional closure, not the loss
+    GROUP_KEYS = frozenset({"lr", "weight_decay", "exp_mult", "step_mult", "momentum_decays", "rms_decays",
+                            "adafactor_decays", "max_grad_norm"})
 
     def __init__(
         self,
@@ -95,16 +97,21 @@ class SmallFCLOpt(LearnedOptimizer):
         precision: str = "exact",
         process_group=None,
     ):
-        if precision not in PRECISIONS:
-            raise ValueError(f"SmallFCLOpt: precision must be one of {PRECISIONS}, got {precision!r} ('exact': "
-                             f"float32-accurate MLP products; 'fast': BF16 products in the fused backend)")
-        self._precision = precision
         defaults = self.accumulator_defaults(
             lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, step_mult=step_mult, momentum_decays=momentum_decays,
             rms_decays=rms_decays, adafactor_decays=adafactor_decays)
         defaults["max_grad_norm"] = max_grad_norm
-        super().__init__(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
-                         process_group=process_group)
+        self._start(params, defaults, weights=weights, backend=backend, nonfinite=nonfinite, precision=precision,
+                    process_group=process_group)
+
+    def _start(self, params, defaults: dict, *, weights, backend, nonfinite, precision, process_group) -> None:
+        """The constructor's common part (subclasses with other group defaults, ELO and MuLO, call it too)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"{type(self).__name__}: precision must be one of {PRECISIONS}, got {precision!r} "
+                             f"('exact': float32-accurate MLP products; 'fast': BF16 products in the fused backend)")
+        self._precision = precision
+        LearnedOptimizer.__init__(self, params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
+                                  process_group=process_group)
 
     _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("_precision",)
 
@@ -139,29 +146,43 @@ class SmallFCLOpt(LearnedOptimizer):
     def _naive_step(self, inputs) -> None:
         """The naive backend, phase by phase over all tensors (``lopt/reference/small_fc_lopt.py`` per
         tensor): check (with ``max_grad_norm``'s Σg²), accumulate, feature statistics, apply. Each
-        phase's sums over a tensor split among processes complete in one reduce for all tensors."""
+        phase's sums over a tensor split among processes complete in one reduce for all tensors.
+        (ELO differs in two hooks: :meth:`_naive_clipping_sums` with :meth:`_naive_clipped_gradients`,
+        and :meth:`_naive_new_value`.)"""
         tensors = self._naive_tensors(inputs)
         check = SumPacket(self.reducer)
-        clipped = [t.group["max_grad_norm"] is not None for t in tensors]
-        norm_sums = [check.add(reference.gradient_square_sum(t.grad), split=t.split) if clip else None
-                     for t, clip in zip(tensors, clipped)]
+        clipping = self._naive_clipping_sums(tensors, check)
         if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
         for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-        for t, clip, handle in zip(tensors, clipped, norm_sums):
-            grad = reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[handle]) if clip else t.grad
+        for t, grad in zip(tensors, self._naive_clipped_gradients(tensors, check, clipping)):
             # (torch.unsqueeze: a frame that names torch is one torch.compile traces when it resumes after
             # the check's host read; without it dynamo skips this frame and compiles each callee on its own)
             t.step_grad = torch.unsqueeze(grad, -1)
         self._naive_accumulate(tensors)
         square_sums = self._naive_feature_square_sums(tensors)
         for t, sums in zip(tensors, square_sums):
-            group = t.group
-            update = reference.update_from_features(
-                self._features(t), sums, t.count, group["step"], self.weights_on(t.value.device)["mlp"],
-                exp_mult=group["exp_mult"], step_mult=group["step_mult"])
-            t.write_back(reference.apply_update(t.value, update, group["lr"], group["weight_decay"]))
+            t.write_back(self._naive_new_value(t, sums))
+
+    def _naive_clipping_sums(self, tensors: list, check: SumPacket) -> list:
+        """Check phase: what ``max_grad_norm`` needs, added to the check's packet (completed by its reduce):
+        here each clipped tensor's own Σ g² (a handle per tensor, None where its group does not clip)."""
+        return [check.add(reference.gradient_square_sum(t.grad), split=t.split)
+                if t.group["max_grad_norm"] is not None else None for t in tensors]
+
+    def _naive_clipped_gradients(self, tensors: list, check: SumPacket, clipping) -> list:
+        """Each tensor's gradient after ``max_grad_norm`` (PyLO's per-tensor clipping, §3.1)."""
+        return [reference.clip_gradient_norm(t.grad, t.group["max_grad_norm"], check[handle])
+                if handle is not None else t.grad for t, handle in zip(tensors, clipping)]
+
+    def _naive_new_value(self, t, square_sums: torch.Tensor) -> torch.Tensor:
+        """Apply phase for one tensor: normalisation, time features, the MLP and the update (§3.6–§3.9)."""
+        group = t.group
+        update = reference.update_from_features(
+            self._features(t), square_sums, t.count, group["step"], self.weights_on(t.value.device)["mlp"],
+            exp_mult=group["exp_mult"], step_mult=group["step_mult"])
+        return reference.apply_update(t.value, update, group["lr"], group["weight_decay"])
 
 
 def _is_positive_number(value) -> bool:

@@ -128,13 +128,16 @@ def update_from_features(features: torch.Tensor, square_sums: torch.Tensor, coun
 
 
 def small_fc_lopt_step(param: torch.Tensor, grad: torch.Tensor, state: dict, step: int, network: dict,
-                       decays: Decays, *, lr: float, weight_decay: float, exp_mult: float, step_mult: float) -> None:
+                       decays: Decays, *, lr: float, weight_decay: float, exp_mult: float, step_mult: float,
+                       apply=None) -> None:
     """One small_fc_lopt step for one tensor: updates ``state`` and ``param`` in place.
 
     ``param`` may be float32, bfloat16 or float16; the math is float32 and the result is written
     back in the parameter's dtype. ``step`` is the group's step count including this step.
     (``lopt.SmallFCLOpt`` runs the same functions phase by phase over all its tensors, with the
     sums over the elements of a tensor split among processes completed in between.)
+    ``apply`` (default :func:`apply_update`) forms the new value from ``(param, u, lr, weight_decay)``:
+    ELO's step is this one with its own decays, ``step_mult=1`` and its own rule (``lopt.reference.elo``).
     """
     shape = tuple(param.shape)
     dims = factored_dims(shape)
@@ -147,5 +150,5 @@ def small_fc_lopt_step(param: torch.Tensor, grad: torch.Tensor, state: dict, ste
     features = per_element_features(batch_grad, batch_param, work_state, dims)
     update = update_from_features(features, feature_square_sums(features), batch_param.numel(), step, network,
                                   exp_mult=exp_mult, step_mult=step_mult)
-    new_param = apply_update(batch_param.squeeze(-1), update, lr, weight_decay)
+    new_param = (apply or apply_update)(batch_param.squeeze(-1), update, lr, weight_decay)
     param.copy_(new_param.reshape(shape))
