@@ -253,16 +253,22 @@ def adafactor_features(state: dict, factored_dims, full_momentum_epsilon: float,
     return [full, full, torch.rsqrt(full + 1e-8), torch.rsqrt(full + 1e-8), full_momentum]
 
 
-def float64_square_sum(x: torch.Tensor, dim=None) -> torch.Tensor:
+def float64_square_sum(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """Σ x² in float64 (over ``dim``, or over everything), formed as the square of the float64 2-norm:
     torch upcasts element by element inside the reduction, without a float64 copy of ``x``."""
-    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64) ** 2
+    return torch.linalg.vector_norm(x, dim=dim, keepdim=keepdim, dtype=torch.float64) ** 2
 
 
-def feature_square_sums(features: torch.Tensor) -> torch.Tensor:
+def feature_square_sums(features: torch.Tensor, axes=None) -> torch.Tensor:
     """Σ x_j² over all elements, for every feature column j (the last axis), in float64; a non-finite
-    value (of a non-finite parameter or state element) is left out of its column's sum (:func:`finite_part`)."""
-    return float64_square_sum(finite_part(features), dim=list(range(features.dim() - 1)))
+    value (of a non-finite parameter or state element) is left out of its column's sum (:func:`finite_part`).
+
+    ``axes`` (element axes, e.g. CELO2's last two): the sums over those axes only, kept as size-1 axes, so
+    that they broadcast against ``features`` (one set of sums per index of the other axes).
+    """
+    if axes is None:
+        return float64_square_sum(finite_part(features), dim=list(range(features.dim() - 1)))
+    return float64_square_sum(finite_part(features), dim=list(axes), keepdim=True)
 
 
 def normalise_by_square_sums(features: torch.Tensor, square_sums: torch.Tensor, count: int,
