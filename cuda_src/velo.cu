@@ -574,12 +574,10 @@ velo_table_contributions(const TensorMeta* __restrict__ tensors, int num_tensors
 // ------------------------------------------------------------------------------------------
 #define VELO_APPLY_THREADS 256
 #define VELO_APPLY_CHUNK VELO_APPLY_THREADS
-#ifndef VELO_APPLY_MIN_BLOCKS
 #define VELO_APPLY_MIN_BLOCKS 4
-#endif
-#ifndef VELO_APPLY_STREAMED
-#define VELO_APPLY_STREAMED 0  // evict-first element loads and stores: slower here (H100, GPT-2 medium: 7.08 ms against 6.87)
-#endif
+// The apply pass's element loads and stores are plain ones, not evict-first (element_load): unlike
+// small_fc_lopt's apply pass, this one measured slower with them (docs/performance.md §4).
+constexpr bool kStreamed = false;
 
 // per_element_mlp, the direction and magnitude outputs: o = W2 relu(W1 relu(W0' x + b0) + b1) + b2,
 // for N elements at once (each weight read from shared memory serves all N).
@@ -651,7 +649,7 @@ LOPT_DEVICE ElementInputs load_element_inputs(const TensorMeta& t, i64 e, const 
                                               const float4* col_factors, const float4* row_contributions,
                                               const float4* col_contributions, float inverse_scale) {
   ElementInputs in;
-  in.grad = clip_gradient(load_element<VELO_APPLY_STREAMED>(t, e, inverse_scale, in.param, in.state));
+  in.grad = clip_gradient(load_element<kStreamed>(t, e, inverse_scale, in.param, in.state));
   in.row_factor = in.col_factor = in.table_share = make_float4(0.f, 0.f, 0.f, 0.f);
   if (Factored) {
     const FactorIndex f = factor_index(t, e);
@@ -673,7 +671,7 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
   for (int n = 0; n < N; ++n) {
     ElementState& s = in[n].state;
     update_accumulators(s, in[n].grad, a.decays, Factored);
-    store_element_state<VELO_APPLY_STREAMED>(t, e[n], s);
+    store_element_state<kStreamed>(t, e[n], s);
     FactorEntry row = {}, col = {};
     if (Factored) {
       row.factor[0] = in[n].row_factor.x; row.factor[1] = in[n].row_factor.y; row.factor[2] = in[n].row_factor.z;
@@ -691,14 +689,13 @@ LOPT_DEVICE void apply_elements(const TensorMeta& t, const ApplyScalars& a, cons
                                    __fmul_rn(record[VELO_RECORD_PARAM_SCALE],
                                              __fmul_rn(__fmul_rn(output[n].x, expf(__fmul_rn(output[n].y, a.exp_mult))),
                                                        a.step_mult)));
-    apply_update<VELO_APPLY_STREAMED>(t, e[n], in[n].param, update, a);
+    apply_update<kStreamed>(t, e[n], in[n].param, update, a);
   }
 }
 
-#ifndef VELO_APPLY_ELEMENTS
-#define VELO_APPLY_ELEMENTS 2  // elements per thread at a time (chunks in groups of N, then one by one): each weight
-                               // read from shared memory serves N (H100, GPT-2 medium: apply 8.43 ms with 1, 7.13 with 2)
-#endif
+// Elements per thread at a time (chunks in groups of N, then one by one): each weight read from shared
+// memory serves N; two measured faster than one (docs/performance.md §4).
+#define VELO_APPLY_ELEMENTS 2
 
 // The chunks [chunk, end) of one tensor. Its metadata and group scalars are this function's locals, so
 // they stay in registers through the loop instead of being re-read (from shared memory) per element.
