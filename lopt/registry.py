@@ -124,3 +124,23 @@ register(OptimizerEntry(
                 "(VeLO.accumulate_loss or step(loss))",
     required_arguments={"num_steps": 300},
 ))
+register(OptimizerEntry(
+    name="celo2",
+    front_end="lopt.optimizers.celo2:CELO2",
+    reference="lopt.reference.celo2",
+    fused=None,
+    architecture="celo2",
+    default_weights="celo2",
+    description="CELO2: a learned per-element MLP step orthogonalised by Newton-Schulz, AdamW for embeddings and "
+                "rank <= 1 (lr is Adam-like: 1e-3)",
+))
+register(OptimizerEntry(
+    name="elo_celo2",
+    front_end="lopt.optimizers.celo2:ELO_CELO2",
+    reference="lopt.reference.celo2",
+    fused=None,
+    architecture="celo2",
+    default_weights="elo-celo2",
+    description="ELO-CELO2: CELO2 with ELO-trained weights, weight decay 0.1, global clipping at 1.0 and AdamW on "
+                "the shared accumulators (lr is Adam-like: 1e-3)",
+))

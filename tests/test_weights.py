@@ -741,7 +741,7 @@ def test_verify_a_velo_pair(tmp_path):
                                            r"\['rnn', 'mlp'\]: pass them together, verify\(\(rnn_dir, mlp_dir\)\)"):
         W.verify(rnn_dir)
     with pytest.raises(WeightsError, match=r"no architecture has the networks given \(3 sources\); the architectures' networks: "
-                                           r"\{'small_fc_lopt': \['mlp'\], 'velo': \['rnn', 'mlp'\]\}"):
+                                           r"\{'small_fc_lopt': \['mlp'\], 'velo': \['rnn', 'mlp'\]"):  # (, and later ones)
         W.verify((rnn_dir, mlp_dir, mlp_dir))
     with pytest.raises(WeightsError, match=r"weights for small_fc_lopt needs 1 entries"):
         W.verify((rnn_dir, mlp_dir), ARCH)

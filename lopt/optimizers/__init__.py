@@ -2,5 +2,6 @@
 
 from lopt.optimizers.small_fc_lopt import SmallFCLOpt
 from lopt.optimizers.velo import VeLO
+from lopt.optimizers.celo2 import CELO2, ELO_CELO2, param_groups_for
 
-__all__ = ["SmallFCLOpt", "VeLO"]
+__all__ = ["SmallFCLOpt", "VeLO", "CELO2", "ELO_CELO2", "param_groups_for"]

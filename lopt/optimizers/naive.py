@@ -106,6 +106,8 @@ class NaivePhases:
             state = self.ensure_state(p)
             views = {}
             for name in ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"):
+                if name not in state:  # (CELO2's AdamW branch keeps moments of its own instead)
+                    continue
                 buf = local_part(state[name])
                 views[name] = buf.view(local_shape + buf.shape[-1:]) if buf.numel() and p.dim() == 0 else buf
             tensors.append(NaiveTensor(

@@ -1,0 +1,521 @@
+"""``lopt.CELO2`` and ``lopt.ELO_CELO2``: CELO2's learned update as drop-in ``torch.optim`` optimizers, and
+:func:`param_groups_for`, the JAX code's routing of embeddings to the AdamW branch (docs/celo2.md)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from lopt.distributed import SumPacket, is_dtensor
+from lopt.optimizers.base import (DECAY_OFFSET_COUNTS, LearnedOptimizer, _check_counter, _check_scalar, _is_real_number,
+                                  _saved_positions, float32_math)
+from lopt.reference import accumulators
+from lopt.reference import celo2 as reference
+
+PRECISIONS = ("exact",)
+
+# The group keys both optimizers have (their defaults); CELO2 adds its AdamW betas and eps.
+_SHARED_GROUP_KEYS = frozenset({
+    "lr", "weight_decay", "exp_mult", "momentum_decays", "rms_decays", "adafactor_decays", "orthogonalize",
+    "adam_lr_mult", "adam_weight_decay", "use_adamw_for_1d", "max_grad_norm", "grad_clip_value", "rms_mult",
+    "param_scale_mult", "ns_coefficients", "ns_steps", "ns_eps", "is_embedding"})
+_OWN_ADAM_KEYS = ("adam_betas", "adam_eps")
+_BOOLEAN_KEYS = ("orthogonalize", "use_adamw_for_1d", "param_scale_mult", "is_embedding")
+_TUPLE_KEYS = ("adam_betas", "ns_coefficients")
+
+
+class _CELO2Family(LearnedOptimizer):
+    """What CELO2 and ELO-CELO2 share: validation, the learned branch, the naive step. They differ in the
+    AdamW branch (``_OWN_ADAM_MOMENTS``) and in their defaults."""
+
+    architecture = "celo2"
+    reference = reference
+    PRECISIONS = PRECISIONS
+    requires_loss = False  # step() takes an optional closure, not the loss
+    # lr is an Adam-like learning rate here (1e-3 by default: the learned step is normalised to unit RMS)
+    _WARNS_ABOUT_ADAM_HABITS = False
+    _OWN_ADAM_MOMENTS = True
+    _PICKLED_ATTRIBUTES = LearnedOptimizer._PICKLED_ATTRIBUTES + ("_precision",)
+
+    @staticmethod
+    def _shared_defaults(*, lr, weight_decay, orthogonalize, adam_lr_mult, adam_weight_decay, use_adamw_for_1d,
+                         max_grad_norm, grad_clip_value, exp_mult, rms_mult, param_scale_mult, momentum_decays,
+                         rms_decays, adafactor_decays, ns_coefficients, ns_steps, ns_eps) -> dict:
+        """The group defaults of both optimizers; ``adam_weight_decay=None`` is ``weight_decay``'s value."""
+        as_tuple = lambda value: tuple(value) if isinstance(value, (list, tuple)) else value  # noqa: E731
+        return dict(lr=lr, weight_decay=weight_decay, exp_mult=exp_mult, momentum_decays=as_tuple(momentum_decays),
+                    rms_decays=as_tuple(rms_decays), adafactor_decays=as_tuple(adafactor_decays),
+                    orthogonalize=orthogonalize, adam_lr_mult=adam_lr_mult,
+                    adam_weight_decay=weight_decay if adam_weight_decay is None else adam_weight_decay,
+                    use_adamw_for_1d=use_adamw_for_1d, max_grad_norm=max_grad_norm, grad_clip_value=grad_clip_value,
+                    rms_mult=rms_mult, param_scale_mult=param_scale_mult,
+                    ns_coefficients=as_tuple(ns_coefficients), ns_steps=ns_steps, ns_eps=ns_eps, is_embedding=False)
+
+    def _set_precision(self, precision) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"{type(self).__name__}: precision must be {PRECISIONS[0]!r}, got {precision!r} (the "
+                             f"fused backend, which would offer 'fast', does not exist yet)")
+        self._precision = precision
+
+    @property
+    def precision(self) -> str:
+        """``"exact"``: the naive backend computes in float32 (fixed at construction)."""
+        return self._precision
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate_group(self, group: dict, where: str) -> None:
+        name = type(self).__name__
+        try:
+            for key, count in DECAY_OFFSET_COUNTS:
+                decays = group[key]
+                if (isinstance(decays, (str, bytes)) or not hasattr(decays, "__len__") or len(decays) != count
+                        or not all(_is_real_number(x) and 0.0 <= x <= 1.0 for x in decays)):
+                    raise ValueError(f"{key} needs {count} decays in [0, 1] (CELO2 has no offset parametrisation: "
+                                     f"they are the decays themselves), got {decays!r}")
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{name}: invalid {where}: {err}") from None
+        super()._validate_group(group, where)  # lr, weight_decay, exp_mult
+        try:
+            for key in _BOOLEAN_KEYS:
+                if not isinstance(group[key], bool):
+                    raise TypeError(f"{key} must be True or False, got {group[key]!r}")
+            _check_scalar("adam_lr_mult", group["adam_lr_mult"], allow_tensor=False)
+            if group["adam_weight_decay"] is None:
+                raise ValueError("adam_weight_decay must be a finite number >= 0 in a param group (None, meaning "
+                                 "weight_decay, is resolved by the constructor)")
+            _check_scalar("adam_weight_decay", group["adam_weight_decay"])
+            if self._OWN_ADAM_MOMENTS:
+                betas = group["adam_betas"]
+                if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+                    raise ValueError(f"adam_betas must be a pair (beta1, beta2), got {betas!r}")
+                for index, beta in enumerate(betas):
+                    if not (_is_real_number(beta) and 0.0 <= beta < 1.0):
+                        raise ValueError(f"adam_betas must lie in [0, 1) (Invalid beta parameter at index {index}: "
+                                         f"{beta!r})")
+                eps = group["adam_eps"]
+                if not (_is_real_number(eps) and math.isfinite(eps) and eps >= 0):
+                    raise ValueError(f"adam_eps must be a finite number >= 0 (Invalid epsilon value: {eps!r})")
+            else:
+                foreign = [key for key in _OWN_ADAM_KEYS if key in group]
+                if foreign:
+                    raise ValueError(f"{name} takes no {' or '.join(foreign)}: its AdamW branch reads the shared "
+                                     f"accumulators, with the first momentum decay and the RMS decay as its betas "
+                                     f"and eps 1e-8 (lopt.CELO2 has AdamW moments of its own)")
+            max_grad_norm = group["max_grad_norm"]
+            if max_grad_norm is not None:
+                _check_scalar("max_grad_norm", max_grad_norm, strict=True, allow_tensor=False)
+            _check_scalar("grad_clip_value", group["grad_clip_value"], strict=True, allow_tensor=False)
+            _check_scalar("rms_mult", group["rms_mult"], minimum=-math.inf, allow_tensor=False)
+            coefficients = group["ns_coefficients"]
+            if (isinstance(coefficients, (str, bytes)) or not hasattr(coefficients, "__len__")
+                    or len(coefficients) != 3 or not all(_is_real_number(c) and math.isfinite(c) for c in coefficients)):
+                raise ValueError(f"ns_coefficients needs 3 finite numbers (a, b, c) of X <- aX + (bA + cA^2)X, got "
+                                 f"{coefficients!r}")
+            steps = group["ns_steps"]
+            if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 0:
+                raise ValueError(f"ns_steps must be an int >= 0 (Newton-Schulz iterations), got {steps!r}")
+            _check_scalar("ns_eps", group["ns_eps"], strict=True, allow_tensor=False)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{name}: invalid {where}: {err}") from None
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)  # (validates the group first)
+        if hasattr(self, "_host"):
+            self._host.pop("same_tensors", None)
+        group = self.param_groups[-1]
+        for key in _TUPLE_KEYS:
+            if key in group:
+                group[key] = tuple(float(x) for x in group[key])
+
+    def _check_parameter(self, p, what: str) -> None:
+        super()._check_parameter(p, what)
+        if is_dtensor(p):
+            raise TypeError(f"{type(self).__name__}: {what} (shape {tuple(p.shape)}) is a DTensor; CELO2 does not "
+                            f"support sharded (FSDP2) parameters yet (Newton-Schulz needs every matrix whole). Use "
+                            f"it on one process, under DDP or under ZeroRedundancyOptimizer")
+
+    # ------------------------------------------------------------------ branches and state
+
+    @staticmethod
+    def uses_adamw(group: dict, p: torch.Tensor) -> bool:
+        """Whether ``p`` (of ``group``) takes the AdamW branch: rank <= 1 or an ``is_embedding`` group, unless the
+        group sets ``use_adamw_for_1d=False`` (then every parameter takes the learned branch)."""
+        return bool(group["use_adamw_for_1d"]) and (p.dim() <= 1 or bool(group["is_embedding"]))
+
+    def ensure_state(self, p, group: dict | None = None) -> dict:
+        """The parameter's state, created on first use (ELO-CELO2: the accumulators, whatever the branch)."""
+        return super().ensure_state(p)
+
+    def _group_of(self, p) -> dict:
+        return next(group for group in self.param_groups if any(q is p for q in group["params"]))
+
+    def _adam_state_shapes(self, p) -> dict:
+        return {key: tuple(p.shape) for key in reference.ADAM_KEYS}
+
+    # ------------------------------------------------------------------ processes
+
+    def _processes_hold_the_same_tensors(self) -> bool:
+        """Whether every process's optimizer holds the same parameter shapes (one process, DDP) rather than
+        different ones (ZeroRedundancyOptimizer), by one max-reduce of a fingerprint of the shapes, once per set
+        of param groups (the same moment in every process: the first step that clips). ZeRO partitions whose
+        shape lists happen to be identical cannot be told from DDP (docs/celo2.md §3.1)."""
+        if self.reducer.is_identity:
+            return True
+        if "same_tensors" not in self._host:
+            shapes = tuple(tuple(p.shape) for p in self._all_params())
+            fingerprint = float(hash(shapes) % 2**52)  # (hashes of int tuples are the same in every process)
+            device = next(iter(self._param_devices()))
+            extremes = self.reducer.max_(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64,
+                                                      device=device))
+            self._host["same_tensors"] = float(extremes[0]) == -float(extremes[1])
+        return self._host["same_tensors"]
+
+    def _global_square_sum(self, tensors: list, check: SumPacket):
+        """Check phase: the handle of Σ g² over every participating gradient (all groups), where some group
+        clips; completed by the check's reduce where the processes hold different tensors (ZeRO)."""
+        if all(group["max_grad_norm"] is None for group in self.param_groups):
+            return None
+        device = tensors[0].grad.device if tensors else next(iter(self._param_devices()))
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for t in tensors:
+            total = total + accumulators.float64_square_sum(t.grad).to(device)
+        return check.add(total, split=not self._processes_hold_the_same_tensors())
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimisation step. ``closure`` (optional) re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # (under the caller's autocast, if any: it runs the model)
+        with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
+            inputs = self._checked_inputs()
+            self._naive_step(inputs)  # (naive only: lopt has no fused CELO2 kernels yet)
+        return loss
+
+    def _naive_step(self, inputs) -> None:
+        """The naive backend (docs/celo2.md §3): check (with the global norm's Σ g²), gradient clipping,
+        accumulate, then each tensor's learned or AdamW update."""
+        for group, p, _ in inputs.entries(self.param_groups):
+            self.ensure_state(p, group)
+        tensors = self._naive_tensors(inputs)
+        check = SumPacket(self.reducer)
+        square_sum = self._global_square_sum(tensors, check)
+        if not self._naive_step_allowed(tensors, inputs, packet=check):
+            return
+        for group in self.param_groups:
+            group["step"] = self._host_step(group) + 1
+        norm = reference.global_norm(check[square_sum]) if square_sum is not None else None
+        for t in tensors:
+            max_norm = t.group["max_grad_norm"]
+            scale = reference.clip_scale(norm.to(t.grad.device), max_norm) if max_norm is not None else None
+            # (torch.unsqueeze: a frame that names torch is one torch.compile traces after the check's host read)
+            t.step_grad = torch.unsqueeze(reference.clip_gradient(t.grad, scale, t.group["grad_clip_value"]), -1)
+        adamw = [self.uses_adamw(t.group, t.param) for t in tensors]
+        learned = [t for t, takes_adamw in zip(tensors, adamw) if not takes_adamw]
+        self._naive_accumulate(learned if self._OWN_ADAM_MOMENTS else tensors)
+        for t, takes_adamw in zip(tensors, adamw):
+            t.write_back(self._adamw_value(t) if takes_adamw else self._learned_value(t))
+
+    def _learned_value(self, t) -> torch.Tensor:
+        """The learned branch's new value of one tensor (§3.3–§3.8)."""
+        group = t.group
+        update = reference.learned_update(
+            self._features(t), t.value, self.weights_on(t.value.device)["mlp"], exp_mult=group["exp_mult"],
+            rms_mult=group["rms_mult"], param_scale_mult=group["param_scale_mult"],
+            orthogonalize=group["orthogonalize"], ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"], ns_eps=group["ns_eps"])
+        return reference.apply_step(t.value, update, group["lr"], group["weight_decay"])
+
+    def _adamw_value(self, t) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CELO2(_CELO2Family):
+    r"""CELO2: a learned per-element MLP proposes each matrix's update, which Newton–Schulz orthogonalises;
+    embeddings and rank <= 1 parameters take AdamW (Moudgil et al. 2026, arXiv 2602.19142).
+
+    For each parameter of rank >= 2, every step (docs/celo2.md):
+
+    .. math::
+        m_k, v, R_k, C_k &\leftarrow \text{EMAs of } g,\ g^2,\ \text{Adafactor's row/col means of } g^2 + 10^{-30} \\
+        x &= \text{normalise}_{\text{last two axes}}(f_{0..29}(g, p, m, v, R, C)), \qquad (d, s) = \text{MLP}(x) \\
+        u &= \text{rms\_mult}\cdot\text{normalise}_{\text{last two axes}}\big(\text{NS}_5(d\cdot e^{\text{exp\_mult}\cdot s})\big),
+        \qquad p \leftarrow p - \text{lr}\cdot(u + \text{weight\_decay}\cdot p)
+
+    The semantics are PyLO's ``CELO2_naive`` (the port of the JAX ``celo2_optax``) with lopt's decisions,
+    all listed in docs/celo2.md §7: a stable tie rule for the factored axes, a 0-d parameter as JAX's
+    1-element vector, float32 state and math for every parameter dtype, float64 sums, and non-finite
+    parameter elements kept in their element.
+
+    Args:
+        params: parameters, parameter groups, or ``lopt.param_groups_for(model)``, which routes embeddings
+            to the AdamW branch as CELO2's JAX code does (a group with ``is_embedding=True``).
+        lr: the learning rate (Adam-like: the learned step has unit RMS over each matrix). A number or a
+            0-d tensor; a scheduler changes it.
+        weight_decay: decoupled, on the pre-update parameter: ``p -= lr * (u + weight_decay * p)``.
+        weights: meta-weights — a registered name (default ``"celo2"``: hub repo ``DiamondXL/celo2``), a hub
+            repo id, a local directory in PyLO's ``save_pretrained`` layout, a ``.safetensors`` file, or a
+            :class:`lopt.MetaWeights`.
+        backend: ``"auto"`` or ``"naive"`` (lopt has no fused CELO2 kernels yet; ``"fused"`` says so).
+        orthogonalize: Newton–Schulz on the learned step of rank >= 2 parameters (False: "celo2-base").
+        adam_lr_mult, adam_weight_decay, adam_betas, adam_eps: the AdamW branch (its lr is
+            ``adam_lr_mult * lr``; ``adam_weight_decay=None`` is ``weight_decay``). It keeps its own moments.
+        use_adamw_for_1d: False sends every parameter, embeddings too, through the learned branch.
+        max_grad_norm: clip all gradients of the optimizer together to this global 2-norm first
+            (optax.clip_by_global_norm); None: no global clipping.
+        grad_clip_value: then clamp every gradient element to ±this (1000, as both sources).
+        exp_mult, rms_mult, param_scale_mult: the step's scalings (JAX's defaults 0.0, 1.0, False).
+        momentum_decays, rms_decays, adafactor_decays: the accumulators' decays (3, 1, 3 values in [0, 1]).
+        ns_coefficients, ns_steps, ns_eps: the Newton–Schulz iteration (Muon's quintic, 5 steps, 1e-8).
+        precision: ``"exact"`` (float32; the only arithmetic until a fused backend exists).
+        nonfinite: ``"skip"`` (default) or ``"raise"``: what a step with a NaN, ±inf or overflowing
+            (|g| >= 2^64) gradient does (nothing changes either way).
+        process_group: as for the other lopt optimizers; CELO2 runs on one process, under DDP and under
+            ZeroRedundancyOptimizer (the global norm then spans the processes); FSDP2 is refused.
+
+    State per parameter (float32): the learned branch keeps PyLO's accumulators ``mom`` ``S+(3,)``,
+    ``rms`` ``S+(1,)``, ``fac_vec_row``/``fac_vec_col`` (rank >= 2) or ``fac_vec_v``; the AdamW branch
+    ``exp_avg``, ``exp_avg_sq`` (``S``) and ``adam_step`` (an int64 CPU tensor). Each group counts its steps in
+    ``group["step"]``.
+    """
+
+    GROUP_KEYS = _SHARED_GROUP_KEYS | frozenset(_OWN_ADAM_KEYS)
+    TENSOR_STATE_KEYS = ()  # (which entries a parameter has depends on its branch: _state_shapes)
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        weights="celo2",
+        backend: str = "auto",
+        *,
+        orthogonalize: bool = True,
+        adam_lr_mult: float = 1.0,
+        adam_weight_decay: float | None = None,
+        adam_betas=(0.9, 0.95),
+        adam_eps: float = 1e-8,
+        use_adamw_for_1d: bool = True,
+        max_grad_norm: float | None = None,
+        grad_clip_value: float = reference.GRAD_CLIP_VALUE,
+        exp_mult: float = 0.0,
+        rms_mult: float = 1.0,
+        param_scale_mult: bool = False,
+        momentum_decays=reference.MOMENTUM_DECAYS,
+        rms_decays=reference.RMS_DECAYS,
+        adafactor_decays=reference.ADAFACTOR_DECAYS,
+        ns_coefficients=reference.NS_COEFFICIENTS,
+        ns_steps: int = reference.NS_STEPS,
+        ns_eps: float = reference.NS_EPSILON,
+        precision: str = "exact",
+        nonfinite: str = "skip",
+        process_group=None,
+    ):
+        defaults = self._shared_defaults(
+            lr=lr, weight_decay=weight_decay, orthogonalize=orthogonalize, adam_lr_mult=adam_lr_mult,
+            adam_weight_decay=adam_weight_decay, use_adamw_for_1d=use_adamw_for_1d, max_grad_norm=max_grad_norm,
+            grad_clip_value=grad_clip_value, exp_mult=exp_mult, rms_mult=rms_mult, param_scale_mult=param_scale_mult,
+            momentum_decays=momentum_decays, rms_decays=rms_decays, adafactor_decays=adafactor_decays,
+            ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_eps=ns_eps)
+        defaults["adam_betas"] = tuple(adam_betas) if isinstance(adam_betas, (list, tuple)) else adam_betas
+        defaults["adam_eps"] = adam_eps
+        self._set_precision(precision)
+        # (LearnedOptimizer's own constructor called from here: its warnings point at the caller's line)
+        LearnedOptimizer.__init__(self, params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
+                                  process_group=process_group)
+
+    def ensure_state(self, p, group: dict | None = None) -> dict:
+        """The parameter's state, created (zeros, float32, on its device) for its branch on first use: the
+        accumulators (learned branch) or ``exp_avg``, ``exp_avg_sq``, ``adam_step`` (AdamW branch). A parameter
+        whose group changes branch later gets the other branch's entries then (as in PyLO)."""
+        state = self.state[p]
+        if group is None:
+            if state:
+                return state
+            group = self._group_of(p)
+        if self.uses_adamw(group, p):
+            if reference.ADAM_KEYS[0] not in state:
+                for key in reference.ADAM_KEYS:
+                    state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                # (an int64 tensor on the CPU, as torch's Adam keeps its step on the CPU: read without a device sync)
+                state[reference.ADAM_STEP_KEY] = torch.zeros((), dtype=torch.int64)
+        elif "mom" not in state:
+            for key, buf in accumulators.init_state(p.shape, self.reference.factored_dims(tuple(p.shape))).items():
+                state[key] = buf.to(p.device)
+        return state
+
+    def _state_shapes(self, p) -> dict:
+        """The entries of ``p``'s state for the branch its group gives it now, with their shapes."""
+        if self.uses_adamw(self._group_of(p), p):
+            return self._adam_state_shapes(p)
+        return super()._state_shapes(p)
+
+    def _saved_state_shapes(self, p, values: dict) -> dict:
+        """A saved state holds the entries of the branches the parameter stepped with (one, or both where its
+        group changed branch): each branch present must be whole and of the right shapes."""
+        shapes = {}
+        if any(key in values for key in reference.ACCUMULATOR_KEYS):
+            shapes.update(LearnedOptimizer._state_shapes(self, p))
+        if any(key in values for key in reference.ADAM_KEYS + (reference.ADAM_STEP_KEY,)):
+            shapes.update(self._adam_state_shapes(p))
+        return shapes or self._state_shapes(p)
+
+    def _validate_state_dict(self, state_dict) -> None:
+        super()._validate_state_dict(state_dict)
+        for index, values in state_dict["state"].items():
+            if reference.ADAM_KEYS[0] in values:
+                if reference.ADAM_STEP_KEY not in values:
+                    raise ValueError(f"CELO2.load_state_dict: not a CELO2 state dict: the state of parameter #{index} "
+                                     f"lacks {[reference.ADAM_STEP_KEY]}")
+                try:
+                    _check_counter(f"the saved {reference.ADAM_STEP_KEY} of parameter #{index}",
+                                   values[reference.ADAM_STEP_KEY])
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"CELO2.load_state_dict: {err}; nothing was changed") from None
+
+    def load_state_dict(self, state_dict):
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key in _TUPLE_KEYS:
+                group[key] = tuple(float(x) for x in group[key])
+        # torch casts every state tensor but "step" to the parameter's dtype and device: the AdamW step count
+        # is restored as the int64 CPU tensor it is (an int, as PyLO saves it, is taken too)
+        params = list(self._all_params())
+        positions = _saved_positions(state_dict)
+        for index, values in saved_state.items():
+            if reference.ADAM_STEP_KEY in values:
+                count = int(values[reference.ADAM_STEP_KEY])
+                self.state[params[positions[index]]][reference.ADAM_STEP_KEY] = torch.tensor(count, dtype=torch.int64)
+
+    def _checked_inputs(self):
+        inputs = super()._checked_inputs()
+        for params in inputs.params:
+            for p in params:
+                moments = self.state.get(p, {}).get(reference.ADAM_KEYS[0])
+                if moments is not None and moments.shape != p.shape:
+                    index = next(i for i, q in enumerate(self._all_params()) if q is p)
+                    raise RuntimeError(
+                        f"CELO2: parameter #{index} has shape {tuple(p.shape)}, but its optimizer state was made for "
+                        f"shape {tuple(moments.shape)} (it was resized, e.g. through .data, after it took a step); "
+                        f"build a new optimizer for the resized parameters. Nothing was changed")
+        return inputs
+
+    def _adamw_value(self, t) -> torch.Tensor:
+        """§5.1: AdamW with the parameter's own moments, bias-corrected by its own count of AdamW steps."""
+        group = t.group
+        state = self.state[t.param]
+        count = state[reference.ADAM_STEP_KEY]
+        count += 1  # (in place, on the CPU)
+        exp_avg, exp_avg_sq = (state[key].view(t.value.shape) for key in reference.ADAM_KEYS)
+        return reference.adamw_own_step(
+            t.value, t.step_grad.squeeze(-1), exp_avg, exp_avg_sq, int(count),
+            lr=group["adam_lr_mult"] * group["lr"], weight_decay=group["adam_weight_decay"],
+            betas=group["adam_betas"], eps=group["adam_eps"])
+
+
+class ELO_CELO2(_CELO2Family):
+    r"""ELO-CELO2: CELO2's update with meta-weights trained under ELO's expert guidance, ELO's defaults
+    (``weight_decay=0.1``, global gradient clipping at 1.0) and the shared-accumulator AdamW branch.
+
+    Everything is :class:`lopt.CELO2`'s (docs/celo2.md) except (§5.2): every parameter keeps the CELO2
+    accumulators (the AdamW branch's too, which updates all of them), and the AdamW branch steps with
+    ``m = mom[..., 0]``, ``v = rms[..., -1]``, the first momentum decay and the RMS decay as its betas,
+    eps 1e-8 and the group's step count; it takes no ``adam_betas`` or ``adam_eps``. The arguments are
+    CELO2's otherwise; the default weights are ``"elo-celo2"`` (hub repo ``DiamondXL/elo-celo2``).
+
+    State per parameter (float32, PyLO's names and layout): ``mom`` ``S+(3,)``, ``rms`` ``S+(1,)``,
+    ``fac_vec_row``/``fac_vec_col`` (rank >= 2) or ``fac_vec_v``. Each group counts its steps in
+    ``group["step"]``.
+    """
+
+    GROUP_KEYS = _SHARED_GROUP_KEYS
+    _OWN_ADAM_MOMENTS = False
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        weights="elo-celo2",
+        backend: str = "auto",
+        *,
+        max_grad_norm: float | None = 1.0,
+        orthogonalize: bool = True,
+        adam_lr_mult: float = 1.0,
+        adam_weight_decay: float | None = None,
+        use_adamw_for_1d: bool = True,
+        grad_clip_value: float = reference.GRAD_CLIP_VALUE,
+        exp_mult: float = 0.0,
+        rms_mult: float = 1.0,
+        param_scale_mult: bool = False,
+        momentum_decays=reference.MOMENTUM_DECAYS,
+        rms_decays=reference.RMS_DECAYS,
+        adafactor_decays=reference.ADAFACTOR_DECAYS,
+        ns_coefficients=reference.NS_COEFFICIENTS,
+        ns_steps: int = reference.NS_STEPS,
+        ns_eps: float = reference.NS_EPSILON,
+        precision: str = "exact",
+        nonfinite: str = "skip",
+        process_group=None,
+    ):
+        defaults = self._shared_defaults(
+            lr=lr, weight_decay=weight_decay, orthogonalize=orthogonalize, adam_lr_mult=adam_lr_mult,
+            adam_weight_decay=adam_weight_decay, use_adamw_for_1d=use_adamw_for_1d, max_grad_norm=max_grad_norm,
+            grad_clip_value=grad_clip_value, exp_mult=exp_mult, rms_mult=rms_mult, param_scale_mult=param_scale_mult,
+            momentum_decays=momentum_decays, rms_decays=rms_decays, adafactor_decays=adafactor_decays,
+            ns_coefficients=ns_coefficients, ns_steps=ns_steps, ns_eps=ns_eps)
+        self._set_precision(precision)
+        # (LearnedOptimizer's own constructor called from here: its warnings point at the caller's line)
+        LearnedOptimizer.__init__(self, params, defaults, weights=weights, backend=backend, nonfinite=nonfinite,
+                                  process_group=process_group)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["ns_coefficients"] = tuple(float(x) for x in group["ns_coefficients"])
+
+    def _adamw_value(self, t) -> torch.Tensor:
+        """§5.2: AdamW on the shared accumulators (updated this step), bias-corrected by the group's step."""
+        group = t.group
+        return reference.adamw_shared_step(t.value, t.state, group["step"], self.decays(group),
+                                           lr=group["adam_lr_mult"] * group["lr"],
+                                           weight_decay=group["adam_weight_decay"])
+
+
+EMBEDDING_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def param_groups_for(model: torch.nn.Module, *, name_patterns=("embed",), embedding_modules=EMBEDDING_MODULES,
+                     named: bool = False, **options) -> list:
+    """Parameter groups for :class:`CELO2` / :class:`ELO_CELO2` that route ``model``'s parameters as CELO2's
+    JAX code does (``'adam' if ndim <= 1 or 'embed' in path``).
+
+    Every parameter whose name contains one of ``name_patterns`` (``"embed"``, case-sensitive, as in JAX),
+    and every parameter of an ``embedding_modules`` module (``torch.nn.Embedding``/``EmbeddingBag``: a
+    PyTorch GPT-2's ``wte``/``wpe``, whose names do not say "embed"), goes to a group with
+    ``is_embedding=True``, which the AdamW branch steps; the others to a first group, whose parameters of
+    rank <= 1 take the AdamW branch too (``use_adamw_for_1d``). A parameter shared by several modules
+    (tied weights) appears once. Add e.g. ``"lm_head"`` to ``name_patterns`` to route an untied output
+    embedding as the JAX models' ``token_embed_out``. ``named=True`` gives ``(name, parameter)`` pairs
+    (state dicts then carry ``param_names``); ``options`` (``lr=...``, ...) are set in both groups. Empty
+    groups are left out.
+    """
+    embedding_ids = {id(p) for module in model.modules() if isinstance(module, tuple(embedding_modules))
+                     for p in module.parameters(recurse=False)}
+    learned, adamw = [], []
+    for name, p in model.named_parameters():
+        routed = id(p) in embedding_ids or any(pattern in name for pattern in name_patterns)
+        (adamw if routed else learned).append((name, p) if named else p)
+    groups = []
+    if learned:
+        groups.append({"params": learned, **options})
+    if adamw:
+        groups.append({"params": adamw, **options, "is_embedding": True})
+    return groups

@@ -1,0 +1,533 @@
+"""CELO2 and ELO-CELO2 (docs/celo2.md): lopt's float32 reference and front-ends against the independent
+float64 oracle (tests/spec_celo2.py), and what the front-ends do around the math (validation, state,
+routing, the non-finite policy, weights).
+
+Whole steps are "teacher forced": the oracle starts each step from lopt's own float32 state and
+parameters, so the tolerance measures one step's rounding, not drift.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+import lopt
+import spec_celo2 as spec
+from lopt.reference import accumulators as acc
+from lopt.reference import celo2 as ref
+
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
+UPDATE_RTOL = 1e-5  # the brief: relative error of one step's update vs the float64 oracle
+# Newton-Schulz is ill-conditioned in float32 for matrices with a tiny singular value: rounding errors (of the
+# MLP's output and of the iteration's products) along it grow by up to p'(0)^5 = 3.4445^5 ~ 486 while the step
+# stays of unit size (docs/celo2.md §3.6). A conv kernel is 72 such 3x3 matrices here, and some are nearly
+# singular (singular values 1 : 0.14 : 0.0013): measured worst 2.0e-5 over 36 random steps (2-d and 3-d: 5.3e-6).
+STACKED_NS_RTOL = 4e-5
+
+
+def update_rtol(shape, orthogonalize=True) -> float:
+    return STACKED_NS_RTOL if orthogonalize and len(shape) >= 4 else UPDATE_RTOL
+WEIGHTS = lopt.random_weights("celo2", seed=5)
+NET = WEIGHTS.tensors["mlp"]
+
+SHAPES = {
+    "wide": (4, 6), "tall": (6, 4), "square": (5, 5), "row": (1, 7), "column": (7, 1), "large_wide": (16, 48),
+    "large_tall": (40, 12), "3d": (2, 3, 4), "conv": (8, 3, 3, 3), "conv_tie": (4, 4, 3, 3), "bias": (7,),
+    "scalar": (),
+}
+EMBEDDING = (10, 4)
+
+
+def rel_err(got, want) -> float:
+    got = got.detach().to(torch.float64)
+    want = want.detach().to(torch.float64)
+    scale = want.abs().max().item()
+    assert scale > 0, "reference value is all zeros: the test would prove nothing"
+    return (got - want).abs().max().item() / scale
+
+
+def random_like(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32) * scale
+
+
+# ------------------------------------------------------------------------------------------ reference, stage by stage
+
+
+def test_decays_are_the_given_numbers_in_float32():
+    decays = ref.Decays.from_offsets()
+    assert decays.momentum.tolist() == list(spec.BETA_M)
+    assert decays.rms.tolist() == [spec.BETA_V]
+    assert decays.adafactor.tolist() == list(spec.BETA_F)
+    assert ref.Decays.from_offsets((0.5, 0.6, 0.7), (0.8,), (0.1, 0.2, 0.3)).rms.tolist() == [spec.f32(0.8)]
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (4, 4, 4), (4, 4, 3, 3), (2, 2, 1, 1), (768, 3, 16, 16), (3, 7), (7,), ()])
+def test_factored_axes_follow_the_stable_tie_rule(shape):
+    assert ref.factored_dims(shape) == spec.factored_axes(shape)
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (1, 1), (48, 16), (3, 8, 8), (2, 3, 3, 3)])
+def test_newton_schulz_matches_float64(shape):
+    x = random_like(shape, 1)
+    assert rel_err(ref.newton_schulz(x), spec.newton_schulz(x)) < 2e-6
+
+
+@pytest.mark.parametrize("shape", [(7, 5, 5), (4, 16, 48), (3, 48, 16), (5, 3, 3), (6, 1, 9)])
+def test_newton_schulz_of_a_stack_is_the_stack_of_the_results(shape):
+    """What a batched (torch.bmm) fused version relies on: the function of a stack is the function of each
+    matrix (the same arithmetic; bitwise wherever the BLAS takes the same path for both)."""
+    x = random_like(shape, 2)
+    one_by_one = torch.stack([ref.newton_schulz(m) for m in x])
+    assert (ref.newton_schulz(x) - one_by_one).abs().max().item() <= 4e-6 * one_by_one.abs().max().item()
+
+
+def test_newton_schulz_transposes_tall_matrices_and_orthogonalises():
+    x = random_like((40, 12), 3)
+    y = ref.newton_schulz(x)
+    torch.testing.assert_close(ref.newton_schulz(x.T.contiguous()), y.T, rtol=0, atol=1e-6)
+    singular = torch.linalg.svdvals(y.double())
+    assert 0.6 < singular.min() and singular.max() < 1.25  # Muon's quintic: roughly, not exactly, orthogonal
+
+
+def _state_after(shape, grads, decays):
+    """lopt's float32 accumulators after ``grads`` (0-d as a 1-element vector) and the oracle's."""
+    work = spec.work_shape(shape)
+    dims = ref.factored_dims(work if shape else ())
+    state = acc.init_state(work, dims)
+    oracle = spec.new_state(shape)
+    for g in grads:
+        acc.update_accumulators(state, g.reshape(work + (1,)), decays, dims)
+        spec.accumulate(oracle, g)
+    return state, dims, oracle
+
+
+@pytest.mark.parametrize("name", list(SHAPES) + ["embedding"])
+def test_features_match_the_oracle(name):
+    shape = SHAPES.get(name, EMBEDDING)
+    grads = [random_like(shape, 10 + s) for s in range(3)]
+    p = random_like(shape, 20)
+    state, dims, oracle = _state_after(shape, grads, ref.Decays.from_offsets())
+    work = spec.work_shape(shape)
+    got = ref.per_element_features(grads[-1].reshape(work + (1,)), p.reshape(work + (1,)), state, dims)
+    want = torch.cat(spec.features(grads[-1], p, oracle), dim=-1)
+    assert got.shape[-1] == (ref.NUM_INPUTS if len(shape) >= 2 else ref.UNFACTORED_INPUTS) == want.shape[-1]
+    for j in range(want.shape[-1]):
+        assert rel_err(got[..., j], want[..., j]) < 1e-6, j
+    normalised = ref.normalise_over_last_axes(got)
+    want_normalised = spec.normalise(want, len(work))
+    for j in range(want.shape[-1]):
+        assert rel_err(normalised[..., j], want_normalised[..., j]) < 2e-6, j
+
+
+def test_the_split_first_layer_is_the_sum_over_groups():
+    x = random_like((5, 7, ref.NUM_INPUTS), 4)
+    groups = torch.split(x.double(), ref.GROUP_WIDTHS, dim=-1)
+    for inputs, pieces in ((x, groups), (x[..., :ref.UNFACTORED_INPUTS], groups[:ref.UNFACTORED_GROUPS])):
+        direction, magnitude = ref.mlp(inputs, NET)
+        want_direction, want_magnitude = spec.mlp(list(pieces), NET)
+        assert rel_err(direction, want_direction) < 1e-6 and rel_err(magnitude, want_magnitude) < 1e-6
+
+
+@pytest.mark.parametrize("options", [{}, {"orthogonalize": False, "param_scale_mult": True, "exp_mult": 0.3,
+                                          "rms_mult": 0.7, "weight_decay": 0.2}])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_learned_step_function_matches_the_oracle(name, options):
+    """lopt.reference.celo2.learned_step (one tensor, the readable form) against the oracle, three steps."""
+    shape = SHAPES[name]
+    options = {"weight_decay": 0.1, **options}
+    p = torch.nn.Parameter(random_like(shape, 30))
+    state = acc.init_state(shape, ref.factored_dims(shape))
+    decays = ref.Decays.from_offsets()
+    for s in range(3):
+        g = random_like(shape, 40 + s)
+        oracle = spec.from_lopt_state(state, shape)
+        want = spec.learned_step(p.detach(), g, oracle, NET, lr=1.0, **options)
+        before = p.detach().clone()
+        with torch.no_grad():
+            ref.learned_step(p, g, state, NET, decays, lr=1.0, **options)
+        assert rel_err(p.detach() - before, want["p"] - before.double()) < update_rtol(shape, options.get("orthogonalize", True)), s
+
+
+# ------------------------------------------------------------------------------------------ the optimizers, whole steps
+
+VARIANTS = {
+    "celo2": (lopt.CELO2, {"weight_decay": 0.1}, 1.0),
+    "celo2_global_clip": (lopt.CELO2, {"max_grad_norm": 1.0, "adam_betas": (0.8, 0.9), "adam_eps": 1e-6}, 10.0),
+    "celo2_element_clamp": (lopt.CELO2, {"grad_clip_value": 2.0}, 1.5),
+    "celo2_base": (lopt.CELO2, {"orthogonalize": False, "param_scale_mult": True, "exp_mult": 0.5, "rms_mult": 0.7,
+                                "adam_lr_mult": 2.0, "adam_weight_decay": 0.05}, 1.0),
+    "celo2_all_learned": (lopt.CELO2, {"use_adamw_for_1d": False, "weight_decay": 0.1}, 1.0),
+    "elo_celo2": (lopt.ELO_CELO2, {}, 1.0),
+    "elo_celo2_unclipped": (lopt.ELO_CELO2, {"max_grad_norm": None, "adam_lr_mult": 0.5}, 1.0),
+}
+
+
+def _build(variant, dtype=torch.float32):
+    cls, options, grad_scale = VARIANTS[variant]
+    main = [torch.nn.Parameter(random_like(shape, 50 + i).to(dtype)) for i, shape in enumerate(SHAPES.values())]
+    embedding = torch.nn.Parameter(random_like(EMBEDDING, 49).to(dtype))
+    opt = cls([{"params": main}, {"params": [embedding], "is_embedding": True}], lr=1.0, weights=WEIGHTS,
+              backend="naive", **options)
+    return opt, main + [embedding], options, grad_scale
+
+
+def _oracle_step(opt, params, grads, before_params, before_state, options, own_moments):
+    """The oracle's new values of every parameter after one step from lopt's state before it."""
+    group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
+    clipped = spec.clip_all(grads, options.get("max_grad_norm", None if own_moments else 1.0),
+                            options.get("grad_clip_value", 1000.0))
+    new = []
+    for p, g, value in zip(params, clipped, before_params):
+        group = group_of[id(p)]
+        adamw = group["use_adamw_for_1d"] and (p.dim() <= 1 or group["is_embedding"])
+        saved = before_state.get(p) or {}
+        if adamw and own_moments:
+            adam = spec.from_lopt_state(saved, p.shape) if saved else {"mu": torch.zeros(p.shape, dtype=torch.float64),
+                                                                       "nu": torch.zeros(p.shape, dtype=torch.float64),
+                                                                       "t": 0}
+            new.append(spec.adamw_own(value, g, adam, lr=group["adam_lr_mult"] * group["lr"],
+                                      weight_decay=group["adam_weight_decay"], betas=group["adam_betas"],
+                                      eps=group["adam_eps"]))
+            continue
+        oracle = spec.from_lopt_state(saved, p.shape) if saved else spec.new_state(p.shape)
+        if adamw:
+            new.append(spec.adamw_shared(value, g, oracle, group["step"], lr=group["adam_lr_mult"] * group["lr"],
+                                         weight_decay=group["adam_weight_decay"]))
+            continue
+        new.append(spec.learned_step(value, g, oracle, NET, lr=group["lr"], weight_decay=group["weight_decay"],
+                                     exp_mult=group["exp_mult"], rms_mult=group["rms_mult"],
+                                     param_scale_mult=group["param_scale_mult"],
+                                     orthogonalize=group["orthogonalize"])["p"])
+    return new
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_optimizer_steps_match_the_float64_oracle(variant):
+    """Matrices of several aspect ratios, a 3-d tensor, conv kernels, a bias, a 0-d parameter and an embedding
+    group, four steps: every tensor's update within 1e-5 (relative) of the oracle's."""
+    opt, params, options, grad_scale = _build(variant)
+    for s in range(4):
+        grads = [random_like(p.shape, 100 * s + i, grad_scale) for i, p in enumerate(params)]
+        if variant == "celo2_element_clamp":
+            grads[0][0, 0] = 5.0  # beyond grad_clip_value=2
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        before_params = [p.detach().clone() for p in params]
+        before_state = {p: copy.deepcopy(opt.state[p]) for p in params if p in opt.state}
+        opt.step()
+        want = _oracle_step(opt, params, grads, before_params, before_state, options,
+                            own_moments=isinstance(opt, lopt.CELO2))
+        for name, p, old, new in zip(list(SHAPES) + ["embedding"], params, before_params, want):
+            bound = update_rtol(p.shape, options.get("orthogonalize", True))
+            assert rel_err(p.detach() - old, new - old.double()) < bound, (s, name)
+
+
+def test_the_step_routes_the_parameters_as_the_sources_do():
+    opt, params, _, _ = _build("celo2")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    keys = {name: set(opt.state[p]) for name, p in zip(list(SHAPES) + ["embedding"], params)}
+    adam = {"exp_avg", "exp_avg_sq", "adam_step"}
+    assert keys["bias"] == keys["scalar"] == keys["embedding"] == adam
+    assert all(keys[name] == {"mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"}
+               for name in SHAPES if len(SHAPES[name]) >= 2)
+    elo, elo_params, _, _ = _build("elo_celo2")
+    for p in elo_params:
+        p.grad = torch.ones_like(p)
+    elo.step()
+    assert all(set(elo.state[p]) == {"mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"} for p in elo_params)
+    assert elo.state[elo_params[-1]]["fac_vec_row"].shape == (4, 3)  # the embedding's accumulators, updated (PyLO)
+    assert elo.state[elo_params[-1]]["fac_vec_row"].abs().sum() > 0
+
+
+def test_low_precision_parameters_get_the_float32_step_rounded_once():
+    opt32, params32, _, _ = _build("celo2")
+    opt16, params16, _, _ = _build("celo2", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for a, b in zip(params32, params16):
+            a.copy_(b.float())
+    for a, b in zip(params32, params16):
+        b.grad = random_like(a.shape, 7).to(torch.bfloat16)
+        a.grad = b.grad.float()
+    opt32.step()
+    opt16.step()
+    for a, b in zip(params32, params16):
+        assert torch.equal(a.detach().to(torch.bfloat16), b.detach())
+    assert all(v.dtype == (torch.int64 if k == "adam_step" else torch.float32)
+               for state in opt16.state.values() for k, v in state.items())
+
+
+# ------------------------------------------------------------------------------------------ front-end behaviour
+
+
+def _one(cls=lopt.CELO2, shape=(4, 3), **kwargs):
+    p = torch.nn.Parameter(random_like(shape, 1))
+    return cls([p], weights=WEIGHTS, **kwargs), p
+
+
+BAD_ARGUMENTS = [
+    ({"lr": -1.0}, ValueError, "Invalid learning rate"),
+    ({"weight_decay": math.nan}, ValueError, "weight_decay"),
+    ({"adam_lr_mult": -1.0}, ValueError, "adam_lr_mult"),
+    ({"adam_weight_decay": -0.1}, ValueError, "adam_weight_decay"),
+    ({"adam_betas": (0.9, 1.0)}, ValueError, "Invalid beta parameter at index 1"),
+    ({"adam_betas": (0.9,)}, ValueError, "adam_betas must be a pair"),
+    ({"adam_eps": -1e-8}, ValueError, "Invalid epsilon value"),
+    ({"orthogonalize": 1}, TypeError, "orthogonalize must be True or False"),
+    ({"use_adamw_for_1d": "yes"}, TypeError, "use_adamw_for_1d must be True or False"),
+    ({"param_scale_mult": None}, TypeError, "param_scale_mult must be True or False"),
+    ({"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
+    ({"grad_clip_value": math.inf}, ValueError, "grad_clip_value"),
+    ({"exp_mult": math.nan}, ValueError, "exp_mult"),
+    ({"rms_mult": math.inf}, ValueError, "rms_mult"),
+    ({"momentum_decays": (0.9, 0.99, 1.5)}, ValueError, r"momentum_decays needs 3 decays in \[0, 1\]"),
+    ({"rms_decays": (0.9, 0.99)}, ValueError, r"rms_decays needs 1 decays"),
+    ({"ns_coefficients": (1.0, 2.0)}, ValueError, "ns_coefficients needs 3 finite numbers"),
+    ({"ns_steps": -1}, ValueError, "ns_steps must be an int >= 0"),
+    ({"ns_steps": 2.0}, ValueError, "ns_steps must be an int >= 0"),
+    ({"ns_eps": 0.0}, ValueError, "ns_eps"),
+    ({"precision": "fast"}, ValueError, "precision must be 'exact'"),
+    ({"backend": "fused"}, RuntimeError, r"CELO2\(backend='fused'\) cannot run: lopt has no fused kernels for celo2 yet"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_ARGUMENTS)
+def test_bad_hyperparameters_are_refused_by_name(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _one(**kwargs)
+
+
+def test_bad_group_settings_are_refused_before_anything_changes():
+    opt, p = _one()
+    q = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="param group #1: adam_weight_decay must be a finite number >= 0 in a param"):
+        opt.add_param_group({"params": [q], "adam_weight_decay": None})
+    with pytest.raises(TypeError, match="is_embedding must be True or False"):
+        opt.add_param_group({"params": [q], "is_embedding": "yes"})
+    assert len(opt.param_groups) == 1
+    elo, _ = _one(lopt.ELO_CELO2)
+    with pytest.raises(ValueError, match="ELO_CELO2 takes no adam_betas: its AdamW branch reads the shared"):
+        elo.add_param_group({"params": [q], "adam_betas": (0.9, 0.95)})
+    with pytest.raises(TypeError, match="adam_eps"):
+        lopt.ELO_CELO2([q], weights=WEIGHTS, adam_eps=1e-8)
+
+
+def test_defaults_backend_and_no_adam_habit_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)
+        celo2, _ = _one()  # lr=1e-3 is CELO2's own scale: no AdamHabitWarning; auto falls back silently on the CPU
+        elo, _ = _one(lopt.ELO_CELO2)
+    assert celo2.backend == "naive" and "no fused kernels" in celo2.backend_reason
+    group = celo2.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["adam_weight_decay"], group["max_grad_norm"]) == (1e-3, 0.0, 0.0, None)
+    assert group["adam_betas"] == (0.9, 0.95) and group["ns_coefficients"] == (3.4445, -4.7750, 2.0315)
+    group = elo.param_groups[0]
+    assert (group["weight_decay"], group["adam_weight_decay"], group["max_grad_norm"]) == (0.1, 0.1, 1.0)
+    assert "adam_betas" not in group and "adam_eps" not in group
+    assert lopt.CELO2([torch.nn.Parameter(torch.ones(2, 2))], weight_decay=0.3, adam_weight_decay=None,
+                      weights=WEIGHTS).param_groups[0]["adam_weight_decay"] == 0.3
+
+
+def test_untrained_weights_warn_once_at_the_line_that_built_the_optimizer():
+    for cls in (lopt.CELO2, lopt.ELO_CELO2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls([torch.nn.Parameter(torch.ones(2, 2))], weights=lopt.random_weights("celo2"))
+        untrained = [w for w in caught if issubclass(w.category, lopt.UntrainedWeightsWarning)]
+        assert len(untrained) == 1 and untrained[0].filename == __file__
+
+
+def test_state_dict_round_trip_and_a_group_that_changes_branch():
+    opt, params, _, _ = _build("celo2")
+    for s in range(2):
+        for i, p in enumerate(params):
+            p.grad = random_like(p.shape, s * 10 + i)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"][len(params) - 1]["adam_step"] == 2
+    pylo_style = copy.deepcopy(saved)
+    pylo_style["state"][len(params) - 1]["adam_step"] = 2  # (PyLO saves an int)
+    opt.load_state_dict(pylo_style)
+    assert opt.state[params[-1]]["adam_step"].dtype == torch.int64 and opt.state[params[-1]]["adam_step"] == 2
+    twin, twin_params, _, _ = _build("celo2")
+    with torch.no_grad():
+        for a, b in zip(twin_params, params):
+            a.copy_(b)
+    twin.load_state_dict(saved)
+    for i, (a, b) in enumerate(zip(params, twin_params)):
+        a.grad = random_like(a.shape, 99 + i)
+        b.grad = a.grad.clone()
+    opt.step()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
+    # The embedding group switches to the learned branch: its accumulators are created then, its AdamW
+    # moments stay in the state (as PyLO keeps them), and the state dict still loads.
+    opt.param_groups[1]["is_embedding"] = False
+    params[-1].grad = torch.ones(EMBEDDING)
+    opt.step()
+    assert {"mom", "exp_avg", "adam_step"} <= set(opt.state[params[-1]])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def test_malformed_saved_state_is_refused_and_changes_nothing():
+    opt, params, _, _ = _build("celo2")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    embedding_index = len(params) - 1
+    for mutate, message in [
+        (lambda sd: sd["state"][embedding_index].pop("adam_step"), r"lacks \['adam_step'\]"),
+        (lambda sd: sd["state"][embedding_index].update(adam_step=-1), "adam_step of parameter #12 must be an int >= 0"),
+        (lambda sd: sd["state"][embedding_index].pop("exp_avg_sq"), r"lacks \['exp_avg_sq'\]"),
+        (lambda sd: sd["state"][embedding_index].update(exp_avg=torch.zeros(3)), "saved 'exp_avg' has shape"),
+        (lambda sd: sd["state"][0].pop("fac_vec_col"), r"lacks \['fac_vec_col'\]"),
+        (lambda sd: sd["param_groups"][0].update(ns_steps=-2), "ns_steps must be an int >= 0"),
+    ]:
+        saved = copy.deepcopy(opt.state_dict())
+        mutate(saved)
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(saved)
+        after = opt.state_dict()
+        assert all(torch.equal(after["state"][i][k], v) for i, values in before["state"].items() for k, v in values.items())
+
+
+def test_nonfinite_gradients_skip_or_raise_and_change_nothing():
+    opt, params, _, _ = _build("celo2")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+    params[-1].grad[0, 0] = math.inf  # an AdamW-branch gradient
+    with pytest.warns(RuntimeWarning, match="step skipped because the gradient of parameter #12"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(params, before[0]))
+    assert opt.param_groups[0]["step"] == 1 and opt.state[params[-1]]["adam_step"] == 1
+    opt.nonfinite = "raise"
+    params[-1].grad[0, 0] = 1.0
+    params[0].grad[1, 1] = math.nan
+    with pytest.raises(lopt.NonFiniteGradientError, match="parameter #0"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before[0]))
+
+
+def test_a_nonfinite_parameter_element_stays_in_its_element():
+    """Newton-Schulz mixes a matrix's elements: a NaN parameter element (its features, hence its MLP output,
+    are NaN) enters the iteration as 0 and keeps its NaN; every other element steps as if it were absent."""
+    opt, p = _one(shape=(6, 5), lr=1.0)
+    with torch.no_grad():
+        p[2, 3] = math.nan
+    p.grad = random_like((6, 5), 8)
+    opt.step()
+    assert torch.isnan(p[2, 3]) and torch.isfinite(p).sum() == 29
+
+
+def test_gradient_elements_are_clamped_before_anything_reads_them():
+    opt, p = _one(shape=(5, 4), lr=1.0)
+    twin, q = _one(shape=(5, 4), lr=1.0)
+    p.grad = random_like((5, 4), 3)
+    q.grad = p.grad.clone()
+    p.grad[1, 2] = 5000.0
+    q.grad[1, 2] = 1000.0
+    opt.step()
+    twin.step()
+    assert torch.equal(p, q) and torch.equal(opt.state[p]["mom"], twin.state[q]["mom"])
+
+
+def test_global_norm_clipping_spans_every_group():
+    a = torch.nn.Parameter(torch.zeros(4, 4))
+    b = torch.nn.Parameter(torch.zeros(3))
+    opt = lopt.ELO_CELO2([{"params": [a]}, {"params": [b], "max_grad_norm": None}], weights=WEIGHTS, lr=1.0,
+                         weight_decay=0.0)
+    a.grad = torch.full((4, 4), 0.5)  # ‖g‖ over both tensors is 5: group 0 scales by 1/5, group 1 does not clip
+    b.grad = torch.full((3,), 7.0 ** 0.5)
+    opt.step()
+    assert torch.allclose(opt.state[a]["mom"][..., 0], torch.full((4, 4), 0.1 * (1 - spec.BETA_M[0])))
+    assert torch.allclose(opt.state[b]["mom"][..., 0], torch.full((3,), 7.0 ** 0.5 * (1 - spec.BETA_M[0])))
+
+
+def test_tensor_learning_rate_follows_a_scheduler():
+    opt, p = _one(lr=torch.tensor(1.0))
+    twin, q = _one(lr=1.0)
+    for s in range(2):
+        p.grad = random_like(p.shape, s)
+        q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+        opt.param_groups[0]["lr"].fill_(0.5)
+        twin.param_groups[0]["lr"] = 0.5
+    assert torch.equal(p, q)
+
+
+def test_resized_parameters_are_refused():
+    opt, p = _one(shape=(3,))
+    p.grad = torch.ones(3)
+    opt.step()
+    p.data = torch.ones(4)
+    p.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match=r"made for shape \(3,\).*Nothing was changed"):
+        opt.step()
+
+
+# ------------------------------------------------------------------------------------------ routing helper
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(11, 6)
+        self.pos_embed = torch.nn.Parameter(torch.zeros(5, 6))
+        self.block = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.lm_head = torch.nn.Linear(6, 11, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+
+def test_param_groups_for_routes_embeddings_as_the_jax_code_does():
+    model = TinyLM()
+    groups = lopt.param_groups_for(model, lr=0.5)
+    learned, embeddings = groups
+    assert [id(p) for p in learned["params"]] == [id(p) for p in (model.block.weight, model.block.bias,
+                                                                   model.norm.weight, model.norm.bias)]
+    assert embeddings["is_embedding"] is True and embeddings["lr"] == 0.5 == learned["lr"]
+    assert [id(p) for p in embeddings["params"]] == [id(model.pos_embed), id(model.wte.weight)]  # (model order)
+    named = lopt.param_groups_for(model, named=True, name_patterns=("embed", "block"))
+    assert [n for n, _ in named[1]["params"]] == ["pos_embed", "wte.weight", "block.weight", "block.bias"]
+    opt = lopt.CELO2(groups, weights=WEIGHTS)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert "exp_avg" in opt.state[model.wte.weight] and "mom" in opt.state[model.block.weight]
+    assert "exp_avg" in opt.state[model.block.bias]  # rank 1: AdamW through use_adamw_for_1d
+    linear = torch.nn.Linear(3, 3)
+    (only,) = lopt.param_groups_for(linear)
+    assert set(only) == {"params"} and [id(p) for p in only["params"]] == [id(p) for p in linear.parameters()]
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+def test_weights_in_pylo_layout_load_and_a_different_network_is_refused(tmp_path):
+    WEIGHTS.save(tmp_path / "celo2")
+    config = json.loads((tmp_path / "celo2" / "config.json").read_text())
+    assert config == {"activation": "relu", "feature_dims": [1, 1, 1, 3, 1, 3, 1, 3, 1, 3, 3, 3, 3, 3],
+                      "hidden_layers": 2, "hidden_size": 8, "output_size": 3}
+    loaded = lopt.load_weights(tmp_path / "celo2", "celo2")
+    assert all(torch.equal(loaded.tensors["mlp"][k], v) for k, v in NET.items())
+    opt = lopt.ELO_CELO2([torch.nn.Parameter(torch.ones(2, 2))], weights=str(tmp_path / "celo2"))
+    assert opt.meta_weights.pretrained
+    (tmp_path / "celo2" / "config.json").write_text(json.dumps({**config, "activation": "tanh"}))
+    with pytest.raises(lopt.WeightsError, match="activation='tanh' \\(lopt needs 'relu'\\)"):
+        lopt.load_weights(tmp_path / "celo2", "celo2")
+    with pytest.raises(lopt.WeightsError, match="describes a different network: hidden_layers=1"):
+        lopt.load_weights(lopt.random_weights("small_fc_lopt").save(tmp_path / "sfc")[0], "celo2")
