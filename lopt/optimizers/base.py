@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import sys
 import warnings
 from typing import Iterable
 
@@ -115,6 +116,15 @@ def _check_counter(what: str, value) -> None:
         raise ValueError(f"{what} must be an int >= 0, got {value!r}")
 
 
+def _own_frames_above(optimizer) -> int:
+    """How many frames directly above ``LearnedOptimizer.__init__`` (its caller and up) belong to
+    ``optimizer``'s own construction: methods whose ``self`` is it (called from ``__init__`` only)."""
+    frame, count = sys._getframe(2), 0
+    while frame is not None and frame.f_locals.get("self") is optimizer:
+        frame, count = frame.f_back, count + 1
+    return count
+
+
 def _overlapping_memory(p: torch.Tensor) -> bool:
     """Whether several elements of ``p`` share memory (an ``expand``-ed or otherwise overlapping view)."""
     sizes_strides = sorted((stride, size) for size, stride in zip(p.shape, p.stride()) if size > 1)
@@ -163,6 +173,9 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         return defaults
 
     def __init__(self, params, defaults: dict, *, weights, backend: str, nonfinite: str = "skip", process_group=None):
+        # Construction's warnings point at the line that built the optimizer, above every frame of this
+        # object's own constructors (a subclass's __init__, SmallFCLOpt._start, ...).
+        self._warning_stacklevel = 3 + _own_frames_above(self)
         distributed.resolve_process_group(process_group)  # (validates the option's type)
         self.process_group = process_group
         if backend not in BACKENDS:
@@ -176,7 +189,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         # Load the meta-weights before anything else can fail half-way: construction either
         # succeeds with validated weights or raises.
         self.meta_weights = weights_lib.load_weights(weights, self.architecture)
-        weights_lib.warn_if_untrained(self.meta_weights, type(self).__name__)
+        weights_lib.warn_if_untrained(self.meta_weights, type(self).__name__, stacklevel=self._warning_stacklevel)
         self.nonfinite = nonfinite
         first = self.param_groups[0]
         first.setdefault("skipped_steps", 0)
@@ -205,7 +218,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
                 f"optimizer's lr multiplies the step its meta-weights propose; lr=1.0 is the step they were trained "
                 f"for, so lr={ADAM_HABIT_LR:g} or less shrinks every step 50-fold or more{self._ADAM_HABIT_NOTE}. "
                 f"Keep the default lr=1.0 (a scheduler may scale it), or silence this with "
-                f"warnings.filterwarnings('ignore', category=lopt.AdamHabitWarning)", AdamHabitWarning, stacklevel=3)
+                f"warnings.filterwarnings('ignore', category=lopt.AdamHabitWarning)", AdamHabitWarning,
+                stacklevel=self._warning_stacklevel)
 
     _ADAM_HABIT_NOTE = ""
     # False where lr is the step itself rather than a multiplier of the meta-trained step (ELO: 1e-3).
@@ -483,7 +497,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         if reason is None:
             return "fused", "CUDA parameters and a working fused backend"
         if any(d.type == "cuda" for d in self._param_devices()):
-            warnings.warn(f"{type(self).__name__}: using the naive backend because {reason}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"{type(self).__name__}: using the naive backend because {reason}", RuntimeWarning,
+                          stacklevel=getattr(self, "_warning_stacklevel", 4))
         return "naive", reason
 
     def _fused_unsupported_reason(self) -> str | None:
