@@ -11,3 +11,7 @@ from lopt.weights import (MetaWeights, UntrainedWeightsWarning, WeightsError, lo
 __all__ = ["SmallFCLOpt", "VeLO", "NonFiniteGradientError", "MetaWeights", "WeightsError", "load_weights",
            "random_weights", "UntrainedWeightsWarning", "AdamHabitWarning", "__version__", "CELO2", "ELO_CELO2",
            "param_groups_for"]
+
+from lopt.optimizers import ELO  # noqa: E402  (docs/elo.md)
+
+__all__ += ["ELO"]

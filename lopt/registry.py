@@ -144,3 +144,12 @@ register(OptimizerEntry(
     description="ELO-CELO2: CELO2 with ELO-trained weights, weight decay 0.1, global clipping at 1.0 and AdamW on "
                 "the shared accumulators (lr is Adam-like: 1e-3)",
 ))
+register(OptimizerEntry(
+    name="elo",
+    front_end="lopt.optimizers.elo:ELO",
+    reference="lopt.reference.elo",
+    fused=None,
+    architecture="elo",
+    default_weights="elo",
+    description="ELO: small_fc_lopt's per-element MLP with raw decays and its own update (lr=1e-3 is its step)",
+))

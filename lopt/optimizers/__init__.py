@@ -5,3 +5,7 @@ from lopt.optimizers.velo import VeLO
 from lopt.optimizers.celo2 import CELO2, ELO_CELO2, param_groups_for
 
 __all__ = ["SmallFCLOpt", "VeLO", "CELO2", "ELO_CELO2", "param_groups_for"]
+
+from lopt.optimizers.elo import ELO  # noqa: E402
+
+__all__ += ["ELO"]
