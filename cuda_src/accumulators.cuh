@@ -101,9 +101,8 @@ LOPT_DEVICE void store_element_state(const TensorMeta& t, i64 e, const ElementSt
 // the tensor's arrays are 8-byte aligned (pairs_aligned) both elements' values come in one load per
 // array (a parameter or gradient pair, the rms pair, the six momenta in three 8-byte loads), and
 // their factor indices from one division (factor_index_pair). `second`: e + 1 < numel.
-// (Measured on an H100, GPT-2 medium: statistics 4.43 -> 3.69 ms (VeLO), 4.22 -> 3.29 ms
-// (small_fc_lopt). VeLO's apply pass in pairs was slower, 6.87 -> 7.68 ms: it keeps two elements a
-// chunk apart, VELO_APPLY_ELEMENTS.)
+// (Both statistics passes measured faster with pairs. VeLO's apply pass measured slower with them: it
+// keeps two elements a chunk apart instead, VELO_APPLY_ELEMENTS; docs/performance.md §4 and §6.)
 struct ElementPair {
   float grad[2], param[2];  // the gradient unscaled (AMP), not yet clipped
   ElementState state[2];
@@ -126,7 +125,7 @@ LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], fl
 // One element's unscaled gradient (returned), parameter and accumulators, for the apply passes. Every
 // load is issued before any loaded value is used: converting or unscaling the gradient before the
 // parameter's and the state's loads were issued made a warp wait out the gradient's DRAM latency and
-// then theirs, one after the other (it was the apply passes' largest stall; benchmarks/RESULTS.md).
+// then theirs, one after the other (it was the apply passes' largest stall; docs/performance.md §4).
 // (The statistics passes load pairs, load_element_pair, which the L2 prefetch of the next pair already
 // overlaps.) load_element is issue_element_loads then finish_element; a pass with more loads of its own
 // to hide under the element's (small_fc_lopt's fast entry) issues them in between and calls
@@ -206,8 +205,8 @@ LOPT_DEVICE ElementPair load_element_pair(const TensorMeta& t, i64 e, float inve
 // unscaled, the old accumulators; the factor index only for a Factored tensor). `Unroll`: pairs per
 // unrolled iteration. `PrefetchPairs` > 0: each thread first requests the arrays of its pair that many
 // iterations ahead into L2 (prefetch_element; it may lie in the next chunk, which exists). The loads
-// are evict-first (element_load: H100, GPT-2 medium, statistics 2.99 -> 2.88 ms for small_fc_lopt,
-// 3.30 -> 3.07 for VeLO).
+// are evict-first (element_load): the pass reads each element once, and both statistics passes
+// measured faster with it (docs/performance.md §4).
 template <bool Factored, int Unroll, int PrefetchPairs, typename Visit>
 LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float inverse_scale, Visit visit) {
   const bool aligned = pairs_aligned(t);
@@ -378,10 +377,11 @@ LOPT_DEVICE void table_feature_square_sums(const TensorMeta& t, const float* row
 }
 
 // The control phase of a kept step writes the new R and C from the factor tables (their entries' pads) to
-// the state, spread over blocks by entry rather than by tensor (one block took a large tensor's
-// entries: ~0.08 ms of GPT-2 medium's control phase). Entries [first, end) of the R table (columns
-// false) or the C table, a thread every `threads` entries; a thread finds its first entry's tensor
-// by the tensors' first entries (ascending; a tensor without entries shares the next one's) and walks on.
+// the state, spread over blocks by entry rather than by tensor (with a block per tensor, a large
+// tensor's block set the control phase's duration: docs/performance.md §4). Entries [first, end) of the
+// R table (columns false) or the C table, a thread every `threads` entries; a thread finds its first
+// entry's tensor by the tensors' first entries (ascending; a tensor without entries shares the next
+// one's) and walks on.
 template <bool Columns>
 LOPT_DEVICE void commit_table_entries(const TensorMeta* tensors, int num_tensors, const float* table, i64 first,
                                       i64 end, int tid, int threads) {
@@ -532,7 +532,7 @@ LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse
 
 // Σ G over the gradient elements src[first + k·stride], k = 0 ... count − 1, added in that order in
 // float64. (Loads issued further ahead than the compiler's unrolling made the pass slower: it is
-// bound by memory, not by each thread's latency; benchmarks/RESULTS.md.)
+// bound by memory, not by each thread's latency; docs/performance.md §6.)
 LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 count, int dtype, float inverse_scale,
                                    float gradient_clip) {
   double sum = 0.0;
@@ -544,14 +544,14 @@ LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 c
 // Whether an axis sum saw a gradient element that fails the check phase's test (gradient_unusable):
 // unclipped (small_fc_lopt), G = g² + 1e-30 in float32 is finite exactly where |g| < 2^64 and g is not
 // NaN, and the float64 sum of finite G cannot overflow, so the sum tells. (Testing every element in the
-// loop kept the compiler from unrolling it: the pass took 0.81 ms where it takes 0.64, GPT-2 medium,
-// H100.) VeLO clips g first, which hides a NaN: its statistics pass alone tests its gradients.
+// loop kept the compiler from unrolling it, and the pass measured much slower: docs/performance.md §6.)
+// VeLO clips g first, which hides a NaN: its statistics pass alone tests its gradients.
 LOPT_DEVICE bool axis_sum_unusable(double sum, float gradient_clip) { return gradient_clip == 0.f && !isfinite(sum); }
 
 // A warp's report of unusable gradients seen by the axis pass (LOPT_STATUS_AXIS_NONFINITE): every
-// element of a tensor with axis jobs is read there, so once adafactor_finalize has moved this flag
-// into the step's, a step whose statistics and apply passes run in parts (lopt.fused.small_fc_lopt)
-// knows before its first apply launch whether any of those gradients makes it a no-op.
+// element of a tensor with axis jobs is read there. adafactor_finalize moves this flag into the step's
+// (LOPT_STATUS_NONFINITE), to which the statistics pass then adds its own test of every gradient
+// element; the control and apply passes read the result.
 LOPT_DEVICE void report_axis_unusable(bool unusable, int* status) {
   if (__any_sync(0xffffffffu, unusable) && (threadIdx.x & 31) == 0)
     atomicExch(status + LOPT_STATUS_AXIS_NONFINITE, 1);

@@ -39,9 +39,9 @@ LOPT_DEVICE float sixteen_bits_to_float(unsigned short bits, int dtype) {
 
 // Loads and stores of the per-element arrays (gradients, parameters, state). `Streamed`: evict-first
 // (.cs), for passes that touch each element once while the arrays together far exceed L2, so that
-// the caches keep what is reused (factor tables, weights). Which passes stream is measured
-// (benchmarks/RESULTS.md): the statistics passes and small_fc_lopt's apply pass gain, velo_apply and
-// the Adafactor axis sums (whose second read of a gradient hits L2) lose.
+// the caches keep what is reused (factor tables, weights). Which passes stream was decided by
+// measurement (docs/performance.md §4): the statistics passes and small_fc_lopt's apply pass gain,
+// velo_apply and the Adafactor axis sums (whose second read of a gradient hits L2) lose.
 template <bool Streamed, typename T>
 LOPT_DEVICE T element_load(const T* p) { return Streamed ? __ldcs(p) : *p; }
 template <bool Streamed, typename T>
@@ -101,7 +101,7 @@ LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
 // Asks L2 for the line holding `address` and moves on (no result to wait for). The statistics passes
 // issue it for the elements they load next, so that their DRAM latency overlaps the current elements'
 // work; only addresses of elements that exist are passed. (The apply passes gained nothing from it:
-// benchmarks/RESULTS.md.)
+// docs/performance.md §6.)
 LOPT_DEVICE void prefetch_l2(const void* address) { asm volatile("prefetch.global.L2 [%0];" ::"l"(address)); }
 
 // Finite (not NaN, not ±inf), without math.h (NVRTC has none).

@@ -43,9 +43,10 @@ static_assert(SFC_MLP_INPUTS == SFC_INPUTS && SFC_MLP_OUTPUTS == 2,
 #define SFC_B3 SFC_MLP_B2
 #endif
 
-// The MLP's 32 x 32 layers run on tensor cores with float32 accuracy (split_mma.cuh: a TF32 product
-// plus one BF16 product for the correction terms); their weights are kept as B operands in the
-// layout split_mma.cuh's layer expects (SFC_OPERAND_32x32 floats each).
+// The MLP's 32 x 32 layers run on tensor cores (split_mma.cuh; in the exact mode with float32 accuracy:
+// layer 1 a TF32 product plus one BF16 product for the correction terms, layer 2 three FP16 products);
+// their weights are kept as B operands in the layout split_mma.cuh's layers expect (at most
+// SFC_OPERAND_32x32 floats each).
 #define SFC_OPERAND_32x32 LOPT_SPLIT_OPERAND_FLOATS
 #define SFC_K 32                                          // 28 features, 2 bias inputs, padded to 4 k-steps
 // Per tensor: the folded first layer as a B operand: W1' = W1 scaled per feature, and b1' (time
@@ -249,8 +250,8 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
 //
 // The bias b1' rides on inputs 22 and 23: constant ones, with weights b1' and the rest
 // b1' - split_effective(b1'), so the products carry b1' to float32 accuracy, the layer needs no
-// addend, and b1' is never read per chunk (precision="fast", H100, GPT-2 medium apply pass: 10.42 ms
-// against 10.95; the exact mode saves the register copies of an addend).
+// addend, and b1' is never read per chunk (in precision "fast" this measured faster, docs/performance.md
+// §3; the exact mode saves the register copies of an addend).
 #define SFC_BIAS_INPUT_HI 22
 #define SFC_BIAS_INPUT_LO 23
 #define SFC_SLOW_INPUTS_FIRST 24
@@ -317,7 +318,8 @@ LOPT_DEVICE float exp2_of(int e) { return __int_as_float((127 + e) << 23); }
 // exact mode, whose layer 2 takes its inputs' high parts in FP16 (split_mma.cuh), layer3_exponent for
 // precision "fast", whose layer 3 takes FP16 inputs (output_layer_mma).
 
-// Modes 1 and 2: the hidden unit that input k of layer 2 is (the weights of layer 2 are laid out to match).
+// Precision "fast" (mode 2): the hidden unit that input k of layer 2 is (the weights of layer 2 are laid
+// out to match; the exact mode's FP16 layer 2 takes its units in natural order).
 // Layer 2's A fragments are read straight from layer 1's accumulators: a thread's fragment of
 // n-tile j holds columns 8j + 2t and 8j + 2t + 1, and k-step j's A fragment wants k = 8j + t and
 // k = 8j + t + 4, so those are units 8j + 2t and 8j + 2t + 1; no data moves between threads.
@@ -333,8 +335,8 @@ LOPT_DEVICE int layer2_input_unit(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k
 #define SFC_FOLD_THREADS 256
 #define SFC_FOLD_LANES 8  // partial sums per feature
 // Blocks per SM (80 registers): all of GPT-2 medium's 293 in one wave, where 165 registers allowed one
-// per SM. (The time did not change: 0.15 ms at 1, 2 or 3 blocks per SM, H200; nor with its loops over
-// chunk partials and table entries unrolled to keep 16 loads in flight, H100.)
+// per SM. (The fold's time measured the same at 1, 2 or 3 blocks per SM, and with its loops over chunk
+// partials and table entries unrolled to keep more loads in flight: docs/performance.md §6.)
 #define SFC_FOLD_MIN_BLOCKS 3
 
 // Sums of squared features far beyond float32 (features above ~1e18, from gradients near 2^64)
@@ -614,7 +616,8 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
 // order), so ldmatrix hands every thread its A fragments in place. Rows are 20 words apart: any 8
 // consecutive rows' uint4s of one k-step then fall in distinct banks (20 r mod 32 = 0, 20, 8, 28, 16,
 // 4, 24, 12), so the row writes and ldmatrix's 8-row reads are conflict-free, and every address is a
-// lane's row plus a constant (a row swizzle instead cost ~20 instructions of address arithmetic per chunk).
+// lane's row plus a constant (a row swizzle instead costs address arithmetic in every chunk:
+// docs/performance.md §3).
 #define SFC_TILE_ROW_CHUNKS (SFC_TILE_ROW_FLOATS / 4)
 
 // A tile row's k-step j (inputs 8j ... 8j + 7) from the features.
@@ -687,7 +690,8 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // The MLP for the thread's element (features x); every lane of the warp calls it together.
 // tile: the warp's 32 x SFC_TILE_ROW_FLOATS floats; outputs: the warp's 32 (direction, magnitude); l2:
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
-// with the first layer's bias on its inputs, no register copies: 887 -> 849 instructions per chunk);
+// with the first layer's bias on its inputs, no register copies of an addend: fewer instructions per
+// chunk, docs/performance.md §2);
 // use_quads, slow_quads, fast_words_in_tile: first_layer's.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
@@ -699,8 +703,8 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
   first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
-  // (Read straight from the registers: parking them in the tile instead saves registers but was
-  // 1 ms slower per GPT-2-medium step.)
+  // (Read straight from the registers: parking them in the tile instead saves registers but measured
+  // slower, docs/performance.md §6.)
 #if LOPT_SPLIT_MODE == 2
   // (The ReLU inside the BF16 conversion: one instruction per pair.)
   bf16_layer_32x32(h2, [&](int p, unsigned f[2][4]) {
@@ -850,9 +854,9 @@ LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, cons
 }
 
 // (The element loads stay where they are used. Taking their DRAM latency off the warp's path did not
-// pay: copying the next chunk's elements into shared memory by cp.async made the exact step 1.1-1.5 ms
-// slower (a8da4bf), loading them a chunk ahead into registers 1.3-1.9 ms (55a9d5d), and asking L2 for
-// them ahead gained nothing (a72b12b); benchmarks/RESULTS.md, #12 eleventh session.)
+// pay: copying the next chunk's elements into shared memory by cp.async and loading them a chunk ahead
+// into registers made the step slower, and asking L2 for them ahead gained nothing; the other warps
+// already cover that latency: docs/performance.md §6.)
 // The common tensor: a factored matrix (plain_index) whose parameter and gradient are float32. Its
 // chunks run a copy of the chunk's code compiled with those fields as constants (as_common_tensor),
 // so the per-element tests of dtype, factoring and index form fold away (about a fifth fewer

@@ -15,7 +15,7 @@
 // fragments from registers, the B operand (the weights, LOPT_SPLIT_OPERAND_FLOATS floats = 8 KiB
 // per layer, 2 KiB in mode 2) from shared memory in "fragment order": one float4 per lane, k-step and
 // n-tile (mode 2: one uint2 per lane, n-tile and pair of k-steps).
-// (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: benchmarks/RESULTS.md.)
+// (Hopper's warpgroup MMA was tried for these 32-wide layers and was slower: docs/performance.md §2.)
 #pragma once
 #include "common.cuh"
 
@@ -216,8 +216,8 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const uint2 b = operand(p, c);
-      // (Quads against a pair read and copied in registers: 9.54 ms both, H100 apply pass at 98dc422;
-      // 10.42 against 10.24 for the pair in an earlier build.)
+      // (The bias as quads read at the first product measured the same as a pair read and copied in
+      // registers: docs/performance.md §3.)
       const float4 quad = bias_fragment(bias, c, t);
       const float initial[4] = {quad.x, quad.y, quad.z, quad.w};
 #pragma unroll
@@ -242,11 +242,11 @@ LOPT_DEVICE void bf16_layer_32x32(float acc[2][4][4], LoadFragments load_fragmen
 // under ~2^-4 and weights under 2^-2, which is at most 2^-25 (sum |a_k| + sum |b_k|) per unit, a
 // fraction of 2^-20 of the sums a layer of these sizes forms. (Against BF16 remainders, whose range
 // is float32's, this split is more accurate on the tests' sequence, takes one conversion fewer per
-// input pair and 16 bytes of B per lane and step instead of 24: H100, GPT-2 medium apply pass 3-5%
-// faster, benchmarks/RESULTS.md.) FP16's range is the price: an input must stay below 65504. The
-// caller scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do
-// (small_fc_lopt's layer2_exponent); the conversions saturate rather than overflow. (The tensor
-// cores multiply FP16 subnormals as they are: zeroing them first measured the same.)
+// input pair and 16 bytes of B per lane and step instead of 24, and measured faster:
+// docs/performance.md §2.) FP16's range is the price: an input must stay below 65504. The caller
+// scales the layer's inputs by 2^-e and its weights by 2^e (exact) so that they do (small_fc_lopt's
+// layer2_exponent); the conversions saturate rather than overflow. (The tensor cores multiply FP16
+// subnormals as they are: zeroing them first measured the same.)
 // ------------------------------------------------------------------------------------------
 
 LOPT_DEVICE float2 unpack_f16x2(unsigned packed) {
@@ -262,8 +262,8 @@ struct HalfSplitPair {
 };
 // The ReLU rides on the conversions: hi is rounded toward zero, so lo = x - hi >= 0 wherever x >= 0,
 // and where x < 0 (hi = 0, lo = x) the conversion's ReLU zeroes lo (two instructions fewer per pair
-// than a ReLU first and hi to nearest; |lo| < 2^-10 |x| instead of 2^-11, measured: the update errors
-// grow by ~5%, H100 apply pass 18.62 -> 18.32 ms, benchmarks/RESULTS.md).
+// than a ReLU first and hi to nearest, and measured faster; the price, |lo| < 2^-10 |x| instead of
+// 2^-11, made the update errors slightly larger: docs/performance.md §2).
 LOPT_DEVICE HalfSplitPair half_split_relu(float first, float second) {
   const unsigned hi = pack_f16x2_relu_toward_zero(first, second);
   const float2 h = unpack_f16x2(hi);

@@ -378,10 +378,10 @@ velo_mix(const double* __restrict__ lstm_inputs, const float* __restrict__ mix_w
 // (all four gates of each unit), over k in shared-memory tiles of 32 (the weights converted to float64
 // as they are stored); a thread keeps 4 rows x 4 gates, so each weight it reads from shared memory
 // serves 4 rows. (With a row per thread the shared-memory reads, not the products, were the cost:
-// 0.26 ms on an H100 for GPT-2 medium's 292 tensors.) Each sum runs over k in order.
+// docs/performance.md §4.) Each sum runs over k in order.
 // The next tile's values are loaded into registers, all at once, while the products of this one run:
 // the block's 32 tiles are a chain, and loading each tile only when it was needed left the kernel
-// waiting on memory (H100: 0.18-0.19 ms whatever the tiling, for ViT-B/16's 152 tensors as for GPT-2's 292).
+// waiting on memory, whatever the tiling and the number of tensors (docs/performance.md §4).
 #define VELO_LSTM_ROWS LOPT_VELO_LSTM_ROWS
 #define VELO_LSTM_UNITS LOPT_VELO_LSTM_UNITS
 #define VELO_LSTM_THREADS LOPT_VELO_LSTM_THREADS
@@ -397,7 +397,7 @@ static_assert(VELO_LSTM_ROWS_PER_THREAD * VELO_LSTM_THREADS == VELO_LSTM_ROWS * 
 LOPT_DEVICE double sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 // Two blocks per SM (at most 128 registers): with the tile in registers the kernel needed more, and
-// GPT-2 medium's 160 blocks then ran in two waves on an H100's 132 SMs (0.22 ms against 0.12 for ViT-B/16's 80).
+// GPT-2 medium's 160 blocks then took two waves of an H100's 132 SMs (docs/performance.md §4).
 #define VELO_LSTM_MIN_BLOCKS 2
 extern "C" __global__ void __launch_bounds__(VELO_LSTM_THREADS, VELO_LSTM_MIN_BLOCKS)
 velo_lstm(const VeloTensor* __restrict__ velo_tensors, int num_tensors, const double* __restrict__ mix_partial,
