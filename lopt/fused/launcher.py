@@ -238,7 +238,8 @@ _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def current_stream_handle(device: torch.device) -> int:
     """The handle of PyTorch's current stream on ``device``: what ``torch.cuda.current_stream(device)
-    .cuda_stream`` is, without building a Stream object (~5 µs, paid by every launch and upload)."""
+    .cuda_stream`` is, without building a Stream object (which costs the host far more, paid
+    by every launch and upload: docs/performance.md §4)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _raw_current_stream is None:  # (a PyTorch without the private accessor)
         return torch.cuda.current_stream(index).cuda_stream
@@ -273,8 +274,8 @@ class MetadataTable:
 
     The copy and the event that guards its staging buffer are CUDA runtime calls on PyTorch's current
     stream, each staging buffer with its own event made once: a step uploads this way two to four
-    times before its kernels read the tables, and a PyTorch ``copy_`` with a new ``Event`` cost
-    ~0.1-0.2 ms each there on an H100 host (``benchmarks/profile_host.py``).
+    times before its kernels read the tables, and a PyTorch ``copy_`` with a new ``Event`` cost the
+    host far more per upload (``benchmarks/profile_host.py``; docs/performance.md §4).
     """
 
     STAGING_RING = 4
