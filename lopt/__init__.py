@@ -12,6 +12,6 @@ __all__ = ["SmallFCLOpt", "VeLO", "NonFiniteGradientError", "MetaWeights", "Weig
            "random_weights", "UntrainedWeightsWarning", "AdamHabitWarning", "__version__", "CELO2", "ELO_CELO2",
            "param_groups_for"]
 
-from lopt.optimizers import ELO  # noqa: E402  (docs/elo.md)
+from lopt.optimizers import ELO, MuLO  # noqa: E402  (docs/elo.md, docs/mulo.md)
 
-__all__ += ["ELO"]
+__all__ += ["ELO", "MuLO"]

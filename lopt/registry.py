@@ -153,3 +153,13 @@ register(OptimizerEntry(
     default_weights="elo",
     description="ELO: small_fc_lopt's per-element MLP with raw decays and its own update (lr=1e-3 is its step)",
 ))
+register(OptimizerEntry(
+    name="mulo",
+    front_end="lopt.optimizers.mulo:MuLO",
+    reference="lopt.reference.small_fc_lopt",
+    fused="lopt.fused.small_fc_lopt:SmallFCLOptFused",
+    architecture="small_fc_lopt",
+    default_weights="small_fc_lopt",
+    description="MuLO: small_fc_lopt under muP, lr / width_mult for matrix-like parameters (needs mup's infshape)",
+    required_arguments={"missing_infshape": "finite"},  # (plain tensors in tests and lopt bench: lr unchanged)
+))

@@ -7,5 +7,6 @@ from lopt.optimizers.celo2 import CELO2, ELO_CELO2, param_groups_for
 __all__ = ["SmallFCLOpt", "VeLO", "CELO2", "ELO_CELO2", "param_groups_for"]
 
 from lopt.optimizers.elo import ELO  # noqa: E402
+from lopt.optimizers.mulo import MuLO  # noqa: E402
 
-__all__ += ["ELO"]
+__all__ += ["ELO", "MuLO"]
