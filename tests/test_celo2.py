@@ -96,6 +96,26 @@ def test_newton_schulz_transposes_tall_matrices_and_orthogonalises():
     assert 0.6 < singular.min() and singular.max() < 1.25  # Muon's quintic: roughly, not exactly, orthogonal
 
 
+@pytest.mark.parametrize("shape", [(9, 7), (9,), (9, 3, 3, 3)])
+def test_the_sums_of_row_blocks_complete_the_whole_tensors(shape):
+    """What FSDP2's row shards rely on (the phases of lopt/optimizers/celo2.py): the sums over the last two axes
+    of a vector's or a matrix's row blocks add up to the whole tensor's (split axis 0 is one of the two), a
+    higher-rank tensor's rows carry complete sums of their own, and Newton-Schulz of the matrix gathered from
+    its rows (placed in zeros and summed) is the whole matrix's."""
+    x = random_like(shape + (5,), 6)
+    whole = ref.last_axes_square_sums(x)
+    blocks = [ref.last_axes_square_sums(x[a:b]) for a, b in ((0, 4), (4, 4), (4, 9))]
+    if len(shape) <= 2:
+        torch.testing.assert_close(sum(blocks), whole, rtol=1e-12, atol=0)
+    else:
+        assert torch.equal(torch.cat(blocks), whole)
+    if len(shape) == 2:
+        step = x[..., 0]
+        gathered = sum(torch.zeros(shape).index_copy(0, torch.arange(a, b), step[a:b]).double()
+                       for a, b in ((0, 4), (4, 4), (4, 9)))
+        assert torch.equal(ref.newton_schulz(gathered.float())[4:9], ref.newton_schulz(step)[4:9])
+
+
 def _state_after(shape, grads, decays):
     """lopt's float32 accumulators after ``grads`` (0-d as a 1-element vector) and the oracle's."""
     work = spec.work_shape(shape)

@@ -604,7 +604,8 @@ def test_reductions_are_packed_not_per_tensor(distributed_results, name):
     for strategy in STRATEGIES:
         assert per_step["mlp", strategy] == per_step["transformer", strategy], per_step
     small_fc = {"ddp": 1, "zero": 1, "fsdp": 3}  # check; check, accumulate, features
-    expected = {"small_fc_lopt": small_fc, "elo": small_fc, "mulo": small_fc,
+    celo2 = {"ddp": 1, "zero": 1, "fsdp": 5}  # check; check, accumulate, features, Newton-Schulz's gather, step
+    expected = {"small_fc_lopt": small_fc, "elo": small_fc, "mulo": small_fc, "celo2": celo2, "elo_celo2": celo2,
                 "velo": {"ddp": 3, "zero": 3, "fsdp": 6}}[name]  # + loss, mixing max; + two statistics passes
     assert {s: per_step["mlp", s] for s in STRATEGIES} == expected
 

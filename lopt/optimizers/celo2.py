@@ -8,6 +8,7 @@ import numbers
 
 import torch
 
+from lopt import distributed
 from lopt.distributed import SumPacket, is_dtensor
 from lopt.optimizers.base import (DECAY_OFFSET_COUNTS, LearnedOptimizer, _check_counter, _check_scalar, _is_real_number,
                                   _saved_positions, float32_math)
@@ -123,19 +124,10 @@ class _CELO2Family(LearnedOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)  # (validates the group first)
-        if hasattr(self, "_host"):
-            self._host.pop("same_tensors", None)
         group = self.param_groups[-1]
         for key in _TUPLE_KEYS:
             if key in group:
                 group[key] = tuple(float(x) for x in group[key])
-
-    def _check_parameter(self, p, what: str) -> None:
-        super()._check_parameter(p, what)
-        if is_dtensor(p):
-            raise TypeError(f"{type(self).__name__}: {what} (shape {tuple(p.shape)}) is a DTensor; CELO2 does not "
-                            f"support sharded (FSDP2) parameters yet (Newton-Schulz needs every matrix whole). Use "
-                            f"it on one process, under DDP or under ZeroRedundancyOptimizer")
 
     # ------------------------------------------------------------------ branches and state
 
@@ -157,32 +149,36 @@ class _CELO2Family(LearnedOptimizer):
 
     # ------------------------------------------------------------------ processes
 
-    def _processes_hold_the_same_tensors(self) -> bool:
-        """Whether every process's optimizer holds the same parameter shapes (one process, DDP) rather than
-        different ones (ZeroRedundancyOptimizer), by one max-reduce of a fingerprint of the shapes, once per set
-        of param groups (the same moment in every process: the first step that clips). ZeRO partitions whose
-        shape lists happen to be identical cannot be told from DDP (docs/celo2.md §3.1)."""
-        if self.reducer.is_identity:
-            return True
-        if "same_tensors" not in self._host:
-            shapes = tuple(tuple(p.shape) for p in self._all_params())
-            fingerprint = float(hash(shapes) % 2**52)  # (hashes of int tuples are the same in every process)
-            device = next(iter(self._param_devices()))
-            extremes = self.reducer.max_(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64,
-                                                      device=device))
-            self._host["same_tensors"] = float(extremes[0]) == -float(extremes[1])
-        return self._host["same_tensors"]
-
-    def _global_square_sum(self, tensors: list, check: SumPacket):
-        """Check phase: the handle of Σ g² over every participating gradient (all groups), where some group
-        clips; completed by the check's reduce where the processes hold different tensors (ZeRO)."""
+    def _global_square_sums(self, tensors: list, check: SumPacket):
+        """Check phase: what the global norm needs, added to the check's packet (one reduce), where some group
+        clips (the same decision on every process): Σ g² of the tensors split among processes (FSDP2), Σ g² of
+        the whole tensors both as this process's and as summed over the processes, and a fingerprint of the
+        parameter shapes that says which of the two is the whole tensors' sum: this process's where every
+        process holds the same tensors (one process, DDP), the processes' total where they hold different
+        ones (ZeroRedundancyOptimizer; partitions with identical shape lists cannot be told from DDP)."""
         if all(group["max_grad_norm"] is None for group in self.param_groups):
             return None
         device = tensors[0].grad.device if tensors else next(iter(self._param_devices()))
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        split = whole = torch.zeros((), dtype=torch.float64, device=device)
         for t in tensors:
-            total = total + accumulators.float64_square_sum(t.grad).to(device)
-        return check.add(total, split=not self._processes_hold_the_same_tensors())
+            square_sum = accumulators.float64_square_sum(t.grad).to(device)
+            if t.split:
+                split = split + square_sum
+            else:
+                whole = whole + square_sum
+        # (a fingerprint below 2^20: its sums and the sum of its squares are exact in float64)
+        fingerprint = float(hash(tuple(tuple(p.shape) for p in self._all_params())) % 2**20)
+        marks = torch.tensor([1.0, fingerprint, fingerprint * fingerprint], dtype=torch.float64, device=device)
+        return (check.add(split), check.add(whole, split=False), check.add(whole), check.add(marks))
+
+    def _global_norm(self, check: SumPacket, handles) -> torch.Tensor | None:
+        """‖g‖₂ over every gradient of every process's tensors (each counted once), float32."""
+        if handles is None:
+            return None
+        split, local_whole, total_whole, marks = (check[handle] for handle in handles)
+        count, total, total_of_squares = marks.unbind()
+        same_tensors = count * total_of_squares == total * total  # every process has the same fingerprint
+        return reference.global_norm(split + torch.where(same_tensors, local_whole, total_whole))
 
     # ------------------------------------------------------------------ the step
 
@@ -199,18 +195,19 @@ class _CELO2Family(LearnedOptimizer):
         return loss
 
     def _naive_step(self, inputs) -> None:
-        """The naive backend (docs/celo2.md §3): check (with the global norm's Σ g²), gradient clipping,
-        accumulate, then each tensor's learned or AdamW update."""
+        """The naive backend (docs/celo2.md §3): check (with the global norm's sums), gradient clipping,
+        accumulate, the learned branch's phases over all its tensors, each AdamW tensor's update. Sums over
+        a tensor split among processes (FSDP2) complete in one reduce per phase."""
         for group, p, _ in inputs.entries(self.param_groups):
             self.ensure_state(p, group)
         tensors = self._naive_tensors(inputs)
         check = SumPacket(self.reducer)
-        square_sum = self._global_square_sum(tensors, check)
+        norm_sums = self._global_square_sums(tensors, check)
         if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
         for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-        norm = reference.global_norm(check[square_sum]) if square_sum is not None else None
+        norm = self._global_norm(check, norm_sums)
         for t in tensors:
             max_norm = t.group["max_grad_norm"]
             scale = reference.clip_scale(norm.to(t.grad.device), max_norm) if max_norm is not None else None
@@ -219,18 +216,65 @@ class _CELO2Family(LearnedOptimizer):
         adamw = [self.uses_adamw(t.group, t.param) for t in tensors]
         learned = [t for t, takes_adamw in zip(tensors, adamw) if not takes_adamw]
         self._naive_accumulate(learned if self._OWN_ADAM_MOMENTS else tensors)
+        new_values = iter(self._learned_values(learned))
         for t, takes_adamw in zip(tensors, adamw):
-            t.write_back(self._adamw_value(t) if takes_adamw else self._learned_value(t))
+            t.write_back(self._adamw_value(t) if takes_adamw else next(new_values))
 
-    def _learned_value(self, t) -> torch.Tensor:
-        """The learned branch's new value of one tensor (§3.3–§3.8)."""
-        group = t.group
-        update = reference.learned_update(
-            self._features(t), t.value, self.weights_on(t.value.device)["mlp"], exp_mult=group["exp_mult"],
-            rms_mult=group["rms_mult"], param_scale_mult=group["param_scale_mult"],
-            orthogonalize=group["orthogonalize"], ns_coefficients=group["ns_coefficients"],
-            ns_steps=group["ns_steps"], ns_eps=group["ns_eps"])
-        return reference.apply_step(t.value, update, group["lr"], group["weight_decay"])
+    @staticmethod
+    def _spans_the_split(t) -> bool:
+        """Whether the last two axes of a tensor split among processes (along axis 0) include axis 0: a vector's
+        or a matrix's sums over them are partial, and Newton–Schulz needs the matrix gathered."""
+        return t.split and 0 in reference.normalisation_axes(len(t.shape))
+
+    def _learned_values(self, tensors: list) -> list:
+        """The learned branch's new values (§3.3–§3.8), phase by phase over all its tensors: statistics (the
+        features' sums over the last two axes, Σ p²), the MLP and Newton–Schulz (a matrix split among processes
+        gathered whole: its rows placed in zeros and summed), the step's sums, the update. The apply phases
+        recompute the features rather than keeping them (one tensor's features alive at a time)."""
+        packet = SumPacket(self.reducer)
+        statistics = []
+        for t in tensors:
+            sums = packet.add(reference.last_axes_square_sums(self._features(t)), split=self._spans_the_split(t))
+            param_sums = (packet.add(accumulators.float64_sum(accumulators.finite_part(t.value) ** 2), split=t.split)
+                          if t.group["param_scale_mult"] else None)
+            statistics.append((sums, param_sums))
+        packet.reduce()
+        steps, gather, gathered = [], SumPacket(self.reducer), {}
+        for index, (t, (sums, param_sums)) in enumerate(zip(tensors, statistics)):
+            group = t.group
+            count = reference.last_axes_count(t.shape)
+            normalised = reference.normalise_over_last_axes(self._features(t), packet[sums], count)
+            scale = reference.param_scale(t.value, packet[param_sums], t.count) if param_sums is not None else None
+            step = reference.proposed_step(normalised, self.weights_on(t.value.device)["mlp"],
+                                           exp_mult=group["exp_mult"], scale=scale)
+            if group["orthogonalize"] and step.dim() >= 2:
+                if self._spans_the_split(t):
+                    layout = distributed.shard_layout(t.param)
+                    whole = step.new_zeros(t.shape)
+                    whole[layout.offset:layout.offset + layout.rows] = accumulators.finite_part(step)
+                    gathered[index] = gather.add(whole)
+                else:
+                    step = reference.orthogonalise(step, group["ns_coefficients"], group["ns_steps"],
+                                                   group["ns_eps"])
+            steps.append(step)
+        gather.reduce()
+        for index, handle in gathered.items():
+            t, group = tensors[index], tensors[index].group
+            layout = distributed.shard_layout(t.param)
+            whole = reference.newton_schulz(gather[handle].to(torch.float32), group["ns_coefficients"],
+                                            group["ns_steps"], group["ns_eps"])
+            rows = whole[layout.offset:layout.offset + layout.rows]
+            steps[index] = torch.where(torch.isfinite(steps[index]), rows, steps[index])
+        output = SumPacket(self.reducer)
+        output_sums = [output.add(reference.last_axes_square_sums(step.unsqueeze(-1)), split=self._spans_the_split(t))
+                       for t, step in zip(tensors, steps)]
+        output.reduce()
+        values = []
+        for t, step, sums in zip(tensors, steps, output_sums):
+            group = t.group
+            update = reference.finish_step(step, group["rms_mult"], output[sums], reference.last_axes_count(t.shape))
+            values.append(reference.apply_step(t.value, update, group["lr"], group["weight_decay"]))
+        return values
 
     def _adamw_value(self, t) -> torch.Tensor:
         raise NotImplementedError
@@ -276,8 +320,8 @@ class CELO2(_CELO2Family):
         precision: ``"exact"`` (float32; the only arithmetic until a fused backend exists).
         nonfinite: ``"skip"`` (default) or ``"raise"``: what a step with a NaN, ±inf or overflowing
             (|g| >= 2^64) gradient does (nothing changes either way).
-        process_group: as for the other lopt optimizers; CELO2 runs on one process, under DDP and under
-            ZeroRedundancyOptimizer (the global norm then spans the processes); FSDP2 is refused.
+        process_group: as for the other lopt optimizers: one process, DDP, ZeroRedundancyOptimizer (the global
+            norm spans the processes) and FSDP2 (sums over the shards; a matrix gathered for Newton-Schulz).
 
     State per parameter (float32): the learned branch keeps PyLO's accumulators ``mom`` ``S+(3,)``,
     ``rms`` ``S+(1,)``, ``fac_vec_row``/``fac_vec_col`` (rank >= 2) or ``fac_vec_v``; the AdamW branch
@@ -341,13 +385,16 @@ class CELO2(_CELO2Family):
             group = self._group_of(p)
         if self.uses_adamw(group, p):
             if reference.ADAM_KEYS[0] not in state:
+                local = distributed.local_part(p)
                 for key in reference.ADAM_KEYS:
-                    state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    moments = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+                    state[key] = distributed.sharded_like(moments, p, True) if is_dtensor(p) else moments
                 # (an int64 tensor on the CPU, as torch's Adam keeps its step on the CPU: read without a device sync)
                 state[reference.ADAM_STEP_KEY] = torch.zeros((), dtype=torch.int64)
         elif "mom" not in state:
-            for key, buf in accumulators.init_state(p.shape, self.reference.factored_dims(tuple(p.shape))).items():
-                state[key] = buf.to(p.device)
+            kept = {key: state.pop(key) for key in list(state)}  # (the AdamW entries of a group that changed branch)
+            LearnedOptimizer.ensure_state(self, p)
+            state.update(kept)
         return state
 
     def _state_shapes(self, p) -> dict:
@@ -413,7 +460,7 @@ class CELO2(_CELO2Family):
         state = self.state[t.param]
         count = state[reference.ADAM_STEP_KEY]
         count += 1  # (in place, on the CPU)
-        exp_avg, exp_avg_sq = (state[key].view(t.value.shape) for key in reference.ADAM_KEYS)
+        exp_avg, exp_avg_sq = (distributed.local_part(state[key]).view(t.value.shape) for key in reference.ADAM_KEYS)
         return reference.adamw_own_step(
             t.value, t.step_grad.squeeze(-1), exp_avg, exp_avg_sq, int(count),
             lr=group["adam_lr_mult"] * group["lr"], weight_decay=group["adam_weight_decay"],

@@ -157,15 +157,32 @@ def normalisation_axes(rank: int) -> tuple:
     return tuple(range(rank))[-2:]
 
 
-def normalise_over_last_axes(features: torch.Tensor) -> torch.Tensor:
+def last_axes_count(shape) -> int:
+    """How many elements each normalisation averages: the product of the last two sizes of ``shape``
+    (the parameter's work shape; a DTensor's global one)."""
+    return math.prod(shape[axis] for axis in normalisation_axes(len(shape)))
+
+
+def last_axes_square_sums(features: torch.Tensor) -> torch.Tensor:
+    """Σ x_j² over the parameter's last two axes (kept as size-1 axes), for every feature column j and every
+    index of the other axes, in float64 (non-finite values left out: ``accumulators.finite_part``). For one
+    process's rows of a tensor split along axis 0 these sums are partial where axis 0 is one of the two
+    (vectors and matrices), complete otherwise."""
+    return feature_square_sums(features, normalisation_axes(features.dim() - 1))
+
+
+def normalise_over_last_axes(features: torch.Tensor, square_sums: torch.Tensor | None = None,
+                             count: int | None = None) -> torch.Tensor:
     """``x_j · rsqrt(1e-9 + mean x_j²)`` for every feature column j (the last axis of ``features``), the mean
     running over the parameter's last two axes, separately for every index of the others.
 
-    The sums are float64 (non-finite values left out, ``accumulators.finite_part``), the scale formed in
-    float64 and rounded once (``accumulators.normalise_by_square_sums``)."""
-    axes = normalisation_axes(features.dim() - 1)
-    count = math.prod(features.shape[axis] for axis in axes)
-    return normalise_by_square_sums(features, feature_square_sums(features, axes), count, NORMALISER_EPSILON)
+    The sums are float64 (:func:`last_axes_square_sums`, computed here unless given: the reduce phase
+    completes them for a tensor split among processes), the scale formed in float64 and rounded once
+    (``accumulators.normalise_by_square_sums``)."""
+    if square_sums is None:
+        square_sums = last_axes_square_sums(features)
+        count = last_axes_count(features.shape[:-1])
+    return normalise_by_square_sums(features, square_sums, count, NORMALISER_EPSILON)
 
 
 # ------------------------------------------------------------------------------------------ §3.5 the MLP
@@ -243,28 +260,43 @@ def orthogonalise(step: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int =
 # ------------------------------------------------------------------------------------------ §3.6–§3.8 the step
 
 
-def param_scale(param: torch.Tensor) -> torch.Tensor:
-    """``sqrt(mean p² + 1e-9)`` over all of the parameter's elements (``param_scale_mult``; float64 sum,
-    non-finite elements left out)."""
-    total = float64_sum(finite_part(param) ** 2)
-    return torch.sqrt(mean_from_sum(total, param.numel()) + PARAM_SCALE_EPSILON)
+def param_scale(param: torch.Tensor, square_sum: torch.Tensor | None = None, count: int | None = None) -> torch.Tensor:
+    """``sqrt(mean p² + 1e-9)`` over all of the parameter's elements (``param_scale_mult``): the float64 Σ p²
+    (non-finite elements left out) computed here unless given (completed across processes)."""
+    if square_sum is None:
+        square_sum, count = float64_sum(finite_part(param) ** 2), param.numel()
+    return torch.sqrt(mean_from_sum(square_sum, count) + PARAM_SCALE_EPSILON)
+
+
+def proposed_step(normalised: torch.Tensor, network: dict, *, exp_mult: float,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """§3.6 before Newton–Schulz: ``direction · exp(exp_mult · magnitude)`` from the normalised features,
+    times ``scale`` (:func:`param_scale`) where given (``param_scale_mult``)."""
+    direction, magnitude = mlp(normalised, network)
+    factor = torch.exp(magnitude * exp_mult)
+    if scale is not None:
+        factor = scale * factor
+    return direction * factor
+
+
+def finish_step(step: torch.Tensor, rms_mult: float, square_sums: torch.Tensor | None = None,
+                count: int | None = None) -> torch.Tensor:
+    """§3.7: the step normalised over its last two axes, times ``rms_mult`` (``square_sums``: the float64
+    :func:`last_axes_square_sums` of ``step.unsqueeze(-1)``, computed here unless given)."""
+    return normalise_over_last_axes(step.unsqueeze(-1), square_sums, count).squeeze(-1) * rms_mult
 
 
 def learned_update(features: torch.Tensor, param: torch.Tensor, network: dict, *, exp_mult: float,
                    rms_mult: float, param_scale_mult: bool, orthogonalize: bool, ns_coefficients=NS_COEFFICIENTS,
                    ns_steps: int = NS_STEPS, ns_eps: float = NS_EPSILON) -> torch.Tensor:
-    """§3.4–§3.7 for one tensor: normalise the features (``S + (F,)``), run the MLP, form the step (``S``).
+    """§3.4–§3.7 for one whole tensor: normalise the features (``S + (F,)``), run the MLP, form the step (``S``).
 
     ``param`` is the pre-update value (``S``), read only by ``param_scale_mult``."""
-    direction, magnitude = mlp(normalise_over_last_axes(features), network)
-    scale = torch.exp(magnitude * exp_mult)
-    if param_scale_mult:
-        scale = param_scale(param) * scale
-    step = direction * scale
+    step = proposed_step(normalise_over_last_axes(features), network, exp_mult=exp_mult,
+                         scale=param_scale(param) if param_scale_mult else None)
     if orthogonalize and step.dim() >= 2:
         step = orthogonalise(step, ns_coefficients, ns_steps, ns_eps)
-    step = normalise_over_last_axes(step.unsqueeze(-1)).squeeze(-1)
-    return step * rms_mult
+    return finish_step(step, rms_mult)
 
 
 def apply_step(param: torch.Tensor, step: torch.Tensor, lr, weight_decay) -> torch.Tensor:
