@@ -41,14 +41,7 @@ WEIGHTS_FILE = "model.safetensors"
 WeightsSource = Union[str, os.PathLike, "MetaWeights", tuple, list, Mapping]
 
 
-class WeightsError(ValueError):
-    """Meta-weights could not be found, downloaded or validated (the message says why and what to do)."""
-
-
-class UntrainedWeightsWarning(UserWarning):
-    """An optimizer was built with untrained meta-weights (``lopt.random_weights``): its steps can be timed,
-    but it does not train a model. Where that is intended (timing, tests), silence it with
-    ``warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)``."""
+from lopt.errors import UntrainedWeightsWarning, WeightsError  # noqa: E402,F401  (raised and warned here)
 
 
 def warn_if_untrained(weights: "MetaWeights", owner: str, *, stacklevel: int = 4) -> None:

@@ -586,6 +586,7 @@ class FusedEngine:
     def step(self, inputs, *args) -> None:
         """One step: ``inputs`` from the optimizer's check phase, ``args`` what the optimizer's own
         phases need (VeLO: the loss)."""
+        self.optimizer._check_fused_processes_hold_the_same_tensors()
         gathered = inputs.gathered
         plan = gathered.plan if gathered is not None and gathered.plan is self.plan else self._plan_for(inputs)
         self._refresh(plan, inputs)
@@ -663,7 +664,8 @@ class FusedEngine:
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""
-        from lopt.optimizers.naive import NonFiniteGradientError, _tensor_hyperparameters
+        from lopt.errors import NonFiniteGradientError
+        from lopt.optimizers.naive import _tensor_hyperparameters
 
         if inputs.found_inf is not None and float(inputs.found_inf) != 0:
             return  # GradScaler's overflow: it skips the step itself

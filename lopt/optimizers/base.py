@@ -25,7 +25,8 @@ from torch.optim import Optimizer
 from lopt import distributed, registry
 from lopt import weights as weights_lib
 from lopt.distributed import is_dtensor, local_part
-from lopt.optimizers.naive import NaivePhases, NonFiniteGradientError, StepInputs  # noqa: F401  (public here too)
+from lopt.errors import AdamHabitWarning, NonFiniteGradientError  # noqa: F401  (public here too)
+from lopt.optimizers.naive import NaiveEngine, NaivePhases, StepInputs
 from lopt.reference.accumulators import init_state
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,10 +53,6 @@ ADAM_HABIT_LR = 0.02
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
 
 
-class AdamHabitWarning(UserWarning):
-    """A hyper-parameter that is almost certainly a habit from Adam (e.g. ``lr=1e-3``), where a learned
-    optimizer's ``lr`` multiplies the meta-trained step (1.0). Silence it with
-    ``warnings.filterwarnings("ignore", category=lopt.AdamHabitWarning)``."""
 
 
 def float32_math():
@@ -248,6 +245,7 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         self._weights_by_device: dict = {}
         self._decays_cache: dict = {}
         self._fused_engine = None
+        self._naive_engine = NaiveEngine(self)
         # Host-side bookkeeping lives in a dict that step() mutates in place: inside a compiled step,
         # dynamo replays writes into containers, not attribute assignments on the optimizer.
         self._host = {"skipped_seen": 0}
@@ -389,13 +387,19 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         anything wrong, goes through :meth:`_check_gradients`, which says what is wrong."""
         for index, group in enumerate(self.param_groups):
             _validate_live_group(self, group, index)
-        if self.backend == "fused":
-            grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-            checked = self._fused_engine.checked_gradients(grad_scale, found_inf)
-            if checked is not None:
-                params, grads, gathered = checked
-                return StepInputs(params, grads, grad_scale, found_inf, gathered)
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        checked = self.engine.checked_gradients(grad_scale, found_inf)
+        if checked is not None:
+            params, grads, gathered = checked
+            return StepInputs(params, grads, grad_scale, found_inf, gathered)
         return self._check_gradients()
+
+    @property
+    def engine(self):
+        """What runs this optimizer's steps: its fused engine (``lopt.fused``), or the naive one
+        (``NaiveEngine``, the optimizer's ``_naive_step``), behind one interface — ``step(inputs, *args)``,
+        ``checked_gradients(...)``, ``invalidate()`` — so that ``step()`` never asks which it is."""
+        return self._fused_engine if self.backend == "fused" else self._naive_engine
 
     def _check_gradients(self) -> StepInputs:
         """Check phase, part 1 (after the groups' live hyper-parameters, :meth:`_checked_inputs`):

@@ -191,7 +191,7 @@ class _CELO2Family(LearnedOptimizer):
                 loss = closure()  # (under the caller's autocast, if any: it runs the model)
         with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
             inputs = self._checked_inputs()
-            self._naive_step(inputs)  # (naive only: lopt has no fused CELO2 kernels yet)
+            self.engine.step(inputs)  # (naive: lopt has no fused CELO2 kernels yet)
         return loss
 
     def _naive_step(self, inputs) -> None:

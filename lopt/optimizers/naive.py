@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from lopt import distributed
 from lopt.distributed import SumPacket, local_part
+from lopt.errors import NonFiniteGradientError
 from lopt.reference import accumulators
 
 
@@ -23,9 +25,6 @@ from lopt.reference import accumulators
 GRADIENT_LIMIT = 2.0**64
 
 
-class NonFiniteGradientError(FloatingPointError):
-    """A step saw a non-finite (or overflowing) gradient or loss, or a tensor ``lr``/``weight_decay`` that is
-    not a finite number >= 0, under ``nonfinite="raise"``; nothing changed."""
 
 
 @dataclass
@@ -84,6 +83,24 @@ class NaiveTensor:
         """Store the new float32 value (work shape) into the parameter's local part, in its dtype."""
         local = local_part(self.param)
         local.copy_(new_value.reshape(local.shape))
+
+
+class NaiveEngine:
+    """The naive backend behind the interface of a fused engine (``lopt.fused.engine.FusedEngine``), so that
+    a front-end steps whichever engine it has the same way: ``engine.step(inputs, *args)`` runs the
+    optimizer's ``_naive_step``; the naive backend has no fast check and nothing planned to forget."""
+
+    def __init__(self, optimizer):
+        self.optimizer = weakref.proxy(optimizer)  # (the optimizer owns its engine: no reference cycle)
+
+    def checked_gradients(self, grad_scale=None, found_inf=None):
+        return None  # (the general check: _check_gradients)
+
+    def step(self, inputs, *args) -> None:
+        self.optimizer._naive_step(inputs, *args)
+
+    def invalidate(self) -> None:
+        pass
 
 
 class NaivePhases:

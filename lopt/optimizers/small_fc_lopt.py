@@ -136,11 +136,7 @@ class SmallFCLOpt(LearnedOptimizer):
                 loss = closure()  # (under the caller's autocast, if any: it runs the model)
         with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
             inputs = self._checked_inputs()
-            if self.backend == "fused":
-                self._check_fused_processes_hold_the_same_tensors()
-                self._fused_engine.step(inputs)
-            else:
-                self._naive_step(inputs)
+            self.engine.step(inputs)
         return loss
 
     def _naive_step(self, inputs) -> None:

@@ -350,11 +350,7 @@ class VeLO(LearnedOptimizer):
         with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
             inputs = self._checked_inputs()
             averaged = self._averaged_loss(step_loss)
-            if self.backend == "fused":
-                self._check_fused_processes_hold_the_same_tensors()
-                self._fused_engine.step(inputs, averaged)
-            else:
-                self._naive_step(inputs, self._loss_on_controller(averaged))
+            self.engine.step(inputs, averaged)
         if accumulated:
             self._losses["accumulated"] = 0  # the accumulated losses are used (or the step was skipped)
         return returned
@@ -381,12 +377,13 @@ class VeLO(LearnedOptimizer):
                 f"lopt.integrations.lightning.VeLOLossCallback() to the Trainer's callbacks (it hands VeLO every "
                 f"micro-batch's loss); see docs/integrations.md", UserWarning, stacklevel=3)
 
-    def _naive_step(self, inputs, loss: torch.Tensor) -> None:
+    def _naive_step(self, inputs, averaged: StepLoss) -> None:
         """The naive backend, phase by phase over all tensors (``lopt/reference/velo.py``): check,
         statistics (two passes), control (float64, batched over every tensor), accumulate, feature
         statistics, apply. Each phase's sums over a tensor split among processes complete in one
         reduce for all tensors; the controller's max over tensors in one reduce where the processes
-        hold different tensors (ZeRO)."""
+        hold different tensors (ZeRO). ``averaged``: the step's loss (as the fused engine takes it)."""
+        loss = self._loss_on_controller(averaged)
         tensors = self._naive_tensors(inputs)
         if not self._naive_step_allowed(tensors, inputs, loss):
             return
