@@ -2,7 +2,7 @@
 
 Everything that lists optimizers reads this table: the package's exports, ``lopt bench`` and the CLI,
 the fused launcher (which architectures have kernels), the timm glue, the foreign-state check of
-``load_state_dict`` and the generic tests (``tests/test_registry_generic.py``), which therefore apply
+``load_state_dict`` and the generic tests (``tests/test_registry.py``), which therefore apply
 to a new optimizer as soon as it is registered here. Entries name their modules as strings and load
 them on first use, so this module imports nothing of lopt's and no import circle can pass through it.
 

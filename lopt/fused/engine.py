@@ -42,8 +42,8 @@ from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, 
 
 FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
 STATS_THREADS = CONSTANTS["STATS_THREADS"]
-_G = FIELD["GroupMeta"]
-_J = FIELD["AxisJob"]
+GROUP_FIELD = FIELD["GroupMeta"]
+AXIS_JOB_FIELD = FIELD["AxisJob"]
 STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[1:6]
 assert TENSOR_POINTER_FIELDS[1:6] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
 assert TENSOR_POINTER_FIELDS[0] == "param" and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
@@ -294,7 +294,7 @@ class FusedEngine:
                 if not all(dtype in codes for dtype in dtypes):
                     return  # (the general check refuses it)
                 jobs = plan.axis_rows  # (its other columns are fixed for the plan)
-                jobs[:, _J["dtype"]] = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[check.job_source]
+                jobs[:, AXIS_JOB_FIELD["dtype"]] = np.array([codes[dtype] for dtype in dtypes], dtype=np.int64)[check.job_source]
                 plan.axis_table.update(jobs)
                 check.source_dtypes = dtypes
             plan.grad_addresses[rows, 0] = [grad_pointers[row] for row in rows]
@@ -521,11 +521,11 @@ class FusedEngine:
         rows = empty_rows("GroupMeta", len(groups))
         for g, group in enumerate(groups):
             base = values_table.data_ptr() + g * GROUP_VALUE_FLOATS * slot
-            rows[g, _G["values"]] = base
+            rows[g, GROUP_FIELD["values"]] = base
             for name in ("lr", "weight_decay"):
                 scalar = device_scalars.get((g, name))
-                rows[g, _G[name]] = scalar.data_ptr() if scalar is not None else base + GROUP_VALUES[name] * slot
-            rows[g, _G["step"]] = group["step"].data_ptr()
+                rows[g, GROUP_FIELD[name]] = scalar.data_ptr() if scalar is not None else base + GROUP_VALUES[name] * slot
+            rows[g, GROUP_FIELD["step"]] = group["step"].data_ptr()
         plan.group_table.update(rows)
         plan.groups_signature = self._groups_signature(groups)
 

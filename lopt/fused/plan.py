@@ -18,9 +18,9 @@ import numpy as np
 
 from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
 
-_T = FIELD["TensorMeta"]
-_J = FIELD["AxisJob"]
-_N = FIELD["NormJob"]
+TENSOR_FIELD = FIELD["TensorMeta"]
+AXIS_JOB_FIELD = FIELD["AxisJob"]
+NORM_JOB_FIELD = FIELD["NormJob"]
 TENSOR_POINTER_FIELDS = ("param", "mom", "rms", "fac_row", "fac_col", "fac_full", "param_dtype", "grad_dtype")
 
 AXIS_THREADS = CONSTANTS["AXIS_THREADS"]
@@ -98,31 +98,31 @@ class GroupLayout:
             row = rows[index]
             numel = math.prod(shape)
             split = global_rows[index] is not None
-            row[_T["numel"]] = numel
-            row[_T["count"]] = global_rows[index] * math.prod(shape[1:]) if split else numel
-            row[_T["group"]] = group
-            row[_T["first_stats_chunk"]] = stats_chunks
-            row[_T["num_stats_chunks"]] = -(-numel // stats_chunk)
-            stats_chunks += row[_T["num_stats_chunks"]]
-            row[_T["first_apply_chunk"]] = apply_chunks
-            row[_T["num_apply_chunks"]] = -(-numel // apply_chunk)
-            apply_chunks += row[_T["num_apply_chunks"]]
-            row[_T["first_slab"]] = slabs
-            row[_T["first_col_entry"]] = col_entries
-            row[_T["row_table"]] = row_entries
-            row[_T["col_table"]] = col_entries
-            row[_T["row_col_sums"]] = -1
+            row[TENSOR_FIELD["numel"]] = numel
+            row[TENSOR_FIELD["count"]] = global_rows[index] * math.prod(shape[1:]) if split else numel
+            row[TENSOR_FIELD["group"]] = group
+            row[TENSOR_FIELD["first_stats_chunk"]] = stats_chunks
+            row[TENSOR_FIELD["num_stats_chunks"]] = -(-numel // stats_chunk)
+            stats_chunks += row[TENSOR_FIELD["num_stats_chunks"]]
+            row[TENSOR_FIELD["first_apply_chunk"]] = apply_chunks
+            row[TENSOR_FIELD["num_apply_chunks"]] = -(-numel // apply_chunk)
+            apply_chunks += row[TENSOR_FIELD["num_apply_chunks"]]
+            row[TENSOR_FIELD["first_slab"]] = slabs
+            row[TENSOR_FIELD["first_col_entry"]] = col_entries
+            row[TENSOR_FIELD["row_table"]] = row_entries
+            row[TENSOR_FIELD["col_table"]] = col_entries
+            row[TENSOR_FIELD["row_col_sums"]] = -1
             for name in ("outer", "a", "mid", "b", "inner"):
-                row[_T[name]] = 1
+                row[TENSOR_FIELD[name]] = 1
             if dim is None:
                 continue
             g = factored_geometry(shape, dim)
-            row[_T["factored"]] = 1
-            row[_T["d0_is_a"]] = int(g.d0_is_a)
+            row[TENSOR_FIELD["factored"]] = 1
+            row[TENSOR_FIELD["d0_is_a"]] = int(g.d0_is_a)
             for name in ("outer", "a", "mid", "b", "inner"):
-                row[_T[name]] = getattr(g, name)
-            row[_T["b_reciprocal"]] = division_reciprocal(g.b)
-            row[_T["plain_index"]] = int(g.outer == g.mid == g.inner == 1 and numel < 2**32)
+                row[TENSOR_FIELD[name]] = getattr(g, name)
+            row[TENSOR_FIELD["b_reciprocal"]] = division_reciprocal(g.b)
+            row[TENSOR_FIELD["plain_index"]] = int(g.outer == g.mid == g.inner == 1 and numel < 2**32)
             d1, d0 = dim
             # A split tensor's axis 0 is one of its factored axes (then it is axis a, with outer = 1) or
             # neither (then every sum over a factored axis is complete in this process).
@@ -131,11 +131,11 @@ class GroupLayout:
             slab_count = g.outer * g.mid * g.inner  # entries of R sharing all but the d1 coordinate
             num_row_entries = slab_count * shape[d1]
             num_col_entries = slab_count * shape[d0]
-            row[_T["num_slabs"]] = slab_count
-            row[_T["num_col_entries"]] = num_col_entries
-            row[_T["row_col_divisor"]] = length_a if (split_a and d1 == 0) else shape[d1]
+            row[TENSOR_FIELD["num_slabs"]] = slab_count
+            row[TENSOR_FIELD["num_col_entries"]] = num_col_entries
+            row[TENSOR_FIELD["row_col_divisor"]] = length_a if (split_a and d1 == 0) else shape[d1]
             if split_a and d1 == 0:  # row_col_mean sums R over the split axis
-                row[_T["row_col_sums"]] = split_slab_sums
+                row[TENSOR_FIELD["row_col_sums"]] = split_slab_sums
                 split_slab_sums += 3 * slab_count
             slabs += slab_count
             col_entries += num_col_entries
@@ -151,7 +151,7 @@ class GroupLayout:
         # range of the axis-means workspace, [0, split_outputs), laid out alike in every process.
         factored_jobs = {}  # tensor -> its two Adafactor jobs' (partial_offset, num_partials)
         for tensor, q, x, i, divisor, means, _ in sorted(reductions, key=lambda r: not r[-1]):
-            rows[tensor][_T[means]] = self.total_axis_outputs
+            rows[tensor][TENSOR_FIELD[means]] = self.total_axis_outputs
             factored_jobs.setdefault(tensor, []).append(self._add_axis_job(tensor, q, x, i, divisor=divisor))
         self.split_outputs = sum(q * i for _, q, _, i, _, _, split in reductions if split)
         self.split_slab_sums = int(split_slab_sums)
@@ -169,13 +169,13 @@ class GroupLayout:
             norm_jobs.append((index, offset, count))
         self.static_norm_jobs = empty_rows("NormJob", len(norm_jobs))
         for row, values in zip(self.static_norm_jobs, norm_jobs):
-            row[[_N["tensor"], _N["partial_offset"], _N["num_partials"]]] = values
+            row[[NORM_JOB_FIELD["tensor"], NORM_JOB_FIELD["partial_offset"], NORM_JOB_FIELD["num_partials"]]] = values
         self.static_rows = rows
         self.static_jobs = np.stack(self._jobs) if self._jobs else empty_rows("AxisJob", 0)
         del self._jobs
         self.total_stats_chunks = int(stats_chunks)
         self.total_apply_chunks = int(apply_chunks)
-        self.total_elements = int(rows[:, _T["numel"]].sum()) if self.num_tensors else 0
+        self.total_elements = int(rows[:, TENSOR_FIELD["numel"]].sum()) if self.num_tensors else 0
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)
@@ -185,7 +185,7 @@ class GroupLayout:
         """Appends the reduction of ``(q, x, i)`` over x; returns its (partial_offset, num_partials).
         ``divisor``: its q·i sums divided by it become means in the axis-means workspace (None: only
         partials, for a norm)."""
-        job = np.zeros(len(_J), dtype=np.int64)
+        job = np.zeros(len(AXIS_JOB_FIELD), dtype=np.int64)
         contiguous = i == 1
         xchunk = CONTIGUOUS_XCHUNK if contiguous else max(STRIDED_XCHUNK, -(-x // MAX_STRIDED_XCHUNKS))
         num_xchunks = -(-x // xchunk)
@@ -201,7 +201,7 @@ class GroupLayout:
                             ("partial_offset", self.total_axis_partials), ("num_outputs", num_outputs),
                             ("first_output", self.total_axis_outputs), ("num_col_blocks", num_col_blocks),
                             ("divisor", divisor or 0)):
-            job[_J[name]] = value
+            job[AXIS_JOB_FIELD[name]] = value
         self._jobs.append(job)
         self.job_tensor.append(tensor)
         placed = (self.total_axis_partials, num_xchunks * num_outputs)
@@ -224,7 +224,7 @@ class GroupLayout:
         """Metadata rows with ``pointers`` (num_tensors x len(TENSOR_POINTER_FIELDS)) filled in (into
         ``out``, a copy of ``static_rows``, if given)."""
         rows = self.static_rows.copy() if out is None else out
-        rows[:, [_T[name] for name in TENSOR_POINTER_FIELDS]] = pointers
+        rows[:, [TENSOR_FIELD[name] for name in TENSOR_POINTER_FIELDS]] = pointers
         return rows
 
     def axis_rows(self, pointers: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -232,5 +232,5 @@ class GroupLayout:
         copy of ``static_jobs``, if given); the source's address is read from the gradient array."""
         jobs = self.static_jobs.copy() if out is None else out
         if len(jobs):
-            jobs[:, _J["dtype"]] = pointers[np.asarray(self.job_tensor), TENSOR_POINTER_FIELDS.index("grad_dtype")]
+            jobs[:, AXIS_JOB_FIELD["dtype"]] = pointers[np.asarray(self.job_tensor), TENSOR_POINTER_FIELDS.index("grad_dtype")]
         return jobs

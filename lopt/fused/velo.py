@@ -57,7 +57,7 @@ APPLY_THREADS = 256
 RNN_TENSORS = ("mix_layer2.weight", "mix_layer2.bias", "final_mix_layer.weight", "final_mix_layer.bias",
                "lstm.linear.weight", "lstm.linear.bias", "rnn_to_controls.weight", "rnn_to_controls.bias",
                "step_size.weight", "step_size.bias")
-_V = FIELD["VeloTensor"]
+VELO_FIELD = FIELD["VeloTensor"]
 
 
 def pack_candidates(mlp: dict) -> torch.Tensor:
@@ -112,9 +112,9 @@ class VeLOFused(FusedEngine):
             for name in ("lstm_hidden", "lstm_cell"):
                 if not state[name].is_contiguous() or state[name].dtype != torch.float32:
                     state[name] = state[name].to(torch.float32).contiguous()
-            rows[row, _V["lstm_hidden"]] = state["lstm_hidden"].data_ptr()
-            rows[row, _V["lstm_cell"]] = state["lstm_cell"].data_ptr()
-            rows[row, _V["rank_class"]] = min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)
+            rows[row, VELO_FIELD["lstm_hidden"]] = state["lstm_hidden"].data_ptr()
+            rows[row, VELO_FIELD["lstm_cell"]] = state["lstm_cell"].data_ptr()
+            rows[row, VELO_FIELD["rank_class"]] = min(reference.tensor_rank(p.shape), reference.NUM_RANK_CLASSES)
         velo_table = launcher.MetadataTable(self.device)
         velo_table.update(rows)
         workspace = plan.workspace
