@@ -128,7 +128,7 @@ LOPT_DEVICE void load_three_pair(const float* base, i64 e, float (&first)[3], fl
 // then theirs, one after the other (it was the apply passes' largest stall; docs/performance.md §4).
 // (The statistics passes load pairs, load_element_pair, which the L2 prefetch of the next pair already
 // overlaps.) load_element is issue_element_loads then finish_element; a pass with more loads of its own
-// to hide under the element's (small_fc_lopt's fast entry) issues them in between and calls
+// to hide under the element's (small_fc_lopt's per-element entry) issues them in between and calls
 // hold_uses_until_here before finish_element.
 struct IssuedElement {  // an element's loads, issued and not yet used
   unsigned int grad_bits, param_bits;
@@ -264,7 +264,7 @@ LOPT_DEVICE FactorEntry read_factor_entry(const float* table, i64 entry) {
 // An entry's six table features and two constant ones as BF16 (rounded to nearest), laid out as one
 // 8-input k-step of a 16-deep BF16 tensor-core product takes its inputs: word t holds inputs t and t + 4
 // of (acc_0, acc_1, acc_2, rsqrt_acc_0, rsqrt_acc_1, rsqrt_acc_2, 1, 1). Precision "fast" of
-// small_fc_lopt reads these 16 bytes for an element's fast entry where the whole entry is 48 (its apply
+// small_fc_lopt reads these 16 bytes for an element's per-element entry where the whole entry is 48 (its apply
 // pass's first layer takes them as they are); the ones carry that layer's bias.
 LOPT_DEVICE uint4 packed_entry_inputs(const float acc[3], const float rsqrt_acc[3]) {
   return make_uint4(pack_bf16x2(acc[0], rsqrt_acc[1]), pack_bf16x2(acc[1], rsqrt_acc[2]), pack_bf16x2(acc[2], 1.f),

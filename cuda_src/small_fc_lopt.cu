@@ -53,8 +53,8 @@ static_assert(SFC_MLP_INPUTS == SFC_INPUTS && SFC_MLP_OUTPUTS == 2,
 // features folded in) as the weights of two constant inputs (first_layer_input's order)
 // (The generic MLP's: W1' as [unit][feature] floats, then b1'.)
 #if SFC_TENSOR_CORES
-#define SFC_FOLDED_SLOW SFC_OPERAND_32x32               // and W1' of the 6 slow inputs, [input][unit]
-#define SFC_FOLDED_SHIFTS (SFC_FOLDED_SLOW + 6 * SFC_HIDDEN)  // and the shifts of the shiftable features
+#define SFC_FOLDED_SHARED SFC_OPERAND_32x32             // and W1' of the 6 shared inputs, [input][unit]
+#define SFC_FOLDED_SHIFTS (SFC_FOLDED_SHARED + 6 * SFC_HIDDEN)  // and the shifts of the shiftable features
 #else
 #define SFC_FOLDED_W1 0
 #define SFC_FOLDED_B1 (SFC_HIDDEN * SFC_NUM_FEATURES)
@@ -234,19 +234,19 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
 //
 //   0 ... 12   the features 0 ... 12 (gradient, parameter, momenta, rms, ..., the factored gradient)
 //   13 ... 15  features 25 ... 27 (the momenta preconditioned by the factors)
-//   16 ... 21  the "fast" factor entry's accumulators and their rsqrt (three each)
+//   16 ... 21  the per-element factor entry's accumulators and their rsqrt (three each)
 //   22, 23     constant ones carrying the bias b1' (below)
-//   24 ... 29  the "slow" factor entry's accumulators and their rsqrt
+//   24 ... 29  the shared factor entry's accumulators and their rsqrt
 //   30, 31     zeros
 //
 // A factored tensor's element has two factor-table entries, R's and C's: the one indexed by its
-// position without axis b (the "slow" one: in a tensor laid out (outer, a, mid, b) every run of
-// consecutive elements along b shares it; R's where d0 is b, C's where d0 is a) and the other
-// ("fast"). Features 13 ... 24 are R's and C's values, so which of them inputs 16 ... 21 and 24 ... 29
-// take depends on the tensor (input_feature). With the slow entry's six inputs last, the exact mode
-// adds their share of layer 1 for a whole warp of elements sharing that entry as one vector,
-// and multiplies only inputs 0 ... 23 (apply pass, below). (A non-factored tensor's features 13 ... 24
-// are V's, the same for "R" and "C".)
+// position without axis b (the shared entry: in a tensor laid out (outer, a, mid, b) every run of
+// consecutive elements along b shares it; R's where d0 is b, C's where d0 is a) and the other (the
+// per-element entry, indexed without axis a). Features 13 ... 24 are R's and C's values, so which of
+// them inputs 16 ... 21 and 24 ... 29 take depends on the tensor (input_feature). With the shared
+// entry's six inputs last, the exact mode adds their share of layer 1 for a whole warp of elements
+// sharing that entry as one vector, and multiplies only inputs 0 ... 23 (apply pass, below). (A
+// non-factored tensor's features 13 ... 24 are V's, the same for "R" and "C".)
 //
 // The bias b1' rides on inputs 22 and 23: constant ones, with weights b1' and the rest
 // b1' - split_effective(b1'), so the products carry b1' to float32 accuracy, the layer needs no
@@ -254,24 +254,24 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
 // §3; the exact mode saves the register copies of an addend).
 #define SFC_BIAS_INPUT_HI 22
 #define SFC_BIAS_INPUT_LO 23
-#define SFC_SLOW_INPUTS_FIRST 24
-#define SFC_SLOW_INPUTS 6
-// The feature input k is: 0 ... 27, or -1 for a bias input or padding. `slow_is_col`: the tensor's
-// slow entry is C's (d0_is_a). Features 13 ... 15 are R's accumulators, 16 ... 18 C's, 19 ... 21 the
+#define SFC_SHARED_INPUTS_FIRST 24
+#define SFC_SHARED_INPUTS 6
+// The feature input k is: 0 ... 27, or -1 for a bias input or padding. `shared_is_col`: the tensor's
+// shared entry is C's (d0_is_a). Features 13 ... 15 are R's accumulators, 16 ... 18 C's, 19 ... 21 the
 // rsqrt of R's, 22 ... 24 of C's.
-LOPT_DEVICE constexpr int input_feature(int k, bool slow_is_col) {
+LOPT_DEVICE constexpr int input_feature(int k, bool shared_is_col) {
   return k < 13 ? k
        : k < 16 ? k + 12
-       : k < 19 ? (slow_is_col ? k - 3 : k)                // fast accumulators
-       : k < 22 ? (slow_is_col ? k : k + 3)                // fast rsqrt
+       : k < 19 ? (shared_is_col ? k - 3 : k)              // per-element accumulators
+       : k < 22 ? (shared_is_col ? k : k + 3)              // per-element rsqrt
        : k < 24 ? -1
-       : k < 27 ? (slow_is_col ? k - 8 : k - 11)          // slow accumulators
-       : k < 30 ? (slow_is_col ? k - 5 : k - 8)           // slow rsqrt
+       : k < 27 ? (shared_is_col ? k - 8 : k - 11)         // shared accumulators
+       : k < 30 ? (shared_is_col ? k - 5 : k - 8)          // shared rsqrt
        : -1;
 }
 // Input k of the first layer as the MMA takes it, from the features in the apply pass's order: x as
-// per_element_features computes them from (slow, fast) entries in the places of (R, C)
-// (apply_element_features), so x[13 ...] hold the slow entry's values whatever the tensor.
+// per_element_features computes them from the (shared, per-element) entries in the places of (R, C)
+// (apply_element_features), so x[13 ...] hold the shared entry's values whatever the tensor.
 LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
   if (k == SFC_BIAS_INPUT_HI || k == SFC_BIAS_INPUT_LO) return 1.f;
   const int feature = input_feature(k, false);
@@ -287,7 +287,7 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 //                        it in float32 on the CUDA cores (output_layer)
 //   SFC_PACKED_ENTRIES   fast: the factor tables also hold each entry's table features as packed BF16
 //                        inputs, copied straight into the feature tile
-//   SFC_SLOW_VECTORS     exact: a warp whose elements share their slow entry adds that entry's share of
+//   SFC_SHARED_VECTORS   exact: a warp whose elements all read one shared entry adds that entry's share of
 //                        layer 1 as one vector (one k-step fewer)
 //   SFC_L2_IN_REGISTERS  fast: layer 2's B operand is held in registers (it fits in the fast build's budget)
 //   SFC_CHUNK_META       fast: the tensor's metadata is copied out of shared memory once per chunk (the
@@ -302,7 +302,7 @@ LOPT_DEVICE float first_layer_input(const float x[SFC_NUM_FEATURES], int k) {
 #define SFC_LAYER2_FP16 SFC_EXACT
 #define SFC_OUTPUT_MMA SFC_FAST
 #define SFC_PACKED_ENTRIES SFC_FAST
-#define SFC_SLOW_VECTORS SFC_EXACT
+#define SFC_SHARED_VECTORS SFC_EXACT
 #define SFC_L2_IN_REGISTERS SFC_FAST
 #define SFC_CHUNK_META SFC_FAST
 #define SFC_APPLY_MIN_BLOCKS (SFC_FAST ? 7 : 5)
@@ -475,9 +475,9 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
   // The whole layer scaled by 2^-e in the exact mode, so that layer 2's FP16 inputs stay in range
   // (fp16_exponent; a build whose layer 2 has no FP16 parts leaves both layers unscaled).
   const float down = SFC_LAYER2_FP16 ? exp2_of(-fp16_exponent) : 1.f;
-  const bool slow_is_col = t.d0_is_a != 0;
+  const bool shared_is_col = t.d0_is_a != 0;
   const auto folded_weight = [&](int k, int n) {  // W1' of input k, unit n
-    const int feature = input_feature(k, slow_is_col);
+    const int feature = input_feature(k, shared_is_col);
     if (feature >= 0) return __fmul_rn(__fmul_rn(w1[n * SFC_INPUTS + feature], scale[feature]), down);
     const float b = __fmul_rn(bias[n], down);
     if (k == SFC_BIAS_INPUT_HI) return b;
@@ -485,9 +485,9 @@ small_fc_lopt_fold(const TensorMeta* __restrict__ tensors, const i64* __restrict
     return 0.f;
   };
   write_split_operand(out, folded_weight, tid, SFC_FOLD_THREADS);
-  // The slow inputs' weights once more, whole: the apply pass forms their share of layer 1 per entry.
-  for (int i = tid; i < SFC_SLOW_INPUTS * SFC_HIDDEN; i += SFC_FOLD_THREADS)
-    out[SFC_FOLDED_SLOW + i] = folded_weight(SFC_SLOW_INPUTS_FIRST + i / SFC_HIDDEN, i % SFC_HIDDEN);
+  // The shared inputs' weights once more, whole: the apply pass forms their share of layer 1 per entry.
+  for (int i = tid; i < SFC_SHARED_INPUTS * SFC_HIDDEN; i += SFC_FOLD_THREADS)
+    out[SFC_FOLDED_SHARED + i] = folded_weight(SFC_SHARED_INPUTS_FIRST + i / SFC_HIDDEN, i % SFC_HIDDEN);
 #else
   // The generic MLP's first layer: W1' = W1 scaled per feature, b1' with the time features folded in.
   for (int i = tid; i < SFC_HIDDEN * SFC_NUM_FEATURES; i += SFC_FOLD_THREADS) {
@@ -632,14 +632,14 @@ LOPT_DEVICE uint4 input_step_words(const float x[SFC_NUM_FEATURES], int j) {
 }
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
-// The row's k-steps are packed from the features x here, but for k-step 2 where fast_words_in_tile
-// (apply_element_features copied the fast entry's packed inputs there).
+// The row's k-steps are packed from the features x here, but for k-step 2 where per_element_words_in_tile
+// (apply_element_features copied the per-element entry's packed inputs there).
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool, const float4*, bool fast_words_in_tile, int lane) {  // (always all 32 inputs)
+                             bool, const float4*, bool per_element_words_in_tile, int lane) {  // (always all 32 inputs)
   uint4* rows = reinterpret_cast<uint4*>(tile);  // SFC_TILE_ROW_CHUNKS uint4 per row
 #pragma unroll
   for (int j = 0; j < 4; ++j)
-    if (j != 2 || !fast_words_in_tile) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
+    if (j != 2 || !per_element_words_in_tile) rows[SFC_TILE_ROW_CHUNKS * lane + j] = input_step_words(x, j);
   __syncwarp();
   // Matrices of k-step pair p for m-tile m: rows 16m ... 16m + 7 and 16m + 8 ... 16m + 15 of k-step 2p,
   // then the same rows of k-step 2p + 1: the A fragment {row g, row g + 8} x {2p, 2p + 1}.
@@ -658,10 +658,10 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 LOPT_DEVICE constexpr int feature_column(int k) { return k; }
 
 // Layer 1: h1 = W1' x + b1' (before the ReLU; b1' from the bias inputs) for the warp's 32 elements.
-// use_quads: the warp's 32 elements share their slow entry, and slow_quads hold its share of the layer
+// use_quads: the warp's 32 elements all read one shared entry, and shared_quads hold its share of the layer
 // (BiasQuads layout): the layer then multiplies inputs 0 ... 23 only; else all 32.
 LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES], float* tile, const float* l1,
-                             bool use_quads, const float4* slow_quads, bool, int lane) {
+                             bool use_quads, const float4* shared_quads, bool, int lane) {
   float row[SFC_K];
 #pragma unroll
   for (int k = 0; k < SFC_K; ++k) row[feature_column(k)] = first_layer_input(x, k);
@@ -682,7 +682,7 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
       f[m] = truncated_split_fragment(a);
     }
   };
-  if (use_quads) split_layer_32x32<SFC_SLOW_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{slow_quads}, lane);
+  if (use_quads) split_layer_32x32<SFC_SHARED_INPUTS_FIRST / 8>(h1, load_fragments, l1, BiasQuads{shared_quads}, lane);
   else split_layer_32x32(h1, load_fragments, l1, nullptr, lane);
 }
 #endif
@@ -692,15 +692,16 @@ LOPT_DEVICE void first_layer(float h1[2][4][4], const float x[SFC_NUM_FEATURES],
 // layer 2's B operand in shared memory, or (mode 2) a RegisterOperand; b2: its bias as quads (BiasQuads;
 // with the first layer's bias on its inputs, no register copies of an addend: fewer instructions per
 // chunk, docs/performance.md §2);
-// use_quads, slow_quads, fast_words_in_tile: first_layer's.
+// use_quads, shared_quads, per_element_words_in_tile: first_layer's.
 template <typename Layer2Operand>
 LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float2* outputs, const float* l1,
-                             bool use_quads, const float4* slow_quads, bool fast_words_in_tile, const Layer2Operand& l2,
-                             BiasQuads b2, const float* w3, const uint2* w3_operand, const float* b3) {
+                             bool use_quads, const float4* shared_quads, bool per_element_words_in_tile,
+                             const Layer2Operand& l2, BiasQuads b2, const float* w3, const uint2* w3_operand,
+                             const float* b3) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   __syncwarp();  // the previous chunk's reads of this warp's tile and outputs are done
   float h1[2][4][4];
-  first_layer(h1, x, tile, l1, use_quads, slow_quads, fast_words_in_tile, lane);
+  first_layer(h1, x, tile, l1, use_quads, shared_quads, per_element_words_in_tile, lane);
   // Layer 2: its A fragments are layer 1's accumulators after the ReLU.
   float h2[2][4][4];
   // (Read straight from the registers: parking them in the tile instead saves registers but measured
@@ -743,13 +744,13 @@ LOPT_DEVICE float2 mlp_chunk(const float x[SFC_NUM_FEATURES], float* tile, float
 
 
 // Where a factored tensor's elements read their table entries, by role (TensorMeta's entry offsets
-// into the tables): the whole entries, and for the fast one (SFC_PACKED_ENTRIES) its compact factors
+// into the tables): the whole entries, and for the per-element one (SFC_PACKED_ENTRIES) its compact factors
 // and packed table features.
 struct TensorEntries {
-  const float* slow;
-  const float* fast;
-  const float4* fast_factors;
-  const uint4* fast_packed;
+  const float* shared;
+  const float* per_element;
+  const float4* per_element_factors;
+  const uint4* per_element_packed;
 };
 struct FactorTables {
   const float* row_table;
@@ -768,62 +769,64 @@ LOPT_DEVICE TensorEntries tensor_entries(const TensorMeta& t, const FactorTables
 
 
 // The apply pass's element features: element_features's, with a factored tensor's two entries read
-// by role (slow: indexed by the position without axis b; fast: without axis a) and handed to
-// per_element_features in the places of (R, C), so that x[13 ...] hold the slow entry's values
+// by role (shared: indexed by the position without axis b; per-element: without axis a) and handed to
+// per_element_features in the places of (R, C), so that x[13 ...] hold the shared entry's values
 // whatever the tensor (first_layer_input's order); the factors keep their R and C roles, so the
-// factored features' products stay in the reference's order. slow_entries / fast_entries: the
-// tensor's first entry of each (TensorEntries). slow_entry: the element's slow index (-1 where the
+// factored features' products stay in the reference's order. entries: the tensor's first entry of
+// each role (TensorEntries). shared_entry: the index of the element's shared entry (-1 where the
 // tensor is not factored). shifts: the tensor's feature shifts (SFC_FOLDED_SHIFTS), applied to the
 // values of rms and V (the tables' R and C values come shifted). tile_row (mode 2): the thread's row of
 // its warp's feature tile: for a factored tensor (SFC_PACKED_ENTRIES), its k-step 2 (inputs 16 ... 23)
-// is the fast entry's packed_entry_inputs, copied here (x[16 ... 18] and x[22 ... 24], its values as
+// is the per-element entry's packed_entry_inputs, copied here (x[16 ... 18] and x[22 ... 24], its values as
 // floats, are then zeros that nothing reads).
 // (Held in registers until first_layer, packed words made the pass spill; the warp's reads of the
 // previous chunk's tile are done, as mlp_chunk ends past a __syncwarp.)
 template <bool Streamed>
 LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays& decays, float inverse_scale,
                                         float clip_factor, const TensorEntries& entries, const float* shifts,
-                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& slow_entry,
+                                        float x[SFC_NUM_FEATURES], ElementState& s, float& param, i64& shared_entry,
                                         uint4* tile_row) {
   IssuedElement issued = issue_element_loads<Streamed>(t, e);
 #if SFC_PACKED_ENTRIES
-  // The fast entry's reads (from L2) go out while the element's (from DRAM) are in flight, ahead of
+  // The per-element entry's reads (from L2) go out while the element's (from DRAM) are in flight, ahead of
   // any use of them: else the first use waits out the DRAM latency and the entry's L2 latency follows.
   i64 without_a = 0, without_b = 0;
-  float4 fast_factors = make_float4(0.f, 0.f, 0.f, 0.f);
-  uint4 fast_words = make_uint4(0u, 0u, 0u, 0u);
+  float4 per_element_factors = make_float4(0.f, 0.f, 0.f, 0.f);
+  uint4 per_element_words = make_uint4(0u, 0u, 0u, 0u);
   if (t.factored) {
     split_factored_index(t, e, without_a, without_b);
-    fast_factors = __ldg(entries.fast_factors + without_a);
-    fast_words = __ldg(entries.fast_packed + without_a);
+    per_element_factors = __ldg(entries.per_element_factors + without_a);
+    per_element_words = __ldg(entries.per_element_packed + without_a);
   }
   hold_uses_until_here(issued);
 #endif
   const float unclipped_grad = finish_element(t, issued, inverse_scale, param, s);
-  slow_entry = -1;
+  shared_entry = -1;
   float grad;
   features_of_loaded(t, decays, clip_factor, unclipped_grad, param, s, x, grad, [&](FactorEntry& row, FactorEntry& col) {
 #if !SFC_PACKED_ENTRIES
     i64 without_a, without_b;
     split_factored_index(t, e, without_a, without_b);
 #endif
-    slow_entry = without_b;
-    const bool slow_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
-    const FactorEntry slow = read_factor_entry(entries.slow, without_b);  // (a warp mostly shares it)
+    shared_entry = without_b;
+    const bool shared_is_col = t.d0_is_a != 0;  // R drops axis d0: R's index is the one without b where d0 is b
+    const FactorEntry shared = read_factor_entry(entries.shared, without_b);  // (a warp mostly shares it)
 #if SFC_PACKED_ENTRIES
-    // Only the fast entry's factors as floats; its features straight into the tile, packed.
-    tile_row[2] = fast_words;
-    FactorEntry fast{};
-    fast.factor[0] = fast_factors.x; fast.factor[1] = fast_factors.y; fast.factor[2] = fast_factors.z;
+    // Only the per-element entry's factors as floats; its features straight into the tile, packed.
+    tile_row[2] = per_element_words;
+    FactorEntry per_element{};
+    per_element.factor[0] = per_element_factors.x;
+    per_element.factor[1] = per_element_factors.y;
+    per_element.factor[2] = per_element_factors.z;
 #else
-    const FactorEntry fast = read_factor_entry(entries.fast, without_a);
+    const FactorEntry per_element = read_factor_entry(entries.per_element, without_a);
 #endif
-    row = slow;
-    col = fast;
+    row = shared;
+    col = per_element;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
-      row.factor[k] = slow_is_col ? fast.factor[k] : slow.factor[k];
-      col.factor[k] = slow_is_col ? slow.factor[k] : fast.factor[k];
+      row.factor[k] = shared_is_col ? per_element.factor[k] : shared.factor[k];
+      col.factor[k] = shared_is_col ? shared.factor[k] : per_element.factor[k];
     }
   });
   x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], shifts[0]);
@@ -833,19 +836,20 @@ LOPT_DEVICE void apply_element_features(const TensorMeta& t, i64 e, const Decays
   }
 }
 
-// The exact mode's first layer for a warp whose 32 elements share their slow entry: the slow inputs'
+// The exact mode's first layer for a warp whose 32 elements all read one shared entry: the shared inputs'
 // share of the layer, W1'[:, 24 ... 29] times the entry's values, is the same vector for all 32, formed
 // once per entry (lane n: unit n, six float32 products) into the warp's quads (BiasQuads layout),
 // which the layer then takes as its addend in place of inputs 24 ... 31 (one k-step fewer: 112 -> 96
 // MMAs per 32 elements). A warp's 32 elements (32 consecutive ones from a multiple of 32) share it
-// in every tensor laid out (outer, a, mid, b) with b a multiple of 32 (shares_slow_entries: linear
+// in every tensor laid out (outer, a, mid, b) with b a multiple of 32 (warps_share_entries: linear
 // layers' weights, embeddings); other tensors multiply all 32 inputs.
-LOPT_DEVICE bool shares_slow_entries(const TensorMeta& t) { return t.factored && t.inner == 1 && t.b % 32 == 0; }
-LOPT_DEVICE void write_slow_quads(float4* quads, const float* slow_weights, const float x[SFC_NUM_FEATURES], int lane) {
+LOPT_DEVICE bool warps_share_entries(const TensorMeta& t) { return t.factored && t.inner == 1 && t.b % 32 == 0; }
+LOPT_DEVICE void write_shared_quads(float4* quads, const float* shared_input_weights, const float x[SFC_NUM_FEATURES],
+                                    int lane) {
   float v = 0.f;
 #pragma unroll
-  for (int i = 0; i < SFC_SLOW_INPUTS; ++i)
-    v = fmaf(slow_weights[i * SFC_HIDDEN + lane], first_layer_input(x, SFC_SLOW_INPUTS_FIRST + i), v);
+  for (int i = 0; i < SFC_SHARED_INPUTS; ++i)
+    v = fmaf(shared_input_weights[i * SFC_HIDDEN + lane], first_layer_input(x, SFC_SHARED_INPUTS_FIRST + i), v);
   float* q = reinterpret_cast<float*>(quads);
   const int quad = 4 * (lane / 8) + (lane % 8) / 2, component = lane % 2;  // unit lane = 8c + 2t + component
   q[4 * quad + component] = v;
@@ -893,11 +897,11 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
   uint2* const w3_operand = nullptr;
 #endif
   __shared__ __align__(16) float feature_tiles[SFC_APPLY_WARPS][32][SFC_TILE_ROW_FLOATS];
-#if SFC_SLOW_VECTORS
-  __shared__ float slow_weights[SFC_SLOW_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the slow inputs
-  __shared__ float4 slow_quads[SFC_APPLY_WARPS][16];             // each warp's current slow vector
-  __shared__ bool slow_vectors;                                  // shares_slow_entries
-  i64 quads_entry = -1;  // the slow entry this warp's quads hold (the same in every lane)
+#if SFC_SHARED_VECTORS
+  __shared__ float shared_input_weights[SFC_SHARED_INPUTS * SFC_HIDDEN];  // the tensor's W1' of the shared inputs
+  __shared__ float4 shared_quads[SFC_APPLY_WARPS][16];                   // each warp's current shared vector
+  __shared__ bool shared_vectors;                                        // warps_share_entries
+  i64 quads_entry = -1;  // the shared entry this warp's quads hold (the same in every lane)
 #endif
   __shared__ TensorEntries entries;
   __shared__ float feature_shifts[SFC_SHIFTABLE_FEATURES];
@@ -937,9 +941,9 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
       for (int k = threadIdx.x; k < SFC_OPERAND_32x32; k += SFC_APPLY_THREADS) l1[k] = f[k];
       if (threadIdx.x < SFC_SHIFTABLE_FEATURES) feature_shifts[threadIdx.x] = f[SFC_FOLDED_SHIFTS + threadIdx.x];
-#if SFC_SLOW_VECTORS
-      for (int k = threadIdx.x; k < SFC_SLOW_INPUTS * SFC_HIDDEN; k += SFC_APPLY_THREADS)
-        slow_weights[k] = f[SFC_FOLDED_SLOW + k];
+#if SFC_SHARED_VECTORS
+      for (int k = threadIdx.x; k < SFC_SHARED_INPUTS * SFC_HIDDEN; k += SFC_APPLY_THREADS)
+        shared_input_weights[k] = f[SFC_FOLDED_SHARED + k];
       quads_entry = -1;
 #endif
       if (threadIdx.x == 0) {
@@ -947,8 +951,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
         group = read_apply_scalars(groups[meta.group]);
         clip_factor = tensor_clip_factor(clip_factors, tensor);
         entries = tensor_entries(meta, FactorTables{row_table, col_table, row_factors, col_factors, row_packed, col_packed});
-#if SFC_SLOW_VECTORS
-        slow_vectors = shares_slow_entries(meta);
+#if SFC_SHARED_VECTORS
+        shared_vectors = warps_share_entries(meta);
 #endif
       }
       __syncthreads();
@@ -962,22 +966,22 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
       // the warp's MLP) and writes nothing: no branch, and no zeroed features to merge.
       float x[SFC_NUM_FEATURES], param;
       ElementState state;
-      i64 slow_entry;
+      i64 shared_entry;
       const int warp = threadIdx.x / 32;
       uint4* const tile_row = reinterpret_cast<uint4*>(&feature_tiles[warp][threadIdx.x % 32][0]);  // (mode 2)
       apply_element_features<kStreamed>(chunk_meta, valid ? index : chunk_meta.numel - 1, group.decays, inverse_scale,
-                                                 clip_factor, entries, feature_shifts, x, state, param, slow_entry,
+                                                 clip_factor, entries, feature_shifts, x, state, param, shared_entry,
                                                  tile_row);
       if (valid) store_element_state<kStreamed>(chunk_meta, index, state);  // (they do not depend on the MLP)
-#if SFC_SLOW_VECTORS
-      // (Both tests give every lane of the warp the same answer: slow_vectors is the block's, and the
-      // warp's elements share slow_entry.)
-      if (slow_vectors && slow_entry != quads_entry) {
-        write_slow_quads(slow_quads[warp], slow_weights, x, threadIdx.x % 32);
-        quads_entry = slow_entry;
+#if SFC_SHARED_VECTORS
+      // (Both tests give every lane of the warp the same answer: shared_vectors is the block's, and the
+      // warp's elements have the same shared_entry.)
+      if (shared_vectors && shared_entry != quads_entry) {
+        write_shared_quads(shared_quads[warp], shared_input_weights, x, threadIdx.x % 32);
+        quads_entry = shared_entry;
       }
-      const float4* const warp_quads = slow_quads[warp];
-      const bool use_quads = slow_vectors;
+      const float4* const warp_quads = shared_quads[warp];
+      const bool use_quads = shared_vectors;
 #else
       const float4* const warp_quads = nullptr;
       const bool use_quads = false;

@@ -91,7 +91,7 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
 
 # LOPT_SPLIT_MODE -> (TF32, BF16, FP16) MMAs of the MLP in the kernel's code, per n-tile and m-tile (4 x 2):
 # exact (mode 0), layer 1 a TF32 and a BF16 product per k-step, in two versions (4 k-steps, and 3 for
-# warps whose elements share their slow entry), layer 2 three FP16 products per 16-deep step (2); one
+# warps whose elements all read one shared entry), layer 2 three FP16 products per 16-deep step (2); one
 # BF16 product per two k-steps (mode 2, precision="fast"), whose output layer adds 2 16-deep steps x 2
 # m-tiles of FP16. The apply pass has two copies of its chunk code (the general one and the common
 # tensor's, is_common_tensor), so each count appears twice.

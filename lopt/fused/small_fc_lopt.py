@@ -60,7 +60,7 @@ def kernel_defines(precision: str, geometry: MLPGeometry) -> tuple:
 
 def folded_floats(geometry: MLPGeometry) -> int:
     """Floats of one tensor's folded first layer (the fold's output; SFC_FOLDED in the kernels): on tensor
-    cores its operand, the 6 slow inputs' weights and the feature shifts; else W1' (hidden x 28), b1' and
+    cores its operand, the 6 shared-entry inputs' weights and the feature shifts; else W1' (hidden x 28), b1' and
     the shifts."""
     if geometry == TENSOR_CORE_GEOMETRY:
         return OPERAND_32x32 + 6 * geometry.hidden + 8
