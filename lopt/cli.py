@@ -34,20 +34,24 @@ def _cmd_info(args) -> int:
         print(f"  {name}: naive available; fused {'available' if reason is None else 'unavailable: ' + reason}")
     print("registered weights:")
     for name, entry in weights_lib.registered_weights().items():
-        repos = ", ".join(f"{c.repo_id}@{c.revision}" for c in entry.components.values())
+        repos = ", ".join(c.location() for c in entry.components.values())
         print(f"  {name} [{entry.architecture}] {repos}: {weights_lib.cached_status(name)}")
     return 0
 
 
 def _cmd_weights(args) -> int:
     if args.weights_command == "list":
-        print("name\tarchitecture\thub repo@revision\tcache\tdescription")
+        print("name\tarchitecture\tsource\tcache\tdescription")
         for name, entry in weights_lib.registered_weights().items():
-            repos = ", ".join(f"{c.repo_id}@{c.revision}" for c in entry.components.values())
+            repos = ", ".join(c.location() for c in entry.components.values())
             print(f"{name}\t{entry.architecture}\t{repos}\t{weights_lib.cached_status(name)}\t{entry.description}")
         return 0
     if args.weights_command == "download":
         directories = weights_lib.download(args.name, force=args.force)
+        entry = weights_lib.registered_weights().get(args.name)
+        if entry is not None and all(c.shipped for c in entry.components.values()):
+            print(f"{args.name} ships with lopt: nothing to download (files checked: {', '.join(map(str, directories))})")
+            return 0
         for directory in directories:
             print(directory)
         return 0

@@ -5,7 +5,8 @@ to an optimizer as float32 tensors:
 
 * The **registry** (``weights/registry.json``, shipped as ``lopt._registry``) names each
   *architecture* (its components, their ``config.json`` and the exact tensor names and shapes) and
-  each *published weight set* (hub repository, revision, file sizes and sha256 where known).
+  each *published weight set* (hub repository, revision, file sizes and sha256 where known), or
+  a weight set that *ships with lopt* (``path``: a directory beside the registry, read offline).
 * ``load_weights(source, architecture)`` accepts a registered name, a hub repo id
   (``owner/name`` or ``owner/name@revision``), a local directory in PyLO's hub layout
   (``config.json`` + ``model.safetensors``, as ``PyTorchModelHubMixin.save_pretrained`` writes
@@ -49,10 +50,12 @@ def warn_if_untrained(weights: "MetaWeights", owner: str, *, stacklevel: int = 4
     if not weights.pretrained:
         import warnings
 
+        shipped = shipped_weights(weights.architecture)
+        offline = f" (or pass weights={shipped[0]!r}, shipped with lopt: it trains offline)" if shipped else ""
         warnings.warn(
             f"{owner}: the meta-weights are untrained ({weights.source}): its steps can be timed, but it does not "
-            f"train a model. Leave weights= out for the published {weights.architecture} weights; where untrained "
-            f"weights are intended, silence this with "
+            f"train a model. Leave weights= out for the published {weights.architecture} weights{offline}; where "
+            f"untrained weights are intended, silence this with "
             f"warnings.filterwarnings('ignore', category=lopt.UntrainedWeightsWarning)",
             UntrainedWeightsWarning, stacklevel=stacklevel)
 
@@ -107,9 +110,25 @@ class ArchitectureSpec:
 
 @dataclass(frozen=True)
 class PublishedComponent:
-    repo_id: str
+    """Where one network of a registered weight set lives: a hub repository, or (``path``) a directory
+    shipped inside lopt itself, relative to the registry (``weights/``, installed as ``lopt/_registry``)."""
+
+    repo_id: str | None
     revision: str
     files: dict  # file name -> {"size": int, "sha256": str} or None when unknown
+    path: str | None = None  # shipped with lopt: read from the package, never from the hub
+
+    @property
+    def shipped(self) -> bool:
+        return self.path is not None
+
+    def directory(self) -> Path:
+        """The shipped files' directory (``path`` under the registry's directory)."""
+        return _registry_dir() / self.path
+
+    def location(self) -> str:
+        """``repo_id@revision``, or ``lopt/_registry/PATH (ships with lopt)``."""
+        return f"lopt/_registry/{self.path} (ships with lopt)" if self.shipped else f"{self.repo_id}@{self.revision}"
 
 
 @dataclass(frozen=True)
@@ -120,11 +139,23 @@ class RegisteredWeights:
     components: dict  # component name -> PublishedComponent
 
 
-def _read_registry_file() -> dict:
-    """weights/registry.json: shipped in an installed package as lopt/_registry, else read from the source tree."""
+def _registry_dir() -> Path:
+    """weights/: shipped in an installed package as lopt/_registry, else the source tree's (an editable install)."""
     package = Path(__file__).resolve().parent
-    installed = package / "_registry" / "registry.json"
-    return json.loads((installed if installed.is_file() else package.parent / "weights" / "registry.json").read_text())
+    installed = package / "_registry"
+    return installed if (installed / "registry.json").is_file() else package.parent / "weights"
+
+
+def _read_registry_file() -> dict:
+    """weights/registry.json (see :func:`_registry_dir`)."""
+    return json.loads((_registry_dir() / "registry.json").read_text())
+
+
+def _parse_component(where: str, comp: dict) -> PublishedComponent:
+    if ("repo_id" in comp) == ("path" in comp):
+        raise WeightsError(f"weights/registry.json: {where} needs exactly one of repo_id (the hub) and path (shipped "
+                           f"with lopt)")
+    return PublishedComponent(comp.get("repo_id"), comp.get("revision", "main"), dict(comp["files"]), comp.get("path"))
 
 
 def _parse_registry(data: dict) -> tuple[dict, dict]:
@@ -143,10 +174,8 @@ def _parse_registry(data: dict) -> tuple[dict, dict]:
         architectures[arch_name] = ArchitectureSpec(arch_name, arch.get("description", ""), components)
     published = {}
     for name, entry in data["weights"].items():
-        components = {
-            comp_name: PublishedComponent(comp["repo_id"], comp.get("revision", "main"), dict(comp["files"]))
-            for comp_name, comp in entry["components"].items()
-        }
+        components = {comp_name: _parse_component(f"{name}/{comp_name}", comp)
+                      for comp_name, comp in entry["components"].items()}
         published[name] = RegisteredWeights(name, entry["architecture"], entry.get("description", ""), components)
     return architectures, published
 
@@ -167,8 +196,14 @@ def architecture(name: str) -> ArchitectureSpec:
 
 
 def registered_weights() -> dict[str, RegisteredWeights]:
-    """The registered (published) weight sets, by name."""
+    """The registered (published or shipped) weight sets, by name."""
     return dict(_REGISTERED)
+
+
+def shipped_weights(architecture_name: str) -> list[str]:
+    """The registered weight sets of ``architecture_name`` whose files ship with lopt (they load offline)."""
+    return [name for name, entry in _REGISTERED.items() if entry.architecture == architecture_name
+            and all(c.shipped for c in entry.components.values())]
 
 
 def register_weights(entry: RegisteredWeights, *, overwrite: bool = False) -> None:
@@ -273,11 +308,12 @@ def load_weights(source: WeightsSource, architecture_name: str, *, verify_checks
     """
     spec = architecture(architecture_name)
     if source is None:
-        published = sorted(n for n, r in _REGISTERED.items() if r.architecture == architecture_name)
+        registered = sorted(n for n, r in _REGISTERED.items() if r.architecture == architecture_name)
+        published = [n for n in registered if n not in shipped_weights(architecture_name)]
         default = f" ({published[0]!r})" if published else ""
         raise WeightsError(
             f"weights=None: {architecture_name} needs meta-weights. Leave weights out for the published ones{default}, "
-            f"or pass\n  a registered name ({published}), a hub repo id {REPO_ID_FORM}, a local directory with "
+            f"or pass\n  a registered name ({registered}), a hub repo id {REPO_ID_FORM}, a local directory with "
             f"{CONFIG_FILE} + {WEIGHTS_FILE},\n  a .safetensors file, or lopt.random_weights({architecture_name!r}) "
             f"(untrained, for timing only)")
     if isinstance(source, MetaWeights):
@@ -343,10 +379,29 @@ def _load_registered(entry: RegisteredWeights, spec: ArchitectureSpec, verify_ch
         )
     loaded = {}
     for comp_name, published in entry.components.items():
-        directory = _download_component(entry.name, published, verify_checksum, architecture_name=spec.name)
+        if published.shipped:
+            directory = _shipped_component(entry.name, published, verify_checksum)
+        else:
+            directory = _download_component(entry.name, published, verify_checksum, architecture_name=spec.name)
         loaded[comp_name] = _load_component(spec.components[comp_name], directory)
-    source = ", ".join(f"{p.repo_id}@{p.revision}" for p in entry.components.values())
+    source = ", ".join(p.location() for p in entry.components.values())
     return _assemble(spec, loaded, f"{entry.name} ({source})")
+
+
+def _shipped_component(label: str, published: PublishedComponent, verify_checksum: bool) -> Path:
+    """The directory of a component that ships with lopt, its files checked against the registry."""
+    directory = published.directory()
+    for filename, expected in published.files.items():
+        local = directory / filename
+        if not local.is_file():
+            raise WeightsError(f"{local} is missing: {label!r} ships with lopt, but this installation lacks its "
+                               f"files; reinstall lopt")
+        if verify_checksum and expected:
+            size, sha = local.stat().st_size, (_sha256(local) if expected.get("sha256") else None)
+            if ("size" in expected and size != expected["size"]) or (sha is not None and sha != expected["sha256"]):
+                raise WeightsError(f"{local} ({size} bytes, sha256 {sha}) is not the file registered for {label!r} "
+                                   f"({expected.get('size')} bytes, sha256 {expected.get('sha256')}); reinstall lopt")
+    return directory
 
 
 REPO_ID_FORM = "owner/name[@revision]"
@@ -549,6 +604,9 @@ def _fix_lines(label: str, architecture_name: str | None, *, offline: bool) -> s
              f"or pass weights=<a local directory with {CONFIG_FILE} + {WEIGHTS_FILE}, or a .safetensors file>"]
     if not offline:
         lines.append("once the cache is filled, set HF_HUB_OFFLINE=1: lopt then reads it without trying the network")
+    shipped = shipped_weights(architecture_name) if architecture_name else []
+    if shipped:
+        lines.append(f"or weights={shipped[0]!r}: lopt's own meta-trained weights, shipped with it, train offline")
     lines.append(f"for timing only: weights=lopt.random_weights({arch}) (untrained: it does not train)")
     return "Fix:\n" + "\n".join(f"  - {line}" for line in lines)
 
@@ -722,13 +780,15 @@ def _identify_networks(source) -> tuple[list[tuple[str, str]], list[str]]:
 def download(source: str, *, force: bool = False) -> list[Path]:
     """Download weights into the Hugging Face cache (or check they are there); return their directories.
 
-    ``source`` is a registered name (every network of the set is fetched, checksums verified) or a
-    hub repo id ``owner/name[@revision]`` (its config.json and model.safetensors are fetched and
-    must hold one of the networks lopt knows). ``force`` downloads again even if cached.
+    ``source`` is a registered name (every network of the set is fetched, checksums verified; a set
+    that ships with lopt is only checked, nothing is downloaded) or a hub repo id
+    ``owner/name[@revision]`` (its config.json and model.safetensors are fetched and must hold one of
+    the networks lopt knows). ``force`` downloads again even if cached.
     """
     if source in _REGISTERED:
         entry = _REGISTERED[source]
-        directories = [_download_component(source, published, verify_checksum=True, force=force,
+        directories = [_shipped_component(source, published, verify_checksum=True) if published.shipped else
+                       _download_component(source, published, verify_checksum=True, force=force,
                                            architecture_name=entry.architecture)
                        for published in entry.components.values()]
         load_weights(source, entry.architecture)  # validates names and shapes too
@@ -748,14 +808,21 @@ def download(source: str, *, force: bool = False) -> list[Path]:
 
 
 def cached_status(name: str) -> str:
-    """'cached', 'partly cached' or 'not cached' for a registered weight set (no network access)."""
+    """'cached', 'partly cached' or 'not cached' for a registered weight set (no network access); 'shipped'
+    for one whose files ship with lopt ('shipped, files missing' for a damaged installation)."""
     from huggingface_hub import try_to_load_from_cache
 
     entry = _REGISTERED[name]
+    if all(p.shipped for p in entry.components.values()):
+        present = all((p.directory() / f).is_file() for p in entry.components.values() for f in p.files)
+        return "shipped" if present else "shipped, files missing"
     found = total = 0
     for published in entry.components.values():
         for filename in published.files:
             total += 1
+            if published.shipped:
+                found += (published.directory() / filename).is_file()
+                continue
             hit = try_to_load_from_cache(published.repo_id, filename, revision=published.revision)
             found += isinstance(hit, str)
     return "cached" if found == total else ("partly cached" if found else "not cached")

@@ -56,7 +56,7 @@ def test_weights_list_shows_cache_status(capsys, offline_hub, tmp_path):
     code, out, _ = run(capsys, "weights", "list")
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[0] == "name\tarchitecture\thub repo@revision\tcache\tdescription"
+    assert lines[0] == "name\tarchitecture\tsource\tcache\tdescription"
     rows = {line.split("\t")[0]: line.split("\t") for line in lines[1:]}
     assert rows["small_fc_lopt"][2:4] == ["btherien/mulo@main", "cached"]
     assert rows["velo"][3] == "not cached"

@@ -195,6 +195,7 @@ def test_not_cached_and_offline_names_the_repo_and_the_fix(offline_hub):
     fix = (r"HF_HUB_OFFLINE is set and the file is not in the cache \(.*\)\.\nFix:\n"
            r"  - run `lopt weights download small_fc_lopt` on a machine with internet and copy its HF cache \(HF_HOME\) here\n"
            r"  - or pass weights=<a local directory with config\.json \+ model\.safetensors, or a \.safetensors file>\n"
+           r"  - or weights='lopt-small_fc-tiny': lopt's own meta-trained weights, shipped with it, train offline\n"
            r"  - for timing only: weights=lopt\.random_weights\('small_fc_lopt'\) \(untrained: it does not train\)$")
     with pytest.raises(WeightsError, match=r"cannot get .* of 'small_fc_lopt' from the Hugging Face hub repo btherien/mulo@main: " + fix):
         load_weights("small_fc_lopt", ARCH)
@@ -349,10 +350,11 @@ def test_optimizers_warn_once_at_construction_that_random_weights_are_untrained(
         untrained = [w for w in caught if issubclass(w.category, lopt.UntrainedWeightsWarning)]
         assert len(untrained) == 1, [str(w.message) for w in caught]
         assert untrained[0].filename == __file__  # points at the line that built the optimizer
+        offline = " (or pass weights='lopt-small_fc-tiny', shipped with lopt: it trains offline)" if name == ARCH else ""
         assert str(untrained[0].message) == (
             f"{type(opt).__name__}: the meta-weights are untrained (random (seed 3)): its steps can be timed, but it "
-            f"does not train a model. Leave weights= out for the published {name} weights; where untrained weights "
-            f"are intended, silence this with warnings.filterwarnings('ignore', category=lopt.UntrainedWeightsWarning)")
+            f"does not train a model. Leave weights= out for the published {name} weights{offline}; where untrained "
+            f"weights are intended, silence this with warnings.filterwarnings('ignore', category=lopt.UntrainedWeightsWarning)")
         # weights from a file are taken as trained (nothing says otherwise): no warning
         directory = lopt.random_weights(name, seed=3).save(
             tmp_path / name if name == ARCH else {"rnn": tmp_path / "rnn", "mlp": tmp_path / "mlp"})
@@ -523,7 +525,7 @@ def test_paths_that_are_directories_where_files_belong(tmp_path):
 
 def test_weights_none_or_another_type_says_what_to_pass():
     with pytest.raises(WeightsError, match=r"^weights=None: small_fc_lopt needs meta-weights\. Leave weights out for the "
-                                           r"published ones \('small_fc_lopt'\), or pass\n  a registered name \(\['small_fc_lopt'\]\), "
+                                           r"published ones \('small_fc_lopt'\), or pass\n  a registered name \(\['lopt-small_fc-tiny', 'small_fc_lopt'\]\), "
                                            r"a hub repo id owner/name\[@revision\], a local directory with config\.json \+ "
                                            r"model\.safetensors,\n  a \.safetensors file, or lopt\.random_weights\('small_fc_lopt'\) "
                                            r"\(untrained, for timing only\)$"):

@@ -350,5 +350,7 @@ def test_the_quick_start_fails_fast_and_says_what_to_do_when_the_hub_is_unreacha
             f"  - run `lopt weights download {name}` on a machine with internet and copy its HF cache (HF_HOME) here",
             "  - or pass weights=<a local directory with config.json + model.safetensors, or a .safetensors file>",
             "  - once the cache is filled, set HF_HUB_OFFLINE=1: lopt then reads it without trying the network",
+            *(["  - or weights='lopt-small_fc-tiny': lopt's own meta-trained weights, shipped with it, train offline"]
+              if name == "small_fc_lopt" else []),
             f"  - for timing only: weights=lopt.random_weights('{name}') (untrained: it does not train)"]
         assert max(len(line) for line in fixes) < 120
