@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -421,6 +422,8 @@ def main(argv=None) -> int:
         print(f"lopt: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        # A second interrupt (another Ctrl-C) must not cut the clean-up short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         removed = _remove_created_outputs(args)
         print(f"lopt {args.command}: interrupted" + (f"; removed {', '.join(removed)}" if removed else ""),
               file=sys.stderr)

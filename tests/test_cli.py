@@ -318,7 +318,11 @@ def test_ctrl_c_in_a_running_bench_exits_130_without_a_traceback(tmp_path, offli
 
     env = dict(__import__("os").environ, **offline_hub.env(), PYTHONUNBUFFERED="1")
     output = tmp_path / "out" / "r.json"
-    process = subprocess.Popen([sys.executable, "-m", "lopt.cli", "bench", "--device", "cpu", "--optimizer", "small_fc_lopt",
+    # As the `lopt` console script runs it (import lopt.cli, sys.exit(main())), with Python's own SIGINT handler:
+    # a process started in the background inherits an ignored SIGINT, which Python then leaves ignored.
+    entry = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "from lopt.cli import main; sys.exit(main())")
+    process = subprocess.Popen([sys.executable, "-c", entry, "bench", "--device", "cpu", "--optimizer", "small_fc_lopt",
                                 "--params", "tiny-lm", "--backends", "naive", "--no-adamw", "--steps", "100000",
                                 "--quiet", "--json", str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)
@@ -329,7 +333,11 @@ def test_ctrl_c_in_a_running_bench_exits_130_without_a_traceback(tmp_path, offli
                 break
         time.sleep(0.5)
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=30)
+        try:
+            _, err = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:  # (an interrupt that native code swallowed: a user presses Ctrl-C again)
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             process.kill()

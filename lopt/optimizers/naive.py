@@ -91,13 +91,15 @@ class NaiveEngine:
     optimizer's ``_naive_step``; the naive backend has no fast check and nothing planned to forget."""
 
     def __init__(self, optimizer):
-        self.optimizer = weakref.proxy(optimizer)  # (the optimizer owns its engine: no reference cycle)
+        # (the optimizer owns its engine: a weak reference, no cycle; a weakref.ref, which torch.compile
+        # traces, where a weakref.proxy would break the compiled step's graph)
+        self._optimizer = weakref.ref(optimizer)
 
     def checked_gradients(self, grad_scale=None, found_inf=None):
         return None  # (the general check: _check_gradients)
 
     def step(self, inputs, *args) -> None:
-        self.optimizer._naive_step(inputs, *args)
+        self._optimizer()._naive_step(inputs, *args)
 
     def invalidate(self) -> None:
         pass
