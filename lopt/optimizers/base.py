@@ -511,6 +511,21 @@ class LearnedOptimizer(NaivePhases, Optimizer):
 
         return non_dense_parameter(self._all_params())
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimisation step. ``closure`` (optional) re-evaluates the model and returns the loss.
+
+        The phases (check, then the engine's accumulate, statistics, reduce, control and apply) are the same
+        for every optimizer that does not need the loss; one that does (VeLO) overrides this."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # (under the caller's autocast, if any: it runs the model)
+        with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
+            inputs = self._checked_inputs()
+            self.engine.step(inputs)
+        return loss
+
     def _make_fused_engine(self):
         """The registry's fused engine for this optimizer (``lopt.registry``)."""
         engine = registry.entry_for(self).fused_engine_class

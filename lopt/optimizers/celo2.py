@@ -11,7 +11,7 @@ import torch
 from lopt import distributed
 from lopt.distributed import SumPacket, is_dtensor
 from lopt.optimizers.base import (DECAY_OFFSET_COUNTS, LearnedOptimizer, _check_counter, _check_scalar, _is_real_number,
-                                  _saved_positions, float32_math)
+                                  _saved_positions)
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
@@ -181,18 +181,6 @@ class _CELO2Family(LearnedOptimizer):
         return reference.global_norm(split + torch.where(same_tensors, local_whole, total_whole))
 
     # ------------------------------------------------------------------ the step
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform one optimisation step. ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # (under the caller's autocast, if any: it runs the model)
-        with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
-            inputs = self._checked_inputs()
-            self.engine.step(inputs)  # (naive: lopt has no fused CELO2 kernels yet)
-        return loss
 
     def _naive_step(self, inputs) -> None:
         """The naive backend (docs/celo2.md §3): check (with the global norm's sums), gradient clipping,

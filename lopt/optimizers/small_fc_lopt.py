@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from lopt.distributed import SumPacket
-from lopt.optimizers.base import LearnedOptimizer, float32_math
+from lopt.optimizers.base import LearnedOptimizer
 from lopt.reference import small_fc_lopt as reference
 
 PRECISIONS = ("exact", "fast")
@@ -126,18 +126,6 @@ class SmallFCLOpt(LearnedOptimizer):
         if max_grad_norm is not None and not (_is_positive_number(max_grad_norm)):
             raise ValueError(f"{type(self).__name__}: invalid {where}: max_grad_norm must be a finite number > 0 "
                              f"or None, got {max_grad_norm!r}")
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform one optimisation step. ``closure`` (optional) re-evaluates the model and returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # (under the caller's autocast, if any: it runs the model)
-        with float32_math():  # the optimizer's own math is float32 whatever the ambient autocast
-            inputs = self._checked_inputs()
-            self.engine.step(inputs)
-        return loss
 
     def _naive_step(self, inputs) -> None:
         """The naive backend, phase by phase over all tensors (``lopt/reference/small_fc_lopt.py`` per
