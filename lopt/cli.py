@@ -211,7 +211,8 @@ def _cmd_bench(args) -> int:
     _check_output_paths(args)
     _check_libraries(args)
 
-    contenders = [c for c in contenders_lib.CONTENDERS if c in (args.backends or contenders_lib.DEFAULT_CONTENDERS)]
+    selected = args.backends or contenders_lib.default_contenders(args.optimizers)
+    contenders = [c for c in contenders_lib.CONTENDERS if c in selected]
     if args.no_adamw and "adamw" in contenders:
         contenders.remove("adamw")
     local = None if args.weights is None else _weights_source(args.weights)
@@ -349,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default: gpt2-medium on CUDA, tiny-lm on the CPU)")
     bench.add_argument("--backends", default=None, type=_name_list(CONTENDERS, "contender"), metavar="C[,C]",
                        help=f"comma-separated contenders: {', '.join(CONTENDERS)} "
-                            f"(default: {','.join(DEFAULT_CONTENDERS)})")
+                            f"(default: {','.join(DEFAULT_CONTENDERS)}, and muon with "
+                            f"{' or '.join(n for n in registry.names() if registry.get(n).orthogonalizes)})")
     bench.add_argument("--steps", metavar="N", type=_at_least(int, 1, "a positive integer"), default=None,
                        help="timed steps (or iterations) per contender, median reported "
                             "(default: 10 on CUDA, 5 on the CPU)")

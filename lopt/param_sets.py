@@ -5,6 +5,9 @@ parameter shapes, listed here as ``(name, shape)`` in the model's own parameter 
 from its config: GPT-2 as ``transformers.GPT2LMHeadModel`` builds it (Conv1D weights are
 ``(in, out)``; the LM head is tied to ``wte``), ViT-B/16 as ``timm``'s ``vit_base_patch16_224``.
 ``lopt bench --mode iteration`` and ``--curves`` build the model itself (``lopt.bench.models``).
+
+:func:`embedding_flags` marks the tensors ``lopt.param_groups_for`` routes to CELO2's AdamW branch on the
+built model, so that ``lopt bench`` routes the bare tensors of step mode as training would.
 """
 
 from __future__ import annotations
@@ -113,6 +116,18 @@ def param_set_shapes(name: str) -> list:
 
 def param_set_numel(name: str) -> int:
     return sum(math.prod(shape) for _, shape in param_set_shapes(name))
+
+
+# Parameters of torch.nn.Embedding modules, whose names do not say "embed" (GPT-2's wte and wpe).
+EMBEDDING_MODULE_PARAMETERS = {"gpt2": ("transformer.wte.weight", "transformer.wpe.weight"),
+                               "toy-lm": ("embedding.weight",)}
+
+
+def embedding_flags(name: str) -> list:
+    """Per tensor of the set (in its order): whether ``lopt.param_groups_for`` puts it in the ``is_embedding``
+    group on the built model (a name containing "embed", or a parameter of an Embedding module)."""
+    modules = EMBEDDING_MODULE_PARAMETERS.get(model_spec(name).family, ())
+    return [tensor in modules or "embed" in tensor for tensor, _ in param_set_shapes(name)]
 
 
 def build_parameters(name: str, device="cpu", dtype=torch.float32, seed: int = 0) -> list:

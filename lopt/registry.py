@@ -32,6 +32,8 @@ class OptimizerEntry:
     (``weights/registry.json``) network description the optimizer loads, ``default_weights`` the
     registered weight set its constructor defaults to. ``required_arguments``: what a constructor
     needs beyond the parameters (e.g. VeLO's ``num_steps``), with a value that tests and benchmarks use.
+    ``orthogonalizes``: its matrix updates are orthogonalised (Newton-Schulz) and ``is_embedding`` groups take
+    its AdamW branch; ``lopt bench`` then adds the ``muon`` yardstick by default and routes embeddings there.
     What the front-end class says itself (``requires_loss``, ``GLOBAL_STATE_KEYS``, ``TENSOR_STATE_KEYS``,
     ``PRECISIONS``) is not repeated here.
     """
@@ -44,6 +46,7 @@ class OptimizerEntry:
     default_weights: str
     description: str
     required_arguments: dict = field(default_factory=dict)
+    orthogonalizes: bool = False
 
     @property
     def front_end_class(self) -> type:
@@ -133,6 +136,7 @@ register(OptimizerEntry(
     default_weights="celo2",
     description="CELO2: a learned per-element MLP step orthogonalised by Newton-Schulz, AdamW for embeddings and "
                 "rank <= 1 (lr is Adam-like: 1e-3)",
+    orthogonalizes=True,
 ))
 register(OptimizerEntry(
     name="elo_celo2",
@@ -143,6 +147,7 @@ register(OptimizerEntry(
     default_weights="elo-celo2",
     description="ELO-CELO2: CELO2 with ELO-trained weights, weight decay 0.1, global clipping at 1.0 and AdamW on "
                 "the shared accumulators (lr is Adam-like: 1e-3)",
+    orthogonalizes=True,
 ))
 register(OptimizerEntry(
     name="elo",

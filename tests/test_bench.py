@@ -552,3 +552,96 @@ def test_no_module_in_lopt_bench_imports_the_optional_libraries_at_import_time()
             "print(sorted(m for m in ('transformers', 'timm', 'matplotlib') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+# ---------------------------------------------------------------------------------------- muon and CELO2's routing
+
+
+def test_muon_is_a_default_contender_of_the_orthogonalising_optimizers_alone():
+    assert {name for name in registry.names() if registry.get(name).orthogonalizes} == {"celo2", "elo_celo2"}
+    assert "muon" in contenders.default_contenders(["small_fc_lopt", "celo2"])
+    assert "muon" in contenders.default_contenders(["elo_celo2"])
+    assert contenders.default_contenders(["small_fc_lopt", "velo"]) == contenders.DEFAULT_CONTENDERS
+
+
+def test_muon_row_is_timed_with_its_overhead_against_adamw():
+    plan = runner.BenchPlan(mode="step", optimizers=["small_fc_lopt"], param_sets=["tiny-lm"],
+                            contenders=["adamw", "muon"], device=torch.device("cpu"),
+                            weights={"small_fc_lopt": lopt.random_weights("small_fc_lopt")}, steps=2, warmup=1,
+                            show_progress=False)
+    plan.availability = runner.probe_availability(plan)
+    results, _ = runner.run_benchmarks(plan)
+    muon = next(r for r in results if r.optimizer == "muon")
+    adamw = next(r for r in results if r.optimizer == "adamw")
+    assert muon.contender == "muon" and muon.backend == "muon+adamw-foreach" and muon.ms_per_step > 0
+    assert muon.overhead_vs_adamw == pytest.approx(100 * (muon.ms_per_step / adamw.ms_per_step - 1))
+    table = report.format_table(results, [], "step").splitlines()
+    assert table[2].startswith("adamw") and table[3].split()[:3] == ["muon", "muon", "tiny-lm"]
+
+
+def test_muon_contender_steps_matrices_as_torch_muon_and_the_rest_as_adamw():
+    from lopt.param_sets import build_parameters, embedding_flags
+
+    params = build_parameters("tiny-lm")
+    flags = embedding_flags("tiny-lm")
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, c, g in zip(params, copies, measure.make_gradients(params)):
+        p.grad, c.grad = g, g.clone()
+    contender = contenders.make_contender("muon", "muon", params, None, torch.device("cpu"), embeddings=flags)
+    matrices = [c for c, e in zip(copies, flags) if c.dim() == 2 and not e]
+    rest = [c for c, e in zip(copies, flags) if not (c.dim() == 2 and not e)]
+    assert matrices and rest and copies[0] in rest  # wte (2-d) is an embedding: AdamW's
+    expected = [torch.optim.Muon(matrices, lr=1e-3, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=1e-3, foreach=True)]
+    before = [p.detach().clone() for p in params]
+    for _ in range(2):
+        contender.step(torch.tensor(2.5))
+        for optimizer in expected:
+            optimizer.step()
+    for p, c, b in zip(params, copies, before):
+        assert not torch.equal(p, b)
+        torch.testing.assert_close(p, c, rtol=0, atol=0)
+
+
+def test_muon_is_unavailable_with_the_reason_on_a_torch_without_it(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    plan = runner.BenchPlan(mode="step", optimizers=["celo2"], param_sets=["toy-lm"], contenders=["adamw", "muon"],
+                            device=torch.device("cpu"), weights={"celo2": lopt.random_weights("celo2")}, steps=1,
+                            warmup=0, show_progress=False)
+    plan.availability = runner.probe_availability(plan)
+    results, unavailable = runner.run_benchmarks(plan)
+    assert [r.optimizer for r in results] == ["adamw"]
+    muon = next(u for u in unavailable if u.optimizer == "muon")
+    assert muon.reason.endswith("has no torch.optim.Muon (PyTorch 2.9 added it)")
+
+
+@pytest.mark.parametrize("name", ["celo2", "elo_celo2"])
+def test_celo2_routes_the_bench_embeddings_to_an_is_embedding_group(name):
+    from lopt.param_sets import build_parameters, embedding_flags
+
+    params = build_parameters("tiny-lm")
+    contender = contenders.make_contender(name, "naive", params, lopt.random_weights("celo2"), torch.device("cpu"),
+                                          embeddings=embedding_flags("tiny-lm"))
+    embedding_groups = [g for g in contender.optimizer.param_groups if g["is_embedding"]]
+    assert len(embedding_groups) == 1
+    assert [id(p) for p in embedding_groups[0]["params"]] == [id(params[0]), id(params[1])]  # wte, wpe
+    assert params[0].shape == (1024, 128)
+    # other optimizers take the bare tensors as before
+    other = contenders.make_contender("small_fc_lopt", "naive", params, lopt.random_weights("small_fc_lopt"),
+                                      torch.device("cpu"), embeddings=embedding_flags("tiny-lm"))
+    assert len(other.optimizer.param_groups) == 1
+
+
+def test_embedding_flags_are_param_groups_for_on_the_built_models():
+    from lopt.param_sets import embedding_flags
+
+    model = build_model("toy-lm", torch.device("cpu"))
+    assert runner.model_embedding_flags(model.module, model.parameters()) == embedding_flags("toy-lm") \
+        == [True, False, False]
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(GPT2Config(**MODELS["gpt2-medium"].config))
+    flags = runner.model_embedding_flags(gpt2, list(gpt2.parameters()))
+    assert flags == embedding_flags("gpt2-medium") and flags[:2] == [True, True] and sum(flags) == 2

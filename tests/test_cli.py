@@ -187,7 +187,7 @@ BAD_OPTIONS = [
     (["--steps", "-5"], "argument --steps: must be a positive integer, got -5"),
     (["--steps", "many"], "argument --steps: must be a positive integer, got 'many'"),
     (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got -1"),
-    (["--backends", "foo"], "argument --backends: unknown contender 'foo'; choose from adamw, naive, naive+compile, "
+    (["--backends", "foo"], "argument --backends: unknown contender 'foo'; choose from adamw, muon, naive, naive+compile, "
                             "fused, fused-fast (comma-separated)"),
     (["--backends", ","], "argument --backends: needs at least one contender"),
     (["--params", "resnet-9000"], "argument --params: unknown parameter set 'resnet-9000'"),

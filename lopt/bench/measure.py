@@ -170,7 +170,8 @@ def first_step_vs_naive(contender: Contender, params, weights, loss, *, num_step
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for copy, p in zip(copies, params):
         copy.grad = None if p.grad is None else p.grad.detach().clone()
-    reference = make_learned_optimizer(contender.optimizer_name, copies, "naive", weights, num_steps=num_steps)
+    reference = make_learned_optimizer(contender.optimizer_name, copies, "naive", weights, num_steps=num_steps,
+                                       embeddings=contender.embeddings)
     seconds = wall_seconds(lambda: contender.step(loss), params[0].device)
     step_function(reference)(loss)
     error = relative_update_error(params, before, copies)

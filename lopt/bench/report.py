@@ -85,7 +85,7 @@ def _row_key(row) -> tuple:
     each optimizer's contenders in the order of CONTENDERS (other names, e.g. scripts' variants, last)."""
     contender = _contender(row)
     rank = CONTENDERS.index(contender) if contender in CONTENDERS else len(CONTENDERS)
-    return (row.optimizer != "adamw", row.optimizer, rank, contender)
+    return (row.optimizer != "adamw", row.optimizer != "muon", row.optimizer, rank, contender)
 
 
 def _order(rows: list) -> list:
@@ -239,13 +239,13 @@ def plot_times(path, results: list, unavailable: list, *, mode: str, env: dict, 
     figure = _figure(max(7.5, 2.0 + 0.5 * len(series) * len(param_sets)), 5.5)
     axes = figure.add_subplot(1, 1, 1)
     width = 0.8 / max(len(series), 1)
-    colours = {"adamw": "#7f7f7f", "naive": "#1f77b4", "naive+compile": "#ff7f0e", "fused": "#2ca02c",
+    colours = {"adamw": "#7f7f7f", "muon": "#8c564b", "naive": "#1f77b4", "naive+compile": "#ff7f0e", "fused": "#2ca02c",
                "fused-fast": "#98df8a"}
-    optimizers = list(dict.fromkeys(o for o, _ in series if o != "adamw"))
+    optimizers = list(dict.fromkeys(o for o, _ in series if o not in ("adamw", "muon")))
     lowest = min(times.values(), default=1.0)
     for s, (optimizer, contender) in enumerate(series):
-        hatch = "" if optimizer == "adamw" else ["", "//", "..", "xx"][optimizers.index(optimizer) % 4]
-        label = "adamw" if optimizer == "adamw" else f"{optimizer} {contender}"
+        hatch = "" if optimizer in ("adamw", "muon") else ["", "//", "..", "xx"][optimizers.index(optimizer) % 4]
+        label = optimizer if optimizer in ("adamw", "muon") else f"{optimizer} {contender}"
         for x, param_set in enumerate(param_sets):
             position = x - 0.4 + width * (s + 0.5)
             value = times.get((param_set, optimizer, contender))

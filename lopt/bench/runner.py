@@ -9,11 +9,12 @@ import torch
 from lopt import registry
 from lopt import weights as weights_lib
 from lopt.bench.contenders import (LEARNED_CONTENDERS, TIMING_NUM_STEPS, adamw_backend, availability,
-                                   make_contender, short_reason)
+                                   make_contender, muon_unavailable_reason, short_reason)
 from lopt.bench.measure import (GRADIENT_SETS, IterationWorkload, StepWorkload, Unavailable, gradient_sets,
                                 measure_contender, mlp_gmacs_per_s, warmup_steps)
 from lopt.bench.models import build_model
-from lopt.param_sets import build_parameters, param_set_numel
+from lopt.optimizers.celo2 import param_groups_for
+from lopt.param_sets import build_parameters, embedding_flags, param_set_numel
 
 
 @dataclass
@@ -66,8 +67,10 @@ def probe_availability(plan: BenchPlan) -> dict:
 
 
 def runnable(plan: BenchPlan) -> list:
-    """The (optimizer, contender) pairs that will run; adamw as ("adamw", "adamw")."""
+    """The (optimizer, contender) pairs that will run; the yardsticks as ("adamw", "adamw"), ("muon", "muon")."""
     pairs = [("adamw", "adamw")] if "adamw" in plan.contenders else []
+    if "muon" in plan.contenders and muon_unavailable_reason() is None:
+        pairs.append(("muon", "muon"))
     for name in plan.optimizers:
         pairs += [(name, c) for c in LEARNED_CONTENDERS if plan.availability[name][c] is None]
     return pairs
@@ -83,6 +86,12 @@ def _step_workload(plan: BenchPlan, param_set: str):
     params = build_parameters(param_set, plan.device, plan.dtype)
     sets = gradient_sets(params, 1 if plan.same_grads else GRADIENT_SETS)
     return StepWorkload(params, sets, plan.device), params
+
+
+def model_embedding_flags(module: torch.nn.Module, params) -> list:
+    """Per parameter: whether ``lopt.param_groups_for(module)`` puts it in the ``is_embedding`` group."""
+    routed = {id(p) for group in param_groups_for(module) if group.get("is_embedding") for p in group["params"]}
+    return [id(p) in routed for p in params]
 
 
 class _ModelCache:
@@ -116,12 +125,16 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
             for contender, reason in plan.availability[name].items():
                 if reason is not None:
                     unavailable.append(Unavailable(name, contender, param_set, plan.mode, reason))
+        if "muon" in plan.contenders and muon_unavailable_reason() is not None:
+            unavailable.append(Unavailable("muon", "muon", param_set, plan.mode, muon_unavailable_reason()))
         for optimizer_name, contender_name in runnable(plan):
             if plan.mode == "iteration":
                 model = models.get(param_set)
                 workload, params = IterationWorkload(model, models.batch, plan.device), model.parameters()
+                embeddings = model_embedding_flags(model.module, params)
             else:
                 workload, params = _step_workload(plan, param_set)
+                embeddings = embedding_flags(param_set)
             _free(plan.device)
             baseline = torch.cuda.memory_allocated(plan.device) if plan.device.type == "cuda" else None
             weights = plan.weights.get(optimizer_name)
@@ -129,7 +142,8 @@ def run_benchmarks(plan: BenchPlan, say=print) -> tuple[list, list]:
                 f"adamw ({adamw_backend(plan.device)}) {param_set}"
             bar = make_progress(plan.steps + warmup_steps(contender_name, plan.warmup), label)
             try:
-                contender = make_contender(optimizer_name, contender_name, params, weights, plan.device)
+                contender = make_contender(optimizer_name, contender_name, params, weights, plan.device,
+                                           embeddings=embeddings)
                 result = measure_contender(workload, contender, weights=weights, param_set=param_set,
                                            mode=plan.mode, steps=plan.steps, warmup=plan.warmup,
                                            baseline_bytes=baseline, progress=bar, num_steps=TIMING_NUM_STEPS,
