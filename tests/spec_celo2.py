@@ -16,6 +16,8 @@ import struct
 
 import torch
 
+import spec_small_fc_lopt as small_fc
+
 F64 = torch.float64
 
 
@@ -39,16 +41,8 @@ WIDTHS = (1, 1, 1, 3, 1, 3, 1, 3, 1, 3, 3, 3, 3, 3)
 # ------------------------------------------------------------------------------------------ §3.2 factored axes
 
 
-def factored_axes(shape):
-    """(d1, d0) for rank >= 2, else None: d0 a largest axis, the last of them where sizes tie; d1 a largest
-    of the others, again the last among ties."""
-    shape = tuple(shape)
-    if len(shape) < 2:
-        return None
-    d0 = max(range(len(shape)), key=lambda a: (shape[a], a))
-    rest = [a for a in range(len(shape)) if a != d0]
-    d1 = max(rest, key=lambda a: (shape[a], a))
-    return d1, d0
+# The state, its shapes and the accumulators (§1, §3.2) are small_fc_lopt's with CELO2's decays.
+factored_axes = small_fc.factored_axes
 
 
 def work_shape(shape):
@@ -74,33 +68,11 @@ def clip_all(grads, max_norm, clip_value=1000.0):
 
 
 def new_state(shape) -> dict:
-    shape = work_shape(shape)
-    dims = factored_axes(shape)
-    z = lambda s: torch.zeros(s, dtype=F64)  # noqa: E731
-    state = {"m": [z(shape) for _ in range(3)], "v": z(shape), "R": None, "C": None, "V": None}
-    if dims is None:
-        state["V"] = [z(shape) for _ in range(3)]
-    else:
-        d1, d0 = dims
-        state["R"] = [z(shape[:d0] + shape[d0 + 1:]) for _ in range(3)]
-        state["C"] = [z(shape[:d1] + shape[d1 + 1:]) for _ in range(3)]
-    return state
+    return small_fc.new_state(work_shape(shape))
 
 
 def accumulate(state: dict, g: torch.Tensor) -> None:
-    g = g.to(F64).reshape(state["v"].shape)
-    dims = factored_axes(g.shape)
-    for k in range(3):
-        state["m"][k] = BETA_M[k] * state["m"][k] + (1 - BETA_M[k]) * g
-    state["v"] = BETA_V * state["v"] + (1 - BETA_V) * g * g
-    sq = g * g + 1e-30
-    for k in range(3):
-        if dims is None:
-            state["V"][k] = BETA_F[k] * state["V"][k] + (1 - BETA_F[k]) * sq
-        else:
-            d1, d0 = dims
-            state["R"][k] = BETA_F[k] * state["R"][k] + (1 - BETA_F[k]) * sq.mean(dim=d0)
-            state["C"][k] = BETA_F[k] * state["C"][k] + (1 - BETA_F[k]) * sq.mean(dim=d1)
+    small_fc.accumulate(state, g.to(F64).reshape(state["v"].shape), decays=(BETA_M, (BETA_V,), BETA_F))
 
 
 # ------------------------------------------------------------------------------------------ §3.3 features

@@ -40,22 +40,11 @@ def discard_pending_losses(velo: VeLO) -> None:
 
 
 def find_velo(optimizer) -> VeLO | None:
-    """The :class:`lopt.VeLO` that ``optimizer`` is or wraps (accelerate, Lightning), else None.
-
-    Wrappers are unwrapped first: Lightning's ``LightningOptimizer`` pretends to be an instance of
-    the class it wraps, but its own attributes are not the optimizer's.
-    """
-    for _ in range(_MAX_WRAPPING_DEPTH):
-        inner = None
-        for name in _WRAPPED_OPTIMIZER_ATTRIBUTES:
-            candidate = getattr(optimizer, name, None)
-            if isinstance(candidate, torch.optim.Optimizer) and candidate is not optimizer:
-                inner = candidate
-                break
-        if inner is None:
-            break
-        optimizer = inner
-    return optimizer if isinstance(optimizer, VeLO) else None
+    """The :class:`lopt.VeLO` that ``optimizer`` is or wraps (accelerate, Lightning), else None
+    (:func:`find_learned_optimizer`, which unwraps first: Lightning's ``LightningOptimizer`` pretends to be
+    an instance of the class it wraps, but its own attributes are not the optimizer's)."""
+    found = find_learned_optimizer(optimizer)
+    return found if isinstance(found, VeLO) else None
 
 
 def feed_loss(velo: VeLO, loss: torch.Tensor, *, multiplier: float = 1) -> None:

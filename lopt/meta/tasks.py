@@ -181,6 +181,22 @@ class DatasetTask(TaskFamily):
         return classification_loss(logits, y.unsqueeze(0).expand(n, -1))
 
 
+def mlp_shapes(widths) -> list:
+    """An MLP's parameter shapes for layer widths ``widths``: each layer's (out, in) weight, then its bias."""
+    out = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        out += [(b, a), (b,)]
+    return out
+
+
+def mlp_params(widths, n, generator, device) -> list:
+    """``n`` instances of an MLP's parameters (mlp_shapes' order), torch.nn.Linear's initialisation."""
+    params = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        params += list(linear_init(n, b, a, generator, device))
+    return params
+
+
 class MLPClassifier(DatasetTask):
     """An MLP (ReLU) on a data set's flattened inputs."""
 
@@ -191,16 +207,10 @@ class MLPClassifier(DatasetTask):
         self.name = f"{dataset}_mlp_{'x'.join(map(str, self.hidden)) or 'linear'}"
 
     def shapes(self):
-        out = []
-        for a, b in zip(self.widths[:-1], self.widths[1:]):
-            out += [(b, a), (b,)]
-        return out
+        return mlp_shapes(self.widths)
 
     def _init_params(self, n, generator):
-        params = []
-        for a, b in zip(self.widths[:-1], self.widths[1:]):
-            params += list(linear_init(n, b, a, generator, self.device))
-        return params
+        return mlp_params(self.widths, n, generator, self.device)
 
     def forward(self, params, x):
         return mlp_forward(params, x.reshape(x.shape[0], x.shape[1], -1))
@@ -253,16 +263,10 @@ class TeacherStudent(TaskFamily):
                      f"_s{'x'.join(map(str, student_hidden))}")
 
     def shapes(self):
-        out = []
-        for a, b in zip(self.widths[:-1], self.widths[1:]):
-            out += [(b, a), (b,)]
-        return out
+        return mlp_shapes(self.widths)
 
     def _init_params(self, n, generator):
-        params = []
-        for a, b in zip(self.widths[:-1], self.widths[1:]):
-            params += list(linear_init(n, b, a, generator, self.device))
-        return params
+        return mlp_params(self.widths, n, generator, self.device)
 
     def _sample_instances(self, n, generator):
         inst = {}

@@ -158,14 +158,8 @@ class _CELO2Family(LearnedOptimizer):
         ones (ZeroRedundancyOptimizer; partitions with identical shape lists cannot be told from DDP)."""
         if all(group["max_grad_norm"] is None for group in self.param_groups):
             return None
-        device = tensors[0].grad.device if tensors else next(iter(self._param_devices()))
-        split = whole = torch.zeros((), dtype=torch.float64, device=device)
-        for t in tensors:
-            square_sum = accumulators.float64_square_sum(t.grad).to(device)
-            if t.split:
-                split = split + square_sum
-            else:
-                whole = whole + square_sum
+        split, whole = self._gradient_square_sums(tensors)
+        device = split.device
         # (a fingerprint below 2^20: its sums and the sum of its squares are exact in float64)
         fingerprint = float(hash(tuple(tuple(p.shape) for p in self._all_params())) % 2**20)
         marks = torch.tensor([1.0, fingerprint, fingerprint * fingerprint], dtype=torch.float64, device=device)

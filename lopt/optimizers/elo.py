@@ -98,14 +98,7 @@ class ELO(SmallFCLOpt):
         only where the processes hold different tensors (ZeRO), not where each holds all of them (DDP)."""
         if all(group["max_grad_norm"] is None for group in self.param_groups):
             return None
-        device = tensors[0].grad.device if tensors else self._param_devices().pop()
-        split = whole = torch.zeros((), dtype=torch.float64, device=device)
-        for t in tensors:
-            square_sum = reference.gradient_square_sum(t.grad).to(device)
-            if t.split:
-                split = split + square_sum
-            else:
-                whole = whole + square_sum
+        split, whole = self._gradient_square_sums(tensors)
         return check.add(split, split=True), check.add(whole, split=not self._processes_hold_the_same_tensors())
 
     def _naive_clipped_gradients(self, tensors: list, check: SumPacket, clipping) -> list:

@@ -108,6 +108,19 @@ class NaiveEngine:
 class NaivePhases:
     """The naive phases as methods of :class:`lopt.optimizers.base.LearnedOptimizer`."""
 
+    def _gradient_square_sums(self, tensors: list) -> tuple:
+        """Σ g² (float64) of the participating gradients, for a global norm: ``(split, whole)``, the sums of
+        the tensors split among processes (FSDP2: this process's parts) and of the whole ones, on one device."""
+        device = tensors[0].grad.device if tensors else next(iter(self._param_devices()))
+        split = whole = torch.zeros((), dtype=torch.float64, device=device)
+        for t in tensors:
+            square_sum = accumulators.float64_square_sum(t.grad).to(device)
+            if t.split:
+                split = split + square_sum
+            else:
+                whole = whole + square_sum
+        return split, whole
+
     def _naive_tensors(self, inputs: StepInputs) -> list:
         """Naive check phase, part 2: every participating parameter as a :class:`NaiveTensor` (this
         process's part, the gradient float32 and AMP-unscaled), its state created on first use."""
