@@ -34,6 +34,8 @@ class OptimizerEntry:
     needs beyond the parameters (e.g. VeLO's ``num_steps``), with a value that tests and benchmarks use.
     ``orthogonalizes``: its matrix updates are orthogonalised (Newton-Schulz) and ``is_embedding`` groups take
     its AdamW branch; ``lopt bench`` then adds the ``muon`` yardstick by default and routes embeddings there.
+    ``timm_name``: the name timm knows it by where ``name`` cannot be (timm resolves a name by its last
+    ``_`` part, so ``elo_celo2`` would be ``celo2``); empty: ``name``.
     What the front-end class says itself (``requires_loss``, ``GLOBAL_STATE_KEYS``, ``TENSOR_STATE_KEYS``,
     ``PRECISIONS``) is not repeated here.
     """
@@ -47,6 +49,11 @@ class OptimizerEntry:
     description: str
     required_arguments: dict = field(default_factory=dict)
     orthogonalizes: bool = False
+    timm_name: str = ""
+
+    @property
+    def timm_registration_name(self) -> str:
+        return self.timm_name or self.name
 
     @property
     def front_end_class(self) -> type:
@@ -148,6 +155,7 @@ register(OptimizerEntry(
     description="ELO-CELO2: CELO2 with ELO-trained weights, weight decay 0.1, global clipping at 1.0 and AdamW on "
                 "the shared accumulators (lr is Adam-like: 1e-3)",
     orthogonalizes=True,
+    timm_name="elocelo2",
 ))
 register(OptimizerEntry(
     name="elo",

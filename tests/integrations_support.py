@@ -15,6 +15,7 @@ from lopt import registry
 
 SMALL_FC_WEIGHTS = lopt.random_weights("small_fc_lopt", seed=11)
 VELO_WEIGHTS = lopt.random_weights("velo", seed=12)
+CELO2_WEIGHTS = lopt.random_weights("celo2", seed=13)
 IN_FEATURES = 5
 
 

@@ -8,13 +8,15 @@ machine (timm and torchvision installed): ``python3 -m pytest -q tests/test_inte
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import lopt
 from lopt import registry
-from integrations_support import SMALL_FC_WEIGHTS, VELO_WEIGHTS, make_net
-from lopt.integrations.timm import register_timm_optimizer, register_timm_optimizers, timm_lookup_key
+from integrations_support import CELO2_WEIGHTS, SMALL_FC_WEIGHTS, VELO_WEIGHTS, make_net
+from lopt.integrations.timm import register_timm_optimizer, register_timm_optimizers, timm_lookup_key, timm_names
 
 
 def _import_timm_optim():
@@ -56,9 +58,9 @@ def test_without_a_working_timm_registration_says_why():
 
 @needs_timm
 def test_create_optimizer_v2_builds_small_fc_lopt_with_timm_weight_decay_groups():
-    assert register_timm_optimizers() == registry.names()
-    assert register_timm_optimizers() == registry.names()  # idempotent
-    assert {"small_fc_lopt", "lopt", "velo"} <= set(timm_optim.list_optimizers())
+    assert register_timm_optimizers() == timm_names()
+    assert register_timm_optimizers() == timm_names()  # idempotent
+    assert {"small_fc_lopt", "lopt", "velo", "celo2", "elocelo2", "elo", "mulo"} <= set(timm_optim.list_optimizers())
 
     model = make_net(seed=1)
     opt = timm_optim.create_optimizer_v2(model, "small_fc_lopt", weight_decay=0.05, weights=SMALL_FC_WEIGHTS,
@@ -79,6 +81,31 @@ def test_create_optimizer_v2_builds_small_fc_lopt_with_timm_weight_decay_groups(
         optimizer.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+
+
+def test_every_registered_optimizer_has_a_timm_name_of_its_own():
+    # timm resolves a name by its last '_' part: 'elo_celo2' would be CELO2, so ELO-CELO2 is 'elocelo2'.
+    names = timm_names()
+    assert names == [registry.get(name).timm_registration_name for name in registry.names()]
+    assert names[registry.names().index("elo_celo2")] == "elocelo2"
+    keys = [timm_lookup_key(name) for name in names]
+    assert len(set(keys)) == len(keys)
+    assert dict(zip(registry.names(), keys))["celo2"] == "celo2"
+
+
+def test_two_optimizers_that_timm_would_confuse_are_refused(monkeypatch):
+    clash = dataclasses.replace(registry.get("celo2"), name="elo_celo2_copy", timm_name="my_celo2")
+    monkeypatch.setitem(registry.OPTIMIZERS, clash.name, clash)
+    with pytest.raises(ValueError, match=r"'celo2' and 'my_celo2'.*both looks up as 'celo2'.*timm_name"):
+        timm_names()
+
+
+@needs_timm
+def test_create_optimizer_v2_builds_celo2_and_elo_celo2_by_their_timm_names():
+    register_timm_optimizers()
+    model = make_net(seed=1)
+    assert type(timm_optim.create_optimizer_v2(model, "celo2", weights=CELO2_WEIGHTS, backend="naive")) is lopt.CELO2
+    assert type(timm_optim.create_optimizer_v2(model, "elocelo2", weights=CELO2_WEIGHTS, backend="naive")) is lopt.ELO_CELO2
 
 
 @needs_timm

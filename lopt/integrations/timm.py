@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from lopt import registry as lopt_registry
 
-__all__ = ["register_timm_optimizers", "register_timm_optimizer", "timm_lookup_key"]
+__all__ = ["register_timm_optimizers", "register_timm_optimizer", "timm_lookup_key", "timm_names"]
 
 _LOOKAHEAD_PREFIX = "lookahead"
 
@@ -67,15 +67,30 @@ def register_timm_optimizer(name: str, optimizer_class, description: str = "", *
 
 
 def register_timm_optimizers(registry=None) -> list[str]:
-    """Register ``"small_fc_lopt"`` (:class:`lopt.SmallFCLOpt`) and ``"velo"`` (:class:`lopt.VeLO`) with timm.
+    """Register every optimizer of lopt's registry with timm, each under its ``timm_registration_name``:
+    the registry's name, except ``"elocelo2"`` for ELO-CELO2 (timm would read ``elo_celo2`` as ``celo2``).
 
-    Afterwards ``timm.optim.create_optimizer_v2(model, "small_fc_lopt", ...)`` and ``(model, "velo",
-    num_steps=...)`` build them (timm's weight-decay groups included). Returns the registered names.
-    Idempotent.
+    Afterwards ``timm.optim.create_optimizer_v2(model, "small_fc_lopt", ...)``, ``(model, "velo",
+    num_steps=...)``, ``(model, "elocelo2")`` build them (timm's weight-decay groups included). Returns the
+    registered names. Idempotent.
     """
-    for name, entry in lopt_registry.OPTIMIZERS.items():  # (every optimizer of lopt's registry)
+    names = timm_names()
+    for name, entry in zip(names, lopt_registry.OPTIMIZERS.values()):
         register_timm_optimizer(name, entry.front_end_class, f"lopt {entry.description}", registry=registry)
-    return lopt_registry.names()
+    return names
+
+
+def timm_names() -> list[str]:
+    """The names :func:`register_timm_optimizers` registers, in registry order. Raises ValueError where two
+    optimizers would share the part of the name timm looks up (checked without timm)."""
+    names = [entry.timm_registration_name for entry in lopt_registry.OPTIMIZERS.values()]
+    owners: dict[str, str] = {}
+    for name in names:
+        key = timm_lookup_key(name)
+        if owners.setdefault(key, name) != name:
+            raise ValueError(f"lopt's registry gives timm {owners[key]!r} and {name!r}, which timm both looks up as "
+                             f"{key!r}; set a distinct timm_name on one of them (lopt/registry.py)")
+    return names
 
 
 def _timm_registry(registry):
