@@ -7,7 +7,8 @@ fresh set of gradient tensors every step): median step time after warm-up (CUDA 
 launches per step (torch.profiler), peak memory beyond parameters and gradients, the time per
 kernel (median over PROFILED_STEPS profiled steps), achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
 update error (one step from identical state). The device-to-device copy bandwidth is measured in the
-same process. ``--fast`` adds small_fc_lopt with ``precision="fast"``, ``--max-grad-norm`` a clipped row;
+same process. ``--optimizers`` takes registered names (small_fc_lopt, velo, elo, mulo); ``--fast`` adds each one's
+``precision="fast"`` row, ``--max-grad-norm`` a clipped row;
 ``--graph`` also times each step captured in a CUDA graph and replayed, back to back and after 40 ms idle
 (no host share; the "unthrottled" time, see benchmarks/RESULTS.md).
 """
@@ -24,6 +25,7 @@ import time
 import torch
 
 import lopt
+from lopt import registry
 from lopt.bench.report import environment
 from lopt.param_sets import build_parameters, param_set_shapes
 
@@ -52,9 +54,8 @@ def make(name, params, backend, weights, options=None):
     """fused AdamW, or lopt's ``name`` on ``backend`` with the optimizer ``options`` (e.g. precision)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
-    if name == "velo":
-        return lopt.VeLO(params, num_steps=10_000, weights=weights, backend=backend, **(options or {}))
-    return lopt.SmallFCLOpt(params, weights=weights, backend=backend, **(options or {}))
+    horizon = {"num_steps": 10_000} if name == "velo" else {}  # (VeLO's planned length: a long run's)
+    return registry.get(name).build(params, weights=weights, backend=backend, **horizon, **(options or {}))
 
 
 def do_step(opt, loss):
@@ -215,7 +216,7 @@ def write_record(path, env, rows) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--optimizers", default="small_fc_lopt,velo")
+    parser.add_argument("--optimizers", default="small_fc_lopt,velo", help="registered optimizers with a fused engine")
     parser.add_argument("--param-sets", default="gpt2-medium,vit-b16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -223,16 +224,21 @@ def main() -> int:
     parser.add_argument("--graph", action="store_true",
                         help="also time each fused step (and AdamW's) captured in a CUDA graph and replayed")
     parser.add_argument("--max-grad-norm", type=float, default=None,
-                        help="also time small_fc_lopt fused with this max_grad_norm (gradients are ~1e-3 x sqrt(numel))")
-    parser.add_argument("--fast", action="store_true", help="also time small_fc_lopt fused with precision='fast'")
+                        help="also time each optimizer but VeLO fused with this max_grad_norm (gradients are ~1e-3 x "
+                             "sqrt(numel))")
+    parser.add_argument("--fast", action="store_true",
+                        help="also time each optimizer that has it fused with precision='fast'")
     args = parser.parse_args()
-    option_rows = {"small_fc_lopt": ([{"max_grad_norm": args.max_grad_norm}] if args.max_grad_norm is not None else [])
-                                    + ([{"precision": "fast"}] if args.fast else [])}
+    optimizers = args.optimizers.split(",")
+    option_rows = {name: ([{"max_grad_norm": args.max_grad_norm}] if args.max_grad_norm is not None and name != "velo"
+                          else [])
+                         + ([{"precision": "fast"}] if args.fast and "fast" in getattr(registry.get(name).front_end_class, "PRECISIONS", ())
+                            else [])
+                   for name in optimizers}
 
     env = environment(torch.device("cuda", 0))
     env["copy_bandwidth_tb_s"] = round(copy_bandwidth_tb_s(), 3)
-    weights = {name: lopt.random_weights(name, seed=0) for name in ("small_fc_lopt", "velo")}  # time only
-    optimizers = args.optimizers.split(",")
+    weights = {name: lopt.random_weights(registry.get(name).architecture, seed=0) for name in optimizers}  # time only
     rows = []
     for param_set in args.param_sets.split(","):
         numel = sum(math.prod(s) for _, s in param_set_shapes(param_set))

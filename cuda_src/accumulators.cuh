@@ -500,22 +500,33 @@ LOPT_DEVICE float normaliser_scale(double square_sum, i64 count) {
 // What the apply pass needs of a tensor's group, read once per tensor a block reaches.
 struct ApplyScalars {
   Decays decays;
-  float neg_lr, neg_weight_decay_lr, exp_mult, step_mult;
+  float neg_lr, neg_weight_decay_lr, weight_decay, exp_mult, step_mult;
 };
 
 LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
   const float* values = pointer<const float>(g.values);
   const float lr = *pointer<const float>(g.lr), weight_decay = *pointer<const float>(g.weight_decay);
-  return ApplyScalars{read_decays(values), -lr, -__fmul_rn(weight_decay, lr), values[LOPT_GROUP_EXP_MULT],
+  return ApplyScalars{read_decays(values), -lr, -__fmul_rn(weight_decay, lr), weight_decay, values[LOPT_GROUP_EXP_MULT],
                       values[LOPT_GROUP_STEP_MULT]};
 }
 
-// reference: apply_update — p − lr·u, then p − (weight_decay·lr)·p (each product rounded), written back
-// in the parameter's dtype.
+// The optimizer's update rule is a kernel trait (the engine's WEIGHT_DECAY_INSIDE_STEP, passed as a define).
+#ifndef LOPT_WEIGHT_DECAY_INSIDE_STEP
+#error "build with LOPT_WEIGHT_DECAY_INSIDE_STEP (lopt.fused.engine.FusedEngine.WEIGHT_DECAY_INSIDE_STEP)"
+#endif
+
+// reference: apply_update, written back in the parameter's dtype, each product and sum rounded.
+//   small_fc_lopt, VeLO: p − lr·u, then p − (weight_decay·lr)·p (the updated value decays);
+//   ELO (LOPT_WEIGHT_DECAY_INSIDE_STEP): p − lr·(u + weight_decay·p), the pre-update value inside the step.
 template <bool Streamed = false>
 LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
+#if LOPT_WEIGHT_DECAY_INSIDE_STEP
+  if (a.weight_decay != 0.f) update = __fadd_rn(update, __fmul_rn(a.weight_decay, param));
+  const float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
+#else
   float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
   if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
+#endif
   store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
 }
 

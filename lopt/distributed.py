@@ -184,6 +184,45 @@ class SumPacket:
         return self._values[handle]
 
 
+# ------------------------------------------------------------------------------------------ DDP or ZeRO
+#
+# Where each process's optimizer holds every tensor (one process, DDP), a sum over "all the optimizer's
+# tensors" is this process's; where each holds its own partition (ZeroRedundancyOptimizer), it is the sum
+# over the processes. Both are told apart by one fingerprint of the parameter shapes, the same in every
+# process exactly when they hold the same tensors (ZeRO partitions whose shape lists happen to be
+# identical cannot be told from DDP: docs/distributed.md).
+
+
+def shape_fingerprint(params) -> float:
+    """A number below 2^20 from the parameters' shapes (the same in every process for the same shapes:
+    hashes of tuples of ints do not depend on the process): its sums and the sum of its squares over up
+    to 2^13 processes are exact in float64."""
+    return float(hash(tuple(tuple(p.shape) for p in params)) % 2**20)
+
+
+def same_tensors_marks(params, device) -> torch.Tensor:
+    """``[1, f, f²]`` (float64, ``f = shape_fingerprint(params)``): summed over the processes (e.g. in a
+    :class:`SumPacket`), :func:`marks_say_same_tensors` tells on the device, without a synchronisation,
+    whether every process holds the same tensors."""
+    fingerprint = shape_fingerprint(params)
+    return torch.tensor([1.0, fingerprint, fingerprint * fingerprint], dtype=torch.float64, device=device)
+
+
+def marks_say_same_tensors(summed_marks: torch.Tensor) -> torch.Tensor:
+    """From :func:`same_tensors_marks` summed over the processes: a 0-d bool tensor, True where every
+    process had the same fingerprint (``n · Σf² == (Σf)²``, equality in Cauchy–Schwarz)."""
+    count, total, total_of_squares = summed_marks.unbind()
+    return count * total_of_squares == total * total
+
+
+def processes_hold_the_same_tensors(reducer: Reducer, params, device) -> bool:
+    """Whether every process's optimizer holds the same parameter shapes (True for one process): one
+    small all-reduce and a synchronisation, for a decision made once (not per step)."""
+    if reducer.is_identity:
+        return True
+    return bool(marks_say_same_tensors(reducer.sum_(same_tensors_marks(params, device))))
+
+
 # ------------------------------------------------------------------------------------------ layouts
 
 

@@ -161,7 +161,7 @@ register(OptimizerEntry(
     name="elo",
     front_end="lopt.optimizers.elo:ELO",
     reference="lopt.reference.elo",
-    fused=None,
+    fused="lopt.fused.elo:ELOFused",
     architecture="elo",
     default_weights="elo",
     description="ELO: small_fc_lopt's per-element MLP with raw decays and its own update (lr=1e-3 is its step)",

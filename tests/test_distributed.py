@@ -623,3 +623,18 @@ def test_a_process_without_gradients_still_takes_part_in_the_controllers_max(dis
     """A process whose tensors have no gradient in a step adds no row to VeLO's max, but still joins the
     collective (else the other process would wait forever); the other steps as if alone."""
     assert all(result["uneven_participation"] for result in distributed_results)
+
+
+def test_shape_fingerprint_marks_tell_same_from_different_tensors():
+    """lopt.distributed's DDP-or-ZeRO test, as the processes' summed marks would read (no processes
+    needed: the sums are formed here): equal fingerprints say "same", any difference says "different"."""
+    from lopt import distributed
+
+    a = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    b = [torch.nn.Parameter(torch.randn(5, 3))]
+    marks_a, marks_b = (distributed.same_tensors_marks(p, "cpu") for p in (a, b))
+    assert marks_a.dtype == torch.float64 and 0 <= marks_a[1] < 2**20 and marks_a[2] == marks_a[1] ** 2
+    assert distributed.shape_fingerprint(a) == distributed.shape_fingerprint([p.detach().clone() for p in a])
+    assert bool(distributed.marks_say_same_tensors(marks_a + marks_a + marks_a))
+    assert not bool(distributed.marks_say_same_tensors(marks_a + marks_a + marks_b))
+    assert distributed.processes_hold_the_same_tensors(distributed.Reducer(None), a, "cpu")  # (one process)

@@ -265,14 +265,63 @@ def test_a_non_finite_parameter_element_stays_in_its_element():
 # ----------------------------------------------------------------------------------------- front-end
 
 
-def test_lr_1e3_does_not_warn_and_fused_is_refused_with_the_reason():
+def test_lr_1e3_does_not_warn_and_the_fused_engine_is_elos_own():
     params = [torch.nn.Parameter(torch.randn(3, 2))]
     with warnings.catch_warnings():
         warnings.simplefilter("error", lopt.AdamHabitWarning)
         opt = lopt.ELO(params, weights=WEIGHTS)
     assert opt.backend == "naive" and opt.param_groups[0]["lr"] == 1e-3 and "step_mult" not in opt.param_groups[0]
-    with pytest.raises(RuntimeError, match=r"ELO\(backend='fused'\) cannot run: lopt has no fused kernels for elo yet"):
-        lopt.ELO(params, weights=WEIGHTS, backend="fused")
+    from lopt.fused.elo import ELOFused
+    from lopt.fused.small_fc_lopt import SmallFCLOptFused
+    from lopt import registry
+    # ELO runs small_fc_lopt's kernels with its update rule and global clipping as kernel/engine traits.
+    assert registry.get("elo").fused_engine_class is ELOFused and issubclass(ELOFused, SmallFCLOptFused)
+    assert ELOFused.WEIGHT_DECAY_INSIDE_STEP and ELOFused.GLOBAL_CLIPPING
+    assert not SmallFCLOptFused.WEIGHT_DECAY_INSIDE_STEP and not SmallFCLOptFused.GLOBAL_CLIPPING
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_fused_global_clipping_and_update_rule_match_naive(precision):
+    """The fused ELO against naive ELO over 40 steps from the same state each step: three groups (a low
+    limit that clips every step, none, a high one that clips on the larger gradients), weight decay
+    inside the step, factored and unfactored tensors, a 0-d one; through GradScaler every other step.
+    exact: each step within 1e-5 (small_fc_lopt's bound); fast: within small_fc_lopt's fast bound."""
+    from fused_helpers import flat, make_params, random_grads, relative_error, set_grads, sync_into
+    shapes = [(64, 48), (48,), (3, 5, 7), (300, 260), (), (9, 1, 4, 4), (129,), (40, 3)]
+    limits = [0.05, None, 4.0]
+
+    def build(params, backend):
+        groups = [{"params": params[k::3], "max_grad_norm": limit} for k, limit in enumerate(limits)]
+        return lopt.ELO(groups, lr=3e-3, weight_decay=0.05, weights=WEIGHTS, backend=backend, precision=precision)
+
+    fused_params, naive_params = make_params(shapes, seed=21), make_params(shapes, seed=21)
+    fused, naive = build(fused_params, "fused"), build(naive_params, "naive")
+    assert fused.backend == "fused"
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8, growth_interval=10**6)
+    scaler.scale(torch.ones((), device="cuda"))
+    bound = 1e-5 if precision == "exact" else 5e-3
+    worst, global_clips = 0.0, 0
+    for index in range(40):
+        grads = [g * (0.2 + 0.15 * (index % 20)) for g in random_grads(fused_params, seed=500 + index)]
+        global_clips += float(torch.cat([g.double().reshape(-1) for g in grads]).norm()) > limits[2]
+        with_scaler = index % 2 == 1
+        set_grads(fused_params, [g * scaler.get_scale() for g in grads] if with_scaler else grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        if with_scaler:
+            scaler.step(fused)
+            scaler.update()
+        else:
+            fused.step()
+        naive.step()
+        error = relative_error(flat([f.detach() - b for f, b in zip(fused_params, before)]),
+                               flat([n.detach() - b for n, b in zip(naive_params, before)]))
+        worst = max(worst, error)
+        assert error <= bound, f"step {index}: relative update error {error:.2e}"
+        sync_into(naive, naive_params, fused, fused_params)
+    assert 5 < global_clips < 35, global_clips  # (the high limit both clips and does not)
+    print(f"\n[elo fused {precision}, global max_grad_norm] per-step relative update error, worst: {worst:.2e}")
 
 
 def test_weights_of_the_other_architecture_are_refused():

@@ -123,7 +123,8 @@ def test_precision_and_geometry_choose_the_kernels_build(precision, mode, hidden
     [(source, defines)] = builds
     assert source == "small_fc_lopt.cu" and defines[0] == f"LOPT_SPLIT_MODE={mode}"
     geometry = MLPGeometry(39, hidden, layers, 2)
-    assert defines[1:] == geometry.cuda_defines("SFC_MLP")
+    assert defines[1:-1] == geometry.cuda_defines("SFC_MLP")
+    assert defines[-1] == "LOPT_WEIGHT_DECAY_INSIDE_STEP=0"  # (small_fc_lopt's update rule; ELO's is 1)
     assert f"SFC_MLP_HIDDEN={hidden}" in defines and f"SFC_MLP_HIDDEN_LAYERS={layers}" in defines
     assert engine.tensor_cores == ((hidden, layers) == (32, 1))
     assert engine.packed_entries == (engine.tensor_cores and precision == "fast")
@@ -135,6 +136,7 @@ def test_precision_and_geometry_choose_the_kernels_build(precision, mode, hidden
     ("small_fc_lopt", "small_fc_lopt.cu", {"max_grad_norm": 0.5}),  # (norm jobs, clip factors)
     ("small_fc_lopt", "small_fc_lopt.cu", {"geometry": (16, 2)}),  # (the generic MLP)
     ("velo", "velo.cu", {}),
+    ("elo", "small_fc_lopt.cu", {"max_grad_norm": 0.5}),  # (global clipping: a norm job for every tensor)
 ])
 def test_every_launch_matches_its_kernel_declaration(name, source, options, recorded):
     declared = declared_kernels(source)
@@ -153,10 +155,13 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     names = [launch[0] for launch in recorded]
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
-    assert per_step == {"small_fc_lopt": 6, "velo": 10}[name]
-    if options:  # one norm block per clipped tensor of the second group, after the means' blocks
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6}[name]
+    if options:  # one norm block per clipped tensor, after the means' blocks: the second group's (small_fc_lopt's
+        # per-tensor norms), or every tensor where a group clips by the global norm (ELO)
         finalize = next(launch for launch in recorded if launch[0] == "adafactor_finalize")
-        assert finalize[1] == 1 + 3 and opt._fused_engine.plan.layout.num_norm_jobs == 3
+        norms = {"small_fc_lopt": 3, "elo": 5}[name]
+        assert finalize[1] == 1 + norms and opt._fused_engine.plan.layout.num_norm_jobs == norms
+        assert (opt._fused_engine.plan.norm_sums is not None) == (name == "elo")  # (its global sum: on the device)
     for kernel, grid, block, args in recorded:
         types = declared[kernel]
         assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {len(types)} parameters"
@@ -164,7 +169,7 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
             expected = np.uint64 if c_type == "pointer" else C_TYPES[c_type]
             assert type(arg) is expected, f"{kernel} argument #{index}: {type(arg).__name__} for a {c_type}"
         assert all(g > 0 for g in (grid if isinstance(grid, tuple) else (grid,))) and 0 < block <= 1024
-    if name == "small_fc_lopt":  # the apply pass reads the fold's layers 2 and 3 on tensor cores, else the network
+    if name in ("small_fc_lopt", "elo"):  # the apply pass reads the fold's layers 2 and 3 on tensor cores, else the network
         engine = opt._fused_engine
         apply = next(launch for launch in recorded if launch[0] == "small_fc_lopt_apply")
         later = apply[3][declared_parameter_names(source)["small_fc_lopt_apply"].index("later_layers")]
@@ -379,7 +384,7 @@ def test_a_refused_step_leaves_no_stale_gradient_address(name, recorded):
     assert engine.plan.gradients.host[:, 0].tolist() == [t.data_ptr() for t in taken]
 
 
-STATISTICS_KERNELS = {"small_fc_lopt": "small_fc_lopt_feature_stats", "velo": "velo_statistics"}
+STATISTICS_KERNELS = {name: registry.get(name).fused_engine_class.KERNELS[0] for name in FUSED}
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -644,7 +649,7 @@ def sharded_worker(rank, name, init_file, out_file):
         g = torch.Generator().manual_seed(0)
         shapes = [(7, 5), (5, 9), (3, 4, 5, 6), (11,), (1, 8)]
         params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=g), mesh, [Shard(0)])) for s in shapes]
-        clipped = {"max_grad_norm": 0.1} if name == "small_fc_lopt" else {}
+        clipped = {"max_grad_norm": 0.1} if name in ("small_fc_lopt", "elo") else {}
         opt = engine_for(name, [{"params": params[:2], **clipped}, {"params": params[2:]}])
         for step in range(2):
             for p in params:
@@ -665,6 +670,10 @@ SHARDED_STEPS = {
                        "adafactor_factor_tables", "small_fc_lopt_feature_stats", "small_fc_lopt_fold",
                        "small_fc_lopt_fold", "small_fc_lopt_apply"],
                       5),  # the split means, the slab sums, max_grad_norm's sums, the non-finite flag, the feature sums
+    "elo": (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables",
+             "adafactor_factor_tables", "small_fc_lopt_feature_stats", "small_fc_lopt_fold",
+             "small_fc_lopt_fold", "small_fc_lopt_apply"],
+            5),  # as small_fc_lopt's; max_grad_norm's: the global Σ g² of the split tensors (one 2-element sum)
     "velo": (["adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables", "adafactor_factor_tables",
               "velo_statistics", "velo_tensor_control", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads",
               "velo_table_contributions", "velo_apply"],
@@ -683,7 +692,7 @@ def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
     results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
     for rank, result in enumerate(results):
         assert "error" not in result, f"process {rank}:\n{result['error']}"
-    declared = declared_kernels(f"{name}.cu")
+    declared = declared_kernels(registry.get(name).fused_engine_class.SOURCE)
     launches, collectives = SHARDED_STEPS[name]
     names = [launch[0] for launch in results[0]["launches"]]
     assert names == launches * 2

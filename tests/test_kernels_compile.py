@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from lopt.fused import launcher
+from lopt import registry
 from lopt.fused.small_fc_lopt import TENSOR_CORE_GEOMETRY, kernel_defines
 from lopt.network import MLPGeometry
 
@@ -28,9 +29,15 @@ def nvcc():
 GENERIC_GEOMETRIES = [MLPGeometry(39, hidden, layers, 2) for hidden, layers in ((4, 1), (8, 2), (16, 3), (64, 1), (32, 3))]
 
 
-def build_defines(source, precision="exact", geometry=TENSOR_CORE_GEOMETRY):
-    """What the engine compiles ``source`` with (small_fc_lopt.cu: its precision and its network's geometry)."""
-    return kernel_defines(precision, geometry) if source == "small_fc_lopt.cu" else ()
+def build_defines(source, precision="exact", geometry=TENSOR_CORE_GEOMETRY, engine=None):
+    """What the engine compiles ``source`` with (small_fc_lopt.cu: its precision and its network's geometry;
+    every engine: its class's kernel traits, e.g. the update rule). ``engine``: the engine class, else the
+    first registered one that builds ``source``."""
+    if engine is None:
+        engine = next(registry.get(name).fused_engine_class for name in registry.names()
+                      if registry.get(name).fused and registry.get(name).fused_engine_class.SOURCE == source)
+    own = kernel_defines(precision, geometry) if source == "small_fc_lopt.cu" else ()
+    return own + engine.kernel_traits()
 
 
 def test_there_are_kernel_sources():
@@ -61,6 +68,18 @@ def test_small_fc_lopt_fast_precision_compiles(arch, tmp_path):
     """small_fc_lopt.cu as the engine builds it for precision "fast" (exact: test_kernel_compiles), without warnings."""
     result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), arch, tmp_path,
                           ("-Werror", "all-warnings", *[f"-D{d}" for d in build_defines("small_fc_lopt.cu", "fast")]))
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_elos_build_compiles_with_its_update_rule(precision, tmp_path):
+    """ELO's engine builds small_fc_lopt.cu with the weight decay inside the step (apply_update's other rule)."""
+    from lopt.fused.elo import ELOFused
+
+    defines = build_defines("small_fc_lopt.cu", precision, engine=ELOFused)
+    assert "LOPT_WEIGHT_DECAY_INSIDE_STEP=1" in defines
+    result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), "sm_90", tmp_path,
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in defines]))
     assert result.returncode == 0, result.stderr
 
 

@@ -26,6 +26,8 @@ differ from their parameter's are copied into a buffer of the parameter's layout
 
 from __future__ import annotations
 
+import math
+
 import operator
 import weakref
 from dataclasses import dataclass
@@ -118,7 +120,7 @@ class Plan:
     """
 
     def __init__(self, key, params, groups, group_params, layout: GroupLayout, memory_orders, locals_, device, *,
-                 packed_entries: bool, allocate, fast_check):
+                 packed_entries: bool, allocate, fast_check, global_clipping: bool = False):
         self.key = key
         self.params = params
         self.groups = groups  # group row of each tensor
@@ -159,12 +161,17 @@ class Plan:
             self.norm_table.update(layout.static_norm_jobs)
         # Sharded parameters: the partial sums reduced across processes between launches.
         self.slab_sums = workspace(layout.split_slab_sums, torch.float64) if layout.split_slab_sums else None
-        if layout.sharded and layout.num_norm_jobs:
+        # Norm sums the host side finishes: a sharded tensor's are partial (reduced across processes first),
+        # and a global norm (FusedEngine.GLOBAL_CLIPPING) sums every tensor's.
+        if (layout.sharded or global_clipping) and layout.num_norm_jobs:
             norm = layout.static_norm_jobs
             self.norm_sums = workspace(layout.num_norm_jobs, torch.float64)
             self.norm_tensors = torch.as_tensor(norm[:, FIELD["NormJob"]["tensor"]], device=device)
             self.norms = workspace(layout.num_norm_jobs, torch.float32)
             self.max_norms = workspace(layout.num_norm_jobs, torch.float32)  # per clipped tensor, each step
+            # (global clipping: which norm jobs' tensors are split among processes, whose sums are partial)
+            split = [layout.split_tensors[int(t)] for t in norm[:, FIELD["NormJob"]["tensor"]]]
+            self.split_norm_jobs = torch.tensor(split, dtype=torch.bool, device=device)
         else:
             self.norm_sums = None
         self.group_values = launcher.MetadataTable(device, dtype=np.float32)
@@ -197,9 +204,17 @@ class FusedEngine:
     KERNELS: tuple = ()
     APPLY_CHUNK = 128
     GRADIENT_CLIP = 0.0  # Adafactor's gradient clip (VeLO: 1000); 0 = none
+    # The update rule (apply_update in cuda_src/accumulators.cuh): False, p − lr·u then the updated value
+    # decays (small_fc_lopt, VeLO); True, p − lr·(u + weight_decay·p) (ELO). A kernel trait.
+    WEIGHT_DECAY_INSIDE_STEP = False
+    # What max_grad_norm means: False, each tensor is clipped by its own norm (small_fc_lopt); True, every
+    # gradient of a clipping group by the norm of all the optimizer's gradients together (ELO).
+    GLOBAL_CLIPPING = False
 
     def __init__(self, optimizer, defines: tuple = ()):
-        """``defines`` (``"NAME=VALUE"`` strings): the build of the kernels this engine runs (its precision)."""
+        """``defines`` (``"NAME=VALUE"`` strings): the build of the kernels this engine runs (its precision);
+        the update rule is added here."""
+        defines = tuple(defines) + self.kernel_traits()
         # A proxy, not a reference: the optimizer owns its engine, and a cycle between them would keep
         # the parameters' state and the workspaces on the GPU after `del opt` until the garbage
         # collector happens to run.
@@ -213,6 +228,11 @@ class FusedEngine:
         self.kernels = {name: self.module.get_function(name) for name in names}
         self.plan: Plan | None = None
         self.device_index = self.device.index if self.device.type == "cuda" else -1  # (as Tensor.get_device says)
+
+    @classmethod
+    def kernel_traits(cls) -> tuple:
+        """The defines every engine's build gets from its class (the shared headers' traits)."""
+        return (f"LOPT_WEIGHT_DECAY_INSIDE_STEP={int(cls.WEIGHT_DECAY_INSIDE_STEP)}",)
 
     # ------------------------------------------------------------------ check
 
@@ -389,13 +409,15 @@ class FusedEngine:
             shapes.append(tuple(local.shape[a] for a in order) if local.dim() else (1,))
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
             global_rows.append(shard.global_shape[0] if shard.split else None)
-        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK,
-                             clipped=[clipped_groups[g] for g in groups], global_rows=global_rows)
+        # A global norm needs every tensor's Σ g² where any group clips; a per-tensor one, the clipped tensors'.
+        clipped = [any(clipped_groups) if self.GLOBAL_CLIPPING else clipped_groups[g] for g in groups]
+        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK, clipped=clipped,
+                             global_rows=global_rows)
         if layout.sharded and self.optimizer.reducer.is_identity:
             raise RuntimeError("sharded parameters need the reducer of their device mesh")
         plan = Plan(key, params, groups, [list(group_params) for group_params in inputs.params], layout, orders,
                     locals_, self.device, packed_entries=self.packed_entries, allocate=self._allocate,
-                    fast_check=self._fast_check_rows)
+                    fast_check=self._fast_check_rows, global_clipping=self.GLOBAL_CLIPPING)
         state = self.optimizer.state
         plan.pointers[:, 1:1 + len(STATE_POINTER_FIELDS)] = np.array(
             [[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
@@ -505,7 +527,7 @@ class FusedEngine:
             row[GROUP_VALUES["decays"]:GROUP_VALUES["decays"] + CONSTANTS["DECAYS_FLOATS"]] = \
                 self._packed_decays(group).numpy()
             row[GROUP_VALUES["exp_mult"]] = group["exp_mult"]
-            row[GROUP_VALUES["step_mult"]] = group["step_mult"]
+            row[GROUP_VALUES["step_mult"]] = group.get("step_mult", 1.0)  # (ELO has none: its lr is the step)
             row[GROUP_VALUES["max_grad_norm"]] = group.get("max_grad_norm") or 0.0
             for name in ("lr", "weight_decay"):
                 value = group[name]
@@ -636,7 +658,9 @@ class FusedEngine:
         reducer = self.optimizer.reducer
         if layout.split_outputs:
             reducer.sum_(plan.axis_means[:layout.split_outputs])
-        if plan.norm_sums is not None:
+        if plan.norm_sums is not None and self.GLOBAL_CLIPPING:
+            self._global_clip_factors(plan)
+        elif plan.norm_sums is not None:
             self._sharded_clip_factors(plan, reducer.sum_(plan.norm_sums))
         table_blocks = layout.total_slabs + -(-layout.total_col_entries // TABLE_THREADS)
         phases = (1, 2) if plan.slab_sums is not None else (0,)
@@ -661,6 +685,28 @@ class FusedEngine:
         plan.norms.copy_(square_sums.clamp_(min=0).sqrt_())
         plan.norms.add_(1e-6).reciprocal_().mul_(plan.max_norms).clamp_(max=1.0)
         plan.clip_factors.index_copy_(0, plan.norm_tensors, plan.norms)
+
+    def _global_clip_factors(self, plan: Plan) -> None:
+        """max_grad_norm over every gradient together (GLOBAL_CLIPPING; reference: ``global_clip_factor``): ``N``,
+        the float32 square root of Σ g² over every tensor (float64; the parts of tensors split among processes,
+        FSDP2, reduced across them; whole tensors are every process's, as the fused backends refuse ZeRO's
+        partitions, ``_check_fused_processes_hold_the_same_tensors``); each tensor of a clipping group gets
+        ``(1 / N) · max_grad_norm`` where ``N`` exceeds it, every other tensor 1. On the device, from the norm
+        jobs' sums."""
+        groups = self.optimizer.param_groups
+        limits = [groups[plan.groups[int(t)]]["max_grad_norm"] for t in plan.layout.static_norm_jobs[:, 0]]
+        if plan.limits != limits:
+            plan.max_norms.copy_(torch.tensor([math.inf if limit is None else limit for limit in limits],
+                                              dtype=torch.float32))
+            plan.limits = limits
+        sums = plan.norm_sums.clamp(min=0)
+        split = plan.split_norm_jobs  # (masked sums, not indexing by the mask: no host sync, capturable)
+        parts = torch.stack([torch.where(split, sums, 0.0).sum(), torch.where(split, 0.0, sums).sum()])
+        if plan.layout.sharded:
+            self.optimizer.reducer.sum_(parts[:1])
+        norm = parts.sum().sqrt().to(torch.float32)
+        factors = torch.where(norm > plan.max_norms, norm.reciprocal() * plan.max_norms, 1.0)
+        plan.clip_factors.index_copy_(0, plan.norm_tensors, factors)
 
     def _raise_if_unusable(self, plan: Plan, inputs) -> None:
         """nonfinite='raise': one read of the device flag; nothing has been written yet."""

@@ -179,7 +179,8 @@ class GroupLayout:
         self.total_slabs = int(slabs)
         self.total_row_entries = int(row_entries)
         self.total_col_entries = int(col_entries)
-        self.sharded = any(r is not None for r in global_rows)
+        self.split_tensors = [r is not None for r in global_rows]  # (split among processes: partial sums)
+        self.sharded = any(self.split_tensors)
 
     def _add_axis_job(self, tensor: int, q: int, x: int, i: int, *, divisor) -> tuple[int, int]:
         """Appends the reduction of ``(q, x, i)`` over x; returns its (partial_offset, num_partials).

@@ -282,11 +282,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         they are exact only where every process holds every tensor (DDP). One small all-reduce, once."""
         if self._host.get("fused_processes_checked") or self.reducer.is_identity:
             return
-        shapes = tuple(tuple(p.shape) for p in self._all_params())
-        fingerprint = float(hash(shapes) % 2**52)  # (hashes of int tuples are the same in every process)
-        device = next(iter(self._param_devices()))
-        extremes = self.reducer.max_(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=device))
-        if float(extremes[0]) != -float(extremes[1]):
+        if not distributed.processes_hold_the_same_tensors(self.reducer, self._all_params(),
+                                                           next(iter(self._param_devices()))):
             raise RuntimeError(
                 f"{type(self).__name__}(backend='fused'): the processes' optimizers hold different parameters (as "
                 f"under ZeroRedundancyOptimizer), and the fused backend does not take part in the reduce phase yet, "

@@ -147,33 +147,6 @@ class _CELO2Family(LearnedOptimizer):
     def _adam_state_shapes(self, p) -> dict:
         return {key: tuple(p.shape) for key in reference.ADAM_KEYS}
 
-    # ------------------------------------------------------------------ processes
-
-    def _global_square_sums(self, tensors: list, check: SumPacket):
-        """Check phase: what the global norm needs, added to the check's packet (one reduce), where some group
-        clips (the same decision on every process): Σ g² of the tensors split among processes (FSDP2), Σ g² of
-        the whole tensors both as this process's and as summed over the processes, and a fingerprint of the
-        parameter shapes that says which of the two is the whole tensors' sum: this process's where every
-        process holds the same tensors (one process, DDP), the processes' total where they hold different
-        ones (ZeroRedundancyOptimizer; partitions with identical shape lists cannot be told from DDP)."""
-        if all(group["max_grad_norm"] is None for group in self.param_groups):
-            return None
-        split, whole = self._gradient_square_sums(tensors)
-        device = split.device
-        # (a fingerprint below 2^20: its sums and the sum of its squares are exact in float64)
-        fingerprint = float(hash(tuple(tuple(p.shape) for p in self._all_params())) % 2**20)
-        marks = torch.tensor([1.0, fingerprint, fingerprint * fingerprint], dtype=torch.float64, device=device)
-        return (check.add(split), check.add(whole, split=False), check.add(whole), check.add(marks))
-
-    def _global_norm(self, check: SumPacket, handles) -> torch.Tensor | None:
-        """‖g‖₂ over every gradient of every process's tensors (each counted once), float32."""
-        if handles is None:
-            return None
-        split, local_whole, total_whole, marks = (check[handle] for handle in handles)
-        count, total, total_of_squares = marks.unbind()
-        same_tensors = count * total_of_squares == total * total  # every process has the same fingerprint
-        return reference.global_norm(split + torch.where(same_tensors, local_whole, total_whole))
-
     # ------------------------------------------------------------------ the step
 
     def _naive_step(self, inputs) -> None:
@@ -189,7 +162,8 @@ class _CELO2Family(LearnedOptimizer):
             return
         for group in self.param_groups:
             group["step"] = self._host_step(group) + 1
-        norm = self._global_norm(check, norm_sums)
+        square_sum = self._global_square_sum(check, norm_sums)
+        norm = reference.global_norm(square_sum) if square_sum is not None else None
         for t in tensors:
             max_norm = t.group["max_grad_norm"]
             scale = reference.clip_scale(norm.to(t.grad.device), max_norm) if max_norm is not None else None

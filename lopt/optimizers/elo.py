@@ -38,14 +38,16 @@ class ELO(SmallFCLOpt):
         weights: meta-weights — a registered name (default ``"elo"``: hub repo ``DiamondXL/elo``), a hub
             repo id, a local directory in PyLO's hub layout, a ``.safetensors`` file, or a
             :class:`lopt.weights.MetaWeights` of the ``elo`` architecture.
-        backend: ``"auto"`` or ``"naive"`` (ELO has no fused kernels yet; ``"fused"`` says so).
+        backend: ``"auto"`` (fused on CUDA where CuPy works, else naive), ``"naive"`` or ``"fused"``: small_fc_lopt's
+            kernels with ELO's update rule and global clipping (``lopt/fused/elo.py``).
         exp_mult: the magnitude's exponent multiplier (0.001).
         max_grad_norm: if set, every gradient of this group is multiplied by
             ``min(1, max_grad_norm / ‖g‖₂)``, ``‖g‖₂`` the norm of all the optimizer's gradients together
             (every group's; PyLO's ``clip_grad=True, clip_norm=max_grad_norm``). None (default): no clipping.
         momentum_decays, rms_decays, adafactor_decays: the accumulators' decays, each in [0, 1], used as given.
         nonfinite: ``"skip"`` (default) or ``"raise"``, as :class:`lopt.SmallFCLOpt`.
-        precision: accepted for symmetry with SmallFCLOpt; the naive backend always computes in float32.
+        precision: ``"exact"`` or ``"fast"`` (the fused backend's BF16 MLP products), as SmallFCLOpt; the naive
+            backend always computes in float32.
 
     State per parameter: SmallFCLOpt's (PyLO's names and layout). Each group counts its steps in
     ``group["step"]``.
@@ -93,19 +95,14 @@ class ELO(SmallFCLOpt):
 
     def _naive_clipping_sums(self, tensors: list, check: SumPacket):
         """Check phase: Σ g² over every participating gradient of every group, where some group clips
-        (the same decision on every process): a tensor split among processes (FSDP2) adds its part to
-        a sum the check's reduce completes; whole tensors add theirs to one that the reduce completes
-        only where the processes hold different tensors (ZeRO), not where each holds all of them (DDP)."""
-        if all(group["max_grad_norm"] is None for group in self.param_groups):
-            return None
-        split, whole = self._gradient_square_sums(tensors)
-        return check.add(split, split=True), check.add(whole, split=not self._processes_hold_the_same_tensors())
+        (the naive phases' global norm sums, shared with CELO2)."""
+        return self._global_square_sums(tensors, check)
 
     def _naive_clipped_gradients(self, tensors: list, check: SumPacket, clipping) -> list:
         """Every gradient of a clipping group times its group's :func:`~lopt.reference.elo.global_clip_factor`."""
-        if clipping is None:
+        total = self._global_square_sum(check, clipping)
+        if total is None:
             return [t.grad for t in tensors]
-        total = check[clipping[0]] + check[clipping[1]]
         factors: dict = {}
         grads = []
         for t in tensors:
@@ -118,22 +115,6 @@ class ELO(SmallFCLOpt):
                 factors[key] = reference.global_clip_factor(total.to(t.grad.device), limit)
             grads.append(t.grad * factors[key])
         return grads
-
-    def _processes_hold_the_same_tensors(self) -> bool:
-        """Whether every process's optimizer holds the same parameter shapes (DDP) rather than different
-        ones (ZeRO), by one max-reduce of a fingerprint of the shapes, once per set of param groups (the
-        same moment in every process). One process: True. Processes whose ZeRO partitions happen to have
-        identical shape lists cannot be told from DDP (docs/elo.md §5)."""
-        if self.reducer.is_identity or self.has_sharded_parameters:  # (FSDP2: no whole tensors)
-            return True
-        key = ("same_tensors", len(self.param_groups))
-        if key not in self._host:
-            shapes = tuple(tuple(p.shape) for p in self._all_params())
-            fingerprint = float(hash(shapes) % 2**52)  # (hashes of int tuples are the same in every process)
-            device = self._param_devices().pop()
-            extremes = self.reducer.max_(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=device))
-            self._host[key] = float(extremes[0]) == -float(extremes[1])
-        return self._host[key]
 
     def _naive_new_value(self, t, square_sums: torch.Tensor) -> torch.Tensor:
         """Apply phase for one tensor: small_fc_lopt's normalisation, time features and MLP, then ELO's

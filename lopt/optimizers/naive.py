@@ -121,6 +121,28 @@ class NaivePhases:
                 whole = whole + square_sum
         return split, whole
 
+    def _global_square_sums(self, tensors: list, check) -> tuple | None:
+        """Check phase: what a global norm over every gradient of every group needs, added to the check's
+        :class:`~lopt.distributed.SumPacket` (one reduce), where some group clips (the same decision on every
+        process): Σ g² of the tensors split among processes (FSDP2), Σ g² of the whole tensors both as this
+        process's and as summed over the processes, and the shape fingerprint's marks that say which of the
+        two counts each tensor once (``lopt.distributed.same_tensors_marks``: this process's where every
+        process holds the same tensors, one process or DDP; the total where each holds its own, ZeRO).
+        Handles for :meth:`_global_square_sum`, or None."""
+        if all(group.get("max_grad_norm") is None for group in self.param_groups):
+            return None
+        split, whole = self._gradient_square_sums(tensors)
+        marks = distributed.same_tensors_marks(self._all_params(), split.device)
+        return check.add(split), check.add(whole, split=False), check.add(whole), check.add(marks)
+
+    def _global_square_sum(self, check, handles) -> torch.Tensor | None:
+        """Σ g² (float64, 0-d) over every gradient of every process's tensors, each counted once, from the
+        reduced check (:meth:`_global_square_sums`'s handles); None where no group clips."""
+        if handles is None:
+            return None
+        split, local_whole, total_whole, marks = (check[handle] for handle in handles)
+        return split + torch.where(distributed.marks_say_same_tensors(marks), local_whole, total_whole)
+
     def _naive_tensors(self, inputs: StepInputs) -> list:
         """Naive check phase, part 2: every participating parameter as a :class:`NaiveTensor` (this
         process's part, the gradient float32 and AMP-unscaled), its state created on first use."""
