@@ -24,22 +24,18 @@ from lopt.fused.engine import FusedEngine, commit_blocks
 from fused_helpers import fused_engine_optimizers
 from spawned import leave_process
 
-_KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
 FUSED = fused_engine_optimizers()  # (one optimizer per fused engine)
 # numpy type each C parameter type must be passed as
 C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64}
 
 
+# numpy type each C parameter type must reach CuPy as
+C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64}
+
+
 def declared_kernels(source_file: str) -> dict:
-    """{kernel: [C type of each parameter]} of a cuda_src file (headers included)."""
-    kernels = {}
-    for name, params in _KERNEL.findall(launcher.kernel_source(source_file)):
-        types = []
-        for param in params.split(","):
-            words = param.replace("__restrict__", "").replace("const", "").split()
-            types.append("pointer" if "*" in param else " ".join(words[:-1]))
-        kernels[name] = types
-    return kernels
+    """{kernel: [C type of each parameter]} of a cuda_src file (headers included), as the launcher reads them."""
+    return {name: [p.c_type for p in params] for name, params in launcher.declared_parameters(source_file).items()}
 
 
 class Recorder:
@@ -183,8 +179,7 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
 
 def declared_parameter_names(source_file: str) -> dict:
     """{kernel: [name of each parameter]} of a cuda_src file (headers included)."""
-    return {name: [param.split()[-1].lstrip("*") for param in params.split(",")]
-            for name, params in _KERNEL.findall(launcher.kernel_source(source_file))}
+    return {name: [p.name for p in params] for name, params in launcher.declared_parameters(source_file).items()}
 
 
 @pytest.mark.parametrize("precision, packed", [("exact", False), ("fast", True)])
@@ -246,6 +241,38 @@ def test_kernels_are_declared_once_with_known_parameter_types():
         for kernel, types in declared_kernels(source).items():
             unknown = [t for t in types if t != "pointer" and t not in C_TYPES]
             assert not unknown, f"{source} {kernel}: parameter types {unknown}"
+    parsed = launcher.parse_parameters("const float* __restrict__ x, int n, i64 total, float*out")
+    assert [(p.name, p.c_type) for p in parsed] == [("x", "pointer"), ("n", "int"), ("total", "i64"), ("out", "pointer")]
+
+
+def test_arguments_are_bound_by_name_in_the_declared_order_and_types():
+    """Kernels take their arguments by parameter name (launcher.bind_arguments): order and numpy types come
+    from the source's declaration, so a call site cannot swap two pointers; a missing or unknown name fails
+    before anything is launched, naming it."""
+    params = launcher.parse_parameters("const float* x, int n, i64 total, float scale, double* out")
+    x, out = torch.zeros(3), torch.zeros(2, dtype=torch.float64)
+    bound = launcher.bind_arguments("k", params, {"out": out, "scale": 0.5, "x": x, "total": 2**40, "n": 7})
+    assert bound == (np.uint64(x.data_ptr()), 7, 2**40, 0.5, np.uint64(out.data_ptr()))
+    assert [type(a) for a in bound] == [np.uint64, np.int32, np.int64, np.float32, np.uint64]
+    assert launcher.bind_arguments("k", params, {"x": None, "n": 1, "total": 1, "scale": 1.0,
+                                                 "out": np.uint64(1234)})[::4] == (0, 1234)
+    with pytest.raises(RuntimeError, match=r"launch of k: missing arguments \['total'\], unknown arguments \['totl'\] "
+                                           r"\(the kernel declares \['x', 'n', 'total', 'scale', 'out'\]\)"):
+        launcher.bind_arguments("k", params, {"x": x, "n": 1, "totl": 1, "scale": 1.0, "out": out})
+    with pytest.raises(RuntimeError, match=r"missing arguments \['out'\], unknown arguments \[\]"):
+        launcher.bind_arguments("k", params, {"x": x, "n": 1, "total": 1, "scale": 1.0})
+
+
+def test_a_kernel_declared_differently_in_two_branches_is_refused(monkeypatch):
+    text = ('extern "C" __global__ void k(int n, float* x) {}\n#if A\nextern "C" __global__ void k(int n, double* x) {}\n'
+            '#else\nextern "C" __global__ void k(int n, float* y) {}\n#endif\n')
+    monkeypatch.setattr(launcher, "kernel_source", lambda filename: text)
+    launcher.declared_parameters.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"fake.cu: kernel k is declared twice with different parameters"):
+            launcher.declared_parameters("fake.cu")
+    finally:
+        launcher.declared_parameters.cache_clear()
 
 
 @pytest.mark.parametrize("name", FUSED)

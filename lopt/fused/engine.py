@@ -226,6 +226,7 @@ class FusedEngine:
         self.module = launcher.get_module(self.SOURCE, self.device, defines=tuple(defines))
         names = ("adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables") + self.KERNELS
         self.kernels = {name: self.module.get_function(name) for name in names}
+        self.parameters = launcher.declared_parameters(self.SOURCE)  # (how each kernel takes its arguments)
         self.plan: Plan | None = None
         self.device_index = self.device.index if self.device.type == "cuda" else -1  # (as Tensor.get_device says)
 
@@ -587,13 +588,13 @@ class FusedEngine:
     def pointer(tensor) -> np.uint64:
         return launcher.pointer(tensor)
 
-    def flags(self, plan: Plan, inputs) -> tuple:
-        """(grad_scale, found_inf, status) kernel arguments."""
+    def flags(self, plan: Plan, inputs) -> dict:
+        """The kernels' step-flag arguments: grad_scale, found_inf (GradScaler's, or none) and status."""
         return self._flags(plan, inputs.grad_scale, inputs.found_inf)
 
-    def _flags(self, plan: Plan, grad_scale, found_inf) -> tuple:
-        return (launcher.pointer(self._on_device(grad_scale)), launcher.pointer(self._on_device(found_inf)),
-                launcher.pointer(plan.status))
+    def _flags(self, plan: Plan, grad_scale, found_inf) -> dict:
+        return {"grad_scale": self._on_device(grad_scale), "found_inf": self._on_device(found_inf),
+                "status": plan.status}
 
     def _on_device(self, tensor):
         if tensor is None:
@@ -639,22 +640,21 @@ class FusedEngine:
         self._finish_accumulate(plan)
 
     def _launch_axis_sums(self, plan: Plan, grad_scale) -> None:
-        layout, ptr = plan.layout, launcher.pointer
+        layout = plan.layout
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
-                    (ptr(plan.axis_table.table if layout.num_axis_jobs else None), np.int32(layout.num_axis_jobs),
-                     ptr(plan.gradients.table), ptr(plan.axis_partials), ptr(self._on_device(grad_scale)),
-                     np.float32(self.GRADIENT_CLIP), ptr(plan.status)))
+                    jobs=plan.axis_table.table if layout.num_axis_jobs else None, num_jobs=layout.num_axis_jobs,
+                    gradients=plan.gradients.table, partials=plan.axis_partials,
+                    grad_scale=self._on_device(grad_scale), gradient_clip=self.GRADIENT_CLIP, status=plan.status)
 
     def _finish_accumulate(self, plan: Plan) -> None:
-        layout, ptr = plan.layout, launcher.pointer
-        axis_table = plan.axis_table.table if layout.num_axis_jobs else None
+        layout = plan.layout
         mean_blocks = max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS))  # (finalize_mean_blocks)
         self.launch("adafactor_finalize", mean_blocks + layout.num_norm_jobs, FINALIZE_THREADS,
-                    (ptr(axis_table), np.int32(layout.num_mean_jobs), np.int64(layout.total_axis_outputs),
-                     ptr(plan.axis_partials), ptr(plan.axis_means), ptr(plan.status),
-                     ptr(plan.norm_table.table if layout.num_norm_jobs else None), ptr(plan.tensor_table.table),
-                     ptr(plan.group_table.table), np.int32(len(self.optimizer.param_groups)), ptr(plan.clip_factors),
-                     ptr(plan.norm_sums)))
+                    jobs=plan.axis_table.table if layout.num_axis_jobs else None, num_jobs=layout.num_mean_jobs,
+                    total_outputs=layout.total_axis_outputs, partials=plan.axis_partials, axis_means=plan.axis_means,
+                    status=plan.status, norm_jobs=plan.norm_table.table if layout.num_norm_jobs else None,
+                    tensors=plan.tensor_table.table, **self.group_arguments(plan), clip_factors=plan.clip_factors,
+                    norm_sums=plan.norm_sums)
         reducer = self.optimizer.reducer
         if layout.split_outputs:
             reducer.sum_(plan.axis_means[:layout.split_outputs])
@@ -666,11 +666,12 @@ class FusedEngine:
         phases = (1, 2) if plan.slab_sums is not None else (0,)
         for phase in phases:
             self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
-                        (ptr(plan.tensor_table.table), np.int32(layout.num_tensors), ptr(plan.group_table.table),
-                         np.int64(layout.total_slabs), np.int64(layout.total_col_entries), ptr(plan.axis_means),
-                         ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors), ptr(plan.col_factors),
-                         ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), np.int32(phase),
-                         ptr(plan.slab_sums)))
+                        tensors=plan.tensor_table.table, num_tensors=layout.num_tensors, groups=plan.group_table.table,
+                        total_slabs=layout.total_slabs, total_col_entries=layout.total_col_entries,
+                        axis_means=plan.axis_means, row_table=plan.row_table, col_table=plan.col_table,
+                        row_factors=plan.row_factors, col_factors=plan.col_factors, row_packed=plan.row_packed,
+                        col_packed=plan.col_packed, clip_factors=plan.clip_factors, phase=phase,
+                        slab_sums=plan.slab_sums)
             if phase == 1:
                 reducer.sum_(plan.slab_sums)
 
@@ -733,31 +734,33 @@ class FusedEngine:
                                      f"NaN, an infinite value or a value of magnitude >= 2^64; nothing was changed "
                                      f"(nonfinite='raise')")
 
-    def _statistics(self, plan: Plan, flags: tuple) -> None:
+    def _statistics(self, plan: Plan, flags: dict) -> None:
         """The statistics phase: one launch over every chunk; with sharded parameters the non-finite flag
         is then reduced, so that a bad gradient element in any process's rows skips the step in all of them."""
         self._launch_statistics(plan, flags)
         if plan.layout.sharded:
             self.optimizer.reducer.max_(plan.status)
 
-    def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
+    def _launch_statistics(self, plan: Plan, flags: dict) -> None:
         """Subclass hook: the statistics kernel over every chunk (``layout.total_stats_chunks`` blocks)."""
         raise NotImplementedError
 
-    def _control(self, plan: Plan, flags: tuple, *args) -> None:
+    def _control(self, plan: Plan, flags: dict, *args) -> None:
         raise NotImplementedError
 
-    def _apply(self, plan: Plan, flags: tuple, *args) -> None:
+    def _apply(self, plan: Plan, flags: dict, *args) -> None:
         raise NotImplementedError
 
-    def launch(self, name: str, grid: int, block: int, args: tuple, shared_mem: int = 0) -> None:
+    def launch(self, name: str, grid, block: int, shared_mem: int = 0, **arguments) -> None:
+        """Launch kernel ``name`` with its arguments by parameter name (``launcher.bind_arguments``)."""
+        args = launcher.bind_arguments(name, self.parameters[name], arguments)
         launcher.launch(self.kernels[name], grid, block, args, self.device, shared_mem)
 
-    def group_arguments(self, plan: Plan) -> tuple:
-        return (launcher.pointer(plan.group_table.table), np.int32(len(self.optimizer.param_groups)))
+    def group_arguments(self, plan: Plan) -> dict:
+        return {"groups": plan.group_table.table, "num_groups": len(self.optimizer.param_groups)}
 
-    def skipped_counter(self) -> np.uint64:
-        return launcher.pointer(self.optimizer.param_groups[0]["skipped_steps"])
+    def skipped_counter(self) -> torch.Tensor:
+        return self.optimizer.param_groups[0]["skipped_steps"]
 
 
 def commit_blocks(layout) -> int:

@@ -21,6 +21,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -261,6 +262,75 @@ def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_m
 
 def pointer(tensor) -> np.uint64:
     return np.uint64(tensor.data_ptr() if tensor is not None else 0)
+
+
+# ------------------------------------------------------------------------------------------ kernel arguments
+#
+# A kernel's parameter list in its source is the contract of its launch: the engines pass arguments by
+# name, and bind_arguments orders and converts them as the source declares them, so a launch that
+# misses, invents or swaps an argument fails at once, naming it (every launch runs in the CPU tests,
+# against recorded kernels), and the call sites carry no positional lists or numpy casts.
+
+_KERNEL_DECLARATION = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
+
+
+def _pointer_argument(value) -> np.uint64:
+    try:
+        return np.uint64(value.data_ptr())  # (a tensor: the common case first)
+    except AttributeError:
+        return np.uint64(0) if value is None else np.uint64(value)
+
+
+# How each declared type is passed (CuPy takes numpy scalars of the exact width; pointers as uint64).
+ARGUMENT_TYPES = {"pointer": _pointer_argument, "int": np.int32, "i64": np.int64, "long long": np.int64,
+                  "float": np.float32}
+
+
+class KernelParameter(NamedTuple):
+    name: str
+    c_type: str  # "pointer" for any pointer, else the scalar type as written: int, i64, long long, float
+    convert: object = None  # (ARGUMENT_TYPES[c_type], looked up once)
+
+
+def parse_parameters(declaration: str) -> tuple:
+    """The parameters of one kernel declaration's list, e.g. ``"const float* __restrict__ x, int n"``."""
+    parameters = []
+    for text in declaration.split(","):
+        words = text.replace("__restrict__", "").replace("const", "").replace("*", " * ").split()
+        c_type = "pointer" if "*" in words else " ".join(words[:-1])
+        parameters.append(KernelParameter(words[-1], c_type, ARGUMENT_TYPES.get(c_type)))
+    return tuple(parameters)
+
+
+@lru_cache(maxsize=None)
+def declared_parameters(filename: str) -> dict:
+    """{kernel name: its parameters} of a ``cuda_src`` file with its headers. A kernel declared in two
+    branches of a build switch must have the same parameters in both."""
+    kernels: dict = {}
+    for name, declaration in _KERNEL_DECLARATION.findall(kernel_source(filename)):
+        parameters = parse_parameters(declaration)
+        if kernels.setdefault(name, parameters) != parameters:
+            raise RuntimeError(f"{filename}: kernel {name} is declared twice with different parameters")
+        unknown = [p for p in parameters if p.c_type not in ARGUMENT_TYPES]
+        if unknown:
+            raise RuntimeError(f"{filename}: kernel {name} has parameters of types lopt cannot pass: {unknown}")
+    return kernels
+
+
+def bind_arguments(kernel: str, parameters: tuple, arguments: dict) -> tuple:
+    """``arguments`` (by parameter name) in the declared order, each converted to its declared type
+    (a pointer from a tensor, None, or a ``numpy.uint64`` address). Raises RuntimeError naming what is
+    missing or unknown."""
+    if len(arguments) == len(parameters):
+        try:
+            return tuple([convert(arguments[name]) for name, _, convert in parameters])
+        except KeyError:
+            pass
+    names = [p.name for p in parameters]
+    missing = [name for name in names if name not in arguments]
+    unknown = [name for name in arguments if name not in names]
+    raise RuntimeError(f"launch of {kernel}: missing arguments {missing}, unknown arguments {unknown} "
+                       f"(the kernel declares {names})")
 
 
 class MetadataTable:

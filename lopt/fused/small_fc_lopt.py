@@ -33,10 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from lopt.fused import launcher
 from lopt.fused.contract import FIELD
 from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
 from lopt.network import MLPGeometry
@@ -143,15 +141,14 @@ class SmallFCLOptFused(FusedEngine):
             tensor_sums=plan.workspace(layout.num_tensors * NUM_FEATURES, torch.float64) if layout.sharded else None,
             fp16_exponent=exponent(self.mlp, max_count) if self.tensor_cores else 0)  # (generic: float32 throughout)
 
-    def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
-        ptr, layout = launcher.pointer, plan.layout
+    def _launch_statistics(self, plan: Plan, flags: dict) -> None:
+        layout = plan.layout
         self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks, STATS_THREADS,
-                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table),
-                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.clip_factors), *flags,
-                     ptr(plan.work.stats_partials)))
+                    tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
+                    groups=plan.group_table.table, row_factors=plan.row_factors, col_factors=plan.col_factors,
+                    clip_factors=plan.clip_factors, **flags, stats_partials=plan.work.stats_partials)
 
-    def _control(self, plan: Plan, flags: tuple) -> None:
+    def _control(self, plan: Plan, flags: dict) -> None:
         """The fold; with sharded parameters in two launches around the reduce of every tensor's
         feature sums (one collective)."""
         layout = plan.layout
@@ -160,24 +157,27 @@ class SmallFCLOptFused(FusedEngine):
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.work.tensor_sums)
 
-    def _launch_fold(self, plan: Plan, flags: tuple, phase: int) -> None:
+    def _launch_fold(self, plan: Plan, flags: dict, phase: int) -> None:
         """One block per tensor, then one that lays out layers 2 and 3, then the blocks that commit a
         kept step's R and C (commit_blocks)."""
-        ptr, layout = launcher.pointer, plan.layout
+        layout = plan.layout
         self.launch("small_fc_lopt_fold", layout.num_tensors + 1 + commit_blocks(layout), FOLD_THREADS,
-                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table), ptr(plan.work.stats_partials), ptr(plan.row_table),
-                     ptr(plan.col_table), ptr(self.network), ptr(plan.clip_factors), *flags, ptr(plan.work.folded), ptr(plan.work.shared_frags), np.int32(phase),
-                     ptr(plan.work.tensor_sums), np.int32(plan.work.fp16_exponent), np.int64(layout.total_row_entries),
-                     np.int64(layout.total_col_entries), ptr(plan.row_packed), ptr(plan.col_packed)))
+                    tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
+                    groups=plan.group_table.table, stats_partials=plan.work.stats_partials, row_table=plan.row_table,
+                    col_table=plan.col_table, network=self.network, clip_factors=plan.clip_factors, **flags,
+                    folded=plan.work.folded, shared_frags=plan.work.shared_frags, phase=phase,
+                    tensor_sums=plan.work.tensor_sums, fp16_exponent=plan.work.fp16_exponent,
+                    total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
+                    row_packed=plan.row_packed, col_packed=plan.col_packed)
 
-    def _apply(self, plan: Plan, flags: tuple) -> None:
+    def _apply(self, plan: Plan, flags: dict) -> None:
         """The apply pass over every chunk, on a persistent grid; it also advances the step counters."""
-        ptr, layout = launcher.pointer, plan.layout
+        layout = plan.layout
         num_chunks = layout.total_apply_chunks
         self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)), self.APPLY_THREADS,
-                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(num_chunks), ptr(plan.work.folded),
-                     ptr(plan.work.shared_frags if self.tensor_cores else self.network), ptr(plan.row_table), ptr(plan.col_table), ptr(plan.row_factors),
-                     ptr(plan.col_factors), ptr(plan.row_packed), ptr(plan.col_packed), ptr(plan.clip_factors), *flags,
-                     self.skipped_counter()))
+                    tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
+                    **self.group_arguments(plan), total_chunks=num_chunks, folded=plan.work.folded,
+                    later_layers=plan.work.shared_frags if self.tensor_cores else self.network,
+                    row_table=plan.row_table, col_table=plan.col_table, row_factors=plan.row_factors,
+                    col_factors=plan.col_factors, row_packed=plan.row_packed, col_packed=plan.col_packed,
+                    clip_factors=plan.clip_factors, **flags, skipped_steps=self.skipped_counter())

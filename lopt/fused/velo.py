@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from lopt.fused import launcher
@@ -134,75 +133,79 @@ class VeLOFused(FusedEngine):
             tensor_sums=workspace(n * STATS_PER_CHUNK, torch.float64) if layout.sharded else None,
             velo_table=velo_table)
 
-    def _loss_arguments(self, plan: Plan, loss) -> tuple:
-        """(loss tensor pointer, dtype code, value, divisor) for the kernels (lopt.optimizers.velo.StepLoss)."""
+    def _loss_arguments(self, plan: Plan, loss) -> dict:
+        """The kernels' loss arguments: its tensor, dtype code, value and divisor (lopt.optimizers.velo.StepLoss)."""
         if loss.tensor is None:
-            return (np.uint64(0), np.int32(0), np.float32(loss.value), np.float32(1.0))
+            return {"loss_tensor": None, "loss_dtype": 0, "loss_value": loss.value, "loss_divisor": 1.0}
         tensor = loss.tensor
         if tensor.device != self.device or tensor.dtype not in launcher.DTYPE_CODES:
             plan.work.loss.copy_(tensor.reshape(1))  # float64, another GPU: one conversion
             tensor = plan.work.loss
-        return (launcher.pointer(tensor), np.int32(launcher.DTYPE_CODES[tensor.dtype]), np.float32(0.0),
-                np.float32(loss.count))
+        return {"loss_tensor": tensor, "loss_dtype": launcher.DTYPE_CODES[tensor.dtype], "loss_value": 0.0,
+                "loss_divisor": loss.count}
 
-    def _loss_buffer_arguments(self) -> tuple:
+    def _loss_buffer_arguments(self) -> dict:
         first = self.optimizer.param_groups[0]
-        ptr = launcher.pointer
         for key, dtype in (("loss_means", torch.float32), ("loss_running_min", torch.float32), ("loss_count", torch.int32)):
             value = first[key]
             if not (value.device == self.device and value.dtype == dtype and value.is_contiguous()):
                 first[key] = value.to(device=self.device, dtype=dtype).contiguous()
-        decays = self.optimizer.loss_buffer().decays
-        return (ptr(first["loss_means"]), ptr(first["loss_running_min"]), ptr(first["loss_count"]), ptr(decays))
+        return {"loss_means": first["loss_means"], "loss_running_min": first["loss_running_min"],
+                "loss_count": first["loss_count"], "loss_decays": self.optimizer.loss_buffer().decays}
 
-    def _launch_statistics(self, plan: Plan, flags: tuple) -> None:
-        ptr, layout = launcher.pointer, plan.layout
+    def _launch_statistics(self, plan: Plan, flags: dict) -> None:
+        layout = plan.layout
         self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
-                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     ptr(plan.group_table.table),
-                     ptr(plan.row_factors), ptr(plan.col_factors), *flags, ptr(plan.work.stats_partials)))
+                    tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
+                    groups=plan.group_table.table, row_factors=plan.row_factors, col_factors=plan.col_factors,
+                    **flags, stats_partials=plan.work.stats_partials)
 
     def _step_arguments(self, plan: Plan, loss) -> tuple:
         return (self._loss_arguments(plan, loss),)
 
-    def _control(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
-        ptr, n = launcher.pointer, plan.layout.num_tensors
+    def _control(self, plan: Plan, flags: dict, loss_arguments: dict) -> None:
+        n, layout = plan.layout.num_tensors, plan.layout
         # With sharded parameters in two launches around the reduce of every tensor's sums (one collective).
-        for phase in ((1, 2) if plan.layout.sharded else (0,)):
-            self.launch("velo_tensor_control", n + commit_blocks(plan.layout), CONTROL_THREADS,
-                        (ptr(plan.tensor_table.table), ptr(plan.work.velo_table.table), np.int32(n),
-                         ptr(plan.group_table.table), ptr(plan.work.stats_partials), ptr(plan.row_table),
-                         ptr(plan.col_table), *flags, *self._loss_buffer_arguments(), *loss_arguments,
-                         np.int64(self.optimizer.num_steps), ptr(plan.work.feature_scales), ptr(plan.work.lstm_inputs),
-                         ptr(plan.work.param_scales), ptr(plan.work.mixed_max), np.int32(phase), ptr(plan.work.tensor_sums),
-                         np.int64(plan.layout.total_row_entries), np.int64(plan.layout.total_col_entries)))
+        for phase in ((1, 2) if layout.sharded else (0,)):
+            self.launch("velo_tensor_control", n + commit_blocks(layout), CONTROL_THREADS,
+                        tensors=plan.tensor_table.table, velo_tensors=plan.work.velo_table.table, num_tensors=n,
+                        groups=plan.group_table.table, stats_partials=plan.work.stats_partials,
+                        row_table=plan.row_table, col_table=plan.col_table, **flags, **self._loss_buffer_arguments(),
+                        **loss_arguments, num_steps=self.optimizer.num_steps, feature_scales=plan.work.feature_scales,
+                        lstm_inputs=plan.work.lstm_inputs, param_scales=plan.work.param_scales,
+                        mixed_max=plan.work.mixed_max, phase=phase, tensor_sums=plan.work.tensor_sums,
+                        total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries)
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.work.tensor_sums)
         rnn = self.rnn
         self.launch("velo_mix", n, HIDDEN,
-                    (ptr(plan.work.lstm_inputs), ptr(rnn["mix_layer2.weight"]), ptr(rnn["mix_layer2.bias"]),
-                     ptr(rnn["final_mix_layer.weight"]), ptr(rnn["final_mix_layer.bias"]), ptr(plan.work.mixed_max),
-                     ptr(plan.work.mix_partial)))
+                    lstm_inputs=plan.work.lstm_inputs, mix_weight=rnn["mix_layer2.weight"],
+                    mix_bias=rnn["mix_layer2.bias"], final_weight=rnn["final_mix_layer.weight"],
+                    final_bias=rnn["final_mix_layer.bias"], mixed_max=plan.work.mixed_max,
+                    mix_partial=plan.work.mix_partial)
         self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS), LSTM_THREADS,
-                    (ptr(plan.work.velo_table.table), np.int32(n), ptr(plan.work.mix_partial), ptr(plan.work.mixed_max),
-                     ptr(rnn["lstm.linear.weight"]), ptr(rnn["lstm.linear.bias"]), ptr(plan.work.hidden_new),
-                     ptr(plan.work.cell_new)))
+                    velo_tensors=plan.work.velo_table.table, num_tensors=n, mix_partial=plan.work.mix_partial,
+                    mixed_max=plan.work.mixed_max, lstm_weight=rnn["lstm.linear.weight"],
+                    lstm_bias=rnn["lstm.linear.bias"], hidden_new=plan.work.hidden_new, cell_new=plan.work.cell_new)
         self.launch("velo_heads", n, HEADS_THREADS,
-                    (ptr(plan.work.velo_table.table), ptr(plan.work.hidden_new), ptr(plan.work.cell_new),
-                     ptr(rnn["rnn_to_controls.weight"]), ptr(rnn["rnn_to_controls.bias"]), ptr(rnn["step_size.weight"]),
-                     ptr(rnn["step_size.bias"]), ptr(self.candidates), ptr(plan.work.feature_scales), ptr(plan.work.param_scales),
-                     *flags, *loss_arguments, ptr(plan.work.records)))
-        layout = plan.layout
+                    velo_tensors=plan.work.velo_table.table, hidden_new=plan.work.hidden_new,
+                    cell_new=plan.work.cell_new, controls_weight=rnn["rnn_to_controls.weight"],
+                    controls_bias=rnn["rnn_to_controls.bias"], step_size_weight=rnn["step_size.weight"],
+                    step_size_bias=rnn["step_size.bias"], candidates=self.candidates,
+                    feature_scales=plan.work.feature_scales, param_scales=plan.work.param_scales, **flags,
+                    **loss_arguments, records=plan.work.records)
         entries = layout.total_row_entries + layout.total_col_entries
         self.launch("velo_table_contributions", -(-entries // CONTRIBUTION_THREADS), CONTRIBUTION_THREADS,
-                    (ptr(plan.tensor_table.table), np.int32(n), ptr(plan.work.records), ptr(plan.row_table), ptr(plan.col_table),
-                     np.int64(layout.total_row_entries), np.int64(layout.total_col_entries), ptr(plan.work.row_contributions),
-                     ptr(plan.work.col_contributions)))
+                    tensors=plan.tensor_table.table, num_tensors=n, records=plan.work.records,
+                    row_table=plan.row_table, col_table=plan.col_table, total_row_entries=layout.total_row_entries,
+                    total_col_entries=layout.total_col_entries, row_contributions=plan.work.row_contributions,
+                    col_contributions=plan.work.col_contributions)
 
-    def _apply(self, plan: Plan, flags: tuple, loss_arguments: tuple) -> None:
-        ptr, layout = launcher.pointer, plan.layout
+    def _apply(self, plan: Plan, flags: dict, loss_arguments: dict) -> None:
+        layout = plan.layout
         self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
-                    (ptr(plan.tensor_table.table), ptr(plan.gradients.table), np.int32(layout.num_tensors),
-                     *self.group_arguments(plan), np.int64(layout.total_apply_chunks), ptr(plan.work.records),
-                     ptr(plan.row_factors), ptr(plan.col_factors), ptr(plan.work.row_contributions), ptr(plan.work.col_contributions), *flags, self.skipped_counter(),
-                     *self._loss_buffer_arguments(), *loss_arguments))
+                    tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
+                    **self.group_arguments(plan), total_chunks=layout.total_apply_chunks, records=plan.work.records,
+                    row_factors=plan.row_factors, col_factors=plan.col_factors,
+                    row_contributions=plan.work.row_contributions, col_contributions=plan.work.col_contributions,
+                    **flags, skipped_steps=self.skipped_counter(), **self._loss_buffer_arguments(), **loss_arguments)
