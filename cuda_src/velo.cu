@@ -34,9 +34,17 @@
 #define VELO_FF 4  // hidden units of the generated MLP
 
 // Statistics partials per chunk: the 30 feature sums of squares, then the LSTM sums of the old state
-// (shifted by the tensor's first element s, so that variances do not cancel): Σp², Σ(m_k − s_k),
-// Σ(m_k − s_k)², Σ(v − s_v), Σ(v − s_v)².
-#define VELO_LSTM_SUMS 9
+// over its finite elements (shifted by the tensor's first element s where that is finite, else 0, so
+// that variances do not cancel), at these offsets (LOPT_VELO_LSTM_SUMS of them, the contract's):
+#define VELO_SUM_PARAM 0     // Σp²
+#define VELO_SUM_MOM 1       // Σ(m_k − s_k), k = 0..2
+#define VELO_SUM_MOM_SQ 4    // Σ(m_k − s_k)²
+#define VELO_COUNT_MOM 7     // how many m_k are finite
+#define VELO_SUM_RMS 10      // Σ(v − s_v)
+#define VELO_SUM_RMS_SQ 11   // Σ(v − s_v)²
+#define VELO_COUNT_RMS 12    // how many v are finite
+#define VELO_LSTM_SUMS LOPT_VELO_LSTM_SUMS
+static_assert(VELO_COUNT_RMS + 1 == VELO_LSTM_SUMS, "the LSTM sums fill the contract's count");
 #define VELO_STATS (VELO_NUM_FEATURES + VELO_LSTM_SUMS)
 
 // The generated MLP, as weight generation writes it (role order of lopt.reference.velo.MLP_CANDIDATE_TENSORS).
@@ -166,32 +174,40 @@ constexpr int STATS_PREFETCH = 1;  // pairs requested into L2 ahead
 // Per thread, sums in float32 (over at most LOPT_STATS_PER_THREAD elements; the block adds them in
 // float64). The old momentum and rms enter shifted by the tensor's first element's, so that their
 // variances (E[d²] − E[d]² of the shifted values) do not cancel, and are exactly zero for a constant tensor.
+// A non-finite parameter, momentum or rms element (state loaded or edited from outside) is left out of
+// its sums and counts (finite_part in the reference): it stays in its element instead of reaching the
+// LSTM row, and through the controller's max every tensor's.
+LOPT_DEVICE float finite_or_zero(float x) { return is_finite(x) ? x : 0.f; }
+
 template <bool Factored>
 LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
                            const float4* row_factors, const float4* col_factors, float squares[VELO_NUM_FEATURES],
                            float lstm[VELO_LSTM_SUMS]) {
   const float* mom0 = pointer<const float>(t.mom);
-  const float shift_mom[3] = {mom0[0], mom0[1], mom0[2]};
-  const float shift_rms = pointer<const float>(t.rms)[0];
+  const float shift_mom[3] = {finite_or_zero(mom0[0]), finite_or_zero(mom0[1]), finite_or_zero(mom0[2])};
+  const float shift_rms = finite_or_zero(pointer<const float>(t.rms)[0]);
   bool unusable = false;
   for_each_chunk_element<Factored, STATS_UNROLL, STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
                                                                             ElementState& s, const FactorIndex& f) {
     unusable |= gradient_unusable(raw_grad);
     const float grad = clip_gradient(raw_grad);
-    // tensor_statistics: the pre-update parameter and the old accumulators.
-    // (a non-finite parameter element, and below a non-finite feature, is left out of the tensor's sums,
-    // finite_part in the reference: it stays in its element instead of reaching every tensor through the
-    // controller; the momentum and rms sums do not leave such values out yet: docs/velo.md)
-    if (is_finite(param)) lstm[0] = fmaf(param, param, lstm[0]);
+    // tensor_statistics: the pre-update parameter and the old accumulators, their finite elements
+    // (below, a non-finite feature is left out of its sum the same way).
+    if (is_finite(param)) lstm[VELO_SUM_PARAM] = fmaf(param, param, lstm[VELO_SUM_PARAM]);
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
+      if (!is_finite(s.mom[k])) continue;
       const float d = __fsub_rn(s.mom[k], shift_mom[k]);
-      lstm[1 + k] += d;
-      lstm[4 + k] = fmaf(d, d, lstm[4 + k]);
+      lstm[VELO_SUM_MOM + k] += d;
+      lstm[VELO_SUM_MOM_SQ + k] = fmaf(d, d, lstm[VELO_SUM_MOM_SQ + k]);
+      lstm[VELO_COUNT_MOM + k] += 1.f;
     }
-    const float d = __fsub_rn(s.rms, shift_rms);
-    lstm[7] += d;
-    lstm[8] = fmaf(d, d, lstm[8]);
+    if (is_finite(s.rms)) {
+      const float d = __fsub_rn(s.rms, shift_rms);
+      lstm[VELO_SUM_RMS] += d;
+      lstm[VELO_SUM_RMS_SQ] = fmaf(d, d, lstm[VELO_SUM_RMS_SQ]);
+      lstm[VELO_COUNT_RMS] += 1.f;
+    }
     // per_element_features: the updated accumulators.
     update_accumulators(s, grad, decays, Factored);
     FactorEntry row = {}, col = {};
@@ -241,7 +257,7 @@ velo_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ 
 // clip_log_abs, fraction_features, lstm_input_features)
 // ------------------------------------------------------------------------------------------
 #define VELO_CONTROL_THREADS 256
-#define VELO_CONTROL_LANES 6  // partial sums per statistic (39 x 6 <= 256 threads)
+#define VELO_CONTROL_LANES 5  // partial sums per statistic (43 x 5 <= 256 threads)
 
 // L(x) = 0.5 · clip(ln(1e-8 + |10·x|), −5, 5)
 LOPT_DEVICE float clip_log_abs(float x) {
@@ -282,8 +298,8 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   float shift_mom[3] = {0.f, 0.f, 0.f}, shift_rms = 0.f;
   if (t.numel > 0 && phase != 2) {
     const float* mom0 = pointer<const float>(t.mom);
-    for (int k = 0; k < 3; ++k) shift_mom[k] = mom0[k];
-    shift_rms = pointer<const float>(t.rms)[0];
+    for (int k = 0; k < 3; ++k) shift_mom[k] = finite_or_zero(mom0[k]);
+    shift_rms = finite_or_zero(pointer<const float>(t.rms)[0]);
   }
   phase_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
       phase, split_sums, t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch,
@@ -296,12 +312,15 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
       split_sums[tid] = sums[tid];
     } else if (tid < VELO_NUM_FEATURES + 5) {
       const int k = tid - VELO_NUM_FEATURES - 1;  // 0..2: momenta, 3: rms
-      const double shift = k < 3 ? shift_mom[k] : shift_rms, local_count = static_cast<double>(t.numel);
+      const int sum = k < 3 ? VELO_SUM_MOM + k : VELO_SUM_RMS, square = k < 3 ? VELO_SUM_MOM_SQ + k : VELO_SUM_RMS_SQ;
+      const int count = k < 3 ? VELO_COUNT_MOM + k : VELO_COUNT_RMS;
+      const double shift = k < 3 ? shift_mom[k] : shift_rms;
       const double* lstm = sums + VELO_NUM_FEATURES;
-      const double offsets = k < 3 ? lstm[1 + k] : lstm[7], squares = k < 3 ? lstm[4 + k] : lstm[8];
+      const double offsets = lstm[sum], squares = lstm[square], finite_count = lstm[count];
       double* out = split_sums + VELO_NUM_FEATURES;
-      out[k < 3 ? 1 + k : 7] = offsets + local_count * shift;
-      out[k < 3 ? 4 + k : 8] = squares + 2.0 * shift * offsets + local_count * shift * shift;
+      out[sum] = offsets + finite_count * shift;
+      out[square] = squares + 2.0 * shift * offsets + finite_count * shift * shift;
+      out[count] = finite_count;
     }
     return;
   }
@@ -315,20 +334,27 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   if (tid != 0) return;
   // One thread: the tensor's statistics and LSTM input row.
   const double* lstm = sums + VELO_NUM_FEATURES;
-  const float mean_square_param = static_cast<float>(lstm[0] / n);
+  const float mean_square_param = static_cast<float>(lstm[VELO_SUM_PARAM] / n);
   param_scales[r] = sqrtf(__fadd_rn(mean_square_param, 1e-9f));
   const double nu = rsqrtf(fmaxf(mean_square_param, 1e-9f));  // ν, float32 as in the reference
-  const double rms_offset = lstm[7] / n, rms_square = lstm[8] / n;
+  // Over the finite elements only (F of the n; the means still divide by n, as the reference's
+  // finite_part adds 0 for the others): with d = x − s, Σ_F x = Σd + F·s, and around a value μ,
+  // Σ_F (x − μ)² = Σd² − 2b·Σd + F·b², b = μ − s.
+  const double rms_sum = lstm[VELO_SUM_RMS], rms_square = lstm[VELO_SUM_RMS_SQ], rms_count = lstm[VELO_COUNT_RMS];
   float statistics[7];  // μ_v, var_m (3), var_v (3)
-  statistics[0] = static_cast<float>(nu * (shift_rms + rms_offset));
+  statistics[0] = static_cast<float>(nu * ((rms_sum + rms_count * shift_rms) / n));
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
-    const double offset = lstm[1 + k] / n;  // mean of m_k − s_k
-    const double mean_mom = nu * (static_cast<double>(shift_mom[k]) + offset);  // μ_m,k of m̃ = ν·m
-    statistics[1 + k] = static_cast<float>(fmax(nu * nu * (lstm[4 + k] / n - offset * offset), 0.0));
-    // var_v,k = mean (ν·v − μ_m,k)² = ν²·E[(v − s_v)²] + 2ν·c·E[v − s_v] + c², c = ν·s_v − μ_m,k
+    const double sum = lstm[VELO_SUM_MOM + k], square = lstm[VELO_SUM_MOM_SQ + k], count = lstm[VELO_COUNT_MOM + k];
+    const double mean = (sum + count * static_cast<double>(shift_mom[k])) / n;  // mean m_k (finite terms)
+    const double b = mean - static_cast<double>(shift_mom[k]);
+    const double mean_mom = nu * mean;  // μ_m,k of m̃ = ν·m
+    statistics[1 + k] = static_cast<float>(fmax(nu * nu * ((square - 2.0 * b * sum + count * b * b) / n), 0.0));
+    // var_v,k = mean over the finite v of (ν·v − μ_m,k)² = (ν²·Σe² + 2ν·c·Σe + F_v·c²) / n with e = v − s_v and
+    // c = ν·s_v − μ_m,k (the momentum mean: the reference's bug, kept)
     const double c = nu * shift_rms - mean_mom;
-    statistics[4 + k] = static_cast<float>(fmax(nu * nu * rms_square + 2.0 * nu * c * rms_offset + c * c, 0.0));
+    statistics[4 + k] = static_cast<float>(
+        fmax((nu * nu * rms_square + 2.0 * nu * c * rms_sum + rms_count * c * c) / n, 0.0));
   }
   const LossBuffer buffer = update_loss_buffer(loss_means, loss_running_min, loss_count, loss_decays, loss);
   float loss_feats[VELO_LOSS_FEATURES];

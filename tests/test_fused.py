@@ -150,6 +150,42 @@ def test_a_non_finite_parameter_element_stays_in_its_element_as_in_naive(name, w
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_non_finite_state_elements_stay_in_their_elements_as_in_naive(name, weights):
+    """State loaded or edited from outside with a NaN momentum element and an infinite rms element (one of
+    them the tensor's first element, which the statistics pass shifts by): every sum leaves them out as the
+    naive backend's finite_part does (VeLO's LSTM moment sums too, docs/velo.md §3.4), so no other tensor,
+    and no other element's update, changes; the non-finite state stays where it was put."""
+    fused, fused_params, naive, naive_params = twin_optimizers(name, weights, shapes=SHAPES, lr=0.7)
+    for opt, params in ((fused, fused_params), (naive, naive_params)):
+        set_grads(params, random_grads(params, seed=400))
+        step(opt, loss_of(0))
+    sync_into(naive, naive_params, fused, fused_params)
+    row = next(i for i, p in enumerate(fused_params) if p.dim() == 2 and p.shape[0] > 3)
+    for opt, params in ((fused, fused_params), (naive, naive_params)):
+        with torch.no_grad():
+            opt.state[params[row]]["mom"][0, 0, 1] = float("nan")  # (the first element: the shift)
+            opt.state[params[row]]["rms"][2, 1, 0] = float("inf")
+    for index in range(1, 4):
+        grads = random_grads(fused_params, seed=400 + index)
+        set_grads(fused_params, grads)
+        set_grads(naive_params, grads)
+        before = [p.detach().float().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        masks = [torch.isfinite(n) for n in naive_params]
+        for i, (f, n, b, keep, shape) in enumerate(zip(fused_params, naive_params, before, masks, SHAPES)):
+            assert torch.equal(torch.isfinite(f), keep), (index, shape)
+            if i != row:
+                assert bool(keep.all()), (index, shape)  # (nothing spread to another tensor)
+            bound = 1e-4 if name == "velo" else tensor_tolerance(f)
+            uf, un = (f.detach().float() - b)[keep], (n.detach().float() - b)[keep]
+            assert tensor_update_error(uf, un, update_scale([un])) <= bound, (index, shape)
+        sync_into(naive, naive_params, fused, fused_params)
+    assert not bool(torch.isfinite(fused.state[fused_params[row]]["mom"][0, 0, 1]))
+    assert fused.skipped_steps == 0
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("value", [float("nan"), -0.5, float("inf")])
 def test_a_bad_device_lr_is_caught_on_the_device(name, value, weights):
     """A scheduler's lr tensor on the device (read by the kernels, never by the host) that turns NaN,

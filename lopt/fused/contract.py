@@ -91,6 +91,9 @@ CONSTANTS: dict = {
     "VELO_LSTM_ROWS": 32,
     "VELO_LSTM_UNITS": 32,
     "VELO_LSTM_THREADS": 256,
+    # velo_statistics' sums per chunk besides the 30 features': Σp², then Σ(m_k − s_k), Σ(m_k − s_k)² and
+    # the count of finite m_k (3 each), then Σ(v − s_v), Σ(v − s_v)² and the count of finite v
+    "VELO_LSTM_SUMS": 13,
     # Step status flags (int32): a non-finite or overflowing gradient was seen in this step
     # (STATUS_NONFINITE); the same seen by the axis pass, which adafactor_finalize moves into
     # STATUS_NONFINITE when it resets the flags (STATUS_AXIS_NONFINITE).

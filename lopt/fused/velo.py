@@ -44,7 +44,7 @@ from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
 from lopt.reference import velo as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
-LSTM_SUMS = 9
+LSTM_SUMS = CONSTANTS["VELO_LSTM_SUMS"]
 STATS_PER_CHUNK = NUM_FEATURES + LSTM_SUMS  # VELO_STATS
 HIDDEN = reference.LSTM_HIDDEN_SIZE
 RECORD_FLOATS = 156  # VELO_RECORD_FLOATS
