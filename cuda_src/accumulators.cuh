@@ -228,6 +228,58 @@ LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float in
   }
 }
 
+// The statistics pass of every engine, written once: block b takes chunk b − first_stats_chunk of the
+// tensor whose chunks it falls in; each thread walks its elements (for_each_chunk_element), tests every
+// gradient element for the check phase (gradient_unusable) and adds the optimizer's Stats::kSums statistics
+// of it in float32; the block adds the threads' sums in float64 in a fixed order (block_sums) and writes
+// them at partials[b · kSums ...], which the optimizer's control kernel sums per tensor in a fixed order.
+// The optimizer supplies only its statistics, as a functor (apex's multi_tensor_apply + functor):
+//
+//   struct Stats {
+//     static constexpr int kSums, kUnroll, kPrefetch;  // sums per element; for_each_chunk_element's tuning
+//     struct Inputs { ... };                            // what its kernel passes through (tables, factors)
+//     LOPT_DEVICE Stats(const TensorMeta& t, int tensor, const Decays& decays, const Inputs& inputs);
+//     template <bool Factored>                          // one element (gradient unscaled, old state)
+//     LOPT_DEVICE void add(float grad, float param, ElementState& s, const FactorIndex& f,
+//                          float (&sums)[kSums]) const;
+//   };
+template <typename Stats, bool Factored>
+LOPT_DEVICE bool add_chunk_statistics(const Stats& stats, const TensorMeta& t, i64 chunk, float inverse_scale,
+                                      float (&sums)[Stats::kSums]) {
+  bool unusable = false;
+  for_each_chunk_element<Factored, Stats::kUnroll, Stats::kPrefetch>(t, chunk, inverse_scale, [&](float raw_grad,
+                                                                      float param, ElementState& s, const FactorIndex& f) {
+    unusable |= gradient_unusable(raw_grad);
+    stats.template add<Factored>(raw_grad, param, s, f, sums);
+  });
+  return unusable;
+}
+
+template <typename Stats>
+LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients, int num_tensors,
+                                 const GroupMeta* groups, const StepFlags& flags, const typename Stats::Inputs& inputs,
+                                 double* partials) {
+  const i64 block_chunk = blockIdx.x;
+  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
+  const i64 chunk = block_chunk - t.first_stats_chunk;
+  const Stats stats(t, tensor, group_decays(groups, t), inputs);
+  const float inverse_scale = inverse_grad_scale(flags);
+  float sums[Stats::kSums];
+#pragma unroll
+  for (int j = 0; j < Stats::kSums; ++j) sums[j] = 0.f;
+  const bool unusable = t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
+                                   : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  report_unusable_gradients(unusable, flags.status);
+  double values[Stats::kSums];
+#pragma unroll
+  for (int j = 0; j < Stats::kSums; ++j) values[j] = sums[j];
+  __shared__ double scratch[LOPT_STATS_THREADS / 32][Stats::kSums];
+  __shared__ double block[Stats::kSums];
+  block_sums<Stats::kSums, LOPT_STATS_THREADS>(values, scratch, block);
+  if (threadIdx.x < Stats::kSums) partials[block_chunk * Stats::kSums + threadIdx.x] = block[threadIdx.x];
+}
+
 // reference: update_accumulators (momentum, rms; V for non-factored tensors — R and C come from
 // the factor tables).
 LOPT_DEVICE void update_accumulators(ElementState& s, float grad, const Decays& d, bool factored) {

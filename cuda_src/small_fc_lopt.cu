@@ -172,26 +172,41 @@ LOPT_DEVICE float element_features(const TensorMeta& t, i64 e, const Decays& dec
 }
 
 // ------------------------------------------------------------------------------------------
-// Statistics pass: per chunk of LOPT_STATS_CHUNK elements, the 28 sums of squared features
-// (float per thread, double across threads, fixed order); for factored tensors the table features'
-// sums are left at zero here and formed by the fold. Also the check phase's test of every gradient.
+// Statistics pass (statistics_pass in accumulators.cuh): per chunk of LOPT_STATS_CHUNK elements, the 28
+// sums of squared features; for factored tensors the table features' sums are left at zero here and
+// formed by the fold. Also the check phase's test of every gradient.
 // ------------------------------------------------------------------------------------------
-template <bool Factored>
-LOPT_DEVICE bool sum_squared_features(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
-                                      float clip_factor, const TableInputs& tables, float squares[SFC_NUM_FEATURES]) {
-  bool unusable = false;
-  for_each_chunk_element<Factored, STATS_UNROLL, STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
-                                                                            ElementState& s, const FactorIndex& f) {
-    unusable |= gradient_unusable(raw_grad);
+struct FeatureStatistics {
+  static constexpr int kSums = SFC_NUM_FEATURES;
+  static constexpr int kUnroll = STATS_UNROLL;
+  static constexpr int kPrefetch = STATS_PREFETCH;
+  struct Inputs {
+    const float4* row_factors;
+    const float4* col_factors;
+    const float* clip_factors;
+  };
+  const TensorMeta& t;
+  Decays decays;
+  float clip_factor;
+  TableInputs tables;
+
+  LOPT_DEVICE FeatureStatistics(const TensorMeta& tensor_meta, int tensor, const Decays& group_decays,
+                                const Inputs& inputs)
+      : t(tensor_meta), decays(group_decays), clip_factor(tensor_clip_factor(inputs.clip_factors, tensor)),
+        tables{nullptr, nullptr, inputs.row_factors, inputs.col_factors} {}
+
+  // per_element_features of the updated accumulators (their compact factors only), squared and added
+  template <bool Factored>
+  LOPT_DEVICE void add(float raw_grad, float param, ElementState& s, const FactorIndex& f,
+                       float (&squares)[kSums]) const {
     float x[SFC_NUM_FEATURES], grad;
     loaded_element_features<Factored>(t, f, decays, clip_factor, tables, raw_grad, param, s, x, grad);
 #pragma unroll
     for (int j = 0; j < SFC_NUM_FEATURES; ++j)
       // (a non-finite feature, of a non-finite parameter or state element, is left out: finite_part)
       if (!(Factored && is_table_feature(j)) && is_finite(x[j])) squares[j] = fmaf(x[j], x[j], squares[j]);
-  });
-  return unusable;
-}
+  }
+};
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, SFC_STATS_MIN_BLOCKS)
 small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
@@ -199,34 +214,8 @@ small_fc_lopt_feature_stats(const TensorMeta* __restrict__ tensors, const i64* _
                             const float4* __restrict__ row_factors, const float4* __restrict__ col_factors,
                             const float* __restrict__ clip_factors, const float* grad_scale, const float* found_inf,
                             int* status, double* __restrict__ stats_partials) {
-  const StepFlags flags{grad_scale, found_inf, status};
-  const i64 block_chunk = blockIdx.x;
-  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
-  const TensorMeta t = tensor_row(tensors, gradients, tensor);
-  const float clip_factor = tensor_clip_factor(clip_factors, tensor);
-  const i64 chunk = block_chunk - t.first_stats_chunk;
-  const Decays decays = group_decays(groups, t);
-  const float inverse_scale = inverse_grad_scale(flags);
-  float squares[SFC_NUM_FEATURES];
-#pragma unroll
-  for (int j = 0; j < SFC_NUM_FEATURES; ++j) squares[j] = 0.f;
-  const TableInputs tables{nullptr, nullptr, row_factors, col_factors};
-  const bool unusable =
-      t.factored ? sum_squared_features<true>(t, chunk, decays, inverse_scale, clip_factor, tables, squares)
-                 : sum_squared_features<false>(t, chunk, decays, inverse_scale, clip_factor, tables, squares);
-  report_unusable_gradients(unusable, flags.status);
-  __shared__ double warp_sums[LOPT_STATS_THREADS / 32][SFC_NUM_FEATURES];
-#pragma unroll
-  for (int j = 0; j < SFC_NUM_FEATURES; ++j) {
-    const double s = warp_sum(static_cast<double>(squares[j]));
-    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5][j] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < SFC_NUM_FEATURES) {
-    double s = 0.0;
-    for (int w = 0; w < LOPT_STATS_THREADS / 32; ++w) s += warp_sums[w][threadIdx.x];
-    stats_partials[block_chunk * SFC_NUM_FEATURES + threadIdx.x] = s;
-  }
+  statistics_pass<FeatureStatistics>(tensors, gradients, num_tensors, groups, StepFlags{grad_scale, found_inf, status},
+                                     FeatureStatistics::Inputs{row_factors, col_factors, clip_factors}, stats_partials);
 }
 
 #if SFC_TENSOR_CORES

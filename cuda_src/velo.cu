@@ -179,17 +179,31 @@ constexpr int STATS_PREFETCH = 1;  // pairs requested into L2 ahead
 // LSTM row, and through the controller's max every tensor's.
 LOPT_DEVICE float finite_or_zero(float x) { return is_finite(x) ? x : 0.f; }
 
-template <bool Factored>
-LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays, float inverse_scale,
-                           const float4* row_factors, const float4* col_factors, float squares[VELO_NUM_FEATURES],
-                           float lstm[VELO_LSTM_SUMS]) {
-  const float* mom0 = pointer<const float>(t.mom);
-  const float shift_mom[3] = {finite_or_zero(mom0[0]), finite_or_zero(mom0[1]), finite_or_zero(mom0[2])};
-  const float shift_rms = finite_or_zero(pointer<const float>(t.rms)[0]);
-  bool unusable = false;
-  for_each_chunk_element<Factored, STATS_UNROLL, STATS_PREFETCH>(t, chunk, inverse_scale, [&](float raw_grad, float param,
-                                                                            ElementState& s, const FactorIndex& f) {
-    unusable |= gradient_unusable(raw_grad);
+// The statistics pass's functor (statistics_pass in accumulators.cuh).
+struct VeloStatistics {
+  static constexpr int kSums = VELO_STATS;  // the 30 features' sums of squares, then the LSTM sums
+  static constexpr int kUnroll = STATS_UNROLL;
+  static constexpr int kPrefetch = STATS_PREFETCH;
+  struct Inputs {
+    const float4* row_factors;
+    const float4* col_factors;
+  };
+  const TensorMeta& t;
+  Decays decays;
+  Inputs tables;
+  float shift_mom[3], shift_rms;
+
+  LOPT_DEVICE VeloStatistics(const TensorMeta& tensor_meta, int, const Decays& group_decays, const Inputs& inputs)
+      : t(tensor_meta), decays(group_decays), tables(inputs) {
+    const float* mom0 = pointer<const float>(t.mom);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) shift_mom[k] = finite_or_zero(mom0[k]);
+    shift_rms = finite_or_zero(pointer<const float>(t.rms)[0]);
+  }
+
+  template <bool Factored>
+  LOPT_DEVICE void add(float raw_grad, float param, ElementState& s, const FactorIndex& f, float (&sums)[kSums]) const {
+    float* lstm = sums + VELO_NUM_FEATURES;
     const float grad = clip_gradient(raw_grad);
     // tensor_statistics: the pre-update parameter and the old accumulators, their finite elements
     // (below, a non-finite feature is left out of its sum the same way).
@@ -211,45 +225,22 @@ LOPT_DEVICE bool sum_chunk(const TensorMeta& t, i64 chunk, const Decays& decays,
     // per_element_features: the updated accumulators.
     update_accumulators(s, grad, decays, Factored);
     FactorEntry row = {}, col = {};
-    if (Factored) load_factors(t, f, row_factors, col_factors, row, col);
+    if (Factored) load_factors(t, f, tables.row_factors, tables.col_factors, row, col);
     float x[VELO_NUM_FEATURES];
     per_element_features(x, grad, param, s, Factored, row, col);
 #pragma unroll
     for (int j = 0; j < VELO_NUM_FEATURES; ++j)
-      if (!(Factored && is_table_feature(j)) && is_finite(x[j])) squares[j] = fmaf(x[j], x[j], squares[j]);
-  });
-  return unusable;
-}
+      if (!(Factored && is_table_feature(j)) && is_finite(x[j])) sums[j] = fmaf(x[j], x[j], sums[j]);
+  }
+};
 
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, VELO_STATS_MIN_BLOCKS)
 velo_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                 const GroupMeta* __restrict__ groups,
                 const float4* __restrict__ row_factors, const float4* __restrict__ col_factors, const float* grad_scale,
                 const float* found_inf, int* status, double* __restrict__ stats_partials) {
-  const StepFlags flags{grad_scale, found_inf, status};
-  const i64 block_chunk = blockIdx.x;
-  const TensorMeta t = tensor_row(tensors, gradients,
-                                  find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk));
-  const i64 chunk = block_chunk - t.first_stats_chunk;
-  const Decays decays = group_decays(groups, t);
-  const float inverse_scale = inverse_grad_scale(flags);
-  float squares[VELO_NUM_FEATURES], lstm[VELO_LSTM_SUMS];
-#pragma unroll
-  for (int j = 0; j < VELO_NUM_FEATURES; ++j) squares[j] = 0.f;
-#pragma unroll
-  for (int j = 0; j < VELO_LSTM_SUMS; ++j) lstm[j] = 0.f;
-  const bool unusable = t.factored ? sum_chunk<true>(t, chunk, decays, inverse_scale, row_factors, col_factors, squares, lstm)
-                                   : sum_chunk<false>(t, chunk, decays, inverse_scale, row_factors, col_factors, squares, lstm);
-  report_unusable_gradients(unusable, flags.status);
-  double values[VELO_STATS];
-#pragma unroll
-  for (int j = 0; j < VELO_NUM_FEATURES; ++j) values[j] = squares[j];
-#pragma unroll
-  for (int j = 0; j < VELO_LSTM_SUMS; ++j) values[VELO_NUM_FEATURES + j] = lstm[j];
-  __shared__ double scratch[LOPT_STATS_THREADS / 32][VELO_STATS];
-  __shared__ double sums[VELO_STATS];
-  block_sums<VELO_STATS, LOPT_STATS_THREADS>(values, scratch, sums);
-  if (threadIdx.x < VELO_STATS) stats_partials[block_chunk * VELO_STATS + threadIdx.x] = sums[threadIdx.x];
+  statistics_pass<VeloStatistics>(tensors, gradients, num_tensors, groups, StepFlags{grad_scale, found_inf, status},
+                                  VeloStatistics::Inputs{row_factors, col_factors}, stats_partials);
 }
 
 // ------------------------------------------------------------------------------------------
