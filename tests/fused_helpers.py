@@ -80,6 +80,32 @@ def sync_into(dst_opt, dst_params, src_opt, src_params):
     dst_opt.load_state_dict(src_opt.state_dict())
 
 
+def step_twins(fused, fused_params, naive, naive_params, grads, loss=None) -> list:
+    """One step of each twin on the same gradients; returns the parameters before it (float32 copies)."""
+    set_grads(fused_params, grads)
+    set_grads(naive_params, grads)
+    before = [p.detach().float().clone() for p in fused_params]
+    step(fused, loss)
+    step(naive, loss)
+    return before
+
+
+def scaled_twin_step_error(fused, fused_params, naive, naive_params, grads, scaler=None) -> float:
+    """One step of each twin from the same state, the fused one through ``scaler`` (GradScaler: scaled
+    gradients, ``scaler.step``) where given: the relative error of the fused update against the naive one."""
+    set_grads(fused_params, [g * scaler.get_scale() for g in grads] if scaler is not None else grads)
+    set_grads(naive_params, grads)
+    before = [p.detach().clone() for p in fused_params]
+    if scaler is not None:
+        scaler.step(fused)
+        scaler.update()
+    else:
+        fused.step()
+    naive.step()
+    return relative_error(flat([f.detach() - b for f, b in zip(fused_params, before)]),
+                          flat([n.detach() - b for n, b in zip(naive_params, before)]))
+
+
 def kernel_launches(fn) -> int:
     """Kernels (not copies) the CUDA runtime saw while ``fn`` ran (torch.profiler, CUPTI: CuPy's launches too)."""
     from torch.profiler import ProfilerActivity, profile

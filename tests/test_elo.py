@@ -287,7 +287,7 @@ def test_fused_global_clipping_and_update_rule_match_naive(precision):
     limit that clips every step, none, a high one that clips on the larger gradients), weight decay
     inside the step, factored and unfactored tensors, a 0-d one; through GradScaler every other step.
     exact: each step within 1e-5 (small_fc_lopt's bound); fast: within small_fc_lopt's fast bound."""
-    from fused_helpers import flat, make_params, random_grads, relative_error, set_grads, sync_into
+    from fused_helpers import make_params, random_grads, scaled_twin_step_error, sync_into
     shapes = [(64, 48), (48,), (3, 5, 7), (300, 260), (), (9, 1, 4, 4), (129,), (40, 3)]
     limits = [0.05, None, 4.0]
 
@@ -305,18 +305,8 @@ def test_fused_global_clipping_and_update_rule_match_naive(precision):
     for index in range(40):
         grads = [g * (0.2 + 0.15 * (index % 20)) for g in random_grads(fused_params, seed=500 + index)]
         global_clips += float(torch.cat([g.double().reshape(-1) for g in grads]).norm()) > limits[2]
-        with_scaler = index % 2 == 1
-        set_grads(fused_params, [g * scaler.get_scale() for g in grads] if with_scaler else grads)
-        set_grads(naive_params, grads)
-        before = [p.detach().clone() for p in fused_params]
-        if with_scaler:
-            scaler.step(fused)
-            scaler.update()
-        else:
-            fused.step()
-        naive.step()
-        error = relative_error(flat([f.detach() - b for f, b in zip(fused_params, before)]),
-                               flat([n.detach() - b for n, b in zip(naive_params, before)]))
+        error = scaled_twin_step_error(fused, fused_params, naive, naive_params, grads,
+                                       scaler if index % 2 == 1 else None)
         worst = max(worst, error)
         assert error <= bound, f"step {index}: relative update error {error:.2e}"
         sync_into(naive, naive_params, fused, fused_params)

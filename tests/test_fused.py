@@ -15,8 +15,8 @@ import torch
 
 import lopt
 from fused_helpers import (ALL_SHAPES, DTYPES, SHAPES, TINY_TENSOR_NUMEL, flat, kernel_launches, make_optimizer,
-                           make_params, low_precision_excess, random_grads, relative_error, set_grads, step, sync_into,
-                           tensor_update_error, update_scale)
+                           make_params, low_precision_excess, random_grads, relative_error, scaled_twin_step_error,
+                           set_grads, step, step_twins, sync_into, tensor_update_error, update_scale)
 from fused_helpers import fused_engine_optimizers
 
 pytestmark = pytest.mark.cuda
@@ -168,12 +168,8 @@ def test_non_finite_state_elements_stay_in_their_elements_as_in_naive(name, weig
             opt.state[params[row]]["mom"][0, 0, 1] = float("nan")  # (the first element: the shift)
             opt.state[params[row]]["rms"][2, 1, 0] = float("inf")
     for index in range(1, 4):
-        grads = random_grads(fused_params, seed=400 + index)
-        set_grads(fused_params, grads)
-        set_grads(naive_params, grads)
-        before = [p.detach().float().clone() for p in fused_params]
-        step(fused, loss_of(index))
-        step(naive, loss_of(index))
+        before = step_twins(fused, fused_params, naive, naive_params, random_grads(fused_params, seed=400 + index),
+                            loss_of(index))
         for i, (f, n, b, shape) in enumerate(zip(fused_params, naive_params, before, SHAPES)):
             keep = torch.ones(f.shape, dtype=torch.bool, device=f.device)
             if i == row:
@@ -244,12 +240,8 @@ def test_every_mlp_geometry_fused_matches_naive(hidden, layers):
         assert fused._fused_engine.tensor_cores == ((hidden, layers) == (32, 1))
         worst = 0.0
         for index in range(12):
-            grads = random_grads(fused_params, seed=100 + index)
-            set_grads(fused_params, grads)
-            set_grads(naive_params, grads)
-            before = [p.detach().float().clone() for p in fused_params]
-            step(fused, loss_of(index))
-            step(naive, loss_of(index))
+            before = step_twins(fused, fused_params, naive, naive_params,
+                                random_grads(fused_params, seed=100 + index), loss_of(index))
             fused_updates = [f.detach().float() - b for f, b in zip(fused_params, before)]
             naive_updates = [n.detach().float() - b for n, b in zip(naive_params, before)]
             error = relative_error(flat(fused_updates), flat(naive_updates))
@@ -723,18 +715,8 @@ def test_small_fc_fused_max_grad_norm_matches_naive(weights):
             limit = limit_of[id(p)]
             if limit is not None:
                 clipped, unclipped = (clipped + 1, unclipped) if float(g.double().norm()) > limit else (clipped, unclipped + 1)
-        with_scaler = index % 2 == 1
-        set_grads(fused_params, [g * scaler.get_scale() for g in grads] if with_scaler else grads)
-        set_grads(naive_params, grads)
-        before = [p.detach().clone() for p in fused_params]
-        if with_scaler:
-            scaler.step(fused)
-            scaler.update()
-        else:
-            fused.step()
-        naive.step()
-        error = relative_error(flat([f.detach() - b for f, b in zip(fused_params, before)]),
-                               flat([n.detach() - b for n, b in zip(naive_params, before)]))
+        error = scaled_twin_step_error(fused, fused_params, naive, naive_params, grads,
+                                       scaler if index % 2 == 1 else None)
         worst = max(worst, error)
         assert error <= STEP_TOLERANCE, f"step {index}: relative update error {error:.2e}"
         sync_into(naive, naive_params, fused, fused_params)
