@@ -119,7 +119,7 @@ def test_small_fc_lopt_needs_no_callback_with_accumulation_and_grad_scaler():
     assert_same_parameters(module.net, expected)
 
 
-@pytest.mark.parametrize("optimizer_name", ["velo", "small_fc_lopt"])
+@pytest.mark.parametrize("optimizer_name", registry.names())
 def test_resume_from_a_checkpoint_continues_exactly(tmp_path, optimizer_name):
     """Two epochs in one run equal one epoch, a checkpoint, and a second epoch in a new process's
     objects (16-mixed with its GradScaler, accumulation of 2)."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 from integrations_support import (
     VELO_WEIGHTS, assert_fed_means, assert_same_parameters, make_data, make_net, make_optimizer, mse,
     reference_training)
@@ -26,7 +27,7 @@ def grouped(batches, accumulation=ACCUMULATION):
     return [batches[i:i + accumulation] for i in range(0, len(batches), accumulation)]
 
 
-@pytest.mark.parametrize("name", ["velo", "small_fc_lopt"])
+@pytest.mark.parametrize("name", registry.names())
 def test_accelerate_with_gradient_accumulation(name):
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[test]')")
     batches = micro_batches()
@@ -67,7 +68,7 @@ def test_accelerate_prepares_a_velo_subclass():
     assert prepared.optimizer is opt
 
 
-@pytest.mark.parametrize("name", ["velo", "small_fc_lopt"])
+@pytest.mark.parametrize("name", registry.names())
 def test_plain_loop_with_grad_scaler_fp16_autocast_and_accumulation(name):
     """The loop of docs/integrations.md: scaler.scale(loss / k).backward() per micro-batch, VeLO fed with
     accumulate_loss, scaler.step(opt) — against the same loop where VeLO gets the mean loss in step()."""

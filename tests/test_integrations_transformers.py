@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lopt
+from lopt import registry
 from integrations_support import (
     SMALL_FC_WEIGHTS, assert_fed_means, assert_same_parameters, make_data, make_net, make_optimizer,
     reference_training)
@@ -129,16 +130,20 @@ def test_small_fc_lopt_through_optimizer_cls_and_kwargs_follows_lr_and_linear_sc
     assert_same_parameters(model.net, expected, rtol=1e-6, atol=1e-8)
 
 
-def test_small_fc_lopt_with_its_own_optimizer_and_scheduler(tmp_path):
+@pytest.mark.parametrize("name", [name for name in registry.names() if name != "velo"])  # (VeLO: the mixin, above)
+def test_each_optimizer_with_its_own_optimizer_and_scheduler(tmp_path, name):
+    """Every registered optimizer that needs no loss, handed to the plain Trainer with a scheduler of its own
+    (lr a tensor the scheduler changes in place): the run is the hand-written loop's."""
+    lr = 0.8 if name in ("small_fc_lopt", "mulo") else 1e-3  # (a multiplier of the learned step; a step size)
     model = RegressionModel()
     initial_net = make_net(seed=3)
-    opt = make_optimizer("small_fc_lopt", model.net.parameters(), lr=torch.tensor(0.8))
+    opt = make_optimizer(name, model.net.parameters(), lr=torch.tensor(lr))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
     transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=DictDataset(NUM_SAMPLES),
                          optimizers=(opt, sched)).train()
     halving = [0.5 ** t for t in range(NUM_STEPS)]
     expected, _, _ = reference_training(
-        initial_net, recorded_steps(model), lambda m: make_optimizer("small_fc_lopt", m.parameters(), lr=0.8),
+        initial_net, recorded_steps(model), lambda m: make_optimizer(name, m.parameters(), lr=lr),
         lr_factors=halving)
     assert_same_parameters(model.net, expected, rtol=1e-6, atol=1e-8)
 
