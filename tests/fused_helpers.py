@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-import lopt
 from lopt import registry
 
 # Every rank, tiny tensors and ones that fill many blocks; size-1 axes; ties between axis sizes; factored

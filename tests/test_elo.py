@@ -19,7 +19,6 @@ import torch
 
 import lopt
 import spec_elo as spec
-import spec_small_fc_lopt as sfc_spec
 from lopt.reference import accumulators as acc
 from lopt.reference import elo as ref
 from lopt.reference import small_fc_lopt as sfc_ref

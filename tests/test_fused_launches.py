@@ -9,7 +9,6 @@ arguments are checked against the parameter list its kernel declares in cuda_src
 from __future__ import annotations
 
 import gc
-import re
 import weakref
 
 import numpy as np
