@@ -582,6 +582,43 @@ LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float upd
   store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
 }
 
+// The apply pass of the engines whose MLP runs one element per thread (VeLO's, small_fc_lopt's for any
+// geometry but the tensor cores'), written once: the step's skip decision (nothing is written when it
+// skips), the step counters (finish_step, by one thread), and the block's contiguous range of chunks on a
+// persistent grid, walked tensor by tensor — the tensor lookup, its table row and its group's scalars
+// once per tensor a block reaches. The optimizer's functor does the rest:
+//
+//   struct Apply {
+//     LOPT_DEVICE bool skipped(const StepFlags& flags) const;  // the step's decision (VeLO adds its loss)
+//     LOPT_DEVICE void finish(bool skipped) const;              // one thread, before the counters advance
+//     LOPT_DEVICE void begin_tensor(int tensor) const;          // every thread, before the tensor's chunks
+//     LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int tensor, i64 chunk, i64 end,
+//                             float inverse_scale) const;       // the elements of chunks [chunk, end)
+//   };
+template <typename Apply>
+LOPT_DEVICE void apply_pass(const TensorMeta* tensors, const i64* gradients, int num_tensors, const GroupMeta* groups,
+                            int num_groups, i64 total_chunks, const StepFlags& flags, i64* skipped_steps,
+                            const Apply& apply) {
+  const bool skipped = apply.skipped(flags);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    apply.finish(skipped);  // (every earlier launch has read what it advances)
+    finish_step(groups, num_groups, skipped, flags, skipped_steps);
+  }
+  if (skipped) return;  // nothing is written
+  const float inverse_scale = inverse_grad_scale(flags);
+  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  // Chunks ascend, so a block meets its tensors one after the other.
+  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end;) {
+    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+    apply.begin_tensor(tensor);
+    const TensorMeta t = tensor_row(tensors, gradients, tensor);
+    const ApplyScalars a = read_apply_scalars(groups[t.group]);
+    const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
+    apply.chunks(t, a, tensor, chunk, end, inverse_scale);
+    chunk = end;
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Adafactor kernels
 // ------------------------------------------------------------------------------------------

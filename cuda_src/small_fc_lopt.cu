@@ -1035,6 +1035,43 @@ LOPT_DEVICE float2 generic_mlp(const float x[SFC_NUM_FEATURES], const float* fol
   return make_float2(out[0], out[1]);
 }
 
+// The apply pass's functor (apply_pass in accumulators.cuh): per chunk, each thread's element: its
+// features (the accumulators updated and stored), the fold's feature shifts, the MLP, the update.
+struct GenericApply {
+  const float* folded;
+  const float* network;
+  TableInputs tables;
+  const float* clip_factors;
+
+  LOPT_DEVICE bool skipped(const StepFlags& flags) const { return step_is_skipped(flags); }
+  LOPT_DEVICE void finish(bool) const {}
+  LOPT_DEVICE void begin_tensor(int) const {}
+
+  LOPT_DEVICE void chunks(const TensorMeta& meta, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
+                          float inverse_scale) const {
+    const float clip_factor = tensor_clip_factor(clip_factors, tensor);
+    const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
+    for (; chunk < end; ++chunk) {
+      const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
+      if (index >= meta.numel) continue;
+      float x[SFC_NUM_FEATURES], grad, param;
+      ElementState state;
+      element_features<false, kStreamed>(meta, index, group.decays, inverse_scale, clip_factor, tables, x, state, grad,
+                                         param);
+      store_element_state<kStreamed>(meta, index, state);
+      // The feature shifts (the fold's): rms's always; V's for a tensor that is not factored (R's and C's
+      // come shifted in the tables).
+      x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], f[SFC_FOLDED_SHIFTS]);
+      if (!meta.factored) {
+#pragma unroll
+        for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i)
+          x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], f[SFC_FOLDED_SHIFTS + i]);
+      }
+      apply_update<kStreamed>(meta, index, param, update_from_mlp(generic_mlp(x, f, network), group), group);
+    }
+  }
+};
+
 // The same arguments as the tensor-core apply pass (the engine launches either alike): later_layers is
 // the network buffer here (there the fold's layout of layers 2 and 3), and no packed entries are read.
 extern "C" __global__ void __launch_bounds__(SFC_APPLY_THREADS)
@@ -1046,44 +1083,8 @@ small_fc_lopt_apply(const TensorMeta* __restrict__ tensors, const i64* __restric
                     const float4* __restrict__ col_factors, const uint4* __restrict__ row_packed,
                     const uint4* __restrict__ col_packed, const float* __restrict__ clip_factors,
                     const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
-  const StepFlags flags{grad_scale, found_inf, status};
-  const bool skipped = step_is_skipped(flags);
-  if (blockIdx.x == 0 && threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
-  if (skipped) return;  // nothing is written
-  const float inverse_scale = inverse_grad_scale(flags);
-  const TableInputs tables{row_table, col_table, nullptr, nullptr};
-  const i64 chunk_begin = total_chunks * blockIdx.x / gridDim.x;
-  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  i64 current_end = -1;
-  int tensor = 0;
-  TensorMeta meta;
-  ApplyScalars group;
-  float clip_factor = 1.f;
-  for (i64 chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    if (chunk >= current_end) {
-      tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-      meta = tensor_row(tensors, gradients, tensor);
-      group = read_apply_scalars(groups[meta.group]);
-      clip_factor = tensor_clip_factor(clip_factors, tensor);
-      current_end = meta.first_apply_chunk + meta.num_apply_chunks;
-    }
-    const i64 index = (chunk - meta.first_apply_chunk) * SFC_APPLY_CHUNK + threadIdx.x;
-    if (index >= meta.numel) continue;
-    const float* f = folded + static_cast<i64>(tensor) * SFC_FOLDED;
-    float x[SFC_NUM_FEATURES], grad, param;
-    ElementState state;
-    element_features<false, kStreamed>(meta, index, group.decays, inverse_scale, clip_factor, tables, x, state, grad,
-                                       param);
-    store_element_state<kStreamed>(meta, index, state);
-    // The feature shifts (the fold's): rms's always; V's for a tensor that is not factored (R's and C's
-    // come shifted in the tables).
-    x[SFC_RMS_FEATURE] = __fmul_rn(x[SFC_RMS_FEATURE], f[SFC_FOLDED_SHIFTS]);
-    if (!meta.factored) {
-#pragma unroll
-      for (int i = 1; i < SFC_SHIFTABLE_FEATURES; ++i)
-        x[shiftable_feature(i)] = __fmul_rn(x[shiftable_feature(i)], f[SFC_FOLDED_SHIFTS + i]);
-    }
-    apply_update<kStreamed>(meta, index, param, update_from_mlp(generic_mlp(x, f, later_layers), group), group);
-  }
+  const GenericApply apply{folded, later_layers, TableInputs{row_table, col_table, nullptr, nullptr}, clip_factors};
+  apply_pass(tensors, gradients, num_tensors, groups, num_groups, total_chunks, StepFlags{grad_scale, found_inf, status},
+             skipped_steps, apply);
 }
 #endif  // SFC_TENSOR_CORES

@@ -741,6 +741,50 @@ LOPT_DEVICE void apply_chunks(const TensorMeta t, const ApplyScalars a, i64 chun
   }
 }
 
+// The apply pass's functor (apply_pass in accumulators.cuh): the tensor's record in shared memory, its
+// chunks a pair of elements per thread at a time (apply_chunks), and the loss buffer advanced with the
+// step counters.
+struct VeloApply {
+  float* record;  // (shared)
+  const float* records;
+  const float4* row_factors;
+  const float4* col_factors;
+  const float4* row_contributions;
+  const float4* col_contributions;
+  float* loss_means;
+  float* loss_running_min;
+  int* loss_count;
+  const float* loss_decays;
+  float loss;
+
+  LOPT_DEVICE bool skipped(const StepFlags& flags) const { return velo_step_is_skipped(flags, loss); }
+
+  LOPT_DEVICE void finish(bool skipped) const {
+    if (skipped) return;
+    const LossBuffer buffer = update_loss_buffer(loss_means, loss_running_min, loss_count, loss_decays, loss);
+    for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j) {
+      loss_means[j] = buffer.means[j];
+      loss_running_min[j] = buffer.running_min[j];
+    }
+    *loss_count = buffer.count;
+  }
+
+  LOPT_DEVICE void begin_tensor(int tensor) const {
+    __syncthreads();  // everyone is done with the previous tensor's record
+    for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
+      record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
+    __syncthreads();
+  }
+
+  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int, i64 chunk, i64 end, float inverse_scale) const {
+    if (t.factored) {
+      apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
+    } else {
+      apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
+    }
+  }
+};
+
 extern "C" __global__ void __launch_bounds__(VELO_APPLY_THREADS, VELO_APPLY_MIN_BLOCKS)
 velo_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
            const GroupMeta* __restrict__ groups, int num_groups,
@@ -750,41 +794,10 @@ velo_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradi
            i64* skipped_steps, float* loss_means, float* loss_running_min, int* loss_count,
            const float* __restrict__ loss_decays, const void* loss_tensor, int loss_dtype, float loss_value,
            float loss_divisor) {
-  const StepFlags flags{grad_scale, found_inf, status};
-  const float loss = step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor});
-  const bool skipped = velo_step_is_skipped(flags, loss);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    // Every earlier launch has read the counters and the loss buffer; now they advance (or count the skip).
-    if (!skipped) {
-      const LossBuffer buffer = update_loss_buffer(loss_means, loss_running_min, loss_count, loss_decays, loss);
-      for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j) {
-        loss_means[j] = buffer.means[j];
-        loss_running_min[j] = buffer.running_min[j];
-      }
-      *loss_count = buffer.count;
-    }
-    finish_step(groups, num_groups, skipped, flags, skipped_steps);
-  }
-  if (skipped) return;  // nothing is written
   __shared__ __align__(16) float record[VELO_RECORD_FLOATS];
-  const float inverse_scale = inverse_grad_scale(flags);
-  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  // Chunks ascend, so a block meets its tensors one after the other: the search and the record load
-  // happen once per tensor.
-  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end;) {
-    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-    __syncthreads();  // everyone is done with the previous tensor's record
-    for (int k = threadIdx.x; k < VELO_RECORD_FLOATS; k += VELO_APPLY_THREADS)
-      record[k] = records[static_cast<i64>(tensor) * VELO_RECORD_FLOATS + k];
-    __syncthreads();
-    const TensorMeta t = tensor_row(tensors, gradients, tensor);
-    const ApplyScalars a = read_apply_scalars(groups[t.group]);
-    const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
-    if (t.factored) {
-      apply_chunks<true>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
-    } else {
-      apply_chunks<false>(t, a, chunk, end, record, row_factors, col_factors, row_contributions, col_contributions, inverse_scale);
-    }
-    chunk = end;
-  }
+  const VeloApply apply{record, records, row_factors, col_factors, row_contributions, col_contributions, loss_means,
+                        loss_running_min, loss_count, loss_decays,
+                        step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor})};
+  apply_pass(tensors, gradients, num_tensors, groups, num_groups, total_chunks, StepFlags{grad_scale, found_inf, status},
+             skipped_steps, apply);
 }
