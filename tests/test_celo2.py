@@ -189,12 +189,12 @@ VARIANTS = {
 }
 
 
-def _build(variant, dtype=torch.float32):
+def _build(variant, dtype=torch.float32, backend="naive", device="cpu"):
     cls, options, grad_scale = VARIANTS[variant]
-    main = [torch.nn.Parameter(random_like(shape, 50 + i).to(dtype)) for i, shape in enumerate(SHAPES.values())]
-    embedding = torch.nn.Parameter(random_like(EMBEDDING, 49).to(dtype))
+    main = [torch.nn.Parameter(random_like(shape, 50 + i).to(device, dtype)) for i, shape in enumerate(SHAPES.values())]
+    embedding = torch.nn.Parameter(random_like(EMBEDDING, 49).to(device, dtype))
     opt = cls([{"params": main}, {"params": [embedding], "is_embedding": True}], lr=1.0, weights=WEIGHTS,
-              backend="naive", **options)
+              backend=backend, **options)
     return opt, main + [embedding], options, grad_scale
 
 
@@ -228,25 +228,48 @@ def _oracle_step(opt, params, grads, before_params, before_state, options, own_m
     return new
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_optimizer_steps_match_the_float64_oracle(variant):
+def _steps_match_the_oracle(variant, backend="naive", device="cpu"):
     """Matrices of several aspect ratios, a 3-d tensor, conv kernels, a bias, a 0-d parameter and an embedding
     group, four steps: every tensor's update within 1e-5 (relative) of the oracle's."""
-    opt, params, options, grad_scale = _build(variant)
+    opt, params, options, grad_scale = _build(variant, backend=backend, device=device)
+    assert opt.backend == backend
     for s in range(4):
         grads = [random_like(p.shape, 100 * s + i, grad_scale) for i, p in enumerate(params)]
         if variant == "celo2_element_clamp":
             grads[0][0, 0] = 5.0  # beyond grad_clip_value=2
+        elif variant == "celo2_global_clip":
+            grads[0][0, 0] = 2000.0  # beyond the clamp before the global clip, within it after
         for p, g in zip(params, grads):
-            p.grad = g.clone()
-        before_params = [p.detach().clone() for p in params]
+            p.grad = g.to(device)
+        before_params = [p.detach().cpu().clone() for p in params]
         before_state = {p: copy.deepcopy(opt.state[p]) for p in params if p in opt.state}
         opt.step()
         want = _oracle_step(opt, params, grads, before_params, before_state, options,
                             own_moments=isinstance(opt, lopt.CELO2))
         for name, p, old, new in zip(list(SHAPES) + ["embedding"], params, before_params, want):
             bound = update_rtol(p.shape, options.get("orthogonalize", True))
-            assert rel_err(p.detach() - old, new - old.double()) < bound, (s, name)
+            assert rel_err(p.detach().cpu() - old, new - old.double()) < bound, (s, name)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_optimizer_steps_match_the_float64_oracle(variant):
+    _steps_match_the_oracle(variant)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_steps_match_the_float64_oracle(variant):
+    """The fused backend's acceptance test, written before it (docs/celo2.md §8): the same steps and bounds
+    as the naive backend's, on the GPU. It runs once the registry gives CELO2 a fused engine."""
+    from lopt import registry
+    from lopt.fused import launcher
+
+    if registry.get("celo2").fused is None:
+        pytest.skip("CELO2 has no fused engine yet (docs/celo2.md §8)")
+    if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
+        pytest.skip("needs a CUDA device and CuPy")
+    with torch.backends.cuda.matmul.flags(allow_tf32=False):  # (the oracle's products are float64)
+        _steps_match_the_oracle(variant, backend="fused", device="cuda")
 
 
 def test_the_step_routes_the_parameters_as_the_sources_do():
