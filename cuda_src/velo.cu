@@ -179,6 +179,22 @@ constexpr int STATS_PREFETCH = 1;  // pairs requested into L2 ahead
 // LSTM row, and through the controller's max every tensor's.
 LOPT_DEVICE float finite_or_zero(float x) { return is_finite(x) ? x : 0.f; }
 
+// The shifts of the old momentum and rms: the tensor's first element's where finite, else 0 (the
+// statistics pass and the control kernel must take the same ones).
+struct MomentShifts {
+  float mom[3] = {0.f, 0.f, 0.f};
+  float rms = 0.f;
+};
+
+LOPT_DEVICE MomentShifts moment_shifts(const TensorMeta& t) {
+  MomentShifts shifts;
+  const float* mom0 = pointer<const float>(t.mom);
+#pragma unroll
+  for (int k = 0; k < 3; ++k) shifts.mom[k] = finite_or_zero(mom0[k]);
+  shifts.rms = finite_or_zero(pointer<const float>(t.rms)[0]);
+  return shifts;
+}
+
 // The statistics pass's functor (statistics_pass in accumulators.cuh).
 struct VeloStatistics {
   static constexpr int kSums = VELO_STATS;  // the 30 features' sums of squares, then the LSTM sums
@@ -191,15 +207,10 @@ struct VeloStatistics {
   const TensorMeta& t;
   Decays decays;
   Inputs tables;
-  float shift_mom[3], shift_rms;
+  MomentShifts shift;
 
   LOPT_DEVICE VeloStatistics(const TensorMeta& tensor_meta, int, const Decays& group_decays, const Inputs& inputs)
-      : t(tensor_meta), decays(group_decays), tables(inputs) {
-    const float* mom0 = pointer<const float>(t.mom);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) shift_mom[k] = finite_or_zero(mom0[k]);
-    shift_rms = finite_or_zero(pointer<const float>(t.rms)[0]);
-  }
+      : t(tensor_meta), decays(group_decays), tables(inputs), shift(moment_shifts(tensor_meta)) {}
 
   template <bool Factored>
   LOPT_DEVICE void add(float raw_grad, float param, ElementState& s, const FactorIndex& f, float (&sums)[kSums]) const {
@@ -211,13 +222,13 @@ struct VeloStatistics {
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       if (!is_finite(s.mom[k])) continue;
-      const float d = __fsub_rn(s.mom[k], shift_mom[k]);
+      const float d = __fsub_rn(s.mom[k], shift.mom[k]);
       lstm[VELO_SUM_MOM + k] += d;
       lstm[VELO_SUM_MOM_SQ + k] = fmaf(d, d, lstm[VELO_SUM_MOM_SQ + k]);
       lstm[VELO_COUNT_MOM + k] += 1.f;
     }
     if (is_finite(s.rms)) {
-      const float d = __fsub_rn(s.rms, shift_rms);
+      const float d = __fsub_rn(s.rms, shift.rms);
       lstm[VELO_SUM_RMS] += d;
       lstm[VELO_SUM_RMS_SQ] = fmaf(d, d, lstm[VELO_SUM_RMS_SQ]);
       lstm[VELO_COUNT_RMS] += 1.f;
@@ -286,12 +297,8 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   double* split_sums = tensor_sums + static_cast<i64>(r) * VELO_STATS;
   // The statistics pass's shifts of the old momentum and rms: this process's first element (none in
   // an empty shard). Sums from several processes have different shifts: phase 1 removes them.
-  float shift_mom[3] = {0.f, 0.f, 0.f}, shift_rms = 0.f;
-  if (t.numel > 0 && phase != 2) {
-    const float* mom0 = pointer<const float>(t.mom);
-    for (int k = 0; k < 3; ++k) shift_mom[k] = finite_or_zero(mom0[k]);
-    shift_rms = finite_or_zero(pointer<const float>(t.rms)[0]);
-  }
+  MomentShifts shift;  // (zeros in phase 2, whose sums are plain, and in an empty shard)
+  if (t.numel > 0 && phase != 2) shift = moment_shifts(t);
   phase_statistics_sums<VELO_STATS, VELO_CONTROL_THREADS, VELO_CONTROL_LANES>(
       phase, split_sums, t, stats_partials, row_table, col_table, VELO_TABLE_FEATURES_FIRST, lane_sums, table_scratch,
       table_sums, sums);
@@ -305,12 +312,12 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
       const int k = tid - VELO_NUM_FEATURES - 1;  // 0..2: momenta, 3: rms
       const int sum = k < 3 ? VELO_SUM_MOM + k : VELO_SUM_RMS, square = k < 3 ? VELO_SUM_MOM_SQ + k : VELO_SUM_RMS_SQ;
       const int count = k < 3 ? VELO_COUNT_MOM + k : VELO_COUNT_RMS;
-      const double shift = k < 3 ? shift_mom[k] : shift_rms;
+      const double shift_k = k < 3 ? shift.mom[k] : shift.rms;
       const double* lstm = sums + VELO_NUM_FEATURES;
       const double offsets = lstm[sum], squares = lstm[square], finite_count = lstm[count];
       double* out = split_sums + VELO_NUM_FEATURES;
-      out[sum] = offsets + finite_count * shift;
-      out[square] = squares + 2.0 * shift * offsets + finite_count * shift * shift;
+      out[sum] = offsets + finite_count * shift_k;
+      out[square] = squares + 2.0 * shift_k * offsets + finite_count * shift_k * shift_k;
       out[count] = finite_count;
     }
     return;
@@ -333,17 +340,17 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   // Σ_F (x − μ)² = Σd² − 2b·Σd + F·b², b = μ − s.
   const double rms_sum = lstm[VELO_SUM_RMS], rms_square = lstm[VELO_SUM_RMS_SQ], rms_count = lstm[VELO_COUNT_RMS];
   float statistics[7];  // μ_v, var_m (3), var_v (3)
-  statistics[0] = static_cast<float>(nu * ((rms_sum + rms_count * shift_rms) / n));
+  statistics[0] = static_cast<float>(nu * ((rms_sum + rms_count * shift.rms) / n));
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
     const double sum = lstm[VELO_SUM_MOM + k], square = lstm[VELO_SUM_MOM_SQ + k], count = lstm[VELO_COUNT_MOM + k];
-    const double mean = (sum + count * static_cast<double>(shift_mom[k])) / n;  // mean m_k (finite terms)
-    const double b = mean - static_cast<double>(shift_mom[k]);
+    const double mean = (sum + count * static_cast<double>(shift.mom[k])) / n;  // mean m_k (finite terms)
+    const double b = mean - static_cast<double>(shift.mom[k]);
     const double mean_mom = nu * mean;  // μ_m,k of m̃ = ν·m
     statistics[1 + k] = static_cast<float>(fmax(nu * nu * ((square - 2.0 * b * sum + count * b * b) / n), 0.0));
     // var_v,k = mean over the finite v of (ν·v − μ_m,k)² = (ν²·Σe² + 2ν·c·Σe + F_v·c²) / n with e = v − s_v and
     // c = ν·s_v − μ_m,k (the momentum mean: the reference's bug, kept)
-    const double c = nu * shift_rms - mean_mom;
+    const double c = nu * shift.rms - mean_mom;
     statistics[4 + k] = static_cast<float>(
         fmax((nu * nu * rms_square + 2.0 * nu * c * rms_sum + rms_count * c * c) / n, 0.0));
   }

@@ -27,7 +27,6 @@ differ from their parameter's are copied into a buffer of the parameter's layout
 from __future__ import annotations
 
 import math
-
 import operator
 import weakref
 from dataclasses import dataclass
@@ -584,10 +583,6 @@ class FusedEngine:
             return value
         return torch.tensor(int(value), dtype=torch.int64, device=self.device)
 
-    @staticmethod
-    def pointer(tensor) -> np.uint64:
-        return launcher.pointer(tensor)
-
     def flags(self, plan: Plan, inputs) -> dict:
         """The kernels' step-flag arguments: grad_scale, found_inf (GradScaler's, or none) and status."""
         return self._flags(plan, inputs.grad_scale, inputs.found_inf)
@@ -675,14 +670,20 @@ class FusedEngine:
             if phase == 1:
                 reducer.sum_(plan.slab_sums)
 
-    def _sharded_clip_factors(self, plan: Plan, square_sums: torch.Tensor) -> None:
-        """max_grad_norm over sharded tensors: the clip factors from the reduced Σ g², as
-        gradient_clip_factor forms them (min(1, (1 / (‖g‖ + 1e-6)) · max_norm), float32), on the device."""
+    def _refresh_max_norms(self, plan: Plan) -> None:
+        """``plan.max_norms``: each norm job's tensor's group limit (inf for a group that does not clip, which
+        only a global norm has jobs for), uploaded only when the limits changed."""
         groups = self.optimizer.param_groups
         limits = [groups[plan.groups[int(t)]]["max_grad_norm"] for t in plan.layout.static_norm_jobs[:, 0]]
         if plan.limits != limits:
-            plan.max_norms.copy_(torch.tensor(limits, dtype=torch.float32))
+            plan.max_norms.copy_(torch.tensor([math.inf if limit is None else limit for limit in limits],
+                                              dtype=torch.float32))
             plan.limits = limits
+
+    def _sharded_clip_factors(self, plan: Plan, square_sums: torch.Tensor) -> None:
+        """max_grad_norm over sharded tensors: the clip factors from the reduced Σ g², as
+        gradient_clip_factor forms them (min(1, (1 / (‖g‖ + 1e-6)) · max_norm), float32), on the device."""
+        self._refresh_max_norms(plan)
         plan.norms.copy_(square_sums.clamp_(min=0).sqrt_())
         plan.norms.add_(1e-6).reciprocal_().mul_(plan.max_norms).clamp_(max=1.0)
         plan.clip_factors.index_copy_(0, plan.norm_tensors, plan.norms)
@@ -694,12 +695,7 @@ class FusedEngine:
         partitions, ``_check_fused_processes_hold_the_same_tensors``); each tensor of a clipping group gets
         ``(1 / N) · max_grad_norm`` where ``N`` exceeds it, every other tensor 1. On the device, from the norm
         jobs' sums."""
-        groups = self.optimizer.param_groups
-        limits = [groups[plan.groups[int(t)]]["max_grad_norm"] for t in plan.layout.static_norm_jobs[:, 0]]
-        if plan.limits != limits:
-            plan.max_norms.copy_(torch.tensor([math.inf if limit is None else limit for limit in limits],
-                                              dtype=torch.float32))
-            plan.limits = limits
+        self._refresh_max_norms(plan)
         sums = plan.norm_sums.clamp(min=0)
         split = plan.split_norm_jobs  # (masked sums, not indexing by the mask: no host sync, capturable)
         parts = torch.stack([torch.where(split, sums, 0.0).sum(), torch.where(split, 0.0, sums).sum()])
