@@ -27,7 +27,7 @@ import torch
 import lopt
 from lopt import registry
 from lopt.bench.report import environment
-from lopt.param_sets import build_parameters, param_set_shapes
+from lopt.param_sets import build_parameters, embedding_flags, param_set_shapes
 
 
 def copy_bandwidth_tb_s() -> float:
@@ -50,12 +50,20 @@ def gradient_sets(params, count=3, seed=1):
     return [[(torch.randn(p.shape, generator=g) * 1e-3).to("cuda") for p in params] for _ in range(count)]
 
 
-def make(name, params, backend, weights, options=None):
-    """fused AdamW, or lopt's ``name`` on ``backend`` with the optimizer ``options`` (e.g. precision)."""
+def make(name, params, backend, weights, options=None, param_set=None):
+    """fused AdamW, or lopt's ``name`` on ``backend`` with the optimizer ``options`` (e.g. precision). An
+    optimizer with an AdamW branch for embeddings (CELO2) gets the parameter set's embeddings in a group of
+    their own (``is_embedding``), as ``lopt.param_groups_for`` routes a model's."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     horizon = {"num_steps": 10_000} if name == "velo" else {}  # (VeLO's planned length: a long run's)
-    return registry.get(name).build(params, weights=weights, backend=backend, **horizon, **(options or {}))
+    entry = registry.get(name)
+    if param_set is not None and hasattr(entry.front_end_class, "uses_adamw"):
+        flags = embedding_flags(param_set)
+        groups = [{"params": [p for p, embedding in zip(params, flags) if not embedding]},
+                  {"params": [p for p, embedding in zip(params, flags) if embedding], "is_embedding": True}]
+        params = [group for group in groups if group["params"]]
+    return entry.build(params, weights=weights, backend=backend, **horizon, **(options or {}))
 
 
 def do_step(opt, loss):
@@ -114,11 +122,11 @@ def time_replays(graph, steps: int, warmup: int, pause_ms: float = 0.0) -> list:
     return times
 
 
-def make_capturable(name, params, weights, options=None):
+def make_capturable(name, params, weights, options=None, param_set=None):
     """``make``'s fused optimizer, AdamW with ``capturable=True`` (lopt's fused steps always are)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, fused=True, capturable=True)
-    return make(name, params, "fused", weights, options)
+    return make(name, params, "fused", weights, options, param_set)
 
 
 PAUSE_MS = 40.0  # before each replay of the unthrottled timing
@@ -130,7 +138,7 @@ def graph_step_ms(name, param_set, weights, steps, warmup, options=None) -> tupl
     device idle PAUSE_MS before each replay (the exact small_fc_lopt step otherwise runs at the H100's
     power cap, which a training iteration does not reach: docs/performance.md)."""
     params = build_parameters(param_set, "cuda")
-    opt = make_capturable(name, params, weights, options=options)
+    opt = make_capturable(name, params, weights, options=options, param_set=param_set)
     graph, loss = capture_step(opt, params, gradient_sets(params, 1)[0], warmup)
     times = time_replays(graph, steps, warmup)
     paused = time_replays(graph, steps, 1, PAUSE_MS)
@@ -177,7 +185,7 @@ def update_error(name, param_set, weights, options=None) -> float:
         before = [p.detach().clone() for p in params]
         for p, g in zip(params, gradient_sets(params, 1)[0]):
             p.grad = g
-        opt = make(name, params, backend, weights, options)
+        opt = make(name, params, backend, weights, options, param_set)
         do_step(opt, torch.tensor(2.5, device="cuda"))
         updates[backend] = [(p.detach() - b).double() for p, b in zip(params, before)]
         del opt, params, before
@@ -191,7 +199,7 @@ def measure(name, backend, param_set, weights, steps, warmup, options=None) -> d
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    opt = make(name, params, backend, weights, options)
+    opt = make(name, params, backend, weights, options, param_set)
     times = time_steps(opt, params, grad_sets, steps, warmup)
     peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20
     launches, split = profile_step(opt, params, grad_sets)

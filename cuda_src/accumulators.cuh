@@ -582,6 +582,26 @@ LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float upd
   store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
 }
 
+// A persistent grid's walk over the apply chunks of every tensor: block b takes its contiguous range of
+// [0, total_chunks), tensor by tensor — the tensor lookup, its table row and its group's scalars once per
+// tensor it reaches — and hands each tensor's share to visit.begin_tensor(tensor) and
+// visit.chunks(t, scalars, tensor, chunk, end, inverse_scale) (apply_pass; CELO2's MLP pass).
+template <typename Visit>
+LOPT_DEVICE void walk_apply_chunks(const TensorMeta* tensors, const i64* gradients, int num_tensors,
+                                   const GroupMeta* groups, i64 total_chunks, float inverse_scale, const Visit& visit) {
+  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  // Chunks ascend, so a block meets its tensors one after the other.
+  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end;) {
+    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+    visit.begin_tensor(tensor);
+    const TensorMeta t = tensor_row(tensors, gradients, tensor);
+    const ApplyScalars a = read_apply_scalars(groups[t.group]);
+    const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
+    visit.chunks(t, a, tensor, chunk, end, inverse_scale);
+    chunk = end;
+  }
+}
+
 // The apply pass of the engines whose MLP runs one element per thread (VeLO's, small_fc_lopt's for any
 // geometry but the tensor cores'), written once: the step's skip decision (nothing is written when it
 // skips), the step counters (finish_step, by one thread), and the block's contiguous range of chunks on a
@@ -605,39 +625,40 @@ LOPT_DEVICE void apply_pass(const TensorMeta* tensors, const i64* gradients, int
     finish_step(groups, num_groups, skipped, flags, skipped_steps);
   }
   if (skipped) return;  // nothing is written
-  const float inverse_scale = inverse_grad_scale(flags);
-  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  // Chunks ascend, so a block meets its tensors one after the other.
-  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end;) {
-    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
-    apply.begin_tensor(tensor);
-    const TensorMeta t = tensor_row(tensors, gradients, tensor);
-    const ApplyScalars a = read_apply_scalars(groups[t.group]);
-    const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
-    apply.chunks(t, a, tensor, chunk, end, inverse_scale);
-    chunk = end;
-  }
+  walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), apply);
 }
 
 // ------------------------------------------------------------------------------------------
 // Adafactor kernels
 // ------------------------------------------------------------------------------------------
 
-// The gradient as Adafactor sees it, from its loaded bits: unscaled, then (VeLO) clipped to
-// ±gradient_clip (0: no clip).
-LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse_scale, float gradient_clip) {
-  const float g = unscale_gradient(bits_as_float(bits, dtype), inverse_scale);
-  return gradient_clip > 0.f ? fminf(fmaxf(g, -gradient_clip), gradient_clip) : g;
+// What the axis pass does to a gradient before it squares it, per tensor (an engine's
+// `gradient_transforms`, a float2 per tensor row): g · factor, then clamped to ±clamp (clamp 0: none).
+// CELO2 clips by the global norm before its element clamp (lopt.fused.celo2): the factor comes first.
+struct GradientTransform { float factor, clamp; };
+
+LOPT_DEVICE GradientTransform gradient_transform(const float2* transforms, i64 tensor, float gradient_clip) {
+  if (transforms == nullptr) return GradientTransform{1.0f, gradient_clip};
+  const float2 t = transforms[tensor];
+  return GradientTransform{t.x, t.y};
+}
+
+// The gradient as Adafactor sees it, from its loaded bits: unscaled, times the transform's factor (exact
+// for 1), then clamped (VeLO: ±gradient_clip; CELO2: ±grad_clip_value).
+LOPT_DEVICE float adafactor_gradient(unsigned int bits, int dtype, float inverse_scale, const GradientTransform& t) {
+  float g = unscale_gradient(bits_as_float(bits, dtype), inverse_scale);
+  if (t.factor != 1.0f) g = __fmul_rn(g, t.factor);
+  return t.clamp > 0.f ? fminf(fmaxf(g, -t.clamp), t.clamp) : g;
 }
 
 // Σ G over the gradient elements src[first + k·stride], k = 0 ... count − 1, added in that order in
 // float64. (Loads issued further ahead than the compiler's unrolling made the pass slower: it is
 // bound by memory, not by each thread's latency; docs/performance.md §6.)
 LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 count, int dtype, float inverse_scale,
-                                   float gradient_clip) {
+                                   const GradientTransform& transform) {
   double sum = 0.0;
   for (i64 k = 0; k < count; ++k)
-    sum += adafactor_square(adafactor_gradient(load_bits(src, first + k * stride, dtype), dtype, inverse_scale, gradient_clip));
+    sum += adafactor_square(adafactor_gradient(load_bits(src, first + k * stride, dtype), dtype, inverse_scale, transform));
   return sum;
 }
 
@@ -646,7 +667,7 @@ LOPT_DEVICE double axis_square_sum(const void* src, i64 first, i64 stride, i64 c
 // NaN, and the float64 sum of finite G cannot overflow, so the sum tells. (Testing every element in the
 // loop kept the compiler from unrolling it, and the pass measured much slower: docs/performance.md §6.)
 // VeLO clips g first, which hides a NaN: its statistics pass alone tests its gradients.
-LOPT_DEVICE bool axis_sum_unusable(double sum, float gradient_clip) { return gradient_clip == 0.f && !isfinite(sum); }
+LOPT_DEVICE bool axis_sum_unusable(double sum, const GradientTransform& t) { return t.clamp == 0.f && !isfinite(sum); }
 
 // A warp's report of unusable gradients seen by the axis pass (LOPT_STATUS_AXIS_NONFINITE): every
 // element of a tensor with axis jobs is read there. adafactor_finalize moves this flag into the step's
@@ -662,9 +683,11 @@ LOPT_DEVICE void report_axis_unusable(bool unusable, int* status) {
 // per output q and chunk of x, its lanes 32 apart.
 extern "C" __global__ void __launch_bounds__(LOPT_AXIS_THREADS)
 adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i64* __restrict__ gradients,
-                        double* __restrict__ partials, const float* grad_scale, float gradient_clip, int* status) {
+                        double* __restrict__ partials, const float* grad_scale, float gradient_clip,
+                        const float2* __restrict__ gradient_transforms, int* status) {
   const AxisJob job = jobs[find_row<LOPT_AXISJOB_FIRST_BLOCK>(jobs, num_jobs, blockIdx.x)];
   const i64 local_block = blockIdx.x - job.first_block;
+  const GradientTransform transform = gradient_transform(gradient_transforms, job.tensor, gradient_clip);
   const void* src = pointer<const void>(gradients[job.tensor]);
   const int dtype = static_cast<int>(job.dtype);
   const float inverse_scale = grad_scale != nullptr ? __frcp_rn(*grad_scale) : 1.0f;
@@ -677,9 +700,9 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
       const i64 q = out / job.i, i = out - q * job.i;
       const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
       const double sum = axis_square_sum(src, (q * job.x + x0) * job.i + i, job.i, x1 - x0, dtype, inverse_scale,
-                                         gradient_clip);
+                                         transform);
       partials[job.partial_offset + chunk * job.num_outputs + out] = sum;
-      unusable = axis_sum_unusable(sum, gradient_clip);
+      unusable = axis_sum_unusable(sum, transform);
     }
     report_axis_unusable(unusable, status);
   } else {
@@ -689,8 +712,8 @@ adafactor_axis_partials(const AxisJob* __restrict__ jobs, int num_jobs, const i6
     const i64 q = item / job.num_xchunks, chunk = item - q * job.num_xchunks;
     const i64 x0 = chunk * job.xchunk, x1 = min(x0 + job.xchunk, job.x);
     const i64 count = x1 - x0 > lane ? (x1 - x0 - lane + 31) / 32 : 0;
-    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, gradient_clip);
-    report_axis_unusable(axis_sum_unusable(sum, gradient_clip), status);
+    double sum = axis_square_sum(src, q * job.x + x0 + lane, 32, count, dtype, inverse_scale, transform);
+    report_axis_unusable(axis_sum_unusable(sum, transform), status);
     sum = warp_sum(sum);
     if (lane == 0) partials[job.partial_offset + chunk * job.num_outputs + q] = sum;
   }

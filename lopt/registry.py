@@ -138,7 +138,7 @@ register(OptimizerEntry(
     name="celo2",
     front_end="lopt.optimizers.celo2:CELO2",
     reference="lopt.reference.celo2",
-    fused=None,
+    fused="lopt.fused.celo2:CELO2Fused",
     architecture="celo2",
     default_weights="celo2",
     description="CELO2: a learned per-element MLP step orthogonalised by Newton-Schulz, AdamW for embeddings and "
@@ -149,7 +149,7 @@ register(OptimizerEntry(
     name="elo_celo2",
     front_end="lopt.optimizers.celo2:ELO_CELO2",
     reference="lopt.reference.celo2",
-    fused=None,
+    fused="lopt.fused.celo2:CELO2Fused",
     architecture="celo2",
     default_weights="elo-celo2",
     description="ELO-CELO2: CELO2 with ELO-trained weights, weight decay 0.1, global clipping at 1.0 and AdamW on "

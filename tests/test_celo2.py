@@ -218,7 +218,7 @@ def _oracle_step(opt, params, grads, before_params, before_state, options, own_m
             continue
         oracle = spec.from_lopt_state(saved, p.shape) if saved else spec.new_state(p.shape)
         if adamw:
-            new.append(spec.adamw_shared(value, g, oracle, group["step"], lr=group["adam_lr_mult"] * group["lr"],
+            new.append(spec.adamw_shared(value, g, oracle, int(group["step"]), lr=group["adam_lr_mult"] * group["lr"],
                                          weight_decay=group["adam_weight_decay"]))
             continue
         new.append(spec.learned_step(value, g, oracle, NET, lr=group["lr"], weight_decay=group["weight_decay"],
@@ -264,12 +264,15 @@ def test_fused_steps_match_the_float64_oracle(variant):
     from lopt import registry
     from lopt.fused import launcher
 
-    if registry.get("celo2").fused is None:
-        pytest.skip("CELO2 has no fused engine yet (docs/celo2.md §8)")
+    assert registry.get("celo2").fused is not None
     if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
         pytest.skip("needs a CUDA device and CuPy")
-    with torch.backends.cuda.matmul.flags(allow_tf32=False):  # (the oracle's products are float64)
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # (the fused engine turns TF32 off for its products itself)
+    try:
         _steps_match_the_oracle(variant, backend="fused", device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
 def test_the_step_routes_the_parameters_as_the_sources_do():
@@ -338,7 +341,8 @@ BAD_ARGUMENTS = [
     ({"ns_steps": 2.0}, ValueError, "ns_steps must be an int >= 0"),
     ({"ns_eps": 0.0}, ValueError, "ns_eps"),
     ({"precision": "fast"}, ValueError, "precision must be 'exact'"),
-    ({"backend": "fused"}, RuntimeError, r"CELO2\(backend='fused'\) cannot run: lopt has no fused kernels for celo2 yet"),
+    ({"backend": "fused"}, RuntimeError, r"CELO2\(backend='fused'\) cannot run: the parameters are not all on a CUDA "
+                                         r"device\. Use backend='naive' or 'auto'"),
 ]
 
 
@@ -369,7 +373,7 @@ def test_defaults_backend_and_no_adam_habit_warning():
         warnings.filterwarnings("ignore", category=lopt.UntrainedWeightsWarning)
         celo2, _ = _one()  # lr=1e-3 is CELO2's own scale: no AdamHabitWarning; auto falls back silently on the CPU
         elo, _ = _one(lopt.ELO_CELO2)
-    assert celo2.backend == "naive" and "no fused kernels" in celo2.backend_reason
+    assert celo2.backend == "naive" and "not all on a CUDA device" in celo2.backend_reason
     group = celo2.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["adam_weight_decay"], group["max_grad_norm"]) == (1e-3, 0.0, 0.0, None)
     assert group["adam_betas"] == (0.9, 0.95) and group["ns_coefficients"] == (3.4445, -4.7750, 2.0315)

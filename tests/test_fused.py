@@ -22,10 +22,10 @@ from fused_helpers import fused_engine_optimizers
 pytestmark = pytest.mark.cuda
 OPTIMIZERS = fused_engine_optimizers()  # (MuLO's fused test, on SmallFCLOpt's engine: tests/test_mulo.py)
 # (one launch per pass, whatever the number of tensors: docs/design.md)
-LAUNCHES = {"small_fc_lopt": 6, "velo": 10, "elo": 6}
+LAUNCHES = {"small_fc_lopt": 6, "velo": 10, "elo": 6}  # (CELO2: its 7 kernels and Newton-Schulz's torch ops, per stack)
 # A learning rate per optimizer whose low-precision updates span many ulps (VeLO's step is ~1e-4 of the
 # parameter at lr 1, small_fc_lopt's ~1e-3 · lr, ELO's ~lr: its lr is the step)
-LOW_PRECISION_LR = {"small_fc_lopt": 50.0, "velo": 1000.0, "elo": 0.05}
+LOW_PRECISION_LR = {"small_fc_lopt": 50.0, "velo": 1000.0, "elo": 0.05, "celo2": 0.05}
 
 # Relative update error allowed between fused and naive (float32), per step and per tensor
 # (tensor_update_error); tensors of a handful of elements (their update can cancel, see there) get
@@ -42,7 +42,7 @@ def tensor_tolerance(tensor) -> float:
 @pytest.fixture(scope="module")
 def weights():
     return {"small_fc_lopt": lopt.random_weights("small_fc_lopt", seed=7), "velo": lopt.random_weights("velo", seed=8),
-            "elo": lopt.random_weights("elo", seed=9)}
+            "elo": lopt.random_weights("elo", seed=9), "celo2": lopt.random_weights("celo2", seed=10)}
 
 
 def loss_of(step_index: int) -> torch.Tensor:
@@ -385,7 +385,8 @@ def test_bit_identical_reruns(name, weights):
         for index in range(5):
             set_grads(params, random_grads(params, seed=100 + index))
             step(opt, loss_of(index))
-        results.append([p.detach().clone() for p in params] + [opt.state[p]["mom"].clone() for p in params])
+        results.append([p.detach().clone() for p in params] + [value.clone() for p in params
+                                                                for value in opt.state[p].values()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -494,7 +495,10 @@ def test_poisoned_workspaces_are_overwritten(name, weights):
 def test_constant_launches_and_no_allocation_or_sync_after_the_first_step(name, weights):
     """Kernel launches counted by the CUDA profiler: the same for 6 and 120 tensors in two groups (a step
     the fast check takes: the statistics pass in two launches); with fresh gradient tensors every step,
-    a step allocates nothing and never synchronises."""
+    a step allocates nothing and never synchronises. (CELO2's Newton-Schulz runs torch's products on each stack
+    of same-shaped matrices, one stack here whatever the count: its launches are constant too, and its
+    temporaries come from PyTorch's caching allocator, FusedEngine.ALLOCATES_PER_STEP.)"""
+    counts = []
     for n_tensors in (3, 60):
         params = make_params([(17, 9)] * n_tensors + [(5,)] * n_tensors, seed=1)
         opt = make_optimizer(name, [{"params": params[::2]}, {"params": params[1::2], "lr": 0.5}], "fused",
@@ -503,7 +507,8 @@ def test_constant_launches_and_no_allocation_or_sync_after_the_first_step(name, 
         step(opt, loss_of(0))
         set_grads(params, random_grads(params, 1))
         loss = loss_of(1)
-        assert kernel_launches(lambda: step(opt, loss)) == LAUNCHES[name]
+        counts.append(kernel_launches(lambda: step(opt, loss)))
+        assert counts[-1] == LAUNCHES.get(name, counts[0])
         grads = [random_grads(params, 2 + i) for i in range(3)]
         losses = [loss_of(2 + i) for i in range(3)]
         torch.cuda.synchronize()
@@ -517,7 +522,8 @@ def test_constant_launches_and_no_allocation_or_sync_after_the_first_step(name, 
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-        assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+        if not opt._fused_engine.ALLOCATES_PER_STEP:
+            assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
 
 
 # ------------------------------------------------------------------------------------ layouts, dtypes, refusals
@@ -668,7 +674,7 @@ def test_mixed_dtypes_and_tensors_without_gradient(name, weights):
 
     fused_params, naive_params = build(), build()
     initial = [p.detach().float().clone() for p in fused_params]
-    lr = {"small_fc_lopt": 30.0, "velo": 1000.0, "elo": 0.03}[name]
+    lr = {"small_fc_lopt": 30.0, "velo": 1000.0, "elo": 0.03, "celo2": 0.03}[name]
     fused = make_optimizer(name, fused_params, "fused", weights[name], lr=lr)
     naive = make_optimizer(name, naive_params, "naive", weights[name], lr=lr)
     for index in range(3):
@@ -955,6 +961,8 @@ def test_tensor_beyond_2_pow_31_elements(name, weights):
     """64-bit indexing: a (2^25 + 1, 64) tensor (2^31 + 64 elements) whose rows are all equal steps
     like a (65, 64) tensor with the same row (row/column means, statistics and factored axes are the
     same, up to summation order), so rows on both sides of element 2^31 are checked against it."""
+    if name == "celo2":  # (Newton-Schulz mixes the rows, and its float32 copies of the 8.6 GB step exceed the GPU)
+        pytest.skip("CELO2's step is not row by row: a matrix of equal rows does not step as a smaller one")
     free, _ = torch.cuda.mem_get_info()
     if free < 64 * 2**30:
         pytest.skip("needs about 60 GiB of free GPU memory")

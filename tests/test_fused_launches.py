@@ -132,6 +132,9 @@ def test_precision_and_geometry_choose_the_kernels_build(precision, mode, hidden
     ("small_fc_lopt", "small_fc_lopt.cu", {"geometry": (16, 2)}),  # (the generic MLP)
     ("velo", "velo.cu", {}),
     ("elo", "small_fc_lopt.cu", {"max_grad_norm": 0.5}),  # (global clipping: a norm job for every tensor)
+    ("celo2", "celo2.cu", {}),
+    ("celo2", "celo2.cu", {"max_grad_norm": 0.5}),  # (the global norm's own pass, before the axis pass)
+    ("elo_celo2", "celo2.cu", {"max_grad_norm": None}),
 ])
 def test_every_launch_matches_its_kernel_declaration(name, source, options, recorded):
     declared = declared_kernels(source)
@@ -150,8 +153,11 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     names = [launch[0] for launch in recorded]
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
-    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6}[name]
-    if options:  # one norm block per clipped tensor, after the means' blocks: the second group's (small_fc_lopt's
+    clips = any(group.get("max_grad_norm") is not None for group in opt.param_groups)
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 7 + clips, "elo_celo2": 7 + clips}[name]
+    if name in ("celo2", "elo_celo2"):  # (CELO2 clips f·g before its clamp: the norm comes first, no norm jobs)
+        assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
+    elif options:  # one norm block per clipped tensor, after the means' blocks: the second group's (small_fc_lopt's
         # per-tensor norms), or every tensor where a group clips by the global norm (ELO)
         finalize = next(launch for launch in recorded if launch[0] == "adafactor_finalize")
         norms = {"small_fc_lopt": 3, "elo": 5}[name]
@@ -707,7 +713,7 @@ SHARDED_STEPS = {
 }
 
 
-@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("name", [name for name in FUSED if registry.get(name).fused_engine_class.STEPS_SHARDED_PARAMETERS])
 def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
     """FSDP2 (gloo, 2 processes, recorded kernels): the launches of a step, each matching its kernel's
     declaration, and a fixed number of collectives, laid out alike in both processes."""

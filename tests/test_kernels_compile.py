@@ -6,6 +6,7 @@ import subprocess
 
 import pytest
 
+import lopt
 from lopt.fused import launcher
 from lopt import registry
 from lopt.fused.small_fc_lopt import TENSOR_CORE_GEOMETRY, kernel_defines
@@ -36,12 +37,18 @@ def build_defines(source, precision="exact", geometry=TENSOR_CORE_GEOMETRY, engi
     if engine is None:
         engine = next(registry.get(name).fused_engine_class for name in registry.names()
                       if registry.get(name).fused and registry.get(name).fused_engine_class.SOURCE == source)
-    own = kernel_defines(precision, geometry) if source == "small_fc_lopt.cu" else ()
+    own = ()
+    if source == "small_fc_lopt.cu":
+        own = kernel_defines(precision, geometry)
+    elif source == "celo2.cu":  # (the published network's geometry, 30 -> 8 -> 8 -> 3)
+        from lopt.fused import celo2
+
+        own = celo2.kernel_defines(celo2.linear_network(lopt.random_weights("celo2", seed=0).tensors["mlp"])[1])
     return own + engine.kernel_traits()
 
 
 def test_there_are_kernel_sources():
-    assert {"small_fc_lopt.cu", "velo.cu"} <= set(SOURCES)
+    assert {"small_fc_lopt.cu", "velo.cu", "celo2.cu"} <= set(SOURCES)
 
 
 def compile_unit(text, arch, tmp_path, extra=()):

@@ -61,6 +61,14 @@ STRUCTS: dict = {
     # VeLO's per-tensor extras, one row per TensorMeta row: the tensor's LSTM state (float32, 512 each)
     # and its rank class (0..4: axes longer than 1; 5: five or more, the all-zero one-hot).
     "VeloTensor": ("lstm_hidden", "lstm_cell", "rank_class"),
+    # CELO2's per-tensor extras, one row per TensorMeta row (lopt.fused.celo2). `kind`: which branch steps
+    # the tensor (CELO2_LEARNED: the kernels' learned branch; CELO2_ADAM_OWN / CELO2_ADAM_SHARED: the AdamW
+    # branch on its own moments / on the shared accumulators; CELO2_ELSEWHERE: stepped outside the kernels,
+    # which only check its gradient). A learned tensor's proposed step goes to the step buffer at
+    # step_offset + (e / inner)·outer_stride + (e % inner)·inner_stride for its element e (memory order):
+    # the place of the element in its Newton–Schulz stack. `inputs`: 30, or 15 without the factored groups.
+    "Celo2Tensor": ("kind", "exp_avg", "exp_avg_sq", "adam_step", "step_offset", "inner", "outer_stride",
+                    "inner_stride", "inputs"),
     # One row per parameter group (also groups without a tensor in this step: their counters advance).
     "GroupMeta": (
         "values",  # float block of GROUP_VALUE_FLOATS (decays, exp_mult, step_mult, host lr/weight decay)
@@ -75,6 +83,13 @@ GROUP_VALUES = {
     "exp_mult": 16, "step_mult": 17, "lr": 18, "weight_decay": 19, "max_grad_norm": 20,
 }
 GROUP_VALUE_FLOATS = 24
+# CELO2's per-group values (float64 slots: the AdamW betas enter the bias corrections in float64, as in the
+# reference), one block of CELO2_GROUP_DOUBLES per group (lopt.fused.celo2).
+CELO2_GROUP_VALUES = {
+    "grad_clip_value": 0, "rms_mult": 1, "param_scale_mult": 2, "adam_lr": 3, "adam_lr_mult": 4,
+    "adam_lr_on_device": 5, "adam_weight_decay": 6, "adam_beta1": 7, "adam_beta2": 8, "adam_eps": 9,
+}
+CELO2_GROUP_DOUBLES = 12
 
 CONSTANTS: dict = {
     "STATS_THREADS": 256,
@@ -100,6 +115,12 @@ CONSTANTS: dict = {
     "STATUS_INTS": 4,
     "STATUS_NONFINITE": 0,
     "STATUS_AXIS_NONFINITE": 1,
+    # CELO2: the statistics per chunk (the 30 features' sums of squares, then Σp²) and the tensors' kinds
+    "CELO2_SUMS": 31,
+    "CELO2_LEARNED": 0,
+    "CELO2_ADAM_OWN": 1,
+    "CELO2_ADAM_SHARED": 2,
+    "CELO2_ELSEWHERE": 3,
 }
 CONSTANTS["STATS_CHUNK"] = CONSTANTS["STATS_THREADS"] * CONSTANTS["STATS_PER_THREAD"]
 
@@ -122,6 +143,9 @@ def cuda_header() -> str:
         lines.append(f"#define LOPT_{name} {value}")
     for name, slot in GROUP_VALUES.items():
         lines.append(f"#define LOPT_GROUP_{name.upper()} {slot}")
+    for name, slot in CELO2_GROUP_VALUES.items():
+        lines.append(f"#define LOPT_CELO2_GROUP_{name.upper()} {slot}")
+    lines.append(f"#define LOPT_CELO2_GROUP_DOUBLES {CELO2_GROUP_DOUBLES}")
     lines.append("")
     for struct, fields in STRUCTS.items():
         lines.append(f"struct {struct} {{")

@@ -209,6 +209,11 @@ class FusedEngine:
     # What max_grad_norm means: False, each tensor is clipped by its own norm (small_fc_lopt); True, every
     # gradient of a clipping group by the norm of all the optimizer's gradients together (ELO).
     GLOBAL_CLIPPING = False
+    # Whether the engine steps DTensor parameters sharded on dim 0 (FSDP2) with its reduce phase.
+    STEPS_SHARDED_PARAMETERS = True
+    # Whether a step allocates (from PyTorch's caching allocator: CELO2's Newton-Schulz products); else all
+    # its workspaces belong to the plan.
+    ALLOCATES_PER_STEP = False
 
     def __init__(self, optimizer, defines: tuple = ()):
         """``defines`` (``"NAME=VALUE"`` strings): the build of the kernels this engine runs (its precision);
@@ -402,15 +407,14 @@ class FusedEngine:
             if shard.split and order != tuple(range(local.dim())):
                 raise RuntimeError(f"the fused backend steps a sharded parameter's rows in place only when they are "
                                    f"contiguous; parameter of shape {tuple(p.shape)} has local strides {local.stride()}")
-            logical_dims = self.optimizer.reference.factored_dims(tuple(p.shape))  # (of the whole tensor)
+            logical_dims = self._factored_dims(g, p)  # (of the whole tensor)
             self._arrange_state(p, order, logical_dims)
             groups.append(g)
             orders.append(order)
             shapes.append(tuple(local.shape[a] for a in order) if local.dim() else (1,))
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
             global_rows.append(shard.global_shape[0] if shard.split else None)
-        # A global norm needs every tensor's Σ g² where any group clips; a per-tensor one, the clipped tensors'.
-        clipped = [any(clipped_groups) if self.GLOBAL_CLIPPING else clipped_groups[g] for g in groups]
+        clipped = self._norm_job_rows(groups, clipped_groups)
         layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK, clipped=clipped,
                              global_rows=global_rows)
         if layout.sharded and self.optimizer.reducer.is_identity:
@@ -418,13 +422,27 @@ class FusedEngine:
         plan = Plan(key, params, groups, [list(group_params) for group_params in inputs.params], layout, orders,
                     locals_, self.device, packed_entries=self.packed_entries, allocate=self._allocate,
                     fast_check=self._fast_check_rows, global_clipping=self.GLOBAL_CLIPPING)
-        state = self.optimizer.state
         plan.pointers[:, 1:1 + len(STATE_POINTER_FIELDS)] = np.array(
-            [[local_part(state[p][name]).data_ptr() for name in STATE_POINTER_FIELDS] for p in params],
-            dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
+            [self._state_pointers(g, p) for g, p in entries], dtype=np.int64).reshape(len(params), len(STATE_POINTER_FIELDS))
         plan.pointers[:, -2] = [launcher.DTYPE_CODES[p.dtype] for p in params]
         self.plan = plan
         return plan
+
+    def _factored_dims(self, group_index: int, p) -> tuple | None:
+        """(d1, d0) of the parameter's factored accumulators, which the accumulate phase updates (None: it has
+        none there). Subclass hook: CELO2 leaves out the tensors its accumulate phase does not step."""
+        return self.optimizer.reference.factored_dims(tuple(p.shape))
+
+    def _norm_job_rows(self, groups, clipped_groups) -> list:
+        """Which tensor rows need their Σ g² from the axis pass (a norm job each): for a global norm every
+        tensor where any group clips; for a per-tensor one, the clipped tensors. Subclass hook (CELO2 forms
+        its global norm before the accumulate phase, which needs none)."""
+        return [any(clipped_groups) if self.GLOBAL_CLIPPING else clipped_groups[g] for g in groups]
+
+    def _state_pointers(self, group_index: int, p) -> list:
+        """The addresses of the parameter's accumulators, in STATE_POINTER_FIELDS order (0: none)."""
+        state = self.optimizer.state[p]
+        return [local_part(state[name]).data_ptr() for name in STATE_POINTER_FIELDS]
 
     def _arrange_state(self, p, order, dims) -> None:
         """Create the parameter's state if needed and lay it out in the parameter's memory order (a
@@ -639,7 +657,13 @@ class FusedEngine:
         self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
                     jobs=plan.axis_table.table if layout.num_axis_jobs else None, num_jobs=layout.num_axis_jobs,
                     gradients=plan.gradients.table, partials=plan.axis_partials,
-                    grad_scale=self._on_device(grad_scale), gradient_clip=self.GRADIENT_CLIP, status=plan.status)
+                    grad_scale=self._on_device(grad_scale), gradient_clip=self.GRADIENT_CLIP,
+                    gradient_transforms=self._gradient_transforms(plan), status=plan.status)
+
+    def _gradient_transforms(self, plan: Plan):
+        """Subclass hook: a float2 per tensor row, (factor, clamp), that the axis pass applies to each gradient
+        element before it squares it (None: no factor, and the class's GRADIENT_CLIP as the clamp)."""
+        return None
 
     def _finish_accumulate(self, plan: Plan) -> None:
         layout = plan.layout

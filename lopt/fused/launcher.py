@@ -363,7 +363,8 @@ class MetadataTable:
         if self.table is not None and self.host.shape == rows.shape and np.array_equal(self.host, rows):
             return self.table
         if self.table is None or self.host.shape != rows.shape:
-            torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}[self.dtype]
+            torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32,
+                           np.dtype(np.float64): torch.float64}[self.dtype]
             self.table = torch.empty(rows.shape, dtype=torch_dtype, device=self.device)
             self.host = np.empty_like(rows)
             self.staging = []

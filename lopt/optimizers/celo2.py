@@ -56,14 +56,20 @@ class _CELO2Family(LearnedOptimizer):
 
     def _set_precision(self, precision) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(f"{type(self).__name__}: precision must be {PRECISIONS[0]!r}, got {precision!r} (the "
-                             f"fused backend, which would offer 'fast', does not exist yet)")
+            raise ValueError(f"{type(self).__name__}: precision must be {PRECISIONS[0]!r}, got {precision!r} (both "
+                             f"backends compute CELO2 in float32; a 'fast' arithmetic does not exist yet)")
         self._precision = precision
 
     @property
     def precision(self) -> str:
-        """``"exact"``: the naive backend computes in float32 (fixed at construction)."""
+        """``"exact"``: both backends compute in float32, Newton–Schulz's products too (fixed at construction)."""
         return self._precision
+
+    def _fused_unsupported_reason(self) -> str | None:
+        reason = super()._fused_unsupported_reason()
+        if reason is None and self.has_sharded_parameters:
+            reason = "the fused CELO2 does not step sharded (DTensor, FSDP2) parameters yet"
+        return reason
 
     # ------------------------------------------------------------------ validation
 
@@ -262,7 +268,7 @@ class CELO2(_CELO2Family):
         weights: meta-weights — a registered name (default ``"celo2"``: hub repo ``DiamondXL/celo2``), a hub
             repo id, a local directory in PyLO's ``save_pretrained`` layout, a ``.safetensors`` file, or a
             :class:`lopt.MetaWeights`.
-        backend: ``"auto"`` or ``"naive"`` (lopt has no fused CELO2 kernels yet; ``"fused"`` says so).
+        backend: ``"auto"`` (fused for CUDA parameters where it can run, else naive), ``"fused"`` or ``"naive"``.
         orthogonalize: Newton–Schulz on the learned step of rank >= 2 parameters (False: "celo2-base").
         adam_lr_mult, adam_weight_decay, adam_betas, adam_eps: the AdamW branch (its lr is
             ``adam_lr_mult * lr``; ``adam_weight_decay=None`` is ``weight_decay``). It keeps its own moments.
@@ -273,7 +279,7 @@ class CELO2(_CELO2Family):
         exp_mult, rms_mult, param_scale_mult: the step's scalings (JAX's defaults 0.0, 1.0, False).
         momentum_decays, rms_decays, adafactor_decays: the accumulators' decays (3, 1, 3 values in [0, 1]).
         ns_coefficients, ns_steps, ns_eps: the Newton–Schulz iteration (Muon's quintic, 5 steps, 1e-8).
-        precision: ``"exact"`` (float32; the only arithmetic until a fused backend exists).
+        precision: ``"exact"`` (float32 throughout, Newton–Schulz's products without TF32).
         nonfinite: ``"skip"`` (default) or ``"raise"``: what a step with a NaN, ±inf or overflowing
             (|g| >= 2^64) gradient does (nothing changes either way).
         process_group: as for the other lopt optimizers: one process, DDP, ZeroRedundancyOptimizer (the global

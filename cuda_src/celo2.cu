@@ -1,0 +1,464 @@
+// CELO2 and ELO-CELO2, fused (reference: lopt/reference/celo2.py; the decisions: docs/celo2.md §8).
+//
+// One step, after the shared accumulate phase (adafactor_axis_partials with each tensor's gradient
+// transform — the global clip factor, then the element clamp —, adafactor_finalize, adafactor_factor_tables):
+//
+//   celo2_gradient_norm  (only where a group clips) Σ g² per chunk of every gradient, for the global norm,
+//                        and the check phase's test of every gradient element; before the accumulate phase,
+//                        which needs the clip factor the engine forms from these sums
+//   celo2_statistics     the learned tensors' per_element_features → Σ x² per feature, and Σ p²; the check
+//                        phase's test of every gradient element
+//   celo2_control        per learned tensor the features' normaliser scales and param_scale; per AdamW tensor
+//                        its bias corrections; a kept step's new R and C written to the state
+//   celo2_mlp            features, normalisation, the MLP, the proposed step (direction · exp(exp_mult ·
+//                        magnitude), · param_scale) written to its place in its Newton–Schulz stack; the
+//                        learned tensors' accumulators stored
+//   (torch)              Newton–Schulz on each stack of same-shaped matrices, Σ s² per matrix → its scale
+//   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the AdamW branch (own
+//                        moments, or the shared accumulators); the step counters
+//
+// Learned tensors of rank >= 3 (normalised per slice of their last two axes) are stepped by the
+// reference functions on the device (lopt.fused.celo2, "elsewhere"): the kernels only check their
+// gradients. Nothing is written to parameters or state before the step is known to be kept.
+#include "common.cuh"
+#include "accumulators.cuh"
+
+// The network is data (lopt.network.MLPGeometry.cuda_defines, prefix C2_MLP): 30 inputs, hidden layers of
+// C2_MLP_HIDDEN units, 3 outputs (direction, magnitude, and one no update reads), PyTorch's out x in layout.
+#ifndef C2_MLP_HIDDEN
+#error "build celo2.cu with its network's geometry: lopt.fused.celo2.kernel_defines"
+#endif
+#define C2_FEATURES 30
+static_assert(C2_MLP_INPUTS == C2_FEATURES && C2_MLP_OUTPUTS == 3, "CELO2's MLP takes 30 inputs and gives 3 outputs");
+static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features' sums of squares, then Σp²");
+#define C2_HIDDEN C2_MLP_HIDDEN
+#define C2_CONTROL_THREADS 256
+#define C2_APPLY_THREADS 128
+#define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
+// Per learned tensor, the features' scales: (x · scale[j]) · unshift[j] (normalise_by_square_sums' two factors).
+#define C2_SCALES 64
+#define C2_UNSHIFT 32
+
+// reference: clip_gradient — the unscaled gradient times the global clip factor (exact for 1), clamped
+// to ±grad_clip_value. `transform`: the tensor's (factor, clamp), as the axis pass applied it.
+LOPT_DEVICE float step_gradient(float unscaled, float2 transform) {
+  const float g = transform.x != 1.0f ? __fmul_rn(unscaled, transform.x) : unscaled;
+  return fminf(fmaxf(g, -transform.y), transform.y);
+}
+
+LOPT_DEVICE const double* group_values(const double* celo2_groups, i64 group) {
+  return celo2_groups + group * LOPT_CELO2_GROUP_DOUBLES;
+}
+
+// reference: per_element_features — x[0 ... inputs) from the step's gradient, the pre-update parameter and
+// the updated accumulators (R and C from the factor tables); the rest 0. Groups: grad, clamp(grad, ±0.1),
+// param, m_k, v, m_k·rsqrt(v + 1e-8), rsqrt(v + 1e-8), the factored gradient (3), grad·rsqrt(v + 1e-8),
+// then for a factored tensor R_k, C_k, rsqrt(R_k + 1e-8), rsqrt(C_k + 1e-8), m_k·rf_k·cf_k.
+LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, float grad, float param, const ElementState& s,
+                                  const float* row_table, const float* col_table, float (&x)[C2_FEATURES]) {
+  const float rsqrt_rms = rsqrtf(__fadd_rn(s.rms, 1e-8f));
+  x[0] = grad;
+  x[1] = fminf(fmaxf(grad, -0.1f), 0.1f);
+  x[2] = param;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    x[3 + k] = s.mom[k];
+    x[7 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
+  }
+  x[6] = s.rms;
+  x[10] = rsqrt_rms;
+  FactorEntry row = {}, col = {};
+  if (t.factored) load_factor_entries(t, factor_index(t, e), row_table, col_table, row, col);
+  factored_gradient(x + 11, grad, s, t.factored, row, col);
+  x[14] = __fmul_rn(grad, rsqrt_rms);
+  if (t.factored) {
+    adafactor_features(x + 15, s, true, row, col, 0.f);
+  } else {
+#pragma unroll
+    for (int j = 15; j < C2_FEATURES; ++j) x[j] = 0.f;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Check: the global norm's sums
+// ------------------------------------------------------------------------------------------
+
+// Block b: stats chunk b of every tensor (all kinds): Σ g² of the unscaled gradient, float32 per thread,
+// float64 per block in a fixed order; and the check phase's test of each element, reported as the axis
+// pass reports it (adafactor_finalize, which runs after this, makes it the step's flag).
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS)
+celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                    const float* grad_scale, int* status, double* __restrict__ norm_partials) {
+  const i64 block_chunk = blockIdx.x;
+  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
+  const i64 chunk = block_chunk - t.first_stats_chunk;
+  const float inverse_scale = grad_scale != nullptr ? __frcp_rn(*grad_scale) : 1.0f;
+  float sum = 0.f;
+  bool unusable = false;
+  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+    if (e >= t.numel) break;
+    const float g = unscale_gradient(load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)),
+                                     inverse_scale);
+    unusable |= gradient_unusable(g);
+    sum = fmaf(g, g, sum);
+  }
+  report_axis_unusable(unusable, status);
+  double values[1] = {static_cast<double>(sum)};
+  __shared__ double scratch[LOPT_STATS_THREADS / 32][1];
+  __shared__ double total[1];
+  block_sums<1, LOPT_STATS_THREADS>(values, scratch, total);
+  if (threadIdx.x == 0) norm_partials[block_chunk] = total[0];
+}
+
+// ------------------------------------------------------------------------------------------
+// Statistics
+// ------------------------------------------------------------------------------------------
+
+// Block b: stats chunk b. A learned tensor's elements: the accumulators updated (not stored), the
+// features, and the sums of their squares (non-finite values, of a non-finite parameter or state
+// element, left out: finite_part) and of the parameter's; every tensor's elements: the check phase's test.
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS)
+celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+                 const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
+                 const float2* __restrict__ gradient_transforms, const float* __restrict__ row_table,
+                 const float* __restrict__ col_table, const float* grad_scale, const float* found_inf, int* status,
+                 double* __restrict__ stats_partials) {
+  const i64 block_chunk = blockIdx.x;
+  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
+  const Celo2Tensor c = celo2_tensors[tensor];
+  const bool learned = c.kind == LOPT_CELO2_LEARNED;
+  const StepFlags flags{grad_scale, found_inf, status};
+  const float inverse_scale = inverse_grad_scale(flags);
+  const float2 transform = gradient_transforms[tensor];
+  const Decays decays = group_decays(groups, t);
+  const i64 chunk = block_chunk - t.first_stats_chunk;
+  const int inputs = static_cast<int>(c.inputs);
+  float sums[LOPT_CELO2_SUMS];
+#pragma unroll
+  for (int j = 0; j < LOPT_CELO2_SUMS; ++j) sums[j] = 0.f;
+  bool unusable = false;
+  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+    if (e >= t.numel) break;
+    if (!learned) {
+      unusable |= gradient_unusable(unscale_gradient(
+          load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale));
+      continue;
+    }
+    float param;
+    ElementState s;
+    const float raw_grad = load_element<true>(t, e, inverse_scale, param, s);
+    unusable |= gradient_unusable(raw_grad);
+    const float grad = step_gradient(raw_grad, transform);
+    update_accumulators(s, grad, decays, t.factored);
+    float x[C2_FEATURES];
+    element_features(t, e, grad, param, s, row_table, col_table, x);
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j)
+      if (j < inputs && is_finite(x[j])) sums[j] = fmaf(x[j], x[j], sums[j]);
+    if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+  }
+  report_unusable_gradients(unusable, status);
+  double values[LOPT_CELO2_SUMS];
+#pragma unroll
+  for (int j = 0; j < LOPT_CELO2_SUMS; ++j) values[j] = sums[j];
+  __shared__ double scratch[LOPT_STATS_THREADS / 32][LOPT_CELO2_SUMS];
+  __shared__ double block[LOPT_CELO2_SUMS];
+  block_sums<LOPT_CELO2_SUMS, LOPT_STATS_THREADS>(values, scratch, block);
+  if (threadIdx.x < LOPT_CELO2_SUMS) stats_partials[block_chunk * LOPT_CELO2_SUMS + threadIdx.x] = block[threadIdx.x];
+}
+
+// ------------------------------------------------------------------------------------------
+// Control
+// ------------------------------------------------------------------------------------------
+
+// 1 − β^t in float64, rounded to float32 (reference: bias_correction, then the division by it in float32).
+LOPT_DEVICE float bias_correction(double beta, i64 step) {
+  return static_cast<float>(1.0 - pow(beta, static_cast<double>(step)));
+}
+
+// Blocks [0, num_tensors): one tensor each. A learned tensor: its chunks' sums in chunk order (float64),
+// then per feature normalise_by_square_sums' factors — scale = rsqrt(1e-9 + Σx²/count) formed in float64,
+// applied as (x · float(scale·shift)) · float(1/shift), shift 2^64 where scale < 2^-60 — and param_scale
+// sqrt(float(Σp²/count) + 1e-9). An AdamW tensor: its bias corrections for this step (its own count of
+// AdamW steps, CELO2; the group's, ELO-CELO2; this step included). The blocks after them commit a kept
+// step's R and C (commit_factored_accumulators).
+extern "C" __global__ void __launch_bounds__(C2_CONTROL_THREADS)
+celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const GroupMeta* __restrict__ groups,
+              const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
+              const double* __restrict__ stats_partials, const float* __restrict__ row_table,
+              const float* __restrict__ col_table, i64 total_row_entries, i64 total_col_entries,
+              const float* grad_scale, const float* found_inf, int* status, float* __restrict__ feature_scales,
+              float* __restrict__ param_scales, float2* __restrict__ adam_corrections) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const int tid = threadIdx.x;
+  if (blockIdx.x >= num_tensors) {
+    if (!step_is_skipped(flags))
+      commit_factored_accumulators(tensors, num_tensors, row_table, col_table, total_row_entries, total_col_entries,
+                                   blockIdx.x - num_tensors, gridDim.x - num_tensors, tid, C2_CONTROL_THREADS);
+    return;
+  }
+  const int tensor = blockIdx.x;
+  const TensorMeta t = tensors[tensor];
+  const Celo2Tensor c = celo2_tensors[tensor];
+  if (c.kind == LOPT_CELO2_ADAM_OWN || c.kind == LOPT_CELO2_ADAM_SHARED) {
+    if (tid == 0) {
+      const double* values = group_values(celo2_groups, t.group);
+      double beta1, beta2;
+      i64 step;
+      if (c.kind == LOPT_CELO2_ADAM_OWN) {
+        beta1 = values[LOPT_CELO2_GROUP_ADAM_BETA1];
+        beta2 = values[LOPT_CELO2_GROUP_ADAM_BETA2];
+        step = *pointer<const i64>(c.adam_step) + 1;
+      } else {  // (the first momentum decay and the RMS decay, float32 values, as the reference reads them)
+        const Decays d = group_decays(groups, t);
+        beta1 = static_cast<double>(d.momentum[0]);
+        beta2 = static_cast<double>(d.rms);
+        step = *pointer<const i64>(groups[t.group].step) + 1;
+      }
+      adam_corrections[tensor] = make_float2(bias_correction(beta1, step), bias_correction(beta2, step));
+    }
+    return;
+  }
+  if (c.kind != LOPT_CELO2_LEARNED) return;
+  __shared__ double sums[LOPT_CELO2_SUMS];
+  if (tid < LOPT_CELO2_SUMS) {
+    double s = 0.0;
+    for (i64 k = 0; k < t.num_stats_chunks; ++k) s += stats_partials[(t.first_stats_chunk + k) * LOPT_CELO2_SUMS + tid];
+    sums[tid] = s;
+  }
+  __syncthreads();
+  const double count = static_cast<double>(t.count);
+  float* out = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
+  if (tid < C2_FEATURES) {
+    const double scale = 1.0 / sqrt(1e-9 + sums[tid] / count);
+    const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
+    out[tid] = static_cast<float>(scale * shift);
+    out[C2_UNSHIFT + tid] = static_cast<float>(1.0 / shift);
+  } else if (tid == C2_FEATURES) {
+    param_scales[tensor] = __fsqrt_rn(__fadd_rn(static_cast<float>(sums[C2_FEATURES] / count), 1e-9f));
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// The MLP pass
+// ------------------------------------------------------------------------------------------
+
+// torch.relu: NaN stays NaN (fmaxf(NaN, 0) would be 0, and a non-finite element's step, which Newton–Schulz
+// must leave out, would enter it as a finite value).
+LOPT_DEVICE float relu(float a) { return a > 0.f || a != a ? a : 0.f; }
+
+// reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
+// (direction, magnitude). The weights are read where they lie (the same address in every lane: one
+// broadcast load each, cached).
+LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const float* network) {
+  float h[C2_HIDDEN];
+  const float* w0 = network + C2_MLP_W0;
+  const float* b0 = network + C2_MLP_B0;
+#pragma unroll 2
+  for (int n = 0; n < C2_HIDDEN; ++n) {
+    float a = __ldg(b0 + n);
+#pragma unroll
+    for (int k = 0; k < C2_FEATURES; ++k) a = fmaf(__ldg(w0 + n * C2_FEATURES + k), x[k], a);
+    h[n] = relu(a);
+  }
+#pragma unroll
+  for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
+    const float* w = network + C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE;
+    const float* b = network + C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE;
+    float next[C2_HIDDEN];
+#pragma unroll
+    for (int n = 0; n < C2_HIDDEN; ++n) {
+      float a = __ldg(b + n);
+#pragma unroll
+      for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(__ldg(w + n * C2_HIDDEN + k), h[k], a);
+      next[n] = relu(a);
+    }
+#pragma unroll
+    for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
+  }
+  const float* w = network + C2_MLP_OUTPUT_W;
+  const float* b = network + C2_MLP_OUTPUT_B;
+  float out[2];
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {
+    float a = __ldg(b + o);
+#pragma unroll
+    for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(__ldg(w + o * C2_HIDDEN + k), h[k], a);
+    out[o] = a;
+  }
+  return make_float2(out[0], out[1]);
+}
+
+// Where element e (memory order) of a learned tensor puts its proposed step: its place in its stack.
+LOPT_DEVICE i64 step_position(const Celo2Tensor& c, i64 e) {
+  const i64 outer = e / c.inner;
+  return c.step_offset + outer * c.outer_stride + (e - outer * c.inner) * c.inner_stride;
+}
+
+// walk_apply_chunks' visitor: each learned element's features (its accumulators updated and, for a kept
+// step, stored), normalised, the MLP, and proposed_step: direction · exp(magnitude · exp_mult), times
+// param_scale where the group asks (param_scale_mult).
+struct Celo2MLP {
+  const Celo2Tensor* celo2_tensors;
+  const double* celo2_groups;
+  const float2* gradient_transforms;
+  const float* row_table;
+  const float* col_table;
+  const float* feature_scales;
+  const float* param_scales;
+  const float* network;
+  float* steps;
+  bool store_state;
+
+  LOPT_DEVICE void begin_tensor(int) const {}
+
+  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int tensor, i64 chunk, i64 end,
+                          float inverse_scale) const {
+    const Celo2Tensor c = celo2_tensors[tensor];
+    if (c.kind != LOPT_CELO2_LEARNED) return;
+    const float2 transform = gradient_transforms[tensor];
+    const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
+    const int inputs = static_cast<int>(c.inputs);
+    const bool param_scale_mult = group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
+    const float param_scale = param_scales[tensor];
+    for (; chunk < end; ++chunk) {
+      const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
+      if (e >= t.numel) continue;
+      float param;
+      ElementState s;
+      const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
+      update_accumulators(s, grad, a.decays, t.factored);
+      if (store_state) store_element_state(t, e, s);
+      float x[C2_FEATURES];
+      element_features(t, e, grad, param, s, row_table, col_table, x);
+#pragma unroll
+      for (int j = 0; j < C2_FEATURES; ++j)
+        x[j] = j < inputs ? __fmul_rn(__fmul_rn(x[j], __ldg(scale + j)), __ldg(scale + C2_UNSHIFT + j)) : 0.f;
+      const float2 out = celo2_mlp_outputs(x, network);
+      float factor = expf(__fmul_rn(out.y, a.exp_mult));
+      if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
+      steps[step_position(c, e)] = __fmul_rn(out.x, factor);
+    }
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
+celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+          const GroupMeta* __restrict__ groups, i64 total_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
+          const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
+          const float* __restrict__ row_table, const float* __restrict__ col_table,
+          const float* __restrict__ feature_scales, const float* __restrict__ param_scales,
+          const float* __restrict__ network, const float* grad_scale, const float* found_inf, int* status,
+          float* __restrict__ steps) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_table, col_table, feature_scales,
+                       param_scales, network, steps, !step_is_skipped(flags)};
+  walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), visit);
+}
+
+// ------------------------------------------------------------------------------------------
+// Apply
+// ------------------------------------------------------------------------------------------
+
+// reference: adam_direction — m̂ / (√v̂ + eps), m̂ = m / (1 − β1^t), v̂ = v / (1 − β2^t).
+LOPT_DEVICE float adam_direction(float m, float v, float2 corrections, float eps) {
+  return __fdiv_rn(__fdiv_rn(m, corrections.x), __fadd_rn(__fsqrt_rn(__fdiv_rn(v, corrections.y)), eps));
+}
+
+// apply_pass' functor: a learned element's u = rms_mult · normalised s (the stack's value after
+// Newton–Schulz, times its matrix's two factors), an AdamW element's direction (its moments updated and
+// stored), then apply_update (p − lr·(u + weight_decay·p); the AdamW branch with adam_lr_mult · lr and
+// adam_weight_decay). Its finish advances the CELO2 AdamW tensors' own step counts.
+struct Celo2Apply {
+  const TensorMeta* tensors;
+  const Celo2Tensor* celo2_tensors;
+  int num_tensors;
+  const double* celo2_groups;
+  const float2* gradient_transforms;
+  const float* steps;
+  const float2* step_scales;
+  const float2* adam_corrections;
+
+  LOPT_DEVICE bool skipped(const StepFlags& flags) const { return step_is_skipped(flags); }
+  LOPT_DEVICE void finish(bool skipped) const {
+    if (skipped) return;
+    for (int i = 0; i < num_tensors; ++i) {
+      const Celo2Tensor c = celo2_tensors[i];
+      if (c.kind == LOPT_CELO2_ADAM_OWN) *pointer<i64>(c.adam_step) += 1;
+    }
+  }
+  LOPT_DEVICE void begin_tensor(int) const {}
+
+  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
+                          float inverse_scale) const {
+    const Celo2Tensor c = celo2_tensors[tensor];
+    const double* values = group_values(celo2_groups, t.group);
+    if (c.kind == LOPT_CELO2_LEARNED) {
+      const float2 scale = step_scales[tensor];
+      const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
+      for (; chunk < end; ++chunk) {
+        const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
+        if (e >= t.numel) continue;
+        const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+        const float s = steps[step_position(c, e)];
+        apply_update(t, e, param, __fmul_rn(__fmul_rn(__fmul_rn(s, scale.x), scale.y), rms_mult), group);
+      }
+      return;
+    }
+    if (c.kind != LOPT_CELO2_ADAM_OWN && c.kind != LOPT_CELO2_ADAM_SHARED) return;
+    ApplyScalars adam = group;
+    const float lr = values[LOPT_CELO2_GROUP_ADAM_LR_ON_DEVICE] != 0.0
+                         ? __fmul_rn(static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR_MULT]), -group.neg_lr)
+                         : static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR]);
+    adam.neg_lr = -lr;
+    adam.weight_decay = static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_WEIGHT_DECAY]);
+    const float2 transform = gradient_transforms[tensor];
+    const float2 corrections = adam_corrections[tensor];
+    const bool own = c.kind == LOPT_CELO2_ADAM_OWN;
+    const double beta1 = values[LOPT_CELO2_GROUP_ADAM_BETA1], beta2 = values[LOPT_CELO2_GROUP_ADAM_BETA2];
+    const float b1 = static_cast<float>(beta1), b1_mix = static_cast<float>(1.0 - beta1);
+    const float b2 = static_cast<float>(beta2), b2_mix = static_cast<float>(1.0 - beta2);
+    const float eps = own ? static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_EPS]) : 1e-8f;
+    for (; chunk < end; ++chunk) {
+      const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
+      if (e >= t.numel) continue;
+      float param, m, v;
+      if (own) {  // reference: update_adam_moments on the parameter's exp_avg, exp_avg_sq
+        float* exp_avg = pointer<float>(c.exp_avg) + e;
+        float* exp_avg_sq = pointer<float>(c.exp_avg_sq) + e;
+        const float raw_grad = load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype));
+        param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+        const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), transform);
+        m = ema(*exp_avg, b1, b1_mix, grad);
+        v = ema(*exp_avg_sq, b2, b2_mix, __fmul_rn(grad, grad));
+        *exp_avg = m;
+        *exp_avg_sq = v;
+      } else {  // reference: adamw_shared_step, on the accumulators updated as the learned tensors' are
+        ElementState s;
+        const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
+        update_accumulators(s, grad, group.decays, t.factored);
+        store_element_state(t, e, s);
+        m = s.mom[0];
+        v = s.rms;
+      }
+      apply_update(t, e, param, adam_direction(m, v, corrections, eps), adam);
+    }
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
+celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
+            const GroupMeta* __restrict__ groups, int num_groups, i64 total_chunks,
+            const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
+            const float2* __restrict__ gradient_transforms, const float* __restrict__ steps,
+            const float2* __restrict__ step_scales, const float2* __restrict__ adam_corrections,
+            const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
+  const Celo2Apply apply{tensors, celo2_tensors, num_tensors, celo2_groups, gradient_transforms, steps, step_scales,
+                         adam_corrections};
+  apply_pass(tensors, gradients, num_tensors, groups, num_groups, total_chunks, StepFlags{grad_scale, found_inf, status},
+             skipped_steps, apply);
+}
