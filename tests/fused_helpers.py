@@ -135,8 +135,8 @@ def make_optimizer(name, params, backend, weights, **kwargs):
 
 def fused_engine_optimizers() -> list:
     """One registered optimizer per fused engine, the first registered that uses it (small_fc_lopt, velo):
-    the fused tests run once per engine (ELO has its own: small_fc_lopt's kernels with its traits). Optimizers
-    without one (CELO2) are naive-only; one that reuses
+    the fused tests run once per engine (ELO has its own: small_fc_lopt's kernels with its traits; CELO2's covers
+    ELO-CELO2, whose own variants run in tests/test_celo2.py). Optimizers without one are naive-only; one that reuses
     another's engine (MuLO: SmallFCLOpt's, on groups of its own) has its fused test in its own module."""
     first = {}
     for name in registry.names():
