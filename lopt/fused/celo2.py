@@ -29,6 +29,7 @@ sharded parameters (FSDP2): ``backend="auto"`` then takes the naive one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -75,6 +76,17 @@ def linear_network(network: dict) -> tuple[dict, MLPGeometry]:
     if geometry.outputs != reference.NUM_OUTPUTS:
         raise ValueError(f"CELO2's network gives {reference.NUM_OUTPUTS} outputs; these weights give {geometry.outputs}")
     return out, geometry
+
+
+@contextlib.contextmanager
+def float32_products():
+    """Matrix products in float32 (TF32 off) for Newton–Schulz, whatever the caller's setting, restored after."""
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
 def kernel_defines(geometry: MLPGeometry) -> tuple:
@@ -384,13 +396,9 @@ class CELO2Fused(FusedEngine):
             group = groups[stack.group]
             steps = stack.view(work.steps)
             if stack.matrices and group["orthogonalize"]:
-                allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-                torch.backends.cuda.matmul.allow_tf32 = False
-                try:
+                with float32_products():
                     steps.copy_(reference.orthogonalise(steps, group["ns_coefficients"], group["ns_steps"],
                                                         group["ns_eps"]))
-                finally:
-                    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
             sums = accumulators.float64_square_sum(accumulators.finite_part(steps), dim=(-2, -1))
             scales = torch.rsqrt(reference.NORMALISER_EPSILON + sums / (stack.rows_per_matrix * stack.cols))
             shift = torch.where(scales < 2.0**-60, 2.0**64, 1.0).to(torch.float64)
@@ -406,9 +414,7 @@ class CELO2Fused(FusedEngine):
             keep = keep & (inputs.found_inf == 0)
         inverse_scale = inputs.grad_scale.double().reciprocal().float() if inputs.grad_scale is not None else None
         grads = [g for group_grads in inputs.grads for g in group_grads]
-        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+        with float32_products():
             for row in work.elsewhere_rows:
                 p, group = plan.params[row], optimizer.param_groups[plan.groups[row]]
                 state = optimizer.state[p]
@@ -431,5 +437,3 @@ class CELO2Fused(FusedEngine):
                     p.copy_(torch.where(keep, new, p))
                     for key in reference.ACCUMULATOR_KEYS:
                         state[key].copy_(torch.where(keep, updated[key], state[key]))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
