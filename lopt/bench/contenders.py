@@ -139,9 +139,10 @@ class MuonWithAdamW:
 def step_function(optimizer, compiled: bool = False) -> Callable:
     """``step(loss)``: one optimizer step, passing the loss only to optimizers that need it (VeLO).
 
-    ``compiled``: the optimizer's ``step`` under ``torch.compile``. ``dynamic=True`` because the
-    step counter is a Python int that changes every step (static compilation would recompile for
-    each value until dynamo's recompile limit, then fall back to eager).
+    ``compiled``: the optimizer's ``step`` under ``torch.compile``. ``dynamic=True`` because a
+    step counter that is a Python int changes every step (static compilation would recompile for
+    each value until dynamo's recompile limit, then fall back to eager); the first compiled step
+    under the default ``nonfinite="skip"`` turns the counters into tensors, whose values never recompile.
     """
     step = torch.compile(optimizer.step, dynamic=True) if compiled else optimizer.step
     if getattr(type(optimizer), "requires_loss", False):
@@ -231,8 +232,9 @@ def availability(optimizer_name: str, contenders, weights, device) -> dict:
 def quiet_graph_breaks():
     """Silence dynamo's graph-break warnings while compiled contenders run (restored afterwards).
 
-    lopt's naive step breaks the graph by design: it reads on the host whether every gradient
-    is finite before it changes anything.
+    lopt's naive step under ``nonfinite="raise"`` breaks the graph by design: it reads on the host
+    whether every gradient is finite before it changes anything (under the default ``"skip"`` it
+    decides on the device, without a break).
     """
     logger = logging.getLogger("torch._dynamo")
     level = logger.level

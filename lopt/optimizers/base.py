@@ -4,8 +4,8 @@ every gradient, backend choice, state dicts and copies.
 A step runs in phases that both backends share (``docs/design.md``):
 
 1. **check** — here: every gradient is validated before anything changes; the naive backend then
-   unscales AMP gradients and applies the non-finite policy on the host (``naive.py``), the fused
-   backend does both on the device inside its statistics pass;
+   unscales AMP gradients and applies the non-finite policy on the host (``naive.py``; on the device
+   inside a compiled step), the fused backend does both on the device inside its statistics pass;
 2. **accumulate**, 3. **statistics**, 4. **reduce**, 5. **control**, 6. **apply** — ``naive.py`` and
    the optimizer's reference module (naive), or its fused engine.
 """
@@ -95,6 +95,15 @@ def _check_scalar(name: str, value, *, minimum: float = 0.0, strict: bool = Fals
         raise TypeError(f"{name} must be a finite number {bound}, got {value!r} of type {type(value).__name__}")
     if not math.isfinite(number) or number < minimum or (strict and number == minimum):
         raise ValueError(f"{name} must be a finite number {bound}, got {number!r}{_torch_phrase(name, number)}")
+
+
+def counter_value(counter):
+    """A step counter as the naive step's math reads it: an int (a tensor counter is read on the host), but
+    inside a compiled step the counter as it is, there a tensor (``naive.device_counter``) that the math
+    reads on the device: no host read, no graph break."""
+    if torch.compiler.is_compiling():
+        return counter
+    return int(counter.item()) if torch.is_tensor(counter) else int(counter)
 
 
 def _check_counter(what: str, value) -> None:
@@ -465,8 +474,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     def skipped_steps(self) -> int:
         """Steps skipped for a non-finite (or overflowing) gradient or loss so far.
 
-        The fused backend counts on the device without synchronising; reading this property
-        synchronises and warns if steps were skipped since it was last read.
+        The fused backend and a compiled naive step count on the device without synchronising;
+        reading this property synchronises and warns if steps were skipped since it was last read.
         """
         count = int(self.param_groups[0]["skipped_steps"])
         seen = self._host["skipped_seen"]
@@ -575,9 +584,14 @@ class LearnedOptimizer(NaivePhases, Optimizer):
     # ------------------------------------------------------------------ step counters, state dicts, copies
 
     @staticmethod
-    def _host_step(group) -> int:
-        step = group.get("step", 0)
-        return int(step.item()) if torch.is_tensor(step) else int(step)
+    def _steps_taken(group):
+        """The group's step counter as the naive step's math reads it (:func:`counter_value`)."""
+        return counter_value(group.get("step", 0))
+
+    def _advance_step_counters(self) -> None:
+        """Every group's step counter + 1: a step counts itself before its accumulate phase (PyLO's order)."""
+        for group in self.param_groups:
+            group["step"] = self._steps_taken(group) + 1
 
     # Keys of the first param group that hold optimizer-wide state (counters, buffers), not hyper-parameters.
     GLOBAL_STATE_KEYS: tuple = ()

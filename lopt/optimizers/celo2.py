@@ -11,7 +11,7 @@ import torch
 from lopt import distributed
 from lopt.distributed import SumPacket, is_dtensor
 from lopt.optimizers.base import (DECAY_OFFSET_COUNTS, LearnedOptimizer, _check_counter, _check_scalar, _is_real_number,
-                                  _saved_positions)
+                                  _saved_positions, counter_value)
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
@@ -166,8 +166,7 @@ class _CELO2Family(LearnedOptimizer):
         norm_sums = self._global_square_sums(tensors, check)
         if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
-        for group in self.param_groups:
-            group["step"] = self._host_step(group) + 1
+        self._advance_step_counters()
         square_sum = self._global_square_sum(check, norm_sums)
         norm = reference.global_norm(square_sum) if square_sum is not None else None
         for t in tensors:
@@ -424,7 +423,7 @@ class CELO2(_CELO2Family):
         count += 1  # (in place, on the CPU)
         exp_avg, exp_avg_sq = (distributed.local_part(state[key]).view(t.value.shape) for key in reference.ADAM_KEYS)
         return reference.adamw_own_step(
-            t.value, t.step_grad.squeeze(-1), exp_avg, exp_avg_sq, int(count),
+            t.value, t.step_grad.squeeze(-1), exp_avg, exp_avg_sq, counter_value(count),
             lr=group["adam_lr_mult"] * group["lr"], weight_decay=group["adam_weight_decay"],
             betas=group["adam_betas"], eps=group["adam_eps"])
 

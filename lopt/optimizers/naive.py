@@ -3,6 +3,9 @@ each tensor): the check phase's host-side part (AMP unscaling, the non-finite po
 phase, the statistics phase's feature sums, each with one packed reduce across processes
 (:mod:`lopt.distributed`; the identity on one process). Each optimizer's ``_naive_step`` runs them
 in order with its own control and apply phases (``docs/design.md``).
+
+Inside a compiled step (``torch.compile(opt.step)``, ``nonfinite="skip"``) the check decides on the
+device instead of the host (:class:`DeviceDecision`), so that the step compiles without a graph break.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ class StepInputs:
     exactly the tensors the check saw). ``grad_scale`` and ``found_inf`` are GradScaler's device
     tensors when it drives the step (``_step_supports_amp_scaling``), else None. ``gathered`` is
     what the fused engine's fast check read beside them (its plan, the gradients' pointers and
-    dtypes), else None.
+    dtypes), else None. ``decision`` is the naive check's :class:`DeviceDecision` in a compiled step,
+    else None.
     """
 
     params: list
@@ -44,6 +48,8 @@ class StepInputs:
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
     gathered: object = None
+    # Set by the naive check inside a compiled step: the decision the engine commits after the step.
+    decision: DeviceDecision | None = None
 
     def entries(self, groups):
         """(group, param, grad) for every participating parameter, in group order."""
@@ -85,6 +91,49 @@ class NaiveTensor:
         local.copy_(new_value.reshape(local.shape))
 
 
+@dataclass
+class DeviceDecision:
+    """The check's decision inside a compiled step, made on the device: no host read, so no graph break.
+
+    The step then runs as a kept step (the eager step's computation, unchanged), and :meth:`commit`
+    keeps what it wrote where ``keep`` (0-d bool) holds and restores, bit for bit, what was there
+    before where it does not: ``tensors`` are written in place (each beside its value before the
+    step: the parameters' and their state entries' local parts), ``entries`` are replaced in their
+    dicts (the groups' step counters and the optimizer-wide state of the first group, as
+    ``GLOBAL_STATE_KEYS`` names it). A step must write nothing else.
+    """
+
+    keep: torch.Tensor
+    tensors: list
+    entries: list
+
+    @classmethod
+    def before_writes(cls, keep: torch.Tensor, optimizer, tensors: list) -> DeviceDecision:
+        """Records what a step of ``tensors`` may write, as it is before the step (state created already)."""
+        written = []
+        for t in tensors:
+            written.append(local_part(t.param))
+            written.extend(local_part(value) for value in optimizer.state[t.param].values() if torch.is_tensor(value))
+        first = optimizer.param_groups[0]
+        entries = [(group, "step") for group in optimizer.param_groups]
+        entries += [(first, key) for key in optimizer.GLOBAL_STATE_KEYS if torch.is_tensor(first.get(key))]
+        return cls(keep, [(x, x.clone()) for x in written],
+                   [(container, key, container[key].clone()) for container, key in entries])
+
+    def commit(self) -> None:
+        """After the step: its writes where ``keep`` holds, the values from before it elsewhere."""
+        for tensor, before in self.tensors:
+            tensor.copy_(torch.where(self.keep.to(tensor.device), tensor, before))
+        for container, key, before in self.entries:
+            container[key] = torch.where(self.keep.to(before.device), container[key], before)
+
+
+def device_counter(value, device) -> torch.Tensor:
+    """A step counter (an int, or a tensor) as a 0-d int64 tensor on ``device``, as a compiled step keeps it
+    (the fused engine keeps its counters so too)."""
+    return torch.as_tensor(value, dtype=torch.int64, device=device)
+
+
 class NaiveEngine:
     """The naive backend behind the interface of a fused engine (``lopt.fused.engine.FusedEngine``), so that
     a front-end steps whichever engine it has the same way: ``engine.step(inputs, *args)`` runs the
@@ -100,6 +149,8 @@ class NaiveEngine:
 
     def step(self, inputs, *args) -> None:
         self._optimizer()._naive_step(inputs, *args)
+        if inputs.decision is not None:  # (a compiled step, decided on the device)
+            inputs.decision.commit()
 
     def invalidate(self) -> None:
         pass
@@ -181,6 +232,10 @@ class NaivePhases:
         same read, as host numbers are in ``_validate_live_group``) raises under
         ``nonfinite="raise"``; else the step is skipped, counted and warned about.
         The counts of such elements are summed over the processes, so that all of them decide alike.
+
+        Inside a compiled step under ``nonfinite="skip"`` nothing is read on the host and nothing is
+        warned about: the step is decided on the device (:meth:`_decided_on_device`) and this returns
+        True; the engine then commits the decision (``inputs.decision``).
         """
         packet = packet if packet is not None else SumPacket(self.reducer)
         device = tensors[0].grad.device if tensors else self._param_devices().pop()
@@ -199,11 +254,14 @@ class NaivePhases:
         shared_handle = packet.add(shared)
         count_handles = [packet.add(count, split=t.split) for count, t in zip(bad_counts, tensors)]
         packet.reduce()
-        totals = torch.cat([packet[shared_handle]] + [packet[h].reshape(1).to(device) for h in count_handles]).cpu()
-        # The step's one host read, a statement of its own: under torch.compile it is the step's one graph
-        # break, which dynamo splits cleanly here (inside a generator it gave up on the whole frame and
-        # compiled every function it calls on its own, recompiling SumPacket.add for each call).
-        values = totals.tolist()
+        totals = torch.cat([packet[shared_handle]] + [packet[h].reshape(1).to(device) for h in count_handles])
+        if torch.compiler.is_compiling() and self.nonfinite == "skip":
+            inputs.decision = self._decided_on_device(tensors, totals)
+            return True
+        # The step's one host read, a statement of its own: under torch.compile with nonfinite="raise" it is
+        # the step's one graph break, which dynamo splits cleanly here (inside a generator it gave up on the
+        # whole frame and compiled every function it calls on its own, recompiling SumPacket.add for each call).
+        values = totals.cpu().tolist()
         loss_total, whole_total, found_inf, hyper_total = values[:4]
         tensor_totals = values[4:]
         if found_inf > 0:  # GradScaler's overflow
@@ -221,6 +279,21 @@ class NaivePhases:
                       f"are unchanged ({first['skipped_steps']} skipped so far; nonfinite='raise' stops instead)",
                       RuntimeWarning, stacklevel=4)
         return False
+
+    def _decided_on_device(self, tensors: list, totals: torch.Tensor) -> DeviceDecision:
+        """The check's decision inside a compiled step, from the reduced ``totals`` (on the device): the step
+        is kept if every count is 0; a skipped one is counted on the device, as the fused backend counts it,
+        unless GradScaler's overflow skipped it (:attr:`skipped_steps` warns when it is read). The step
+        counters become 0-d int64 tensors on the device, and what the step may write is recorded as it is
+        before the step (:class:`DeviceDecision`)."""
+        flagged = totals > 0  # the loss, whole tensors, GradScaler's found_inf, hyper-parameters, each split tensor
+        keep = ~flagged.any()
+        first = self.param_groups[0]
+        skipped = ~keep & ~flagged[2]
+        first["skipped_steps"] = device_counter(first["skipped_steps"], keep.device) + skipped.to(torch.int64)
+        for group in self.param_groups:
+            group["step"] = device_counter(group["step"], keep.device)
+        return DeviceDecision.before_writes(keep, self, tensors)
 
     def _describe_problem(self, tensors, local_counts, totals, loss, hyper=()) -> str:
         """What made the check fail, in the terms of this process (a bad tensor hyper-parameter, else the

@@ -138,8 +138,7 @@ class SmallFCLOpt(LearnedOptimizer):
         clipping = self._naive_clipping_sums(tensors, check)
         if not self._naive_step_allowed(tensors, inputs, packet=check):
             return
-        for group in self.param_groups:
-            group["step"] = self._host_step(group) + 1
+        self._advance_step_counters()
         for t, grad in zip(tensors, self._naive_clipped_gradients(tensors, check, clipping)):
             # (torch.unsqueeze: a frame that names torch is one torch.compile traces when it resumes after
             # the check's host read; without it dynamo skips this frame and compiles each callee on its own)

@@ -411,7 +411,7 @@ class VeLO(LearnedOptimizer):
         rows = torch.zeros((0, reference.NUM_LSTM_FEATURES), dtype=torch.float64, device=device)
         if tensors:
             rows = reference.lstm_input_features(
-                torch.stack([reference.fraction_features(self._host_step(t.group), num_steps,
+                torch.stack([reference.fraction_features(self._steps_taken(t.group), num_steps,
                                                          constants["fraction_timescales"]) for t in tensors]),
                 loss_feats, torch.stack([s.lstm.to(device) for s in statistics]),
                 torch.stack([constants["rank_one_hot"][min(reference.tensor_rank(t.param.shape),
@@ -431,8 +431,7 @@ class VeLO(LearnedOptimizer):
             lr_mult = controller.lr_mult.to(torch.float32)
 
         # Accumulate, with the clipped gradient (the step counters advance first: PyLO's order).
-        for group in self.param_groups:
-            group["step"] = self._host_step(group) + 1
+        self._advance_step_counters()
         for t in tensors:
             t.step_grad = reference.clip_gradient(t.grad).unsqueeze(-1)
         self._naive_accumulate(tensors)

@@ -160,7 +160,7 @@ def normalisation_axes(rank: int) -> tuple:
 def last_axes_count(shape) -> int:
     """How many elements each normalisation averages: the product of the last two sizes of ``shape``
     (the parameter's work shape; a DTensor's global one)."""
-    return math.prod(shape[axis] for axis in normalisation_axes(len(shape)))
+    return math.prod([shape[axis] for axis in normalisation_axes(len(shape))])  # (a list: torch.compile traces it)
 
 
 def last_axes_square_sums(features: torch.Tensor) -> torch.Tensor:
@@ -333,8 +333,12 @@ def learned_step(param: torch.Tensor, grad: torch.Tensor, state: dict, network: 
 # ------------------------------------------------------------------------------------------ §5 the AdamW branch
 
 
-def bias_correction(beta: float, step: int) -> float:
-    """``1 − β^t`` in float64 (a Python float; the division by it rounds to float32, as in PyLO)."""
+def bias_correction(beta, step):
+    """``1 − β^t`` in float64 (a Python float; the division by it rounds to float32, as in PyLO). ``beta``: a
+    number or a 0-d tensor; ``step``: an int, or a 0-d integer tensor (a compiled step's counter, read on the
+    device: then a float64 0-d tensor)."""
+    if torch.is_tensor(step):
+        return 1.0 - torch.as_tensor(beta, dtype=torch.float64) ** step.to(torch.float64)
     return 1.0 - float(beta) ** step
 
 
@@ -369,7 +373,7 @@ def adamw_shared_step(param: torch.Tensor, state: dict, step: int, decays: Decay
     """§5.2, ELO-CELO2: AdamW on the shared accumulators (already updated this step): ``m = mom[..., 0]``
     with the first momentum decay, ``v = rms[..., -1]`` with the last RMS decay, eps 1e-8, bias-corrected
     with the group's step count. Returns the new float32 value."""
-    beta1 = float(decays.momentum[0])
-    beta2 = float(decays.rms[-1])
+    beta1 = decays.momentum[0]  # (0-d float32 tensors: bias_correction reads them, on the host or the device)
+    beta2 = decays.rms[-1]
     direction = adam_direction(state["mom"][..., 0], state["rms"][..., -1], beta1, beta2, step, SHARED_ADAM_EPSILON)
     return apply_step(param, direction, lr, weight_decay)

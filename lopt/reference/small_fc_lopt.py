@@ -60,9 +60,10 @@ def factored_dims(shape) -> tuple[int, int] | None:
     return stable_factored_dims(shape)
 
 
-def time_features(step: int) -> torch.Tensor:
-    """tanh(τ / T_i − 1) for the 11 timescales, τ = step − 1 (steps taken before this one)."""
-    tau = torch.tensor(step - 1, dtype=torch.float32)
+def time_features(step) -> torch.Tensor:
+    """tanh(τ / T_i − 1) for the 11 timescales, τ = step − 1 (steps taken before this one). ``step``: an int,
+    or a 0-d integer tensor (a compiled step's counter; τ on its device)."""
+    tau = (step - 1).to(torch.float32) if torch.is_tensor(step) else torch.tensor(step - 1, dtype=torch.float32)
     return torch.tanh(tau / torch.tensor(TIMESCALES, dtype=torch.float32) - 1.0)
 
 

@@ -279,12 +279,15 @@ def clip_log_abs(x: torch.Tensor, scale: float = 10.0) -> torch.Tensor:
     return torch.clamp(torch.log(1e-8 + torch.abs(x * scale)), -5, 5) * 0.5
 
 
-def fraction_features(steps_taken: int, num_steps: int, timescales: torch.Tensor) -> torch.Tensor:
+def fraction_features(steps_taken, num_steps: int, timescales: torch.Tensor) -> torch.Tensor:
     """φ_i = tanh(10·(t/N − s_i)) for the 9 ``FRACTION_TIMESCALES`` (``timescales``, float32).
 
     ``t/N`` is divided in double and enters the float32 arithmetic as a scalar (no host-to-device
-    copy). Not clipped: past ``num_steps`` the features keep saturating towards +1.
+    copy). Not clipped: past ``num_steps`` the features keep saturating towards +1. ``steps_taken``:
+    an int, or a 0-d integer tensor (a compiled step's counter: divided in double on the device).
     """
+    if torch.is_tensor(steps_taken):
+        steps_taken = steps_taken.to(device=timescales.device, dtype=torch.float64)
     fraction = steps_taken / num_steps
     return torch.tanh((fraction - timescales) * 10)
 
