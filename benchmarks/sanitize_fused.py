@@ -33,4 +33,20 @@ for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small
         optimizer.step(torch.tensor(2.0 - 0.1 * step, device="cuda")) if name == "velo" else optimizer.step()
     torch.cuda.synchronize()
     assert all(torch.isfinite(p).all() for p in params), name
+
+# CELO2 and ELO-CELO2: learned matrices (two of one shape: a Newton–Schulz stack of two), a transposed one, vectors
+# and a 4-d kernel (stepped elsewhere), an embedding group on the AdamW branch; ELO-CELO2 clips globally.
+for cls in (lopt.CELO2, lopt.ELO_CELO2):
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    params.append(torch.nn.Parameter(torch.randn(33, 17, device="cuda")))
+    embedding = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
+    groups = [{"params": params[:6]}, {"params": params[6:], "weight_decay": 0.01},
+              {"params": [embedding], "is_embedding": True}]
+    optimizer = cls(groups, weights=lopt.random_weights("celo2"), backend="fused")
+    for step in range(3):
+        for p in params + [embedding]:
+            p.grad = torch.randn_like(p) * 1e-2
+        optimizer.step()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p).all() for p in params + [embedding]), cls.__name__
 print("sanitize run ok")

@@ -11,9 +11,12 @@
 //   celo2_control        per learned tensor the features' normaliser scales and param_scale; per AdamW tensor
 //                        its bias corrections; a kept step's new R and C written to the state
 //   celo2_mlp            features, normalisation, the MLP, the proposed step (direction · exp(exp_mult ·
-//                        magnitude), · param_scale) written to its place in its Newton–Schulz stack; the
-//                        learned tensors' accumulators stored
-//   (torch)              Newton–Schulz on each stack of same-shaped matrices, Σ s² per matrix → its scale
+//                        magnitude), · param_scale) written to its place in its Newton–Schulz stack (the
+//                        tensor's matrix as it lies in memory); the learned tensors' accumulators stored
+//   celo2_matrix_sums    (mode 0) per matrix to orthogonalise: its norm plus ns_eps
+//   celo2_normalise      the matrices to orthogonalise divided by it, into Newton–Schulz's workspace
+//   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
+//   celo2_matrix_sums    (mode 1) per learned tensor: Σ s² of its final step → its two scale factors
 //   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the AdamW branch (own
 //                        moments, or the shared accumulators); the step counters
 //
@@ -28,6 +31,12 @@
 #ifndef C2_MLP_HIDDEN
 #error "build celo2.cu with its network's geometry: lopt.fused.celo2.kernel_defines"
 #endif
+// The packed network passed by value (a kernel parameter, lopt.fused.celo2.NETWORK_PARAMETER_BYTES at most):
+// kernel parameters lie in a constant bank, so each of the MLP's multiply-adds reads its weight as an operand,
+// with no load instruction (a broadcast load per weight from global memory made the MLP pass issue-bound).
+struct Celo2Network {
+  float w[C2_MLP_FLOATS];
+};
 #define C2_FEATURES 30
 static_assert(C2_MLP_INPUTS == C2_FEATURES && C2_MLP_OUTPUTS == 3, "CELO2's MLP takes 30 inputs and gives 3 outputs");
 static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features' sums of squares, then Σp²");
@@ -252,56 +261,47 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
 LOPT_DEVICE float relu(float a) { return a > 0.f || a != a ? a : 0.f; }
 
 // reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
-// (direction, magnitude). The weights are read where they lie (the same address in every lane: one
-// broadcast load each, cached).
-LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const float* network) {
+// (direction, magnitude). Every loop is unrolled: each weight's index is a constant, an operand in the
+// kernel's parameter bank.
+LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const Celo2Network& network) {
+  const float* w = network.w;
   float h[C2_HIDDEN];
-  const float* w0 = network + C2_MLP_W0;
-  const float* b0 = network + C2_MLP_B0;
-#pragma unroll 2
-  for (int n = 0; n < C2_HIDDEN; ++n) {
-    float a = __ldg(b0 + n);
 #pragma unroll
-    for (int k = 0; k < C2_FEATURES; ++k) a = fmaf(__ldg(w0 + n * C2_FEATURES + k), x[k], a);
+  for (int n = 0; n < C2_HIDDEN; ++n) {
+    float a = w[C2_MLP_B0 + n];
+#pragma unroll
+    for (int k = 0; k < C2_FEATURES; ++k) a = fmaf(w[C2_MLP_W0 + n * C2_FEATURES + k], x[k], a);
     h[n] = relu(a);
   }
 #pragma unroll
   for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
-    const float* w = network + C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE;
-    const float* b = network + C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE;
+    const int weights = C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE;
+    const int biases = C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE;
     float next[C2_HIDDEN];
 #pragma unroll
     for (int n = 0; n < C2_HIDDEN; ++n) {
-      float a = __ldg(b + n);
+      float a = w[biases + n];
 #pragma unroll
-      for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(__ldg(w + n * C2_HIDDEN + k), h[k], a);
+      for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(w[weights + n * C2_HIDDEN + k], h[k], a);
       next[n] = relu(a);
     }
 #pragma unroll
     for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
   }
-  const float* w = network + C2_MLP_OUTPUT_W;
-  const float* b = network + C2_MLP_OUTPUT_B;
   float out[2];
 #pragma unroll
   for (int o = 0; o < 2; ++o) {
-    float a = __ldg(b + o);
+    float a = w[C2_MLP_OUTPUT_B + o];
 #pragma unroll
-    for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(__ldg(w + o * C2_HIDDEN + k), h[k], a);
+    for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(w[C2_MLP_OUTPUT_W + o * C2_HIDDEN + k], h[k], a);
     out[o] = a;
   }
   return make_float2(out[0], out[1]);
 }
 
-// Where element e (memory order) of a learned tensor puts its proposed step: its place in its stack.
-LOPT_DEVICE i64 step_position(const Celo2Tensor& c, i64 e) {
-  const i64 outer = e / c.inner;
-  return c.step_offset + outer * c.outer_stride + (e - outer * c.inner) * c.inner_stride;
-}
-
 // walk_apply_chunks' visitor: each learned element's features (its accumulators updated and, for a kept
 // step, stored), normalised, the MLP, and proposed_step: direction · exp(magnitude · exp_mult), times
-// param_scale where the group asks (param_scale_mult).
+// param_scale where the group asks (param_scale_mult), at its element's index in its stack.
 struct Celo2MLP {
   const Celo2Tensor* celo2_tensors;
   const double* celo2_groups;
@@ -310,7 +310,7 @@ struct Celo2MLP {
   const float* col_table;
   const float* feature_scales;
   const float* param_scales;
-  const float* network;
+  const Celo2Network& network;
   float* steps;
   bool store_state;
 
@@ -321,8 +321,17 @@ struct Celo2MLP {
     const Celo2Tensor c = celo2_tensors[tensor];
     if (c.kind != LOPT_CELO2_LEARNED) return;
     const float2 transform = gradient_transforms[tensor];
-    const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
-    const int inputs = static_cast<int>(c.inputs);
+    // The tensor's normaliser factors, once per block in shared memory (every thread of the block walks the
+    // same tensor here); 0 for the inputs it does not have.
+    __shared__ float2 scales[C2_FEATURES];
+    __syncthreads();  // (the block's previous tensor is done with them)
+    if (threadIdx.x < C2_FEATURES) {
+      const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
+      scales[threadIdx.x] = static_cast<i64>(threadIdx.x) < c.inputs
+                                ? make_float2(scale[threadIdx.x], scale[C2_UNSHIFT + threadIdx.x])
+                                : make_float2(0.f, 0.f);
+    }
+    __syncthreads();
     const bool param_scale_mult = group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
     const float param_scale = param_scales[tensor];
     for (; chunk < end; ++chunk) {
@@ -336,12 +345,14 @@ struct Celo2MLP {
       float x[C2_FEATURES];
       element_features(t, e, grad, param, s, row_table, col_table, x);
 #pragma unroll
-      for (int j = 0; j < C2_FEATURES; ++j)
-        x[j] = j < inputs ? __fmul_rn(__fmul_rn(x[j], __ldg(scale + j)), __ldg(scale + C2_UNSHIFT + j)) : 0.f;
+      for (int j = 0; j < C2_FEATURES; ++j) {
+        const float2 factors = scales[j];
+        x[j] = __fmul_rn(__fmul_rn(x[j], factors.x), factors.y);
+      }
       const float2 out = celo2_mlp_outputs(x, network);
       float factor = expf(__fmul_rn(out.y, a.exp_mult));
       if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
-      steps[step_position(c, e)] = __fmul_rn(out.x, factor);
+      steps[c.step_offset + e] = __fmul_rn(out.x, factor);
     }
   }
 };
@@ -352,12 +363,91 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
           const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
           const float* __restrict__ row_table, const float* __restrict__ col_table,
           const float* __restrict__ feature_scales, const float* __restrict__ param_scales,
-          const float* __restrict__ network, const float* grad_scale, const float* found_inf, int* status,
+          const Celo2Network network, const float* grad_scale, const float* found_inf, int* status,
           float* __restrict__ steps) {
   const StepFlags flags{grad_scale, found_inf, status};
   const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_table, col_table, feature_scales,
                        param_scales, network, steps, !step_is_skipped(flags)};
   walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), visit);
+}
+
+// ------------------------------------------------------------------------------------------
+// Newton–Schulz's norms, its input, and the final step's normalisation
+// ------------------------------------------------------------------------------------------
+
+#define C2_SUMS_THREADS 256
+#define C2_SUMS_SPLITS 16  // blocks per matrix (lopt.fused.celo2.SUMS_SPLITS)
+
+// A learned element's final step: the orthogonalised (or, without Newton–Schulz, the proposed) value, except
+// where the proposed step is not finite — there it keeps its own value (reference: orthogonalise).
+LOPT_DEVICE float final_step(float proposed, const Celo2Tensor& c, i64 e) {
+  if (!is_finite(proposed)) return proposed;
+  return load_as_float(pointer<const void>(c.result), e, static_cast<int>(c.result_dtype));
+}
+
+// Blocks (x, b): part x of the matrix of learned tensor rows[b]; Σ over its finite values of v² in float64,
+// each part's sum a partial, and the matrix's last block to finish adds the partials in order (fixed order:
+// the same sum every run) and resets the matrix's ticket.
+// mode 0, Newton–Schulz's divisor (reference newton_schulz: the norm from a float64 sum of squares rounded to
+// float32, plus ns_eps in float32) of the proposed step, with its non-finite elements as 0 (finite_part);
+// mode 1, finish_step's normalisation of the final step as celo2_control's of a feature: scale = rsqrt(1e-9 +
+// Σs²/count) in float64, applied as (s · float(scale·shift)) · float(1/shift), shift 2^64 where scale < 2^-60.
+extern "C" __global__ void __launch_bounds__(C2_SUMS_THREADS)
+celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
+                  const double* __restrict__ celo2_groups, const int* __restrict__ rows, int mode,
+                  const float* __restrict__ steps, double* partials, unsigned int* tickets,
+                  float* __restrict__ divisors, float2* __restrict__ step_scales) {
+  const int tensor = rows[blockIdx.y];
+  const TensorMeta t = tensors[tensor];
+  const Celo2Tensor c = celo2_tensors[tensor];
+  const float* proposed = steps + c.step_offset;
+  const i64 begin = t.numel * blockIdx.x / C2_SUMS_SPLITS, end = t.numel * (blockIdx.x + 1) / C2_SUMS_SPLITS;
+  double sum = 0.0;
+  for (i64 e = begin + threadIdx.x; e < end; e += C2_SUMS_THREADS) {
+    const float s = mode == 0 ? proposed[e] : final_step(proposed[e], c, e);
+    if (is_finite(s)) sum = fma(static_cast<double>(s), static_cast<double>(s), sum);
+  }
+  double values[1] = {sum};
+  __shared__ double scratch[C2_SUMS_THREADS / 32][1];
+  __shared__ double total[1];
+  __shared__ bool last;
+  block_sums<1, C2_SUMS_THREADS>(values, scratch, total);
+  if (threadIdx.x == 0) {
+    partials[blockIdx.y * C2_SUMS_SPLITS + blockIdx.x] = total[0];
+    __threadfence();  // (the partial is visible before the ticket counts it)
+    last = atomicAdd(tickets + blockIdx.y, 1u) == C2_SUMS_SPLITS - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x != 0) return;
+  __threadfence();
+  double matrix = 0.0;
+  for (int k = 0; k < C2_SUMS_SPLITS; ++k) matrix += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
+  tickets[blockIdx.y] = 0u;
+  if (mode == 0) {
+    const float eps = static_cast<float>(group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_NS_EPS]);
+    divisors[tensor] = __fadd_rn(static_cast<float>(sqrt(matrix)), eps);
+  } else {
+    const double scale = 1.0 / sqrt(1e-9 + matrix / static_cast<double>(t.numel));
+    const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
+    step_scales[tensor] = make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
+  }
+}
+
+// Blocks (x, b): the matrix of learned tensor rows[b], Newton–Schulz's input x = s / divisor (a non-finite s
+// as 0), stored as `work_dtype` (float32; bfloat16 for precision="fast") at the step's own index.
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
+celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
+                const int* __restrict__ rows, const float* __restrict__ steps, const float* __restrict__ divisors,
+                void* __restrict__ work, int work_dtype) {
+  const int tensor = rows[blockIdx.y];
+  const i64 numel = tensors[tensor].numel;
+  const i64 offset = celo2_tensors[tensor].step_offset;
+  const float divisor = divisors[tensor];
+  for (i64 e = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x; e < numel;
+       e += static_cast<i64>(gridDim.x) * C2_APPLY_THREADS) {
+    const float s = steps[offset + e];
+    store_from_float(work, offset + e, work_dtype, is_finite(s) ? __fdiv_rn(s, divisor) : 0.f);
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -369,8 +459,8 @@ LOPT_DEVICE float adam_direction(float m, float v, float2 corrections, float eps
   return __fdiv_rn(__fdiv_rn(m, corrections.x), __fadd_rn(__fsqrt_rn(__fdiv_rn(v, corrections.y)), eps));
 }
 
-// apply_pass' functor: a learned element's u = rms_mult · normalised s (the stack's value after
-// Newton–Schulz, times its matrix's two factors), an AdamW element's direction (its moments updated and
+// apply_pass' functor: a learned element's u = rms_mult · normalised s (its final step, times its matrix's
+// two factors), an AdamW element's direction (its moments updated and
 // stored), then apply_update (p − lr·(u + weight_decay·p); the AdamW branch with adam_lr_mult · lr and
 // adam_weight_decay). Its finish advances the CELO2 AdamW tensors' own step counts.
 struct Celo2Apply {
@@ -404,7 +494,7 @@ struct Celo2Apply {
         const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
         if (e >= t.numel) continue;
         const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-        const float s = steps[step_position(c, e)];
+        const float s = final_step(steps[c.step_offset + e], c, e);
         apply_update(t, e, param, __fmul_rn(__fmul_rn(__fmul_rn(s, scale.x), scale.y), rms_mult), group);
       }
       return;

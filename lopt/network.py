@@ -96,13 +96,15 @@ class MLPGeometry:
         return torch.cat([network[name].detach().cpu().to(torch.float32).reshape(-1) for name in self.tensor_shapes()])
 
     def cuda_defines(self, prefix: str) -> tuple:
-        """The kernels' constants for this geometry, ``PREFIX_NAME=value``: the widths; the offset of each
+        """The kernels' constants for this geometry, ``PREFIX_NAME=value``: the widths and the packed buffer's
+        length (``..._FLOATS``); the offset of each
         layer's weight and bias in the packed buffer (``..._W<i>``/``..._B<i>``, layer i = 0 ... hidden_layers + 1);
         and for loops over the layers, the output layer's (``..._OUTPUT_W``/``_B``) and the hidden-to-hidden
         layers' as the first one's plus a stride (``..._LINEAR_W``/``_B``, ``..._LINEAR_STRIDE``)."""
         offsets = self.offsets()
         defines = [f"{prefix}_INPUTS={self.inputs}", f"{prefix}_HIDDEN={self.hidden}",
-                   f"{prefix}_HIDDEN_LAYERS={self.hidden_layers}", f"{prefix}_OUTPUTS={self.outputs}"]
+                   f"{prefix}_HIDDEN_LAYERS={self.hidden_layers}", f"{prefix}_OUTPUTS={self.outputs}",
+                   f"{prefix}_FLOATS={offsets['total']}"]
         for index, (name, _, _) in enumerate(self.layers()):
             defines += [f"{prefix}_W{index}={offsets[f'{PREFIX}{name}.weight']}",
                         f"{prefix}_B{index}={offsets[f'{PREFIX}{name}.bias']}"]

@@ -9,6 +9,7 @@ parameters, so the tolerance measures one step's rounding, not drift.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import warnings
@@ -189,11 +190,11 @@ VARIANTS = {
 }
 
 
-def _build(variant, dtype=torch.float32, backend="naive", device="cpu"):
+def _build(variant, dtype=torch.float32, backend="naive", device="cpu", weights=None):
     cls, options, grad_scale = VARIANTS[variant]
     main = [torch.nn.Parameter(random_like(shape, 50 + i).to(device, dtype)) for i, shape in enumerate(SHAPES.values())]
     embedding = torch.nn.Parameter(random_like(EMBEDDING, 49).to(device, dtype))
-    opt = cls([{"params": main}, {"params": [embedding], "is_embedding": True}], lr=1.0, weights=WEIGHTS,
+    opt = cls([{"params": main}, {"params": [embedding], "is_embedding": True}], lr=1.0, weights=weights or WEIGHTS,
               backend=backend, **options)
     return opt, main + [embedding], options, grad_scale
 
@@ -228,9 +229,35 @@ def _oracle_step(opt, params, grads, before_params, before_state, options, own_m
     return new
 
 
+def nudged_weights(seed: int = 7):
+    """WEIGHTS with every meta-weight moved by about 1e-7 of itself: the rounding yardstick's input."""
+    g = torch.Generator().manual_seed(seed)
+    network = {k: v * (1 + 1e-7 * torch.randn(v.shape, generator=g)) for k, v in NET.items()}
+    return dataclasses.replace(WEIGHTS, tensors={**WEIGHTS.tensors, "mlp": network}, source="nudged")
+
+
+def rounding_yardsticks(variant, state_dict, before_params, grads) -> list:
+    """Per tensor, how far the naive backend's own update (CPU, float32) moves when the meta-weights move by
+    about 1e-7: the issue's yardstick for where Newton–Schulz amplifies rounding (an ill-conditioned matrix)."""
+    updates = []
+    for weights in (WEIGHTS, nudged_weights()):
+        opt, params, _, _ = _build(variant, weights=weights)
+        with torch.no_grad():
+            for p, value in zip(params, before_params):
+                p.copy_(value)
+        opt.load_state_dict(copy.deepcopy(state_dict))
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        updates.append([p.detach() - b for p, b in zip(params, before_params)])
+    return [rel_err(a, b.double()) for a, b in zip(*updates)]
+
+
 def _steps_match_the_oracle(variant, backend="naive", device="cpu"):
     """Matrices of several aspect ratios, a 3-d tensor, conv kernels, a bias, a 0-d parameter and an embedding
-    group, four steps: every tensor's update within 1e-5 (relative) of the oracle's."""
+    group, four steps: every tensor's update within 1e-5 (relative) of the oracle's. The fused backend's may
+    reach the rounding yardstick where that is larger (rounding_yardsticks: its products round unlike the
+    naive backend's, and an ill-conditioned matrix amplifies any rounding alike)."""
     opt, params, options, grad_scale = _build(variant, backend=backend, device=device)
     assert opt.backend == backend
     for s in range(4):
@@ -243,12 +270,14 @@ def _steps_match_the_oracle(variant, backend="naive", device="cpu"):
             p.grad = g.to(device)
         before_params = [p.detach().cpu().clone() for p in params]
         before_state = {p: copy.deepcopy(opt.state[p]) for p in params if p in opt.state}
+        yardsticks = (rounding_yardsticks(variant, opt.state_dict(), before_params, grads) if backend == "fused"
+                      else [0.0] * len(params))
         opt.step()
         want = _oracle_step(opt, params, grads, before_params, before_state, options,
                             own_moments=isinstance(opt, lopt.CELO2))
-        for name, p, old, new in zip(list(SHAPES) + ["embedding"], params, before_params, want):
-            bound = update_rtol(p.shape, options.get("orthogonalize", True))
-            assert rel_err(p.detach().cpu() - old, new - old.double()) < bound, (s, name)
+        for name, p, old, new, yardstick in zip(list(SHAPES) + ["embedding"], params, before_params, want, yardsticks):
+            bound = max(update_rtol(p.shape, options.get("orthogonalize", True)), yardstick)
+            assert rel_err(p.detach().cpu() - old, new - old.double()) < bound, (s, name, yardstick)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -340,7 +369,7 @@ BAD_ARGUMENTS = [
     ({"ns_steps": -1}, ValueError, "ns_steps must be an int >= 0"),
     ({"ns_steps": 2.0}, ValueError, "ns_steps must be an int >= 0"),
     ({"ns_eps": 0.0}, ValueError, "ns_eps"),
-    ({"precision": "fast"}, ValueError, "precision must be 'exact'"),
+    ({"precision": "tf32"}, ValueError, r"precision must be one of \('exact', 'fast'\), got 'tf32'"),
     ({"backend": "fused"}, RuntimeError, r"CELO2\(backend='fused'\) cannot run: the parameters are not all on a CUDA "
                                          r"device\. Use backend='naive' or 'auto'"),
 ]

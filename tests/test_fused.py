@@ -22,7 +22,7 @@ from fused_helpers import fused_engine_optimizers
 pytestmark = pytest.mark.cuda
 OPTIMIZERS = fused_engine_optimizers()  # (MuLO's fused test, on SmallFCLOpt's engine: tests/test_mulo.py)
 # (one launch per pass, whatever the number of tensors: docs/design.md)
-LAUNCHES = {"small_fc_lopt": 6, "velo": 10, "elo": 6}  # (CELO2: its 7 kernels and Newton-Schulz's torch ops, per stack)
+LAUNCHES = {"small_fc_lopt": 6, "velo": 10, "elo": 6}  # (CELO2: its 10 kernels and Newton-Schulz's torch ops, per stack)
 # A learning rate per optimizer whose low-precision updates span many ulps (VeLO's step is ~1e-4 of the
 # parameter at lr 1, small_fc_lopt's ~1e-3 · lr, ELO's ~lr: its lr is the step)
 LOW_PRECISION_LR = {"small_fc_lopt": 50.0, "velo": 1000.0, "elo": 0.05, "celo2": 0.05}
@@ -345,6 +345,53 @@ def test_fast_precision_stays_within_its_bounds(weights):
     assert worst_step > STEP_TOLERANCE  # the BF16 kernels ran, not the exact ones
 
 
+# precision="fast" (CELO2, ELO-CELO2): Newton–Schulz's products in bfloat16 (torch.optim.Muon's arithmetic),
+# everything else as the exact mode. An orthogonalised matrix's update is then off by about 2e-2 of its size
+# (bfloat16's 2^-8 through five iterations; small random matrices up to 6.4e-2; docs/celo2.md §8); tensors Newton–Schulz does not take here
+# (vectors; rank >= 3 kernels, stepped by the reference functions in float32) keep the exact mode's bounds.
+CELO2_FAST_TENSOR_TOLERANCE = 0.1  # (measured worst 6.4e-2: a (6, 4) matrix; GPT-2 medium's 1.5e-2)
+
+
+@pytest.mark.parametrize("name", ["celo2", "elo_celo2"])
+def test_celo2_fast_precision_stays_within_its_bounds(name, weights):
+    """CELO2's fused precision='fast' against naive over 30 float32 steps, each from the same state: matrices
+    within the bfloat16 bound and clearly not the exact products (above 1e-5), every other tensor within the
+    exact bounds; reruns bit-identical."""
+    weights = {name: weights["celo2"]}  # (ELO-CELO2 runs CELO2's network)
+    fused, fused_params, naive, naive_params = twin_optimizers(name, weights, lr=0.7, weight_decay=0.01,
+                                                               precision="fast")
+    assert fused.precision == "fast" and fused._fused_engine.work_dtype == torch.bfloat16
+    rerun_params = make_params(ALL_SHAPES, torch.float32, 0)
+    rerun = make_optimizer(name, rerun_params, "fused", weights[name], lr=0.7, weight_decay=0.01, precision="fast")
+    worst_matrix = worst_other = 0.0
+    for index in range(30):
+        grads = random_grads(fused_params, seed=index)
+        for params in (fused_params, naive_params, rerun_params):
+            set_grads(params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        for opt in (fused, naive, rerun):
+            step(opt, loss_of(index))
+        assert all(torch.equal(a, b) for a, b in zip(fused_params, rerun_params)), f"step {index}: rerun differs"
+        fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
+        naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
+        scale = update_scale(naive_updates)
+        for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
+            assert bool(torch.isfinite(uf).all()), f"step {index} shape {shape}: non-finite update"
+            if len(shape) == 2:  # (every matrix is orthogonalised, a (1, n) one too)
+                error = relative_error(uf, un)
+                worst_matrix = max(worst_matrix, error)
+                assert error <= CELO2_FAST_TENSOR_TOLERANCE, f"step {index} shape {shape}: relative error {error:.2e}"
+            else:
+                error = tensor_update_error(uf, un, scale)
+                worst_other = max(worst_other, error)
+                assert error <= tensor_tolerance(uf), f"step {index} shape {shape}: error {error:.2e}"
+        sync_into(naive, naive_params, fused, fused_params)
+        sync_into(rerun, rerun_params, fused, fused_params)
+    print(f"\n[{name} precision='fast'] per-matrix relative update error, worst: {worst_matrix:.2e}; other tensors "
+          f"(exact bounds): {worst_other:.2e}")
+    assert worst_matrix > STEP_TOLERANCE  # the bfloat16 products ran, not the float32 ones
+
+
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as
@@ -499,7 +546,9 @@ def test_constant_launches_and_no_allocation_or_sync_after_the_first_step(name, 
     of same-shaped matrices, one stack here whatever the count: its launches are constant too, and its
     temporaries come from PyTorch's caching allocator, FusedEngine.ALLOCATES_PER_STEP.)"""
     counts = []
-    for n_tensors in (3, 60):
+    # (at least two matrices per stack: cuBLAS may run a batch of one, CELO2's Newton–Schulz products, as
+    # another sequence of kernels)
+    for n_tensors in (4, 60):
         params = make_params([(17, 9)] * n_tensors + [(5,)] * n_tensors, seed=1)
         opt = make_optimizer(name, [{"params": params[::2]}, {"params": params[1::2], "lr": 0.5}], "fused",
                              weights[name])

@@ -24,12 +24,8 @@ from fused_helpers import fused_engine_optimizers
 from spawned import leave_process
 
 FUSED = fused_engine_optimizers()  # (one optimizer per fused engine)
-# numpy type each C parameter type must be passed as
-C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64}
-
-
-# numpy type each C parameter type must reach CuPy as
-C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64}
+# numpy type each C parameter type must reach CuPy as (a struct by value: a structured scalar)
+C_TYPES = {"int": np.int32, "float": np.float32, "i64": np.int64, "long long": np.int64, "Celo2Network": np.void}
 
 
 def declared_kernels(source_file: str) -> dict:
@@ -154,9 +150,17 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
     clips = any(group.get("max_grad_norm") is not None for group in opt.param_groups)
-    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 7 + clips, "elo_celo2": 7 + clips}[name]
+    # (CELO2: 3 launches of its own around Newton–Schulz's products, which are torch's)
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 10 + clips, "elo_celo2": 10 + clips}[name]
     if name in ("celo2", "elo_celo2"):  # (CELO2 clips f·g before its clamp: the norm comes first, no norm jobs)
         assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
+        assert names[-4:] == ["celo2_matrix_sums", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
+        # the MLP's network by value: the packed weights, bit for bit
+        mlp = next(launch for launch in recorded if launch[0] == "celo2_mlp")
+        network = mlp[3][declared_parameter_names(source)["celo2_mlp"].index("network")]
+        engine = opt._fused_engine
+        packed = engine.geometry.pack(celo2_linear_network(opt.meta_weights.tensors["mlp"])[0])
+        assert np.array_equal(np.frombuffer(network.tobytes(), dtype=np.float32), packed.numpy())
     elif options:  # one norm block per clipped tensor, after the means' blocks: the second group's (small_fc_lopt's
         # per-tensor norms), or every tensor where a group clips by the global norm (ELO)
         finalize = next(launch for launch in recorded if launch[0] == "adafactor_finalize")
@@ -180,6 +184,12 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     state = opt.state[params[2]]
     assert state["mom"].shape == (6, 4, 3) and state["mom"].permute(1, 0, 2).is_contiguous()
     assert params[2].stride() == (1, 6)
+
+
+def celo2_linear_network(network):
+    from lopt.fused.celo2 import linear_network
+
+    return linear_network(network)
 
 
 def declared_parameter_names(source_file: str) -> dict:

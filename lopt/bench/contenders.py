@@ -34,8 +34,8 @@ FUSED_CONTENDERS = {"fused": {}, "fused-fast": {"precision": "fast"}}  # the opt
 # Contenders whose first step is checked against the naive backend's (one step from identical state).
 CHECKED_CONTENDERS = ("naive+compile", "fused", "fused-fast")
 
-NOT_SELECTED_FAST = ("not selected: the fused backend with precision='fast' (BF16 MLP products, docs/small_fc_lopt.md) "
-                     "is opt-in; add it with --backends ...,fused-fast")
+NOT_SELECTED_FAST = ("not selected: the fused backend with precision='fast' (BF16 products: small_fc_lopt's MLP, "
+                     "CELO2's Newton-Schulz; the optimizer's docs) is opt-in; add it with --backends ...,fused-fast")
 NOT_SELECTED_COMPILE = ("not selected: compiling the naive step takes minutes on large parameter sets (the graph "
                         "unrolls every tensor); add it with --backends ...,naive+compile")
 

@@ -13,10 +13,12 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 4. ``celo2_control``         normaliser scales and ``param_scale``; the AdamW tensors' bias corrections; a kept
                              step's R and C committed
 5. ``celo2_mlp``             features, normalisation, the MLP, the proposed step written to its place in its
-                             stack (a matrix with more rows than columns transposed, as ``newton_schulz``
-                             orients it); the accumulators stored
-6. torch, per stack          ``reference.orthogonalise`` (float32 products, TF32 off), then Σ s² per matrix
-                             and the two factors of ``finish_step``'s normalisation
+                             stack (the tensor's matrix as it lies in memory); the accumulators stored
+6. ``celo2_matrix_sums``     each matrix to orthogonalise: its norm (float64 sum) plus ``ns_eps``;
+   ``celo2_normalise``       the matrices divided by it (a non-finite element as 0) into the workspace
+   torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
+                             or bfloat16 for ``precision="fast"``), in place in the workspace
+   ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
 7. ``celo2_apply``           ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the AdamW branch (CELO2's own moments
                              with its own step counts; ELO-CELO2's shared accumulators); the step counters
 8. torch, "elsewhere"        learned tensors of rank >= 3 (conv kernels), whose normalisation and
@@ -47,6 +49,9 @@ LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE = (CONSTANTS[f"CELO2_{kind}"] for kind
                                              ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE"))
 SUMS = CONSTANTS["CELO2_SUMS"]
 CONTROL_THREADS = 256
+SUMS_THREADS = 256  # (C2_SUMS_THREADS in celo2.cu)
+SUMS_SPLITS = 16  # blocks per matrix of celo2_matrix_sums (C2_SUMS_SPLITS)
+NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
@@ -94,11 +99,54 @@ def kernel_defines(geometry: MLPGeometry) -> tuple:
     return geometry.cuda_defines("C2_MLP")
 
 
+# The MLP pass takes the packed network by value, as a kernel parameter (celo2.cu, Celo2Network): 4 KB is what
+# every CUDA driver lets a launch pass (the published network, hidden 8, is 1,388 bytes).
+NETWORK_PARAMETER_BYTES = 3584
+
+
+def network_argument(packed: torch.Tensor) -> np.void:
+    """The packed network (float32) as the by-value ``Celo2Network`` argument of ``celo2_mlp``."""
+    values = packed.detach().cpu().to(torch.float32).numpy()
+    if values.nbytes > NETWORK_PARAMETER_BYTES:
+        raise ValueError(f"CELO2's fused MLP takes its network as a kernel parameter of at most "
+                         f"{NETWORK_PARAMETER_BYTES} bytes; this network has {values.size} weights "
+                         f"({values.nbytes} bytes): use backend='naive' for networks this large")
+    struct = np.dtype({"names": ["w"], "formats": [(np.float32, (values.size,))]}, align=True)
+    return np.frombuffer(values.tobytes(), dtype=struct)[0]
+
+
+def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor, polynomial: torch.Tensor,
+                           coefficients, steps: int, exact: bool) -> torch.Tensor:
+    """``steps`` iterations of ``reference.newton_schulz`` on the stack ``x`` (``(count, rows, cols)``, already
+    divided by its norms), ping-ponging between ``x`` and ``y``; returns the one holding the result. The
+    iteration on the smaller Gram matrix: for ``rows <= cols`` ``A = X Xᵀ``, ``P = b·A + c·A A`` and
+    ``X ← a·X + P X``; for ``rows > cols`` the same on ``Xᵀ``, written as ``A = XᵀX`` and ``X ← a·X + X Pᵀ``
+    (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (a GEMM whose
+    epilogue adds ``a·X``: torch first copies ``X`` into the output); else as ``(a·I + P) X``, one product and
+    nothing else over the stack (bfloat16's rounding dwarfs the difference). ``gram`` and ``polynomial``:
+    ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
+    a, b, c = coefficients
+    tall = x.shape[-2] > x.shape[-1]
+    for _ in range(steps):
+        torch.bmm(x.mT, x, out=gram) if tall else torch.bmm(x, x.mT, out=gram)
+        torch.mul(gram, b, out=polynomial)
+        if not exact:
+            polynomial.diagonal(dim1=-2, dim2=-1).add_(a)
+        polynomial.baddbmm_(gram, gram, alpha=c)
+        if exact:
+            torch.baddbmm(x, x, polynomial.mT, beta=a, out=y) if tall else torch.baddbmm(x, polynomial, x, beta=a, out=y)
+        else:
+            torch.bmm(x, polynomial.mT, out=y) if tall else torch.bmm(polynomial, x, out=y)
+        x, y = y, x
+    return x
+
+
 @dataclass
 class Stack:
-    """Same-shaped learned steps of one group, each ``(rows, cols)`` with rows <= cols, contiguous in the step
-    buffer from ``offset``: Newton–Schulz takes them as one batch. ``matrices``: rank-2 parameters (vectors
-    and 0-d parameters, as ``(1, n)``, are never orthogonalised)."""
+    """Same-shaped learned steps of one group, each ``(rows, cols)`` as the tensor's matrix lies in memory,
+    contiguous in the step buffer from ``offset``: Newton–Schulz takes them as one batch (orienting each by
+    its smaller side, so that a matrix and its transpose come out transposed alike). ``matrices``: rank-2
+    parameters (vectors and 0-d parameters, as ``(1, n)``, are never orthogonalised)."""
 
     group: int
     rows_per_matrix: int
@@ -106,34 +154,25 @@ class Stack:
     offset: int
     tensor_rows: list
     matrices: bool
-    tensor_index: torch.Tensor | None = None  # the tensor rows, on the device (index_copy_)
+    gram: torch.Tensor | None = None  # (count, k, k), k = min(rows, cols): Newton–Schulz's workspaces
+    polynomial: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
         return len(self.tensor_rows)
 
-    def view(self, steps: torch.Tensor) -> torch.Tensor:
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
         size = self.count * self.rows_per_matrix * self.cols
-        return steps[self.offset:self.offset + size].view(self.count, self.rows_per_matrix, self.cols)
+        return buffer[self.offset:self.offset + size].view(self.count, self.rows_per_matrix, self.cols)
 
 
-def step_placement(shape, order) -> tuple[tuple[int, int], int, int, int]:
-    """Where a learned tensor's elements go in its stack: ``((rows, cols), inner, outer_stride, inner_stride)``
-    for an element ``e`` of the tensor in memory order (``order``: its axes from outermost to innermost):
-    ``(e // inner) · outer_stride + (e % inner) · inner_stride``. A matrix ``(m, n)`` is placed as itself where
-    ``m <= n`` and transposed otherwise (``newton_schulz``'s orientation); a vector of n elements (a 0-d
-    parameter: one) as ``(1, n)``."""
+def stored_matrix(shape, order) -> tuple[int, int]:
+    """A learned tensor's matrix as it lies in memory: ``(m, n)`` for a matrix in row-major order, ``(n, m)`` for
+    one in column-major order (``order``: its axes from outermost to innermost), ``(1, n)`` for a vector of n
+    elements (a 0-d parameter: one). Newton–Schulz of the transpose is the transpose of Newton–Schulz."""
     if len(shape) <= 1:
-        n = shape[0] if shape else 1
-        return (1, n), n, 0, 1
-    m, n = shape
-    transposed = m > n
-    inner = shape[order[1]]
-    if order == (0, 1):  # memory (i, j): row i, column j of the logical matrix
-        strides = (1, m) if transposed else (n, 1)
-    else:  # memory (j, i)
-        strides = (m, 1) if transposed else (1, n)
-    return ((n, m) if transposed else (m, n)), inner, strides[0], strides[1]
+        return 1, (shape[0] if shape else 1)
+    return shape[order[0]], shape[order[1]]
 
 
 @dataclass
@@ -145,7 +184,15 @@ class Celo2Work:
     groups: launcher.MetadataTable  # the groups' float64 value blocks
     group_rows: np.ndarray | None
     steps: torch.Tensor  # the proposed steps, stack by stack
+    work: torch.Tensor  # Newton–Schulz's two ping-pong buffers (float32, or bfloat16 for precision "fast"), each
+    #                     laid out as `steps` up to the end of the matrices' stacks
     stacks: list
+    divisors: torch.Tensor  # per tensor row: its Newton–Schulz divisor (norm + ns_eps)
+    sum_partials: torch.Tensor  # float64, SUMS_SPLITS per matrix of a celo2_matrix_sums launch
+    sum_tickets: torch.Tensor  # int32 per matrix, 0 between launches (the last block of each resets its own)
+    learned_rows: torch.Tensor  # int32, the learned tensors' rows
+    orthogonalised: tuple | None  # the (group, stack) choices the result pointers were last written for
+    ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step
     stats_partials: torch.Tensor
     norm_partials: torch.Tensor | None  # (where a group clips) Σ g² per statistics chunk
     transforms: torch.Tensor  # (factor, clamp) per tensor row
@@ -164,23 +211,30 @@ class CELO2Fused(FusedEngine):
     """The fused engine behind ``CELO2(backend="fused")`` and ``ELO_CELO2(backend="fused")``."""
 
     SOURCE = "celo2.cu"
-    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_mlp", "celo2_apply")
+    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_mlp", "celo2_matrix_sums",
+               "celo2_normalise", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
 
     STEPS_SHARDED_PARAMETERS = False  # (Newton–Schulz would need each split matrix gathered: the naive backend does)
-    ALLOCATES_PER_STEP = True  # (reference.orthogonalise's temporaries, from PyTorch's caching allocator)
 
     def __init__(self, optimizer):
         if optimizer.has_sharded_parameters:
             raise RuntimeError("the fused CELO2 does not step sharded (DTensor, FSDP2) parameters yet")
         network, self.geometry = linear_network(optimizer.meta_weights.tensors["mlp"])
         super().__init__(optimizer, kernel_defines(self.geometry))
-        self.network = self.geometry.pack(network).to(self.device)
+        self.network = network_argument(self.geometry.pack(network))
+        self.work_dtype = torch.bfloat16 if optimizer.precision == "fast" else torch.float32
         self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)
         self.apply_grid = self.persistent_grid("celo2_apply", self.APPLY_THREADS)
         self._kinds: dict = {}
+
+    @property
+    def ALLOCATES_PER_STEP(self) -> bool:  # noqa: N802 (FusedEngine's attribute)
+        """Only the learned tensors of rank >= 3 (the reference functions, on the device) allocate: Newton–Schulz
+        runs in the plan's workspaces."""
+        return bool(self.plan is not None and self.plan.work.elsewhere_rows)
 
     # ------------------------------------------------------------------ plan
 
@@ -240,29 +294,36 @@ class CELO2Fused(FusedEngine):
                 elsewhere.append(row)
             elif kind == LEARNED:
                 shape = tuple(p.shape)
-                (m, cols), inner, outer_stride, inner_stride = step_placement(shape, plan.memory_orders[row])
-                key = (plan.groups[row], m, cols, len(shape) == 2)
-                stacks.setdefault(key, []).append((row, inner, outer_stride, inner_stride))
+                m, cols = stored_matrix(shape, plan.memory_orders[row])
+                stacks.setdefault((plan.groups[row], m, cols, len(shape) == 2), []).append(row)
                 rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS if len(shape) == 2 else reference.UNFACTORED_INPUTS
         stack_list, offset = [], 0
-        for (group, m, cols, matrices), members in stacks.items():
-            stack = Stack(group=group, rows_per_matrix=m, cols=cols, offset=offset,
-                          tensor_rows=[row for row, *_ in members], matrices=matrices)
-            for index, (row, inner, outer_stride, inner_stride) in enumerate(members):
+        # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end)
+        for (group, m, cols, matrices), members in sorted(stacks.items(), key=lambda item: not item[0][3]):
+            stack = Stack(group=group, rows_per_matrix=m, cols=cols, offset=offset, tensor_rows=members,
+                          matrices=matrices)
+            for index, row in enumerate(members):
                 rows[row, CELO2_FIELD["step_offset"]] = offset + index * m * cols
-                rows[row, CELO2_FIELD["inner"]] = inner
-                rows[row, CELO2_FIELD["outer_stride"]] = outer_stride
-                rows[row, CELO2_FIELD["inner_stride"]] = inner_stride
-            stack.tensor_index = torch.tensor(stack.tensor_rows, dtype=torch.int64, device=device)
+            if matrices:
+                k = min(m, cols)
+                stack.gram = plan.workspace(stack.count * k * k, self.work_dtype).view(stack.count, k, k)
+                stack.polynomial = plan.workspace(stack.count * k * k, self.work_dtype).view(stack.count, k, k)
             offset += stack.count * m * cols
             stack_list.append(stack)
+        matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
         table = launcher.MetadataTable(device)
-        table.update(rows)
+        table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
         clipping = any(plan.key[2])
         transforms = torch.ones(max(n, 1), 2, dtype=torch.float32, device=device)
         return Celo2Work(
             kinds=kinds, table=table, groups=launcher.MetadataTable(device, dtype=np.float64), group_rows=None,
-            steps=plan.workspace(offset, torch.float32), stacks=stack_list,
+            steps=plan.workspace(offset, torch.float32), work=plan.workspace(2 * matrix_elements, self.work_dtype),
+            stacks=stack_list, divisors=plan.workspace(n, torch.float32),
+            sum_partials=plan.workspace(max(n, 1) * SUMS_SPLITS, torch.float64),
+            sum_tickets=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
+            learned_rows=torch.tensor([row for stack in stack_list for row in stack.tensor_rows], dtype=torch.int32,
+                                      device=device),
+            orthogonalised=None, ns_rows=None,
             stats_partials=plan.workspace(layout.total_stats_chunks * SUMS, torch.float64),
             norm_partials=plan.workspace(layout.total_stats_chunks, torch.float64) if clipping else None,
             transforms=transforms, clamps=None,
@@ -308,6 +369,7 @@ class CELO2Fused(FusedEngine):
             betas = group.get("adam_betas", (0.0, 0.0))
             row[slot["adam_beta1"]], row[slot["adam_beta2"]] = float(betas[0]), float(betas[1])
             row[slot["adam_eps"]] = float(group.get("adam_eps", 0.0))
+            row[slot["ns_eps"]] = float(group["ns_eps"])
         if work.group_rows is None or not np.array_equal(values, work.group_rows):
             work.groups.update(values)
             work.group_rows = values
@@ -377,6 +439,7 @@ class CELO2Fused(FusedEngine):
                       groups=plan.group_table.table, total_chunks=chunks, celo2_tensors=work.table.table,
                       celo2_groups=work.groups.table, gradient_transforms=work.transforms)
         if work.stacks:
+            self._refresh_results(plan)
             self.launch("celo2_mlp", max(1, min(self.mlp_grid, chunks)), self.APPLY_THREADS, **tables,
                         row_table=plan.row_table, col_table=plan.col_table, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps)
@@ -387,23 +450,65 @@ class CELO2Fused(FusedEngine):
         if work.elsewhere_rows:
             self._step_elsewhere(plan, inputs)
 
+    def _orthogonalised(self, plan: Plan) -> tuple:
+        """Per stack, the Newton–Schulz steps it takes this step (0 where its group does not orthogonalise, or
+        it holds vectors): its groups' values, read every step (a group may change them)."""
+        groups = self.optimizer.param_groups
+        return tuple(int(groups[stack.group]["ns_steps"]) if stack.matrices and groups[stack.group]["orthogonalize"]
+                     else -1 for stack in plan.work.stacks)
+
+    def _refresh_results(self, plan: Plan) -> None:
+        """Where each learned tensor's final step lies (its Celo2Tensor ``result``): in the workspace buffer
+        Newton–Schulz ends in (its steps' parity), or the proposed step itself; and the rows Newton–Schulz
+        takes. Rewritten (and uploaded) only when a group's choice changes."""
+        work = plan.work
+        choices = self._orthogonalised(plan)
+        if choices == work.orthogonalised:
+            return
+        rows = work.table.host.copy()
+        size = work.work.numel() // 2
+        ns_rows = []
+        for stack, steps in zip(work.stacks, choices):
+            if steps < 0:
+                base, dtype = work.steps, torch.float32
+            else:
+                base, dtype = work.work[(steps % 2) * size:(steps % 2 + 1) * size], self.work_dtype
+                ns_rows += stack.tensor_rows
+            for row in stack.tensor_rows:
+                offset = int(rows[row, CELO2_FIELD["step_offset"]])
+                rows[row, CELO2_FIELD["result"]] = base.data_ptr() + offset * base.element_size()
+                rows[row, CELO2_FIELD["result_dtype"]] = launcher.DTYPE_CODES[dtype]
+        work.table.update(rows)
+        work.ns_rows = torch.tensor(ns_rows, dtype=torch.int32, device=plan.device) if ns_rows else None
+        work.orthogonalised = choices
+
     def _finish_steps(self, plan: Plan) -> None:
-        """Newton–Schulz on each stack of matrices whose group orthogonalises (reference ``orthogonalise``,
-        float32 products without TF32), then ``finish_step``'s normalisation of each matrix as two float32
-        factors (``normalise_by_square_sums``), which the apply pass multiplies by."""
+        """Newton–Schulz on each stack of matrices whose group orthogonalises: their divisors and the divided
+        matrices (two launches for every stack), then the products per stack in the workspace (float32 without
+        TF32, or bfloat16); then ``finish_step``'s normalisation of every learned tensor's final step as two
+        float32 factors (``normalise_by_square_sums``), which the apply pass multiplies by."""
         work, groups = plan.work, self.optimizer.param_groups
-        for stack in work.stacks:
-            group = groups[stack.group]
-            steps = stack.view(work.steps)
-            if stack.matrices and group["orthogonalize"]:
-                with float32_products():
-                    steps.copy_(reference.orthogonalise(steps, group["ns_coefficients"], group["ns_steps"],
-                                                        group["ns_eps"]))
-            sums = accumulators.float64_square_sum(accumulators.finite_part(steps), dim=(-2, -1))
-            scales = torch.rsqrt(reference.NORMALISER_EPSILON + sums / (stack.rows_per_matrix * stack.cols))
-            shift = torch.where(scales < 2.0**-60, 2.0**64, 1.0).to(torch.float64)
-            work.step_scales.index_copy_(0, stack.tensor_index,
-                                         torch.stack([(scales * shift).float(), (1 / shift).float()], dim=1))
+        tables = dict(tensors=plan.tensor_table.table, celo2_tensors=work.table.table)
+        sums = dict(celo2_groups=work.groups.table, steps=work.steps, partials=work.sum_partials,
+                    tickets=work.sum_tickets)
+        if work.ns_rows is not None:
+            count = work.ns_rows.numel()
+            self.launch("celo2_matrix_sums", (SUMS_SPLITS, count), SUMS_THREADS, **tables, **sums,
+                        rows=work.ns_rows, mode=0, divisors=work.divisors, step_scales=None)
+            self.launch("celo2_normalise", (NORMALISE_BLOCKS, count), self.APPLY_THREADS, **tables, rows=work.ns_rows,
+                        steps=work.steps, divisors=work.divisors, work=work.work,
+                        work_dtype=launcher.DTYPE_CODES[self.work_dtype])
+            size = work.work.numel() // 2
+            first, second = work.work[:size], work.work[size:]
+            products = float32_products() if self.work_dtype == torch.float32 else contextlib.nullcontext()
+            with products:
+                for stack, steps in zip(work.stacks, work.orthogonalised):
+                    if steps > 0:
+                        group = groups[stack.group]
+                        newton_schulz_products(stack.view(first), stack.view(second), stack.gram, stack.polynomial,
+                                               group["ns_coefficients"], steps, exact=self.work_dtype == torch.float32)
+        self.launch("celo2_matrix_sums", (SUMS_SPLITS, work.learned_rows.numel()), SUMS_THREADS, **tables, **sums,
+                    rows=work.learned_rows, mode=1, divisors=None, step_scales=work.step_scales)
 
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
         """The learned tensors of rank >= 3: the reference's learned_step on the device, from the step's

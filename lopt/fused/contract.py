@@ -65,10 +65,11 @@ STRUCTS: dict = {
     # the tensor (CELO2_LEARNED: the kernels' learned branch; CELO2_ADAM_OWN / CELO2_ADAM_SHARED: the AdamW
     # branch on its own moments / on the shared accumulators; CELO2_ELSEWHERE: stepped outside the kernels,
     # which only check its gradient). A learned tensor's proposed step goes to the step buffer at
-    # step_offset + (e / inner)·outer_stride + (e % inner)·inner_stride for its element e (memory order):
-    # the place of the element in its Newton–Schulz stack. `inputs`: 30, or 15 without the factored groups.
-    "Celo2Tensor": ("kind", "exp_avg", "exp_avg_sq", "adam_step", "step_offset", "inner", "outer_stride",
-                    "inner_stride", "inputs"),
+    # step_offset + e for its element e (memory order: its Newton–Schulz stack holds the matrix as it lies
+    # in memory), and its final step (after Newton–Schulz: the orthogonalised stack; else the step itself)
+    # is read at `result` + e, of dtype `result_dtype` (float32, or bfloat16 for precision="fast").
+    # `inputs`: 30, or 15 without the factored groups.
+    "Celo2Tensor": ("kind", "exp_avg", "exp_avg_sq", "adam_step", "step_offset", "result", "result_dtype", "inputs"),
     # One row per parameter group (also groups without a tensor in this step: their counters advance).
     "GroupMeta": (
         "values",  # float block of GROUP_VALUE_FLOATS (decays, exp_mult, step_mult, host lr/weight decay)
@@ -88,6 +89,7 @@ GROUP_VALUE_FLOATS = 24
 CELO2_GROUP_VALUES = {
     "grad_clip_value": 0, "rms_mult": 1, "param_scale_mult": 2, "adam_lr": 3, "adam_lr_mult": 4,
     "adam_lr_on_device": 5, "adam_weight_decay": 6, "adam_beta1": 7, "adam_beta2": 8, "adam_eps": 9,
+    "ns_eps": 10,
 }
 CELO2_GROUP_DOUBLES = 12
 

@@ -281,9 +281,18 @@ def _pointer_argument(value) -> np.uint64:
         return np.uint64(0) if value is None else np.uint64(value)
 
 
-# How each declared type is passed (CuPy takes numpy scalars of the exact width; pointers as uint64).
+def _struct_argument(value) -> np.void:
+    """A struct passed by value: a numpy structured scalar of its exact layout (e.g. lopt.fused.celo2's
+    network_argument), which CuPy passes as the struct's bytes."""
+    if not isinstance(value, np.void):
+        raise TypeError(f"a struct kernel parameter takes a numpy structured scalar, got {type(value).__name__}")
+    return value
+
+
+# How each declared type is passed (CuPy takes numpy scalars of the exact width; pointers as uint64; structs
+# by value as numpy structured scalars).
 ARGUMENT_TYPES = {"pointer": _pointer_argument, "int": np.int32, "i64": np.int64, "long long": np.int64,
-                  "float": np.float32}
+                  "float": np.float32, "Celo2Network": _struct_argument}
 
 
 class KernelParameter(NamedTuple):

@@ -15,7 +15,7 @@ from lopt.optimizers.base import (DECAY_OFFSET_COUNTS, LearnedOptimizer, _check_
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
-PRECISIONS = ("exact",)
+PRECISIONS = ("exact", "fast")
 
 # The group keys both optimizers have (their defaults); CELO2 adds its AdamW betas and eps.
 _SHARED_GROUP_KEYS = frozenset({
@@ -56,13 +56,14 @@ class _CELO2Family(LearnedOptimizer):
 
     def _set_precision(self, precision) -> None:
         if precision not in PRECISIONS:
-            raise ValueError(f"{type(self).__name__}: precision must be {PRECISIONS[0]!r}, got {precision!r} (both "
-                             f"backends compute CELO2 in float32; a 'fast' arithmetic does not exist yet)")
+            raise ValueError(f"{type(self).__name__}: precision must be one of {PRECISIONS}, got {precision!r} "
+                             f"('fast': the fused backend's Newton–Schulz in bfloat16)")
         self._precision = precision
 
     @property
     def precision(self) -> str:
-        """``"exact"``: both backends compute in float32, Newton–Schulz's products too (fixed at construction)."""
+        """The fused backend's Newton–Schulz arithmetic, fixed at construction: ``"exact"`` float32 products (TF32
+        off), ``"fast"`` bfloat16 ones. The naive backend always computes in float32."""
         return self._precision
 
     def _fused_unsupported_reason(self) -> str | None:
@@ -278,7 +279,11 @@ class CELO2(_CELO2Family):
         exp_mult, rms_mult, param_scale_mult: the step's scalings (JAX's defaults 0.0, 1.0, False).
         momentum_decays, rms_decays, adafactor_decays: the accumulators' decays (3, 1, 3 values in [0, 1]).
         ns_coefficients, ns_steps, ns_eps: the Newton–Schulz iteration (Muon's quintic, 5 steps, 1e-8).
-        precision: ``"exact"`` (float32 throughout, Newton–Schulz's products without TF32).
+        precision: the fused backend's Newton–Schulz, in the spirit of torch's TF32 switches: ``"exact"``
+            (default) float32 products without TF32 (updates within 1e-5 of the naive backend);
+            ``"fast"`` bfloat16 products, as torch.optim.Muon computes them: a faster step whose updates
+            differ from naive's by about 1e-2 per step (docs/celo2.md §8). The naive backend always
+            computes in float32.
         nonfinite: ``"skip"`` (default) or ``"raise"``: what a step with a NaN, ±inf or overflowing
             (|g| >= 2^64) gradient does (nothing changes either way).
         process_group: as for the other lopt optimizers: one process, DDP, ZeroRedundancyOptimizer (the global
