@@ -260,42 +260,35 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
 // must leave out, would enter it as a finite value).
 LOPT_DEVICE float relu(float a) { return a > 0.f || a != a ? a : 0.f; }
 
-// reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
-// (direction, magnitude). Every loop is unrolled: each weight's index is a constant, an operand in the
-// kernel's parameter bank.
-LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const Celo2Network& network) {
-  const float* w = network.w;
-  float h[C2_HIDDEN];
+// One dense layer, out[n] = b[n] + Σ_k W[n, k]·in[k] (PyTorch's out x in layout, accumulated in k's order),
+// ReLU'd where asked; `weights` and `biases`: the layer's offsets in the packed network. Unrolled, so each
+// weight's index is a constant: an operand in the kernel's parameter bank.
+template <int In, int Out, bool Relu>
+LOPT_DEVICE void dense_layer(const float* w, int weights, int biases, const float (&in)[In], float (&out)[Out]) {
 #pragma unroll
-  for (int n = 0; n < C2_HIDDEN; ++n) {
-    float a = w[C2_MLP_B0 + n];
+  for (int n = 0; n < Out; ++n) {
+    float a = w[biases + n];
 #pragma unroll
-    for (int k = 0; k < C2_FEATURES; ++k) a = fmaf(w[C2_MLP_W0 + n * C2_FEATURES + k], x[k], a);
-    h[n] = relu(a);
+    for (int k = 0; k < In; ++k) a = fmaf(w[weights + n * In + k], in[k], a);
+    out[n] = Relu ? relu(a) : a;
   }
+}
+
+// reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
+// (direction, magnitude; the third output no update reads is not computed).
+LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const Celo2Network& network) {
+  float h[C2_HIDDEN];
+  dense_layer<C2_FEATURES, C2_HIDDEN, true>(network.w, C2_MLP_W0, C2_MLP_B0, x, h);
 #pragma unroll
   for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
-    const int weights = C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE;
-    const int biases = C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE;
     float next[C2_HIDDEN];
-#pragma unroll
-    for (int n = 0; n < C2_HIDDEN; ++n) {
-      float a = w[biases + n];
-#pragma unroll
-      for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(w[weights + n * C2_HIDDEN + k], h[k], a);
-      next[n] = relu(a);
-    }
+    dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
+                                             C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
 #pragma unroll
     for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
   }
   float out[2];
-#pragma unroll
-  for (int o = 0; o < 2; ++o) {
-    float a = w[C2_MLP_OUTPUT_B + o];
-#pragma unroll
-    for (int k = 0; k < C2_HIDDEN; ++k) a = fmaf(w[C2_MLP_OUTPUT_W + o * C2_HIDDEN + k], h[k], a);
-    out[o] = a;
-  }
+  dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
   return make_float2(out[0], out[1]);
 }
 
