@@ -1,7 +1,10 @@
 """A few small fused steps of both optimizers, for compute-sanitizer (memcheck, racecheck) on the device:
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_fused.py
+    SANITIZE_ONLY=celo2 compute-sanitizer --tool racecheck python benchmarks/sanitize_fused.py   (CELO2's part alone)
 """
+
+import os
 
 import torch
 
@@ -12,9 +15,12 @@ import lopt
 # time with max_grad_norm in one group (norm jobs and clip factors), a third with precision="fast", and a
 # fourth with weights of another MLP geometry (the generic float32 path).
 shapes = [(), (5,), (33, 17), (4, 4), (2, 3, 5), (6, 2, 3, 3), (1, 9), (300,), (300, 260), (40, 96)]
+ONLY = os.environ.get("SANITIZE_ONLY")  # small_fc_lopt, velo or celo2: that part alone
 for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small_fc_lopt", 0.1, "exact"),
                                        ("small_fc_lopt", None, "fast"), ("small_fc_lopt", None, "h8x2"),
                                        ("velo", None, None)):
+    if ONLY and name != ONLY:
+        continue
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(7, 5, device="cuda", dtype=torch.bfloat16)))
     groups = [{"params": params[:5]}, {"params": params[5:], "weight_decay": 0.01}]
@@ -36,13 +42,15 @@ for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small
 
 # CELO2 and ELO-CELO2: learned matrices (two of one shape: a Newton–Schulz stack of two), a transposed one, vectors
 # and a 4-d kernel (stepped elsewhere), an embedding group on the AdamW branch; ELO-CELO2 clips globally.
-for cls in (lopt.CELO2, lopt.ELO_CELO2):
+for cls, precision in ((lopt.CELO2, "exact"), (lopt.ELO_CELO2, "fast")):
+    if ONLY and ONLY != "celo2":
+        continue
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(33, 17, device="cuda")))
     embedding = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
     groups = [{"params": params[:6]}, {"params": params[6:], "weight_decay": 0.01},
               {"params": [embedding], "is_embedding": True}]
-    optimizer = cls(groups, weights=lopt.random_weights("celo2"), backend="fused")
+    optimizer = cls(groups, weights=lopt.random_weights("celo2"), backend="fused", precision=precision)
     for step in range(3):
         for p in params + [embedding]:
             p.grad = torch.randn_like(p) * 1e-2

@@ -121,9 +121,8 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
     divided by its norms), ping-ponging between ``x`` and ``y``; returns the one holding the result. The
     iteration on the smaller Gram matrix: for ``rows <= cols`` ``A = X Xᵀ``, ``P = b·A + c·A A`` and
     ``X ← a·X + P X``; for ``rows > cols`` the same on ``Xᵀ``, written as ``A = XᵀX`` and ``X ← a·X + X Pᵀ``
-    (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (a GEMM whose
-    epilogue adds ``a·X``: torch first copies ``X`` into the output); else as ``(a·I + P) X``, one product and
-    nothing else over the stack (bfloat16's rounding dwarfs the difference). ``gram`` and ``polynomial``:
+    (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (the GEMM's
+    epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference). ``gram`` and ``polynomial``:
     ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
