@@ -368,6 +368,27 @@ LOPT_DEVICE void factored_gradient(float* x, float grad, const ElementState& s, 
                     : __fmul_rn(grad, safe_rsqrt(__fadd_rn(s.full[k], 1e-9f)));
 }
 
+// The first 15 features of VeLO and CELO2, in input order: grad, clamp(grad, ±clip), param, m_k, v,
+// m_k·rsqrt(v + eps), rsqrt(v + eps), the factored gradient (3), grad·rsqrt(v + eps). They differ in eps
+// (VeLO 1e-6, CELO2 1e-8) and the clip (VeLO's constant, CELO2 0.1).
+LOPT_DEVICE void gradient_moment_features(float* x, float grad, float param, const ElementState& s, bool factored,
+                                          const FactorEntry& row, const FactorEntry& col, float rms_epsilon,
+                                          float grad_clip) {
+  const float rsqrt_rms = rsqrtf(__fadd_rn(s.rms, rms_epsilon));
+  x[0] = grad;
+  x[1] = fminf(fmaxf(grad, -grad_clip), grad_clip);
+  x[2] = param;
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    x[3 + k] = s.mom[k];
+    x[7 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
+  }
+  x[6] = s.rms;
+  x[10] = rsqrt_rms;
+  factored_gradient(x + 11, grad, s, factored, row, col);
+  x[14] = __fmul_rn(grad, rsqrt_rms);
+}
+
 // reference: adafactor_features — the 15 features both optimizers end with: R_k, C_k, rsqrt(R_k + 1e-8),
 // rsqrt(C_k + 1e-8), m_k·rf_k·cf_k (non-factored: V_k twice, rsqrt(V_k + 1e-8) twice,
 // m_k·(V_k + full_momentum_epsilon)^(-1/2)).

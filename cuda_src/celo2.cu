@@ -65,21 +65,9 @@ LOPT_DEVICE const double* group_values(const double* celo2_groups, i64 group) {
 // then for a factored tensor R_k, C_k, rsqrt(R_k + 1e-8), rsqrt(C_k + 1e-8), m_k·rf_k·cf_k.
 LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, float grad, float param, const ElementState& s,
                                   const float* row_table, const float* col_table, float (&x)[C2_FEATURES]) {
-  const float rsqrt_rms = rsqrtf(__fadd_rn(s.rms, 1e-8f));
-  x[0] = grad;
-  x[1] = fminf(fmaxf(grad, -0.1f), 0.1f);
-  x[2] = param;
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    x[3 + k] = s.mom[k];
-    x[7 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
-  }
-  x[6] = s.rms;
-  x[10] = rsqrt_rms;
   FactorEntry row = {}, col = {};
   if (t.factored) load_factor_entries(t, factor_index(t, e), row_table, col_table, row, col);
-  factored_gradient(x + 11, grad, s, t.factored, row, col);
-  x[14] = __fmul_rn(grad, rsqrt_rms);
+  gradient_moment_features(x, grad, param, s, t.factored, row, col, 1e-8f, 0.1f);
   if (t.factored) {
     adafactor_features(x + 15, s, true, row, col, 0.f);
   } else {

@@ -139,19 +139,7 @@ LOPT_DEVICE bool velo_step_is_skipped(const StepFlags& flags, float loss) {
 // ------------------------------------------------------------------------------------------
 LOPT_DEVICE void per_element_features(float x[VELO_NUM_FEATURES], float grad, float param, const ElementState& s,
                                       bool factored, const FactorEntry& row, const FactorEntry& col) {
-  const float rsqrt_rms = rsqrtf(__fadd_rn(s.rms, 1e-6f));
-  x[0] = grad;
-  x[1] = fminf(fmaxf(grad, -VELO_GRADIENT_FEATURE_CLIP), VELO_GRADIENT_FEATURE_CLIP);
-  x[2] = param;
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    x[3 + k] = s.mom[k];
-    x[7 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
-  }
-  x[6] = s.rms;
-  x[10] = rsqrt_rms;
-  factored_gradient(x + 11, grad, s, factored, row, col);
-  x[14] = __fmul_rn(grad, rsqrt_rms);
+  gradient_moment_features(x, grad, param, s, factored, row, col, 1e-6f, VELO_GRADIENT_FEATURE_CLIP);
   adafactor_features(x + VELO_TABLE_FEATURES_FIRST, s, factored, row, col, 0.0f);  // no epsilon (unlike small_fc)
 }
 
