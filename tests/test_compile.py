@@ -251,8 +251,8 @@ def test_a_compiled_step_with_a_non_finite_gradient_skips_as_the_eager_step_does
     assert re.search(r"step skipped because the gradient of parameter #0 \(shape \(5, 6\)\) holds NaN",
                      " ".join(eager.step_warnings[t]))
     assert [re.sub(r"^\w+: ", "", message) for message in compiled.read_warnings] == [
-        f"{len(SPOILED)} step(s) were skipped since the last check because a gradient or the loss was not finite "
-        f"({len(SPOILED)} in total)"]
+        f"{len(SPOILED)} step(s) were skipped since the last check because a gradient or the loss was not finite, "
+        f"or a tensor hyper-parameter (lr, weight decay) was not a finite number >= 0 ({len(SPOILED)} in total)"]
     assert eager.read_warnings == []
 
 

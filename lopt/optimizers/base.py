@@ -481,7 +481,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         seen = self._host["skipped_seen"]
         if count > seen:
             warnings.warn(f"{type(self).__name__}: {count - seen} step(s) were skipped since the last "
-                          f"check because a gradient or the loss was not finite ({count} in total)", RuntimeWarning,
+                          f"check because a gradient or the loss was not finite, or a tensor hyper-parameter (lr, weight "
+                          f"decay) was not a finite number >= 0 ({count} in total)", RuntimeWarning,
                           stacklevel=2)
         self._host["skipped_seen"] = count
         return count

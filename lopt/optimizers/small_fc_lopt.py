@@ -52,9 +52,10 @@ class SmallFCLOpt(LearnedOptimizer):
             tensor's norm from sums its accumulate phase forms anyway (docs/small_fc_lopt.md).
         nonfinite: what a step does when a gradient holds NaN, ±inf or a value whose square
             overflows float32 (|g| >= 2^64): ``"skip"`` (default) leaves parameters, state and
-            step counters untouched, counts it in :attr:`skipped_steps` and warns; ``"raise"``
-            raises :class:`lopt.NonFiniteGradientError` (the fused backend then reads one flag
-            from the device per step).
+            step counters untouched and counts it in :attr:`skipped_steps` (the naive step warns at
+            once; the fused backend and a compiled step count on the device, and reading
+            :attr:`skipped_steps` warns); ``"raise"`` raises :class:`lopt.NonFiniteGradientError`
+            (the fused backend then reads one flag from the device per step).
         precision: the arithmetic of the fused backend's MLP, in the spirit of torch's TF32 switches.
             ``"exact"`` (default): float32-accurate products (per-step updates within 1e-5 of the
             naive backend). ``"fast"``: the two 32-wide hidden layers multiply BF16-rounded operands

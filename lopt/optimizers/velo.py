@@ -106,8 +106,9 @@ class VeLO(LearnedOptimizer):
             weights were meta-trained with zeros.
 
         nonfinite: ``"skip"`` (default): a step whose loss or any gradient is NaN, ±inf or beyond
-            2^64 changes nothing (parameters, state, loss buffer, step counters), is counted in
-            :attr:`skipped_steps` and warned about; ``"raise"``: it raises
+            2^64 changes nothing (parameters, state, loss buffer, step counters) and is counted in
+            :attr:`skipped_steps` (warned about at once by the naive step; by reading
+            :attr:`skipped_steps` after a fused or compiled one); ``"raise"``: it raises
             :class:`lopt.NonFiniteGradientError`.
         process_group: the processes this optimizer works with under ``torch.distributed``
             (``docs/distributed.md``): ``None`` (default) is the default group when
