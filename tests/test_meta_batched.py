@@ -70,6 +70,38 @@ def test_one_member_of_the_batched_step_is_smallfclopt():
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
+def test_compiled_batched_step_is_the_eager_step():
+    """compile_inner: the batched step through torch.compile (one graph, inductor) computes the eager step's
+    parameters, state and step counts within float32 rounding: 5 steps of every kind of tensor, per-member
+    networks, a member that skips a step on a NaN gradient."""
+    population, shapes = 3, [(4, 6), (6,), (), (2, 3, 4)]
+    space = MetaParamSpace("small_fc_lopt")
+    network = space.unflatten(torch.stack([space.flatten(lopt.random_weights("small_fc_lopt", seed=s))
+                                           for s in range(population)]))
+    generator = torch.Generator().manual_seed(2)
+    init = [torch.randn((population,) + s, generator=generator) for s in shapes]
+    grads = [[torch.randn((population,) + s, generator=generator) for s in shapes] for _ in range(5)]
+    grads[2][0][2, 1, 1] = float("nan")
+    runs = []
+    for compiled in (False, True):
+        opt = batched.BatchedSmallFCLOpt(shapes, population, compiled=compiled)
+        state, params, history = opt.init_state(), [p.clone() for p in init], []
+        for g in grads:
+            params = opt.step(params, g, state, network)
+            history.append([p.clone() for p in params])
+        runs.append((history, state))
+    (eager, eager_state), (compiled, compiled_state) = runs
+    assert compiled_state["step"].tolist() == eager_state["step"].tolist() == [5, 5, 4]
+    for t, (a, b) in enumerate(zip(compiled, eager)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert _relative(x - init[i], y - init[i]) <= 1e-6, (t, shapes[i])
+    for a, b in zip(compiled_state["tensors"], eager_state["tensors"]):
+        for name in a:
+            if a[name].numel():
+                assert _relative(a[name], b[name]) <= 1e-6, name
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
 def test_shared_network_equals_batched_copies():
     """One network shared by every member (meta-eval) gives what per-member copies of it give."""
     population = 4

@@ -56,6 +56,7 @@ class MetaTrainConfig:
     baseline_lrs: tuple = (1e-3, 1e-2)      # AdamW yardsticks on the validation instances (once, at step 0)
     checkpoint_minutes: float = 2.0         # a checkpoint at least this often
     cuda_graphs: bool = True                # on CUDA, replay each population step from a captured graph
+    compile_inner: bool = False             # the batched optimizer's step through torch.compile (fused kernels)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -91,7 +91,7 @@ class MetaTrainer:
         self.estimators = [
             estimator(family, self.space, num_tasks=config.num_tasks, std=config.std, truncation=config.truncation,
                       min_unroll=config.min_unroll, max_unroll=config.max_unroll, device=self.device,
-                      use_graph=config.cuda_graphs,
+                      use_graph=config.cuda_graphs, optimizer_kwargs=self._optimizer_kwargs(config),
                       **({"clip_loss_diff": config.clip_loss_diff} if config.estimator == "es" else {}))
             for family in self.families]
         self.host_gen = torch.Generator().manual_seed(config.seed)
@@ -108,7 +108,13 @@ class MetaTrainer:
         self.best = None  # (validation loss, step)
         self._stop = False
         self._validators = [InnerPopulation(family, config.validation_tasks, members=1, device=self.device,
-                                            use_graph=config.cuda_graphs) for family in self.families]
+                                            optimizer_kwargs=self._optimizer_kwargs(config), use_graph=config.cuda_graphs)
+                            for family in self.families]
+
+    @staticmethod
+    def _optimizer_kwargs(config) -> dict:
+        """The batched inner optimizer's options that the config chooses."""
+        return {"compiled": bool(config.compile_inner)}
 
     # ------------------------------------------------------------------ one outer step
     def _groups(self, step: int) -> list[int]:
