@@ -129,3 +129,21 @@ def test_sigterm_ends_the_chunk_after_the_current_step_with_a_checkpoint(tmp_pat
     assert summary["stopped_for"] == "signal" and summary["step"] == 3
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 3
     assert signal.getsignal(signal.SIGTERM) != trainer._on_signal  # the previous handler is back
+
+
+def test_throughput_benchmark_writes_its_record(tmp_path, monkeypatch):
+    """benchmarks/bench_meta.py (the inner steps/s a GPU run records) on the CPU: one row per family and
+    population, each with a positive rate from steps that really ran."""
+    import sys
+
+    from benchmarks import bench_meta
+
+    out = tmp_path / "meta.json"
+    monkeypatch.setattr(sys, "argv", ["bench_meta.py", "--device", "cpu", "--preset", "smoke", "--populations", "2,4",
+                                      "--compile", "off", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    assert bench_meta.main() == 0
+    record = json.loads(out.read_text())
+    families = [spec for spec in preset("smoke").tasks]
+    assert [(row["population"], row["compile_inner"]) for row in record["results"]] == [(2, False), (4, False)] * len(families)
+    assert all(row["inner_steps_per_second"] > 0 and row["eager_steps"] == 3 for row in record["results"])
+    assert record["environment"]["device_type"] == "cpu"
