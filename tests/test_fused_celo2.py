@@ -1,0 +1,84 @@
+"""The fused CELO2's torch side on the CPU: Newton–Schulz's products as the engine runs them (in its
+workspaces, orientated by the smaller side, ping-ponging between two buffers) against the reference's
+``newton_schulz``, and where a tensor's matrix lies in its stack. The kernels themselves run on a GPU
+(tests/test_fused.py, tests/test_celo2.py's fused oracle test)."""
+
+import pytest
+import torch
+
+from lopt.fused.celo2 import newton_schulz_products, stored_matrix
+from lopt.reference import accumulators
+from lopt.reference import celo2 as reference
+
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
+
+def stack_of(shape, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    m, n = shape
+    low = torch.randn(count, m, 2, generator=g) @ torch.randn(count, 2, n, generator=g)
+    return low + 0.5 * torch.randn(count, m, n, generator=g)
+
+
+def divided(x, eps=reference.NS_EPSILON):
+    """What celo2_normalise writes: each matrix divided by its norm (float64 sum, rounded to float32) + eps."""
+    norm = torch.sqrt(accumulators.float64_square_sum(x, dim=(-2, -1), keepdim=True)).to(torch.float32)
+    return x / (norm + eps)
+
+
+def run_products(x, steps, exact, dtype=torch.float32):
+    count, m, n = x.shape
+    k = min(m, n)
+    first = divided(x).to(dtype).clone()
+    second = torch.full_like(first, float("nan"))  # poisoned: every element is written before it is read
+    gram = torch.full((count, k, k), float("nan"), dtype=dtype)
+    polynomial = torch.full((count, k, k), float("nan"), dtype=dtype)
+    result = newton_schulz_products(first, second, gram, polynomial, reference.NS_COEFFICIENTS, steps, exact)
+    assert result.data_ptr() == (first if steps % 2 == 0 else second).data_ptr()  # (the engine's parity rule)
+    return result.float()
+
+
+def relative(a, b):
+    return float(((a.double() - b.double()).norm(dim=(-2, -1)) / b.double().norm(dim=(-2, -1))).max())
+
+
+@pytest.mark.parametrize("shape", [(4, 9), (9, 4), (6, 6), (1, 7), (7, 1), (24, 40), (40, 24)])
+@pytest.mark.parametrize("steps", [0, 1, 2, 5])
+def test_exact_products_are_the_references_newton_schulz(shape, steps):
+    """exact: a·X + P X in the reference's order; a tall stack orientated inside the products (A = XᵀX,
+    X ← a·X + X Pᵀ) gives the transpose of the reference's wide iteration."""
+    x = stack_of(shape, 3, seed=sum(shape) + steps)
+    want = reference.newton_schulz(x, steps=steps)
+    got = run_products(x, steps, exact=True)
+    assert relative(got, want) < 2e-6, (shape, steps)
+
+
+@pytest.mark.parametrize("shape", [(4, 9), (9, 4), (24, 40)])
+def test_fast_form_is_the_same_iteration(shape):
+    """The fast mode's (a·I + P) X is a·X + P X: in float32 within rounding of the reference, in bfloat16
+    within bfloat16's (the fused fast mode's per-matrix error; docs/celo2.md §8.1)."""
+    x = stack_of(shape, 3, seed=7)
+    want = reference.newton_schulz(x)
+    assert relative(run_products(x, 5, exact=False), want) < 2e-6
+    error = relative(run_products(x, 5, exact=False, dtype=torch.bfloat16), want)
+    assert 1e-4 < error < 5e-2  # (bfloat16 ran, and stays within its bound)
+
+
+def test_the_transpose_of_a_stack_orthogonalises_to_the_transpose():
+    """Why a column-major parameter's matrix can sit in its stack as it lies in memory (its transpose)."""
+    x = stack_of((5, 11), 2, seed=3)
+    wide = run_products(x, 5, exact=True)
+    tall = run_products(x.mT.contiguous(), 5, exact=True)
+    assert relative(tall.mT, wide) < 2e-6
+
+
+@pytest.mark.parametrize("shape, order, stored", [
+    ((6, 4), (0, 1), (6, 4)), ((6, 4), (1, 0), (4, 6)), ((3,), (0,), (1, 3)), ((), (), (1, 1)), ((1, 7), (0, 1), (1, 7)),
+])
+def test_a_tensors_matrix_is_stored_as_it_lies_in_memory(shape, order, stored):
+    assert stored_matrix(shape, order) == stored
+    if len(shape) == 2:  # the memory of a tensor with that axis order, read as the stored matrix, is the tensor
+        logical = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+        memory = logical.permute(*order).contiguous().reshape(-1)
+        view = memory.view(stored)
+        assert torch.equal(view if order == (0, 1) else view.t(), logical)
