@@ -744,3 +744,56 @@ def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
     assert results[0]["collectives"] == results[1]["collectives"] == 1 + 2 * collectives  # (+1: the same-tensors check)
     a, b = (r["layout"] for r in results)
     assert (a.split_outputs, a.split_slab_sums, a.num_norm_jobs) == (b.split_outputs, b.split_slab_sums, b.num_norm_jobs)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recorded):
+    """Where the apply pass reads each learned tensor's final step (Celo2Tensor.result): in the workspace
+    buffer Newton–Schulz ends in (its step count's parity; bfloat16 for precision "fast"), or the proposed
+    step itself where the group does not orthogonalise, or for vectors; rewritten when a group changes
+    ns_steps or orthogonalize, and the Newton–Schulz launches cover exactly the matrices that take it."""
+    from lopt.fused.celo2 import CELO2_FIELD
+
+    g = torch.Generator().manual_seed(0)
+    first = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 4), (6, 4), (3, 8)]]
+    second = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(5, 5), (7,)]]
+    opt = engine_for("celo2", [{"params": first}, {"params": second}], use_adamw_for_1d=False, precision=precision)
+    params = first + second
+    names = declared_parameter_names("celo2.cu")
+
+    def step_and_read():
+        recorded.clear()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        opt.step()
+        engine = opt._fused_engine
+        work, plan = engine.plan.work, engine.plan
+        rows = work.table.host
+        size = work.work.numel() // 2
+        buffers = {"steps": (work.steps.data_ptr(), 4, launcher.DTYPE_CODES[torch.float32]),
+                   "even": (work.work.data_ptr(), work.work.element_size(), launcher.DTYPE_CODES[engine.work_dtype]),
+                   "odd": (work.work.data_ptr() + size * work.work.element_size(), work.work.element_size(),
+                           launcher.DTYPE_CODES[engine.work_dtype])}
+        where = {}
+        for p in params:
+            row = next(i for i, q in enumerate(plan.params) if q is p)
+            offset = int(rows[row, CELO2_FIELD["step_offset"]])
+            found = [name for name, (base, width, dtype) in buffers.items()
+                     if int(rows[row, CELO2_FIELD["result"]]) == base + offset * width
+                     and int(rows[row, CELO2_FIELD["result_dtype"]]) == dtype]
+            where[tuple(p.shape)] = found[0] if len(found) == 1 else found
+        launches = [launch for launch in recorded if launch[0] in ("celo2_matrix_sums", "celo2_normalise")]
+        mode = names["celo2_matrix_sums"].index("mode")
+        ns = [grid[1] for name, grid, _, args in launches if name == "celo2_matrix_sums" and args[mode] == 0]
+        finals = [grid[1] for name, grid, _, args in launches if name == "celo2_matrix_sums" and args[mode] == 1]
+        assert finals == [len(params)]  # (every learned tensor's final step is summed)
+        return where, (ns[0] if ns else 0)
+
+    where, matrices = step_and_read()  # ns_steps 5: odd
+    assert where == {(6, 4): "odd", (3, 8): "odd", (5, 5): "odd", (7,): "steps"} and matrices == 4
+    opt.param_groups[1]["ns_steps"] = 4
+    where, matrices = step_and_read()
+    assert where == {(6, 4): "odd", (3, 8): "odd", (5, 5): "even", (7,): "steps"} and matrices == 4
+    opt.param_groups[0]["orthogonalize"] = False
+    where, matrices = step_and_read()
+    assert where == {(6, 4): "steps", (3, 8): "steps", (5, 5): "even", (7,): "steps"} and matrices == 1
