@@ -153,7 +153,9 @@ def run_four_tensors(name, compiled, steps=RUN_STEPS, spoiled=SPOILED, dynamo_ba
     opt = make_optimizer(name, model.parameters(), **options)
     lr = opt.param_groups[0]["lr"]
     good_lr = float(lr)
-    step = torch.compile(opt.step, backend=dynamo_backend) if compiled else opt.step
+    # (fullgraph where the check decides on the device: dynamo would raise at any graph break)
+    fullgraph = options.get("nonfinite", "skip") == "skip"
+    step = torch.compile(opt.step, backend=dynamo_backend, fullgraph=fullgraph) if compiled else opt.step
     torch._dynamo.reset()
     counters.clear()
     run = Run()
