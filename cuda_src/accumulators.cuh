@@ -368,9 +368,21 @@ LOPT_DEVICE void factored_gradient(float* x, float grad, const ElementState& s, 
                     : __fmul_rn(grad, safe_rsqrt(__fadd_rn(s.full[k], 1e-9f)));
 }
 
-// The first 15 features of VeLO and CELO2, in input order: grad, clamp(grad, ±clip), param, m_k, v,
-// m_k·rsqrt(v + eps), rsqrt(v + eps), the factored gradient (3), grad·rsqrt(v + eps). They differ in eps
-// (VeLO 1e-6, CELO2 1e-8) and the clip (VeLO's constant, CELO2 0.1).
+// reference: the momentum and RMS features every optimizer takes (MOMENTUM_RMS_FEATURE_NAMES): m_k, v,
+// m_k·rsqrt(v + eps), rsqrt(v + eps), into x[0 ... 8), from rsqrt_rms = rsqrt(v + eps) (the caller's eps).
+LOPT_DEVICE void moment_features(float* x, const ElementState& s, float rsqrt_rms) {
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    x[k] = s.mom[k];
+    x[4 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
+  }
+  x[3] = s.rms;
+  x[7] = rsqrt_rms;
+}
+
+// The first 15 features of VeLO and CELO2, in input order: grad, clamp(grad, ±clip), param, the moment
+// features, the factored gradient (3), grad·rsqrt(v + eps). They differ in eps (VeLO 1e-6, CELO2 1e-8) and
+// the clip (VeLO's constant, CELO2 0.1).
 LOPT_DEVICE void gradient_moment_features(float* x, float grad, float param, const ElementState& s, bool factored,
                                           const FactorEntry& row, const FactorEntry& col, float rms_epsilon,
                                           float grad_clip) {
@@ -378,13 +390,7 @@ LOPT_DEVICE void gradient_moment_features(float* x, float grad, float param, con
   x[0] = grad;
   x[1] = fminf(fmaxf(grad, -grad_clip), grad_clip);
   x[2] = param;
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    x[3 + k] = s.mom[k];
-    x[7 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
-  }
-  x[6] = s.rms;
-  x[10] = rsqrt_rms;
+  moment_features(x + 3, s, rsqrt_rms);
   factored_gradient(x + 11, grad, s, factored, row, col);
   x[14] = __fmul_rn(grad, rsqrt_rms);
 }

@@ -86,13 +86,7 @@ LOPT_DEVICE void per_element_features(float x[SFC_NUM_FEATURES], float grad, flo
   const float rsqrt_rms = rsqrtf(__fadd_rn(s.rms, 1e-6f));
   x[0] = grad;
   x[1] = param;
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    x[2 + k] = s.mom[k];
-    x[6 + k] = __fmul_rn(s.mom[k], rsqrt_rms);
-  }
-  x[5] = s.rms;
-  x[9] = rsqrt_rms;
+  moment_features(x + 2, s, rsqrt_rms);
   factored_gradient(x + 10, grad, s, factored, row, col);
   adafactor_features(x + 13, s, factored, row, col, 1e-6f);
 }
