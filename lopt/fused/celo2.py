@@ -122,8 +122,8 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
     iteration on the smaller Gram matrix: for ``rows <= cols`` ``A = X Xᵀ``, ``P = b·A + c·A A`` and
     ``X ← a·X + P X``; for ``rows > cols`` the same on ``Xᵀ``, written as ``A = XᵀX`` and ``X ← a·X + X Pᵀ``
     (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (the GEMM's
-    epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference). ``gram`` and ``polynomial``:
-    ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
+    epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference).
+    ``gram`` and ``polynomial``: ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
     a, b, c = coefficients
     tall = x.shape[-2] > x.shape[-1]
     for _ in range(steps):
@@ -190,7 +190,7 @@ class Celo2Work:
     sum_partials: torch.Tensor  # float64, SUMS_SPLITS per matrix of a celo2_matrix_sums launch
     sum_tickets: torch.Tensor  # int32 per matrix, 0 between launches (the last block of each resets its own)
     learned_rows: torch.Tensor  # int32, the learned tensors' rows
-    orthogonalised: tuple | None  # the (group, stack) choices the result pointers were last written for
+    orthogonalised: tuple | None  # per stack, the Newton–Schulz steps the result pointers were last written for
     ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step
     stats_partials: torch.Tensor
     norm_partials: torch.Tensor | None  # (where a group clips) Σ g² per statistics chunk
@@ -450,7 +450,7 @@ class CELO2Fused(FusedEngine):
             self._step_elsewhere(plan, inputs)
 
     def _orthogonalised(self, plan: Plan) -> tuple:
-        """Per stack, the Newton–Schulz steps it takes this step (0 where its group does not orthogonalise, or
+        """Per stack, the Newton–Schulz steps it takes this step (-1 where its group does not orthogonalise, or
         it holds vectors): its groups' values, read every step (a group may change them)."""
         groups = self.optimizer.param_groups
         return tuple(int(groups[stack.group]["ns_steps"]) if stack.matrices and groups[stack.group]["orthogonalize"]
