@@ -338,7 +338,11 @@ struct Celo2MLP {
   }
 };
 
-extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
+// Eight blocks per SM: the pass is latency-bound (each element's loads, then ~750 dependent instructions),
+// and at its natural 124 registers only four blocks fit (25% occupancy). Capped at 64 it spills ~150 bytes
+// per thread to L1-resident local memory and still runs faster with twice the warps to hide latency
+// (docs/performance.md §8); the arithmetic, and so the result, is the same (only the PTX's .minnctapersm differs).
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, 8)
 celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
           const GroupMeta* __restrict__ groups, i64 total_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
           const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
