@@ -50,7 +50,8 @@ def measure(family, population: int, compiled: bool, device: torch.device, steps
     return {"family": family.name, "population": population, "compile_inner": compiled,
             "inner_steps_per_second": round(population * steps / seconds), "ms_per_population_step":
             round(1e3 * seconds / steps, 4), "warmup_seconds": round(warmup_seconds, 2),
-            "graph_steps": stepper.graph_steps, "eager_steps": stepper.eager_steps}
+            "graph_steps": stepper.graph_steps, "eager_steps": stepper.eager_steps,
+            "compile_failure": inner.optimizer.compile_failure}  # (then the rows' steps ran eagerly)
 
 
 def main() -> int:
@@ -81,8 +82,8 @@ def main() -> int:
                               use_graph=not args.no_graphs)
                 rows.append(row)
                 print(f"{row['family']:<40} P={population:<5} compile_inner={str(compiled):<5} "
-                      f"{row['inner_steps_per_second']:>10,} inner steps/s  {row['ms_per_population_step']:.3f} ms/step",
-                      flush=True)
+                      f"{row['inner_steps_per_second']:>10,} inner steps/s  {row['ms_per_population_step']:.3f} ms/step"
+                      + ("  (compile failed: eager)" if row["compile_failure"] else ""), flush=True)
                 with open(args.out, "w") as f:  # (after every row: a run cut short keeps what it measured)
                     json.dump(record, f, indent=2)
     return 0

@@ -101,6 +101,41 @@ def test_compiled_batched_step_is_the_eager_step():
                 assert _relative(a[name], b[name]) <= 1e-6, name
 
 
+def test_a_compiler_failure_falls_back_to_the_eager_step():
+    """compile_inner where the compiler fails on the graph (torch 2.11's inductor does on the GPU for some task
+    families): a warning naming the failure, the step taken eagerly with the eager step's result, nothing
+    half-applied, and every later step eager without another attempt."""
+    population, shapes = 2, [(3, 4), (4,)]
+    network = lopt.random_weights("small_fc_lopt").tensors["mlp"]
+    generator = torch.Generator().manual_seed(3)
+    init = [torch.randn((population,) + s, generator=generator) for s in shapes]
+    grads = [torch.randn((population,) + s, generator=generator) for s in shapes]
+    eager = batched.BatchedSmallFCLOpt(shapes, population)
+    eager_state = eager.init_state()
+    expected = eager.step([p.clone() for p in init], grads, eager_state, network)
+    opt = batched.BatchedSmallFCLOpt(shapes, population, compiled=True)
+    attempts = []
+
+    def failing_compile(*args):
+        attempts.append(1)
+        raise torch._dynamo.exc.BackendCompilerFailed("inductor", TypeError("CantSplit.__init__() missing 2 "
+                                                                            "required positional arguments"), None)
+
+    opt._compiled_step = failing_compile
+    state = opt.init_state()
+    with pytest.warns(RuntimeWarning, match=r"torch.compile of the batched optimizer's step failed "
+                                            r"\(BackendCompilerFailed: TypeError: CantSplit.*\); stepping eagerly"):
+        params = opt.step([p.clone() for p in init], grads, state, network)
+    assert opt._compiled_step is None and "CantSplit" in opt.compile_failure
+    for a, b in zip(params, expected):
+        assert torch.equal(a, b)
+    assert state["step"].tolist() == eager_state["step"].tolist() == [1, 1]
+    for a, b in zip(state["tensors"], eager_state["tensors"]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    opt.step(params, grads, state, network)
+    assert len(attempts) == 1
+
+
 @pytest.mark.usefixtures("single_intra_op_thread")
 def test_shared_network_equals_batched_copies():
     """One network shared by every member (meta-eval) gives what per-member copies of it give."""

@@ -28,8 +28,10 @@ member, for the baselines of ``lopt meta-eval``.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+import torch._dynamo.exc
 
 from lopt.reference import accumulators
 from lopt.reference import small_fc_lopt as reference
@@ -127,6 +129,7 @@ class BatchedSmallFCLOpt:
         # eager step, not bit for bit (inductor contracts and reorders some of them).
         self.compiled = bool(compiled)
         self._compiled_step = torch.compile(self._step, fullgraph=True) if self.compiled else None
+        self.compile_failure = None  # why torch.compile failed, where it did (then the step runs eagerly)
 
     def init_state(self) -> dict:
         tensors = []
@@ -156,7 +159,21 @@ class BatchedSmallFCLOpt:
 
         ``network``: the MLP's six tensors, each batched ``(P,) + shape`` or shared ``shape``.
         """
-        return (self._compiled_step or self._step)(params, grads, state, network)
+        if self._compiled_step is not None:
+            try:
+                return self._compiled_step(params, grads, state, network)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                # A compiler that fails on this graph (torch 2.11's inductor raises inside its own tiling
+                # code for the CUDA graph of some task families) fails while compiling, before the compiled
+                # step runs: nothing has changed, and the eager step is the same math.
+                cause = getattr(err, "inner_exception", None) or err  # (what the compiler itself raised)
+                warnings.warn(f"lopt.meta: torch.compile of the batched optimizer's step failed "
+                              f"({type(err).__name__}: {type(cause).__name__}: {cause}); "
+                              "stepping eagerly from now on (the same math: compile_inner changes only the speed)",
+                              RuntimeWarning, stacklevel=2)
+                self._compiled_step = None
+                self.compile_failure = f"{type(cause).__name__}: {cause}"
+        return self._step(params, grads, state, network)
 
     def _step(self, params, grads, state: dict, network: dict) -> list:
         P = self.population
