@@ -54,13 +54,14 @@ def _equal_states(a, b):
 @pytest.mark.parametrize("estimator", ["pes", "es"])
 def test_checkpoint_resume_is_bit_exact(tmp_path, estimator):
     """N outer steps straight == N/2, checkpoint, a new process-like resume from the directory, N/2 more:
-    identical θ, AdamW state, PES state (inner parameters, optimizer state, accumulators, positions)."""
+    identical θ, AdamW state, PES state (inner parameters, optimizer state, accumulators, positions), with an
+    unroll curriculum running across the break."""
     config = preset("smoke", estimator=estimator, outer_steps=12, validate_every=0, min_unroll=10, max_unroll=30,
                     tasks=[{"task": "mlp", "dataset": "mnist1d", "hidden": [8], "batch_size": 16,
                             "rescale": [0.1, 10.0]},
                            {"task": "teacher_student", "in_dim": 4, "out_dim": 2, "teacher_hidden": [8],
                             "student_hidden": "random", "batch_size": 16}],
-                    num_tasks=2, groups_per_step=1)
+                    num_tasks=2, groups_per_step=1, curriculum_from=15, curriculum_steps=8)
     straight = MetaTrainer(config, out_dir=tmp_path / "straight")
     straight.run(progress=False)
 
@@ -82,6 +83,79 @@ def test_checkpoint_resume_is_bit_exact(tmp_path, estimator):
     if estimator == "pes":
         assert sum(a["history"]["resets"]) > 0  # instances reached the end of their unrolls and were replaced
     assert [c["to_step"] for c in resumed.chunks] == [6, 12]
+
+
+def test_curriculum_max_unroll_at():
+    config = preset("smoke", min_unroll=10, max_unroll=60, curriculum_from=15, curriculum_steps=20)
+    assert [config.max_unroll_at(s) for s in (0, 10, 20, 35)] == [15, 30, 60, 60]  # 15·4^(s/20), then held
+    assert preset("smoke", max_unroll=60).max_unroll_at(0) == 60  # no curriculum: max_unroll throughout
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.parametrize("estimator", ["pes", "es"])
+def test_curriculum_grows_the_longest_unroll_new_instances_draw(tmp_path, monkeypatch, estimator):
+    """Under a curriculum every unroll length is drawn from [min_unroll, max_unroll_at(the outer step)], and the
+    lengths PES gives its instances (rounded up to the truncation) never exceed that."""
+    from lopt.meta import estimators
+
+    config = preset("smoke", estimator=estimator, outer_steps=30, validate_every=0, truncation=5, min_unroll=10,
+                    max_unroll=60, curriculum_from=15, curriculum_steps=20)
+    trainer = MetaTrainer(config, out_dir=tmp_path)
+    draws, original = [], estimators.log_uniform_int
+
+    def recording(low, high, generator):
+        length = original(low, high, generator)
+        draws.append((trainer.step, low, high, length))
+        return length
+
+    monkeypatch.setattr(estimators, "log_uniform_int", recording)
+    trainer.run(progress=False)
+    assert all(low == 10 and high == config.max_unroll_at(step) and low <= n <= high for step, low, high, n in draws)
+    assert {high for _, _, high, _ in draws} >= {15, 60}, draws  # from the start's bound to the full range
+    if estimator == "pes":
+        lengths = trainer.estimators[0].length
+        assert all(n % 5 == 0 and n <= 60 for n in lengths)
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_patience_ends_the_run_after_validations_without_a_new_best(tmp_path, monkeypatch, capsys):
+    """patience=2: the run ends at the second validation in a row that is no new best, stays ended on resume
+    (a rerun takes no step), keeps the best weights, and says so in its summary, record and command output."""
+    values = {0: 1.0, 2: 0.8, 4: 0.9, 6: 0.85, 8: 0.5, 10: 0.4}
+    monkeypatch.setattr(MetaTrainer, "validate", lambda self, theta=None: values[self.step])
+    monkeypatch.setattr(MetaTrainer, "validate_adamw", lambda self, lr: 1.0)
+    config = preset("smoke", outer_steps=20, validate_every=2, patience=2)
+    summary = MetaTrainer(config, out_dir=tmp_path).run(progress=False)
+    assert summary["finished"] and summary["step"] == 6 and summary["best"] == [0.8, 2]
+    assert summary["stopped_for"].startswith("no new best validation in 2 validations (best 0.8000 at outer step 2")
+    record = json.loads((tmp_path / RECORD).read_text())
+    assert record["stopped_early"] == 6 and record["history"]["validation"] == [[0, 1.0], [2, 0.8], [4, 0.9],
+                                                                                [6, 0.85]]
+    resumed = MetaTrainer.resume(tmp_path)
+    again = resumed.run(progress=False)
+    assert again["finished"] and again["step"] == 6 and resumed.stopped_early == 6
+    best = lopt.load_weights(str(tmp_path / "best"), "small_fc_lopt").tensors["mlp"]
+    at_step_2 = MetaTrainer(config, out_dir=tmp_path / "reference")
+    at_step_2.run(progress=False, outer_steps=2)
+    for name, tensor in at_step_2.space.unflatten(at_step_2.theta.detach()).items():
+        assert torch.equal(best[name], tensor), name
+    from lopt.cli import main
+
+    assert main(["meta-train", "--preset", "smoke", "--out", str(tmp_path), "--device", "cpu", "--quiet",
+                 "--set", "validate_every=2", "--set", "patience=2", "--outer-steps", "20"]) == 0
+    assert "outer step 6/20, finished early: no new best validation in 2 validations" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"curriculum_from": 5}, r"curriculum_from=5 lies outside \[min_unroll, max_unroll\] = \[20, 60\]"),
+    ({"curriculum_from": 90}, r"curriculum_from=90 lies outside"),
+    ({"curriculum_steps": 10}, r"curriculum_steps=10 without curriculum_from"),
+    ({"patience": 3, "validate_every": 0}, r"patience=3 with validate_every=0: patience counts validations"),
+    ({"min_unroll": 70}, r"min_unroll=70 and max_unroll=60: an unroll range needs"),
+])
+def test_config_errors_name_the_option(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        MetaTrainer(preset("smoke", **overrides))
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")

@@ -147,7 +147,10 @@ def cmd_meta_train(args) -> int:
     except (MissingDependency, ValueError) as err:
         raise MetaUsageError(str(err)) from None
     rate = summary["inner_steps_per_second"]
-    state = "finished" if summary["finished"] else f"stopped ({summary['stopped_for'] or 'steps'}): rerun the same command to continue"
+    if summary["finished"]:
+        state = f"finished early: {summary['stopped_for']}" if trainer.stopped_early is not None else "finished"
+    else:
+        state = f"stopped ({summary['stopped_for'] or 'steps'}): rerun the same command to continue"
     print(f"outer step {summary['step']}/{summary['outer_steps']}, {state}; this chunk {summary['chunk_seconds'] / 60:.1f} min, "
           f"{rate:,.0f} inner steps/s (members x inner steps / s); best validation {summary['best']}")
     best = f", best validation's: {out / 'best'}" if (out / "best").is_dir() else ""

@@ -40,6 +40,8 @@ class MetaTrainConfig:
     min_unroll: int = 100
     max_unroll: int = 1000
     clip_loss_diff: float | None = None     # ES only
+    curriculum_from: int | None = None      # the longest unroll at outer step 0; it grows log-linearly to
+    curriculum_steps: int = 0               # max_unroll over this many outer steps (0 or None: no curriculum)
     outer_steps: int = 5000
     lr: float = 3e-3                        # peak outer learning rate
     final_lr: float = 1e-3                  # cosine schedule's end
@@ -53,6 +55,7 @@ class MetaTrainConfig:
     validate_every: int = 250               # outer steps between validations (0: never)
     validation_tasks: int = 4               # fixed instances per family for validation
     validation_steps: int | None = None     # default: max_unroll
+    patience: int = 0                       # end the run after this many validations without a new best (0: never)
     baseline_lrs: tuple = (1e-3, 1e-2)      # AdamW yardsticks on the validation instances (once, at step 0)
     checkpoint_minutes: float = 2.0         # a checkpoint at least this often
     cuda_graphs: bool = True                # on CUDA, replay each population step from a captured graph
@@ -84,6 +87,35 @@ class MetaTrainConfig:
         span = max(1, self.outer_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.final_lr + (self.lr - self.final_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def max_unroll_at(self, step: int) -> int:
+        """The longest unroll a new instance may draw at outer step ``step`` (0-based): ``max_unroll``, or under a
+        curriculum ``curriculum_from · (max_unroll / curriculum_from)^(step / curriculum_steps)``, rounded, until
+        it reaches ``max_unroll``."""
+        if self.curriculum_from is None or not self.curriculum_steps:
+            return self.max_unroll
+        progress = min(1.0, step / self.curriculum_steps)
+        return int(round(math.exp(math.log(self.curriculum_from)
+                                  + progress * (math.log(self.max_unroll) - math.log(self.curriculum_from)))))
+
+    def check(self) -> None:
+        """Raise ValueError naming the first option whose value cannot run."""
+        if not 1 <= self.min_unroll <= self.max_unroll:
+            raise ValueError(f"min_unroll={self.min_unroll} and max_unroll={self.max_unroll}: an unroll range needs "
+                             "1 <= min_unroll <= max_unroll")
+        if self.curriculum_from is not None and not self.min_unroll <= self.curriculum_from <= self.max_unroll:
+            raise ValueError(f"curriculum_from={self.curriculum_from} lies outside [min_unroll, max_unroll] = "
+                             f"[{self.min_unroll}, {self.max_unroll}]: the curriculum starts its longest unroll there "
+                             "and grows it to max_unroll")
+        if self.curriculum_steps is not None and self.curriculum_steps < 0:
+            raise ValueError(f"curriculum_steps={self.curriculum_steps}: give the outer steps the curriculum takes "
+                             "(0: none)")
+        if self.curriculum_from is None and self.curriculum_steps:
+            raise ValueError(f"curriculum_steps={self.curriculum_steps} without curriculum_from: set the longest "
+                             "unroll of outer step 0 (curriculum_from) too, or curriculum_steps=0")
+        if self.patience < 0 or (self.patience and not self.validate_every):
+            raise ValueError(f"patience={self.patience} with validate_every={self.validate_every}: patience counts "
+                             "validations, so it needs validate_every > 0 (and is >= 0; 0 = never stop early)")
 
     def resolved(self) -> "MetaTrainConfig":
         """A copy whose randomly sized task families (``"student_hidden": "random"``) are drawn from the seed."""

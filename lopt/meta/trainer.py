@@ -81,6 +81,7 @@ class MetaTrainer:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         config = self.config
+        config.check()
         if config.estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {config.estimator!r}; known: {sorted(ESTIMATORS)}")
         if not config.tasks:
@@ -106,6 +107,7 @@ class MetaTrainer:
                         "inner_steps": [], "resets": [], "validation": []}
         self.chunks = []
         self.best = None  # (validation loss, step)
+        self.stopped_early = None  # the outer step at which `patience` validations without a new best ended the run
         self._stop = False
         self._validators = [InnerPopulation(family, config.validation_tasks, members=1, device=self.device,
                                             optimizer_kwargs=self._optimizer_kwargs(config), use_graph=config.cuda_graphs)
@@ -123,6 +125,8 @@ class MetaTrainer:
         return [(step * k + j) % n for j in range(k)]
 
     def outer_step(self, on_inner_step=None) -> dict:
+        for estimator in self.estimators:  # the curriculum's longest unroll, for the instances drawn in this step
+            estimator.max_unroll = self.config.max_unroll_at(self.step)
         if not self.started:
             for estimator in self.estimators:
                 estimator.start(self.host_gen, self.device_gen)
@@ -201,7 +205,8 @@ class MetaTrainer:
             "elapsed": self.elapsed, "theta": self.theta.detach(), "outer_opt": self.outer_opt.state_dict(),
             "estimators": [e.state_dict() for e in self.estimators] if self.started else None,
             "host_gen": self.host_gen.get_state(), "device_gen": self.device_gen.get_state(),
-            "history": self.history, "chunks": self.chunks, "best": self.best, "device": str(self.device)})
+            "history": self.history, "chunks": self.chunks, "best": self.best, "stopped_early": self.stopped_early,
+            "device": str(self.device)})
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != FORMAT:
@@ -223,6 +228,7 @@ class MetaTrainer:
                           RuntimeWarning, stacklevel=2)
             self.device_gen.manual_seed(self.config.seed + 1 + 1_000_003 * self.step)
         self.history, self.chunks, self.best = state["history"], state["chunks"], state["best"]
+        self.stopped_early = state.get("stopped_early")
 
     @classmethod
     def resume(cls, out_dir, device=None) -> "MetaTrainer":
@@ -268,7 +274,7 @@ class MetaTrainer:
             "device": str(self.device) + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else ""),
             "outer_steps_done": self.step, "seconds": self.elapsed,
             "inner_steps_per_second": self.inner_steps_per_second(),
-            "best_validation": self.best, "chunks": self.chunks,
+            "best_validation": self.best, "stopped_early": self.stopped_early, "chunks": self.chunks,
             "cuda_graph_steps": self.graph_counts(), "history": self.history,
         }
         tmp = self.out_dir / (RECORD + ".tmp")
@@ -284,7 +290,17 @@ class MetaTrainer:
             if self.out_dir is not None:
                 self.weights(f"lopt meta-train {self.config.preset}, best validation at outer step {self.step}").save(
                     self.out_dir / "best")
+        elif self.config.patience and self._validations_since_best() >= self.config.patience:
+            self.stopped_early = self.step
         return value
+
+    def _validations_since_best(self) -> int:
+        return sum(1 for step, _ in self.history["validation"] if step > self.best[1])
+
+    @property
+    def finished(self) -> bool:
+        """All outer steps done, or ended early by ``patience``."""
+        return self.step >= self.config.outer_steps or self.stopped_early is not None
 
     def run(self, max_minutes: float | None = None, progress: bool = True, outer_steps: int | None = None) -> dict:
         """Outer steps until ``config.outer_steps`` (or ``outer_steps`` more) are done or ``max_minutes`` would be
@@ -311,7 +327,7 @@ class MetaTrainer:
                    dynamic_ncols=True)
         ema, step_time, stopped_for = None, None, None
         try:
-            while self.step < target:
+            while self.step < target and self.stopped_early is None:
                 now = time.perf_counter()
                 if budget is not None and step_time is not None and (now - chunk_start) + 1.5 * step_time > budget:
                     stopped_for = "time"
@@ -341,7 +357,10 @@ class MetaTrainer:
             self._validate_and_keep_best()
         self._record_chunk(chunk_step, chunk_start)
         self.save()
-        return {"step": self.step, "outer_steps": config.outer_steps, "finished": self.step >= config.outer_steps,
+        if self.stopped_early is not None:
+            stopped_for = (f"no new best validation in {config.patience} validations (best {self.best[0]:.4f} at "
+                           f"outer step {self.best[1]}: {self.out_dir / 'best' if self.out_dir else 'best'})")
+        return {"step": self.step, "outer_steps": config.outer_steps, "finished": self.finished,
                 "stopped_for": stopped_for, "chunk_seconds": time.perf_counter() - chunk_start,
                 "inner_steps_per_second": self.inner_steps_per_second(self.step - chunk_step or None),
                 "meta_loss_ema": ema, "best": self.best}
