@@ -31,7 +31,6 @@ import math
 import warnings
 
 import torch
-import torch._dynamo.exc
 
 from lopt.reference import accumulators
 from lopt.reference import small_fc_lopt as reference
@@ -162,7 +161,11 @@ class BatchedSmallFCLOpt:
         if self._compiled_step is not None:
             try:
                 return self._compiled_step(params, grads, state, network)
-            except torch._dynamo.exc.BackendCompilerFailed as err:
+            except Exception as err:  # noqa: BLE001 - narrowed at once (torch._dynamo is imported only here)
+                from torch._dynamo.exc import BackendCompilerFailed
+
+                if not isinstance(err, BackendCompilerFailed):
+                    raise
                 # A compiler that fails on this graph (torch 2.11's inductor raises inside its own tiling
                 # code for the CUDA graph of some task families) fails while compiling, before the compiled
                 # step runs: nothing has changed, and the eager step is the same math.
