@@ -6,6 +6,7 @@ import argparse
 import math
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -423,13 +424,40 @@ def main(argv=None) -> int:
     except weights_lib.WeightsError as err:
         print(f"lopt: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - re-raised at once unless a Ctrl-C caused it
+        if not _caused_by_interrupt(err):
+            raise
+        return _interrupted(args)
     except KeyboardInterrupt:
-        # A second interrupt (another Ctrl-C) must not cut the clean-up short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return _interrupted(args)
+
+
+def _caused_by_interrupt(err: BaseException) -> bool:
+    """Whether a Ctrl-C is behind ``err``: Python re-raises an interrupt that lands in some places (a
+    descriptor's ``__set_name__`` while a lazy import such as torch._dynamo's runs) as another error caused by it."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _interrupted(args) -> int:
+    """Remove what this run created and say so in one line; exit code 130, as a shell reports SIGINT."""
+    # A second interrupt (another Ctrl-C) must not cut the clean-up short; the handler is restored afterwards
+    # (main() may run inside another program). Only the main thread may set handlers.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
         removed = _remove_created_outputs(args)
-        print(f"lopt {args.command}: interrupted" + (f"; removed {', '.join(removed)}" if removed else ""),
-              file=sys.stderr)
-        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    print(f"lopt {args.command}: interrupted" + (f"; removed {', '.join(removed)}" if removed else ""),
+          file=sys.stderr)
+    return 130
 
 
 def _remove_created_outputs(args) -> list:

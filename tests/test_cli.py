@@ -1,5 +1,6 @@
 """The lopt command: exit codes and the lines a user reads."""
 
+import signal
 import subprocess
 import sys
 
@@ -309,6 +310,40 @@ def test_bench_interrupted_exits_130_in_one_line_and_removes_what_it_created(cap
     assert code == 130
     assert err.strip() == f"lopt bench: interrupted; removed {new_dir}/, {tmp_path / 'out'}/"
     assert not (tmp_path / "out").exists() and kept.read_text() == "mine"  # what existed before stays
+
+
+def test_bench_interrupt_that_python_wrapped_in_another_error_still_exits_130(capsys, tmp_path, monkeypatch):
+    """A Ctrl-C landing in a class body's __set_name__ (a lazy import, e.g. torch._dynamo's on the first optimizer)
+    reaches the CLI as a RuntimeError caused by the KeyboardInterrupt; any other error still propagates."""
+    from lopt.bench import runner
+
+    class Interrupting:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    def interrupted_in_an_import(*args, **kwargs):
+        type("Imported", (), {"attribute": Interrupting()})  # Python turns the interrupt into a RuntimeError
+
+    monkeypatch.setattr(runner, "run_benchmarks", interrupted_in_an_import)
+    lopt.random_weights("small_fc_lopt").save(tmp_path / "w")
+    new_dir = tmp_path / "out"
+    argv = ("bench", "--device", "cpu", "--optimizer", "small_fc_lopt", "--weights", tmp_path / "w", "--params",
+            "toy-lm", "--quiet", "--json", new_dir / "r.json")
+    handler = signal.getsignal(signal.SIGINT)
+    code, _, err = run(capsys, *argv)
+    assert code == 130 and err.strip() == f"lopt bench: interrupted; removed {new_dir}/"
+    assert not new_dir.exists()
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C works again in a program that called main()
+
+    def broken(*args, **kwargs):
+        try:
+            raise KeyError("unrelated")
+        except KeyError as cause:
+            raise RuntimeError("a real bug") from cause
+
+    monkeypatch.setattr(runner, "run_benchmarks", broken)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        run(capsys, *argv)
 
 
 def test_ctrl_c_in_a_running_bench_exits_130_without_a_traceback(tmp_path, offline_hub):
