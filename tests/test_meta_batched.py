@@ -17,19 +17,21 @@ def _relative(a, b):
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
-def test_one_member_of_the_batched_step_is_smallfclopt():
-    """Every member, with its own meta-weights, steps exactly as SmallFCLOpt(backend="naive") with those
-    weights: 6 steps, every rank, a member that skips a step on a NaN gradient (its step count lags)."""
+@pytest.mark.parametrize("optimizer", batched.TRAINABLE)
+def test_one_member_of_the_batched_step_is_the_optimizer(optimizer):
+    """Every member, with its own meta-weights, steps exactly as SmallFCLOpt (or ELO) with backend="naive"
+    and those weights: 6 steps, every rank, a member that skips a step on a NaN gradient (its step count lags)."""
     population, steps = 3, 6
-    space = MetaParamSpace("small_fc_lopt")
-    thetas = torch.stack([space.flatten(lopt.random_weights("small_fc_lopt", seed=s)) for s in range(population)])
+    rule = batched.inner_rule(optimizer)
+    space = MetaParamSpace(rule.architecture)
+    thetas = torch.stack([space.flatten(lopt.random_weights(rule.architecture, seed=s)) for s in range(population)])
     generator = torch.Generator().manual_seed(0)
     init = [torch.randn((population,) + s, generator=generator) for s in SHAPES]
     grads = [[torch.randn((population,) + s, generator=generator) * 10.0 ** (i % 3 - 1) for i, s in enumerate(SHAPES)]
              for _ in range(steps)]
     grads[2][1][1, 0, 0] = float("nan")  # member 1 skips step 3 (all its tensors)
 
-    opt = batched.BatchedSmallFCLOpt(SHAPES, population)
+    opt = batched.BatchedSmallFCLOpt(SHAPES, population, optimizer=optimizer)
     state = opt.init_state()
     params = [p.clone() for p in init]
     network = space.unflatten(thetas)
@@ -42,7 +44,7 @@ def test_one_member_of_the_batched_step_is_smallfclopt():
     for m in range(population):
         reference = [torch.nn.Parameter(p[m].clone()) for p in init]
         weights = space.to_meta_weights(thetas[m])
-        opt_m = lopt.SmallFCLOpt(reference, weights=weights, backend="naive")
+        opt_m = rule.front_end(reference, weights=weights, backend="naive")
         previous = [p.detach().clone() for p in reference]
         for t in range(steps):
             for p, g in zip(reference, grads[t]):
@@ -67,6 +69,20 @@ def test_one_member_of_the_batched_step_is_smallfclopt():
                 if ref_state[name].numel():
                     got = state["tensors"][i][name][m].reshape(ref_state[name].shape)
                     assert _relative(got, ref_state[name]) <= 1e-6, (name, SHAPES[i])
+
+
+def test_each_trainable_optimizer_steps_with_its_own_defaults_and_the_others_are_refused_by_name():
+    small_fc, elo = batched.BatchedSmallFCLOpt([(3,)], 2), batched.BatchedSmallFCLOpt([(3,)], 2, optimizer="elo")
+    assert (small_fc.lr, small_fc.step_mult, elo.lr, elo.step_mult) == (1.0, 0.01, 1e-3, 1.0)
+    assert torch.equal(elo.decays.momentum, torch.tensor([0.9, 0.99, 0.999]))  # ELO's decays, used as given
+    with pytest.raises(ValueError, match="elo has no step_mult"):
+        batched.BatchedSmallFCLOpt([(3,)], 2, optimizer="elo", step_mult=0.01)
+    with pytest.raises(ValueError, match=r"populations of small_fc_lopt and elo only .*'celo2' is registered, but its "
+                                         r"step \(Newton–Schulz"):
+        batched.inner_rule("celo2")
+    with pytest.raises(ValueError, match=r"'adamw' is not a registered optimizer \(registered: small_fc_lopt, "):
+        batched.BatchedSmallFCLOpt([(3,)], 2, optimizer="adamw")
+    assert set(batched.TRAINABLE) | set(batched.NOT_BATCHED) == set(lopt.registry.names())
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")

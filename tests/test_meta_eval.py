@@ -1,4 +1,4 @@
-"""lopt meta-eval: the quick suite end to end, and one evaluation run against SmallFCLOpt on torch.nn modules."""
+"""lopt meta-eval: the quick suite end to end, and one evaluation run against SmallFCLOpt (ELO) on torch.nn modules."""
 
 import json
 import warnings
@@ -14,14 +14,17 @@ pytest.importorskip("sklearn", reason="the held-out suite uses scikit-learn's bu
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
-def test_an_evaluation_run_is_smallfclopt_training_torch_nn_modules():
-    """The learned optimizer's population run (seed 1 of the wine MLP) trains exactly as SmallFCLOpt trains
-    torch.nn.Linear layers holding the same initial values on the same batches."""
-    family = tasks.build({"task": "mlp", "dataset": "wine", "hidden": [16], "batch_size": 16})
-    weights = lopt.random_weights("small_fc_lopt", seed=5)
-    from lopt.meta.batched import BatchedSmallFCLOpt
+@pytest.mark.parametrize("optimizer", ["small_fc_lopt", "elo"])
+def test_an_evaluation_run_is_the_optimizer_training_torch_nn_modules(optimizer):
+    """The learned optimizer's population run (seed 1 of the wine MLP) trains exactly as SmallFCLOpt (ELO)
+    trains torch.nn.Linear layers holding the same initial values on the same batches."""
+    from lopt.meta.batched import BatchedSmallFCLOpt, inner_rule
 
-    opt = BatchedSmallFCLOpt(family.shapes(), 2)
+    rule = inner_rule(optimizer)
+    family = tasks.build({"task": "mlp", "dataset": "wine", "hidden": [16], "batch_size": 16})
+    weights = lopt.random_weights(rule.architecture, seed=5)
+
+    opt = BatchedSmallFCLOpt(family.shapes(), 2, optimizer=optimizer)
     opt.network = weights.tensors["mlp"]
     steps = 12
     out = evaluate.train_population(family, opt, [1, 1], steps, "cpu")
@@ -34,7 +37,7 @@ def test_an_evaluation_run_is_smallfclopt_training_torch_nn_modules():
     with torch.no_grad():
         for p, value in zip(model.parameters(), init):
             p.copy_(value[0])
-    reference = lopt.SmallFCLOpt(model.parameters(), weights=weights, backend="naive")
+    reference = rule.front_end(model.parameters(), weights=weights, backend="naive")
     for t in range(steps):
         x, y = family.sample_batch(inst, generator)
         loss = torch.nn.functional.cross_entropy(model(x[0]), y[0])

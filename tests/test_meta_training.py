@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lopt
-from lopt.meta.presets import preset
+from lopt.meta.presets import MetaTrainConfig, preset
 from lopt.meta.trainer import CHECKPOINT, RECORD, MetaTrainer
 
 
@@ -156,6 +156,46 @@ def test_patience_ends_the_run_after_validations_without_a_new_best(tmp_path, mo
 def test_config_errors_name_the_option(overrides, message):
     with pytest.raises(ValueError, match=message):
         MetaTrainer(preset("smoke", **overrides))
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_elo_meta_trains_with_elos_step_and_a_refused_optimizer_writes_nothing(tmp_path, capsys):
+    """--optimizer elo: the tasks train with ELO's step (lopt.meta.batched, checked against lopt.ELO member by
+    member in test_meta_batched.py), the weights load into lopt.ELO, the record says elo and meta-eval picks it up;
+    an optimizer whose step is not batched is refused before anything is written."""
+    from lopt.cli import main
+
+    out = tmp_path / "elo"
+    assert main(["meta-train", "--preset", "smoke", "--optimizer", "elo", "--out", str(out), "--quiet", "--device",
+                 "cpu", "--set", "validate_every=0", "--outer-steps", "3"]) == 0
+    assert f"lopt.ELO(weights='{out}')" in capsys.readouterr().out
+    record = json.loads((out / RECORD).read_text())
+    assert record["config"]["optimizer"] == "elo"
+    trainer = MetaTrainer.resume(out, "cpu")
+    assert trainer.estimators[0].inner.optimizer.rule.name == "elo"
+    assert trainer.estimators[0].inner.optimizer.lr == 1e-3  # ELO's own step size, not small_fc_lopt's lr 1
+    model = torch.nn.Linear(4, 3)
+    elo = lopt.ELO(model.parameters(), weights=str(out), backend="naive")
+    for name, tensor in trainer.space.unflatten(trainer.theta.detach()).items():
+        assert torch.equal(elo.meta_weights.tensors["mlp"][name], tensor), name
+    # the run's optimizer decides meta-eval's; asking for another is refused with the fix
+    assert main(["meta-eval", str(out), "--quick", "--optimizer", "small_fc_lopt", "--quiet"]) == 2
+    assert ("--optimizer small_fc_lopt: " + str(out) + " was meta-trained for elo") in capsys.readouterr().err
+    assert main(["meta-eval", "lopt-small_fc-tiny", "--quick", "--optimizer", "elo", "--quiet"]) == 2
+    assert "the registered weight set 'lopt-small_fc-tiny' says so" in capsys.readouterr().err
+
+    for name, says in (("celo2", "its step (Newton–Schulz"), ("adamw", "is not a registered optimizer")):
+        assert main(["meta-train", "--preset", "smoke", "--optimizer", name, "--out", str(tmp_path / name),
+                     "--quiet", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("lopt meta-train: error: lopt.meta steps populations of small_fc_lopt and elo only")
+        assert says in err and not (tmp_path / name).exists()
+
+
+def test_records_written_before_elo_read_as_small_fc_lopt():
+    config = preset("smoke").to_dict()
+    config["architecture"] = config.pop("optimizer")
+    assert MetaTrainConfig.from_dict(config).optimizer == "small_fc_lopt"
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")

@@ -2,7 +2,11 @@
 
 :class:`BatchedSmallFCLOpt` computes, for every population member ``m``, exactly the step
 ``lopt.SmallFCLOpt(backend="naive")`` computes for that member's parameters (docs/small_fc_lopt.md),
-with every member allowed its own meta-weights and its own step count. It is built from the
+with every member allowed its own meta-weights and its own step count; with ``optimizer="elo"``, the
+step of ``lopt.ELO(backend="naive")`` (docs/elo.md: the same features and network, ELO's decays used
+as given, no ``step_mult``, its own weight decay). The optimizers whose step is batched here are
+:data:`TRAINABLE`; each one's defaults are read from its ``torch.optim`` class, and its decays and
+update from its reference module, so nothing of either is restated here. It is built from the
 reference functions themselves (``lopt/reference/accumulators.py``, ``lopt/reference/small_fc_lopt.py``)
 wherever their broadcasting allows, so that there is one source of truth:
 
@@ -27,16 +31,65 @@ member, for the baselines of ``lopt meta-eval``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 
+from lopt import registry
 from lopt.reference import accumulators
 from lopt.reference import small_fc_lopt as reference
 
 GRADIENT_LIMIT = 2.0**64  # as lopt.optimizers.naive: beyond it g² overflows float32 and the step is skipped
 TIMESCALES = torch.tensor(reference.TIMESCALES, dtype=torch.float32)
+
+
+# The registered optimizers whose inner step is batched here: small_fc_lopt's per-element network over its 39
+# inputs, each with its own decays and update.
+TRAINABLE = ("small_fc_lopt", "elo")
+# What the other registered ones add to that step, which is not batched here.
+NOT_BATCHED = {
+    "celo2": "Newton–Schulz on every matrix's proposed step and AdamW for 1-d tensors",
+    "elo_celo2": "Newton–Schulz on every matrix's proposed step and AdamW for 1-d tensors",
+    "velo": "an LSTM that writes each tensor's network",
+    "mulo": "μP's per-layer scaling of the update, for μP-parametrised models, which lopt.meta's tasks are not",
+}
+
+
+@dataclass(frozen=True)
+class InnerRule:
+    """One trainable optimizer: its registered name, its weights' architecture (``weights/registry.json``), its
+    ``torch.optim`` class, reference module (``Decays``, ``apply_update``) and the constructor defaults the
+    batched step starts from."""
+
+    name: str
+    architecture: str
+    front_end: type
+    reference: object
+    defaults: dict
+
+    @property
+    def step_mult(self):
+        """small_fc_lopt's ``step_mult`` (a constructor option); ELO's update has none (its reference's 1)."""
+        return self.defaults.get("step_mult", getattr(self.reference, "STEP_MULT", None))
+
+
+def inner_rule(optimizer: str) -> InnerRule:
+    """The :class:`InnerRule` of ``optimizer`` (a name of :data:`TRAINABLE`); ValueError naming the choices."""
+    if optimizer not in TRAINABLE:
+        if optimizer not in registry.names():
+            what = f"is not a registered optimizer (registered: {', '.join(registry.names())})"
+        else:
+            what = f"is registered, but its step ({NOT_BATCHED.get(optimizer, 'its own')}) is not batched in lopt.meta"
+        raise ValueError(f"lopt.meta steps populations of {' and '.join(TRAINABLE)} only (to meta-train or "
+                         f"evaluate them); {optimizer!r} {what}")
+    entry = registry.get(optimizer)
+    front_end = entry.front_end_class
+    defaults = {name: p.default for name, p in inspect.signature(front_end.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return InnerRule(optimizer, entry.architecture, front_end, front_end.reference, defaults)
 
 
 def _shifted(dims):
@@ -94,35 +147,44 @@ def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torc
 
 
 class BatchedSmallFCLOpt:
-    """small_fc_lopt stepped for ``population`` members at once (tensors ``(P,) + S``).
+    """small_fc_lopt (or ELO) stepped for ``population`` members at once (tensors ``(P,) + S``).
 
     Args:
         shapes: the per-member parameter shapes ``S`` (any rank; 0-d is the 1-element vector of §3.6).
         population: ``P``.
         device: where state lives.
-        lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays, adafactor_decays:
-            as ``SmallFCLOpt`` (PyLO's defaults). ``lr`` may also be a (P,) tensor, one per member.
+        optimizer: ``"small_fc_lopt"`` (``lopt.SmallFCLOpt``'s step) or ``"elo"`` (``lopt.ELO``'s).
+        lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays, adafactor_decays: as the
+            optimizer's class, whose defaults apply where None (ELO takes no ``step_mult``). ``lr`` may
+            also be a (P,) tensor, one per member.
 
     The state (:meth:`init_state`) is a dict: ``"step"`` (P,) int64 (steps taken, as ``group["step"]``)
     and ``"tensors"``, one dict per parameter with SmallFCLOpt's buffers, each with the leading axis P.
     """
 
-    def __init__(self, shapes, population: int, device="cpu", *, lr=1.0, weight_decay=0.0, exp_mult=0.001,
-                 step_mult=0.01, momentum_decays=reference.MOMENTUM_DECAY_OFFSETS,
-                 rms_decays=reference.RMS_DECAY_OFFSETS, adafactor_decays=reference.ADAFACTOR_DECAY_OFFSETS,
-                 skip_nonfinite: bool = True, compiled: bool = False):
+    def __init__(self, shapes, population: int, device="cpu", *, optimizer: str = "small_fc_lopt", lr=None,
+                 weight_decay=0.0, exp_mult=None, step_mult=None, momentum_decays=None, rms_decays=None,
+                 adafactor_decays=None, skip_nonfinite: bool = True, compiled: bool = False):
+        self.rule = inner_rule(optimizer)
+        defaults = self.rule.defaults
+        if step_mult is not None and "step_mult" not in defaults:
+            raise ValueError(f"BatchedSmallFCLOpt: {optimizer} has no step_mult (its lr is its step size); "
+                             "leave step_mult out")
         self.shapes = [tuple(s) for s in shapes]
         self.population = int(population)
         self.device = torch.device(device)
         self.work_shapes = [s if s else (1,) for s in self.shapes]
         self.dims = [_shifted(reference.factored_dims(s)) for s in self.shapes]
         self.counts = [math.prod(s) for s in self.work_shapes]
-        self.lr = lr
+        self.lr = defaults["lr"] if lr is None else lr
         self.weight_decay = weight_decay
-        self.exp_mult = exp_mult
-        self.step_mult = step_mult
+        self.exp_mult = defaults["exp_mult"] if exp_mult is None else exp_mult
+        self.step_mult = self.rule.step_mult if step_mult is None else step_mult
         self.skip_nonfinite = skip_nonfinite
-        self.decays = reference.Decays.from_offsets(momentum_decays, rms_decays, adafactor_decays).to(self.device)
+        given = (momentum_decays, rms_decays, adafactor_decays)
+        names = ("momentum_decays", "rms_decays", "adafactor_decays")
+        decays = [defaults[name] if value is None else value for name, value in zip(names, given)]
+        self.decays = self.rule.reference.Decays.from_offsets(*decays).to(self.device)
         # compiled: the step through torch.compile (inductor, one graph: fullgraph), which fuses its several
         # hundred small elementwise ops per population step into a few kernels; within float32 rounding of the
         # eager step, not bit for bit (inductor contracts and reorders some of them).
@@ -209,7 +271,7 @@ class BatchedSmallFCLOpt:
             update = updates[:, offset:offset + count].reshape(value.shape)
             offset += count
             member_lr = lr.view((-1,) + (1,) * (value.dim() - 1)) if torch.is_tensor(lr) and lr.dim() else lr
-            new = accumulators.apply_update(value, update, member_lr, self.weight_decay)
+            new = self.rule.reference.apply_update(value, update, member_lr, self.weight_decay)
             if ok is not None:
                 new = torch.where(ok.view((-1,) + (1,) * (new.dim() - 1)), new, value)
             new_params.append(new.reshape((P,) + shape))

@@ -14,6 +14,7 @@ from pathlib import Path
 CONFIG_OPTIONS = {  # command-line option -> MetaTrainConfig field
     "estimator": "estimator", "outer_steps": "outer_steps", "seed": "seed", "init": "init", "num_tasks": "num_tasks",
     "truncation": "truncation", "min_unroll": "min_unroll", "max_unroll": "max_unroll", "std": "std", "lr": "lr",
+    "optimizer": "optimizer",
 }
 
 
@@ -49,7 +50,8 @@ def add_commands(sub) -> None:
     """Add ``meta-train`` and ``meta-eval`` to an argparse subparsers object."""
     from lopt.meta.presets import PRESETS  # light (no torch work, no scikit-learn)
 
-    train = sub.add_parser("meta-train", help="meta-train small_fc_lopt's MLP (truncated PES or ES) in resumable chunks",
+    train = sub.add_parser("meta-train", help="meta-train small_fc_lopt's (or ELO's) MLP (truncated PES or ES) in "
+                                              "resumable chunks",
                            description="Meta-train a learned optimizer. Rerun the same command with the same --out to "
                                        "resume a run from its checkpoint (docs/meta_training.md).")
     train.add_argument("--preset", default="mulo", choices=sorted(PRESETS),
@@ -60,6 +62,9 @@ def add_commands(sub) -> None:
     train.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     train.add_argument("--max-minutes", type=_positive_float, default=None, metavar="M",
                        help="stop (checkpointed) before this many minutes of this chunk; rerun to continue")
+    train.add_argument("--optimizer", default=None, metavar="NAME",
+                       help="whose step the tasks train with, and so whose weights come out: small_fc_lopt (default; "
+                            "lopt.SmallFCLOpt) or elo (lopt.ELO)")
     train.add_argument("--estimator", default=None, choices=["pes", "es"], help="override the preset's estimator")
     train.add_argument("--outer-steps", type=_positive_int, default=None, metavar="N", help="override the preset's")
     train.add_argument("--seed", type=int, default=None)
@@ -88,6 +93,9 @@ def add_commands(sub) -> None:
                           help="write results.json, results.md, curves.png (default: WEIGHTS/eval[-quick] for a "
                                "directory); finished runs are kept, so a rerun resumes")
     evaluate.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    evaluate.add_argument("--optimizer", default=None, metavar="NAME",
+                          help="the optimizer that runs WEIGHTS: small_fc_lopt or elo (default: a meta-train run's own, "
+                               "else small_fc_lopt)")
     evaluate.add_argument("--quick", action="store_true",
                           help="tiny versions of the tasks, 30 steps, 3 AdamW lrs, 1+2 seeds (for tests)")
     evaluate.add_argument("--horizon", type=_positive_int, default=None, metavar="N", help="steps per run (default 5000)")
@@ -118,6 +126,7 @@ def _overrides(args) -> dict:
 
 def cmd_meta_train(args) -> int:
     from lopt.meta.data import MissingDependency
+    from lopt.meta.batched import inner_rule
     from lopt.meta.presets import MetaTrainConfig, preset
     from lopt.meta.trainer import CHECKPOINT, MetaTrainer
 
@@ -154,8 +163,38 @@ def cmd_meta_train(args) -> int:
     print(f"outer step {summary['step']}/{summary['outer_steps']}, {state}; this chunk {summary['chunk_seconds'] / 60:.1f} min, "
           f"{rate:,.0f} inner steps/s (members x inner steps / s); best validation {summary['best']}")
     best = f", best validation's: {out / 'best'}" if (out / "best").is_dir() else ""
-    print(f"weights: {out} (SmallFCLOpt(weights={str(out)!r})){best}, record: {out / 'meta_training.json'}")
+    front_end = inner_rule(trainer.config.optimizer).front_end.__name__
+    print(f"weights: {out} (lopt.{front_end}(weights={str(out)!r})){best}, record: {out / 'meta_training.json'}")
     return 0
+
+
+def _trained_with(weights: str) -> tuple[str, str] | None:
+    """(optimizer, where it is said) for weights whose optimizer is known: a meta-train run directory or its
+    ``best/`` (the run's record), a registered weight set (its architecture); else None."""
+    from lopt import weights as weights_lib
+
+    path = Path(weights)
+    for record in (path / "meta_training.json", path.parent / "meta_training.json" if path.name == "best" else None):
+        if record is not None and record.is_file():
+            config = json.loads(record.read_text()).get("config", {})
+            name = config.get("optimizer", config.get("architecture"))
+            if name:
+                return name, str(record)
+    registered = weights_lib.registered_weights().get(weights) if not path.exists() else None
+    if registered is not None:
+        return registered.architecture, f"the registered weight set {weights!r}"
+    return None
+
+
+def _eval_optimizer(args) -> str:
+    known = _trained_with(args.weights)
+    if args.optimizer is None:
+        return known[0] if known is not None else "small_fc_lopt"
+    if known is not None and known[0] != args.optimizer:
+        raise MetaUsageError(f"--optimizer {args.optimizer}: {args.weights} was meta-trained for {known[0]} ({known[1]} "
+                             f"says so); another optimizer's step would not compute what they were trained for. Leave "
+                             f"--optimizer out, or pass --optimizer {known[0]}")
+    return args.optimizer
 
 
 def cmd_meta_eval(args) -> int:
@@ -168,9 +207,11 @@ def cmd_meta_eval(args) -> int:
         out = Path(args.weights) / ("eval-quick" if args.quick else "eval")
     tasks = None if args.tasks is None else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     try:
+        optimizer = _eval_optimizer(args)
         settings = EvalSettings.make(quick=args.quick, horizon=args.horizon, tasks=tasks)
         settings.task_list()
-        report = run_suite(args.weights, out, device, settings, progress=not args.quiet, max_minutes=args.max_minutes)
+        report = run_suite(args.weights, out, device, settings, progress=not args.quiet, max_minutes=args.max_minutes,
+                           optimizer=optimizer)
     except (MissingDependency, ValueError) as err:
         raise MetaUsageError(str(err)) from None
     print(report["markdown"])

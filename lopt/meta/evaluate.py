@@ -9,7 +9,8 @@ longest unroll).
 For every task, each optimizer trains the same instances (initial parameters and data order fixed by
 the seed):
 
-* the learned optimizer (``SmallFCLOpt(weights=WEIGHTS)``, lr 1, no weight decay) on seeds 2–6;
+* the learned optimizer (``SmallFCLOpt(weights=WEIGHTS)``, lr 1, no weight decay; or ``ELO(weights=WEIGHTS)``
+  at its defaults, for ELO's weights) on seeds 2–6;
 * AdamW at torch's defaults (lr 1e-3, weight decay 0.01) on seeds 2–6;
 * AdamW with a tuned learning rate: 13 log-spaced values from 10^-4.5 to 10^-0.5, each on seeds 0–1;
   the one with the lowest mean final training loss (a diverged run counts as +inf) is then run on
@@ -21,7 +22,7 @@ not finite or exceeds 1.5·L0, the normaliser's cap), as mean ± std over the 5 
 table and a plot of the training curves (mean over seeds).
 
 All runs of one optimizer on one task train together as one population (lopt.meta.batched): the
-learned optimizer's step is ``SmallFCLOpt``'s (tests/test_meta_batched.py), AdamW's is
+learned optimizer's step is ``SmallFCLOpt``'s or ``ELO``'s (tests/test_meta_batched.py), AdamW's is
 ``torch.optim.AdamW``'s with one learning rate per member.
 """
 
@@ -40,8 +41,7 @@ import torch
 
 from lopt import weights as weights_lib
 from lopt.meta import tasks as tasks_lib
-from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt
-from lopt.meta.metaparams import MetaParamSpace
+from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt, inner_rule
 from lopt.meta.stepper import PopulationStepper
 
 
@@ -130,11 +130,13 @@ class EvalSettings:
                 "report_seeds": list(self.report_seeds), "quick": self.quick}
 
 
-def load_eval_weights(source) -> weights_lib.MetaWeights:
-    """``random`` (lopt.random_weights, seed 0: a yardstick), or anything ``lopt.load_weights`` takes."""
+def load_eval_weights(source, optimizer: str = "small_fc_lopt") -> weights_lib.MetaWeights:
+    """``optimizer``'s weights: ``random`` (lopt.random_weights, seed 0: a yardstick), or anything
+    ``lopt.load_weights`` takes."""
+    architecture = inner_rule(optimizer).architecture
     if source == "random":
-        return weights_lib.random_weights("small_fc_lopt", seed=0)
-    return weights_lib.load_weights(source, "small_fc_lopt")
+        return weights_lib.random_weights(architecture, seed=0)
+    return weights_lib.load_weights(source, architecture)
 
 
 def weights_digest(meta_weights) -> str:
@@ -221,9 +223,10 @@ def _aggregate(runs: list[dict]) -> dict:
 
 
 def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, done: dict | None = None,
-                  save=None, progress=None, deadline=None) -> dict:
-    """One task: the AdamW sweep, then the learned optimizer, AdamW at 1e-3 and AdamW at the tuned lr.
-    ``done`` holds runs finished earlier (resume); ``save(result)`` is called after every run."""
+                  save=None, progress=None, deadline=None, optimizer: str = "small_fc_lopt") -> dict:
+    """One task: the AdamW sweep, then the learned optimizer (``optimizer``'s step with ``meta_weights``), AdamW
+    at 1e-3 and AdamW at the tuned lr. ``done`` holds runs finished earlier (resume); ``save(result)`` is called
+    after every run."""
     spec = task.quick_spec if settings.quick else task.spec
     family = tasks_lib.build(spec).to(device)
     shapes = family.shapes()
@@ -272,9 +275,9 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
     result["tuned_lr"] = best_lr
 
     seeds = list(settings.report_seeds)
-    learned = BatchedSmallFCLOpt(shapes, len(seeds), device)
+    learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer)
     learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
-    finish("learned", learned, seeds)
+    finish("learned", learned, seeds, {"lr": float(learned.lr), "optimizer": optimizer})
     finish("adamw_default", BatchedAdamW(shapes, len(seeds), device, lr=1e-3), seeds, {"lr": 1e-3})
     finish("adamw_tuned", BatchedAdamW(shapes, len(seeds), device, lr=best_lr), seeds, {"lr": best_lr})
     result["summary"] = {name: _aggregate(runs[name]["summaries"]) for name in ("learned", "adamw_tuned", "adamw_default")}
@@ -292,11 +295,15 @@ def markdown_table(results: list[dict], header: str = "") -> str:
     lines = [header] if header else []
     lines += ["| task | horizon | optimizer | final train loss | held-out loss | diverged |",
               "|---|---:|---|---:|---:|---:|"]
-    names = {"learned": "learned (lr 1)", "adamw_tuned": "AdamW tuned", "adamw_default": "AdamW 1e-3"}
+    names = {"learned": "learned", "adamw_tuned": "AdamW tuned", "adamw_default": "AdamW 1e-3"}
     for r in results:
         for key in ("learned", "adamw_tuned", "adamw_default"):
             s = r["summary"][key]
-            label = names[key] + (f" (lr {r['tuned_lr']:.2g})" if key == "adamw_tuned" else "")
+            label = names[key]
+            if key == "learned":  # (runs kept before the lr was recorded are small_fc_lopt's, at lr 1)
+                label += f" (lr {r['runs']['learned'].get('lr', 1.0):g})"
+            elif key == "adamw_tuned":
+                label += f" (lr {r['tuned_lr']:.2g})"
             lines.append(f"| {r['task']} | {r['horizon']} | {label} | {_fmt(s['final_train'])} | {_fmt(s['heldout'])} | "
                          f"{s['divergence_rate']:.0%} |")
     return "\n".join(lines) + "\n"
@@ -346,14 +353,14 @@ def _jsonable(obj):
 
 
 def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings | None = None, progress=True,
-              max_minutes=None) -> dict:
-    """Evaluate ``weights_source`` on the suite; results (and resumable per-task state) in ``out_dir``."""
+              max_minutes=None, optimizer: str = "small_fc_lopt") -> dict:
+    """Evaluate ``weights_source``, run by ``optimizer`` (small_fc_lopt or elo), on the suite; results (and
+    resumable per-task state) in ``out_dir``."""
     from tqdm.auto import tqdm
 
     settings = settings or EvalSettings()
     device = torch.device(device)
-    meta_weights = load_eval_weights(weights_source)
-    MetaParamSpace("small_fc_lopt")  # (checks the architecture is trainable/evaluable here)
+    meta_weights = load_eval_weights(weights_source, optimizer)
     digest = weights_digest(meta_weights)
     out = None if out_dir is None else Path(out_dir)
     if out is not None:
@@ -364,6 +371,8 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
     deadline = None if max_minutes is None else time.perf_counter() + max_minutes * 60
     results, stopped = [], False
     key = {"weights_sha": digest, **settings.key()}
+    if optimizer != "small_fc_lopt":  # (the key of runs kept before ELO could be evaluated stays as it was)
+        key["optimizer"] = optimizer
     try:
         for task in task_list:
             partial_path = None if out is None else out / "tasks" / f"{task.name}.pt"
@@ -381,7 +390,7 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
 
             bar.set_postfix({"task": task.name}, refresh=False)
             try:
-                result = evaluate_task(task, meta_weights, settings, device, done, save, bar, deadline)
+                result = evaluate_task(task, meta_weights, settings, device, done, save, bar, deadline, optimizer)
             except TimeoutError:
                 stopped = True
                 break
@@ -390,10 +399,12 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
     finally:
         bar.close()
     report = {"what": "lopt meta-eval results (docs/meta_training.md)", "weights": str(weights_source),
+              "optimizer": optimizer,
               "weights_source": meta_weights.source, "weights_sha": digest, "device": str(device),
               "torch": torch.__version__, "settings": settings.key(), "complete": not stopped and
               len(results) == len(task_list), "tasks": [_jsonable(r) for r in results]}
-    header = (f"Meta-weights `{weights_source}` (sha {digest}) on suite {settings.suite}"
+    header = (f"Meta-weights `{weights_source}` (sha {digest}, run by {inner_rule(optimizer).front_end.__name__}) on "
+              f"suite {settings.suite}"
               f"{' (quick mode)' if settings.quick else ''}: mean ± std over seeds {list(settings.report_seeds)}; "
               f"AdamW's lr tuned over {len(settings.lrs)} values on seeds {list(settings.tune_seeds)}.\n")
     report["markdown"] = markdown_table(results, header) if results else header

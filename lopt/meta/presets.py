@@ -30,7 +30,7 @@ import torch
 @dataclass
 class MetaTrainConfig:
     preset: str = "custom"
-    architecture: str = "small_fc_lopt"
+    optimizer: str = "small_fc_lopt"       # the optimizer whose step the tasks train with: small_fc_lopt or elo
     estimator: str = "pes"                 # "pes" (truncated PES) or "es" (full-length antithetic ES)
     tasks: list = field(default_factory=list)  # task-family specs ({"task": ..., ...}, lopt.meta.tasks.build)
     groups_per_step: int = 1                # task families estimated per outer step (round robin); 0 = all
@@ -70,6 +70,8 @@ class MetaTrainConfig:
     @classmethod
     def from_dict(cls, values: dict) -> "MetaTrainConfig":
         values = dict(values)
+        if "architecture" in values:  # (records written before ELO could be meta-trained: the optimizer's name)
+            values.setdefault("optimizer", values.pop("architecture"))
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown meta-training options {sorted(unknown)}")
@@ -100,6 +102,9 @@ class MetaTrainConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the first option whose value cannot run."""
+        from lopt.meta.batched import inner_rule
+
+        inner_rule(self.optimizer)
         if not 1 <= self.min_unroll <= self.max_unroll:
             raise ValueError(f"min_unroll={self.min_unroll} and max_unroll={self.max_unroll}: an unroll range needs "
                              "1 <= min_unroll <= max_unroll")

@@ -3,7 +3,7 @@
 A run lives in one directory::
 
     DIR/config.json, DIR/model.safetensors   the latest meta-weights in PyLO's hub layout
-                                             (lopt.SmallFCLOpt(weights="DIR") loads them)
+                                             (lopt.SmallFCLOpt(weights="DIR"), or lopt.ELO for an ELO run)
     DIR/best/                                the weights of the best validation so far (same layout)
     DIR/meta_training.json                   the run's record: config, git commit, versions, device,
                                              meta-loss curve, validation curve, chunks, inner steps/s
@@ -29,7 +29,7 @@ import torch
 
 import lopt
 from lopt.meta import tasks as tasks_lib
-from lopt.meta.batched import BatchedAdamW
+from lopt.meta.batched import BatchedAdamW, inner_rule
 from lopt.meta.estimators import ESTIMATORS, InnerPopulation
 from lopt.meta.metaparams import MetaParamSpace
 from lopt.meta.presets import MetaTrainConfig
@@ -68,7 +68,7 @@ def _device_generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 class MetaTrainer:
-    """Meta-trains ``config.architecture``'s MLP with ``config.estimator`` on ``config.tasks``.
+    """Meta-trains ``config.optimizer``'s MLP with ``config.estimator`` on ``config.tasks``.
 
     >>> trainer = MetaTrainer(preset("smoke"), out_dir="run", device="cpu")
     >>> trainer.run(max_minutes=8)      # resumable: MetaTrainer.resume("run").run(...)
@@ -86,7 +86,7 @@ class MetaTrainer:
             raise ValueError(f"unknown estimator {config.estimator!r}; known: {sorted(ESTIMATORS)}")
         if not config.tasks:
             raise ValueError("meta-training needs at least one task family")
-        self.space = MetaParamSpace(config.architecture)
+        self.space = MetaParamSpace(inner_rule(config.optimizer).architecture)
         self.families = [tasks_lib.build(spec).to(self.device) for spec in config.tasks]
         estimator = ESTIMATORS[config.estimator]
         self.estimators = [
@@ -116,7 +116,7 @@ class MetaTrainer:
     @staticmethod
     def _optimizer_kwargs(config) -> dict:
         """The batched inner optimizer's options that the config chooses."""
-        return {"compiled": bool(config.compile_inner)}
+        return {"optimizer": config.optimizer, "compiled": bool(config.compile_inner)}
 
     # ------------------------------------------------------------------ one outer step
     def _groups(self, step: int) -> list[int]:
