@@ -92,3 +92,39 @@ def test_exported_data_sets_stand_in_for_scikit_learn(tmp_path, monkeypatch):
     got = data.digits()
     assert torch.equal(got.train_x, expected.train_x) and torch.equal(got.test_y, expected.test_y)
     assert data.breast_cancer().num_classes == 2
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_learned_lr_runs_the_learned_optimizer_at_another_lr_into_its_own_directory(tmp_path, capsys):
+    """--learned-lr: the learned runs take that lr (the AdamW runs are the same), the table says so, and the
+    default results directory is another one, so the suite's own results (lr 1) are kept."""
+    weights = tmp_path / "w"
+    lopt.random_weights("small_fc_lopt", seed=3).save(weights)
+    common = ["meta-eval", str(weights), "--quick", "--tasks", "wine_mlp", "--quiet"]
+    assert main(common) == 0
+    assert main(common + ["--learned-lr", "0.1"]) == 0
+    assert "| wine_mlp | 30 | learned (lr 0.1) |" in capsys.readouterr().out
+    default = json.loads((weights / "eval-quick" / "results.json").read_text())["tasks"][0]
+    scaled = json.loads((weights / "eval-quick-lr0.1" / "results.json").read_text())["tasks"][0]
+    assert default["runs"]["learned"]["lr"] == 1.0 and scaled["runs"]["learned"]["lr"] == 0.1
+    assert scaled["summary"]["adamw_tuned"] == default["summary"]["adamw_tuned"]
+    assert scaled["summary"]["learned"] != default["summary"]["learned"]
+    # an lr of 0.1 is the default lr's run with every update scaled by 0.1: the first step says so exactly
+    family = tasks.build(evaluate.SUITES["heldout-v1"][1].quick_spec)
+    from lopt.meta.batched import BatchedSmallFCLOpt
+
+    first = {}
+    for lr in (1.0, 0.1):
+        opt = BatchedSmallFCLOpt(family.shapes(), 1, lr=lr)
+        opt.network = lopt.load_weights(str(weights), "small_fc_lopt").tensors["mlp"]
+        out = evaluate.train_population(family, opt, [2], 1, "cpu")
+        generator = evaluate._seed_generator("cpu", 2)
+        init = family.init_params(1, family.sample_instances(1, generator), generator)
+        first[lr] = [p - p0 for p, p0 in zip(out["params"], init)]
+    for big, small in zip(first[1.0], first[0.1]):
+        assert torch.allclose(small, 0.1 * big, rtol=1e-5, atol=1.2e-7)  # (p - p0 rounds once: ulp(p) / 2)
+    with pytest.raises(ValueError, match=r"learned_lr=nan: the learned optimizer's lr must be a finite number > 0"):
+        evaluate.EvalSettings.make(learned_lr=float("nan"))
+    with pytest.raises(SystemExit) as exit_info:  # (argparse's own errors exit)
+        main(common + ["--learned-lr", "0"])
+    assert exit_info.value.code == 2 and "--learned-lr: expected a number > 0, got '0'" in capsys.readouterr().err

@@ -96,6 +96,9 @@ def add_commands(sub) -> None:
     evaluate.add_argument("--optimizer", default=None, metavar="NAME",
                           help="the optimizer that runs WEIGHTS: small_fc_lopt or elo (default: a meta-train run's own, "
                                "else small_fc_lopt)")
+    evaluate.add_argument("--learned-lr", type=_positive_float, default=None, metavar="LR",
+                          help="run the learned optimizer at this lr instead of its default (SmallFCLOpt 1, ELO 1e-3: "
+                               "the suite's protocol); default --out WEIGHTS/eval-lrLR")
     evaluate.add_argument("--quick", action="store_true",
                           help="tiny versions of the tasks, 30 steps, 3 AdamW lrs, 1+2 seeds (for tests)")
     evaluate.add_argument("--horizon", type=_positive_int, default=None, metavar="N", help="steps per run (default 5000)")
@@ -204,11 +207,12 @@ def cmd_meta_eval(args) -> int:
     device = _device(args.device)
     out = args.out
     if out is None and Path(args.weights).is_dir():
-        out = Path(args.weights) / ("eval-quick" if args.quick else "eval")
+        out = Path(args.weights) / ("eval" + ("-quick" if args.quick else "")
+                                    + (f"-lr{args.learned_lr:g}" if args.learned_lr is not None else ""))
     tasks = None if args.tasks is None else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     try:
         optimizer = _eval_optimizer(args)
-        settings = EvalSettings.make(quick=args.quick, horizon=args.horizon, tasks=tasks)
+        settings = EvalSettings.make(quick=args.quick, horizon=args.horizon, tasks=tasks, learned_lr=args.learned_lr)
         settings.task_list()
         report = run_suite(args.weights, out, device, settings, progress=not args.quiet, max_minutes=args.max_minutes,
                            optimizer=optimizer)

@@ -101,14 +101,17 @@ class EvalSettings:
     quick: bool = False
     tasks: tuple | None = None  # a subset of the suite's task names
     cuda_graphs: bool = True
+    learned_lr: float | None = None  # the learned optimizer's lr; None: its class's default (the suite's protocol)
 
     @classmethod
-    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1"):
+    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1", learned_lr=None):
+        if learned_lr is not None and not (math.isfinite(learned_lr) and learned_lr > 0):
+            raise ValueError(f"learned_lr={learned_lr!r}: the learned optimizer's lr must be a finite number > 0")
         if quick:
             settings = cls(suite=suite, horizon=QUICK["horizon"], lrs=QUICK["lrs"], tune_seeds=QUICK["tune_seeds"],
-                           report_seeds=QUICK["report_seeds"], quick=True, tasks=tasks)
+                           report_seeds=QUICK["report_seeds"], quick=True, tasks=tasks, learned_lr=learned_lr)
         else:
-            settings = cls(suite=suite, tasks=tasks)
+            settings = cls(suite=suite, tasks=tasks, learned_lr=learned_lr)
         if horizon is not None:
             settings.horizon = int(horizon)
         return settings
@@ -126,8 +129,11 @@ class EvalSettings:
         return [t for t in suite if t.name in self.tasks]
 
     def key(self) -> dict:
-        return {"suite": self.suite, "horizon": self.horizon, "lrs": list(self.lrs), "tune_seeds": list(self.tune_seeds),
-                "report_seeds": list(self.report_seeds), "quick": self.quick}
+        key = {"suite": self.suite, "horizon": self.horizon, "lrs": list(self.lrs), "tune_seeds": list(self.tune_seeds),
+               "report_seeds": list(self.report_seeds), "quick": self.quick}
+        if self.learned_lr is not None:  # (the key of runs kept at the default stays as it was)
+            key["learned_lr"] = self.learned_lr
+        return key
 
 
 def load_eval_weights(source, optimizer: str = "small_fc_lopt") -> weights_lib.MetaWeights:
@@ -275,7 +281,7 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
     result["tuned_lr"] = best_lr
 
     seeds = list(settings.report_seeds)
-    learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer)
+    learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer, lr=settings.learned_lr)
     learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
     finish("learned", learned, seeds, {"lr": float(learned.lr), "optimizer": optimizer})
     finish("adamw_default", BatchedAdamW(shapes, len(seeds), device, lr=1e-3), seeds, {"lr": 1e-3})
