@@ -1,6 +1,7 @@
 """lopt.meta's outer loop on the CPU: the meta-loss goes down, checkpoints resume bit-exactly, the weights load."""
 
 import json
+import math
 import statistics
 
 import pytest
@@ -261,3 +262,19 @@ def test_throughput_benchmark_writes_its_record(tmp_path, monkeypatch):
     assert [(row["population"], row["compile_inner"]) for row in record["results"]] == [(2, False), (4, False)] * len(families)
     assert all(row["inner_steps_per_second"] > 0 and row["eager_steps"] == 3 for row in record["results"])
     assert record["environment"]["device_type"] == "cpu"
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_the_deep_preset_starts_from_the_shipped_weights_and_steps_every_family():
+    """The `deep` recipe (shrunk: one pair, truncation 2): θ starts as lopt-small_fc-tiny's network, the five
+    families (mulo's three and the two deeper MLPs) take one outer step each, round robin, and θ moves."""
+    config = preset("deep", num_tasks=1, truncation=2, validate_every=0, patience=0)
+    trainer = MetaTrainer(config)
+    start = trainer.space.flatten("lopt-small_fc-tiny")
+    assert torch.equal(trainer.theta.detach(), start)
+    assert [f.shapes()[0] for f in trainer.families][-2:] == [(64, 40), (128, 64)]
+    for _ in range(len(trainer.families)):
+        trainer.outer_step()
+    assert sorted(g for groups in trainer.history["groups"] for g in groups) == [0, 1, 2, 3, 4]
+    assert all(map(math.isfinite, trainer.history["meta_loss"]))
+    assert not torch.equal(trainer.theta.detach(), start)

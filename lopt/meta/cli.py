@@ -56,7 +56,8 @@ def add_commands(sub) -> None:
                                        "resume a run from its checkpoint (docs/meta_training.md).")
     train.add_argument("--preset", default="mulo", choices=sorted(PRESETS),
                        help="recipe: mulo (μLO: PES, 5000 AdamW steps 3e-3→1e-3), celo (Celo: PES, rescale "
-                            "augmentation, AdamW 3e-4), smoke (seconds on a CPU). Default mulo")
+                            "augmentation, AdamW 3e-4), deep (lopt's: lopt-small_fc-tiny continued toward 5000-step "
+                            "unrolls and deeper MLPs), smoke (seconds on a CPU). Default mulo")
     train.add_argument("--out", required=True, metavar="DIR",
                        help="run directory: weights (config.json + model.safetensors), meta_training.json, checkpoint.pt")
     train.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
@@ -128,8 +129,8 @@ def _overrides(args) -> dict:
 
 
 def cmd_meta_train(args) -> int:
-    from lopt.meta.data import MissingDependency
     from lopt.meta.batched import inner_rule
+    from lopt.meta.data import MissingDependency
     from lopt.meta.presets import MetaTrainConfig, preset
     from lopt.meta.trainer import CHECKPOINT, MetaTrainer
 

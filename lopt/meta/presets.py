@@ -10,6 +10,9 @@
   (one global factor log-uniform in [1e-3, 1e3]), truncated PES with truncation 50, 8 tasks × 2
   antithetic, σ 0.01, AdamW at 3e-4; digits is the only 8×8 image data set available offline, so
   mnist1d joins it.
+* ``deep`` — lopt's own continuation of its shipped weights (``lopt-small_fc-tiny``) toward long horizons and
+  deeper networks: ``mulo``'s families and two deeper MLPs, unrolls grown by a curriculum from 1,000 to 5,000
+  steps, 32 pairs per family, AdamW at a constant 3e-4 (docs/meta_training.md §7 says what led to it).
 * ``digits-cpu`` — a few minutes on a laptop CPU: PES on the digits MLP alone, short unrolls.
 * ``smoke`` — a few-second CPU configuration for tests and for trying the tools.
 
@@ -140,6 +143,14 @@ MLP_TASKS = [
      "batch_size": 64},
 ]
 
+# Deeper than the training tasks above and narrower than the held-out suite's (lopt.meta.evaluate: 6-7 layers of
+# 256-512): on the CPU, a family of 4 x 64 in the mix improved the shipped weights on 3-6 layer stacks of 64-256
+# where longer unrolls alone made them worse (docs/meta_training.md §7).
+DEEP_MLP_TASKS = [
+    {"task": "mlp", "dataset": "mnist1d", "hidden": [64, 64, 64, 64], "batch_size": 64},
+    {"task": "mlp", "dataset": "digits", "hidden": [128, 128, 128], "batch_size": 64},
+]
+
 PRESETS = {
     "mulo": MetaTrainConfig(
         preset="mulo", estimator="pes", tasks=copy.deepcopy(MLP_TASKS), num_tasks=8, std=0.01, truncation=50,
@@ -151,6 +162,12 @@ PRESETS = {
                {"task": "mlp", "dataset": "mnist1d", "hidden": [32], "batch_size": 64, "rescale": [1e-3, 1e3]}],
         num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=2000, outer_steps=5000, lr=3e-4,
         final_lr=3e-4, warmup_steps=0, schedule="constant", grad_clip=1.0, validate_every=500, validation_tasks=4),
+    "deep": MetaTrainConfig(
+        preset="deep", estimator="pes", init="lopt-small_fc-tiny",
+        tasks=copy.deepcopy(MLP_TASKS) + copy.deepcopy(DEEP_MLP_TASKS), num_tasks=32, std=0.01, truncation=50,
+        min_unroll=100, max_unroll=5000, curriculum_from=1000, curriculum_steps=1500, outer_steps=3000, lr=3e-4,
+        final_lr=3e-4, warmup_steps=0, schedule="constant", grad_clip=1.0, validate_every=500, validation_tasks=4,
+        patience=3),
     "digits-cpu": MetaTrainConfig(
         preset="digits-cpu", estimator="pes", tasks=[{"task": "mlp", "dataset": "digits", "hidden": [32], "batch_size": 64}],
         num_tasks=4, std=0.01, truncation=20, min_unroll=50, max_unroll=200, outer_steps=300, lr=1e-2, final_lr=1e-2,
