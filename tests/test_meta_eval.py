@@ -128,3 +128,43 @@ def test_learned_lr_runs_the_learned_optimizer_at_another_lr_into_its_own_direct
     with pytest.raises(SystemExit) as exit_info:  # (argparse's own errors exit)
         main(common + ["--learned-lr", "0"])
     assert exit_info.value.code == 2 and "--learned-lr: expected a number > 0, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_baselines_share_the_adamw_runs_between_weight_sets(tmp_path, capsys, monkeypatch):
+    """--baselines DIR: the first evaluation keeps its AdamW runs there; a second weight set's takes them (no AdamW
+    step runs) and reports the same AdamW numbers; the learned runs are each weight set's own."""
+    first, second, baselines = tmp_path / "w1", tmp_path / "w2", tmp_path / "baselines"
+    lopt.random_weights("small_fc_lopt", seed=3).save(first)
+    lopt.random_weights("small_fc_lopt", seed=4).save(second)
+    common = ["--quick", "--tasks", "wine_mlp,breast_cancer_mlp", "--quiet", "--baselines", str(baselines)]
+    assert main(["meta-eval", str(first)] + common) == 0
+    kept = sorted(p.name.rsplit("-", 1)[0] for p in baselines.iterdir())
+    assert kept == [f"{task}-adamw_{run}" for task in ("breast_cancer_mlp", "wine_mlp")
+                    for run in ("default", "sweep", "tuned")]
+
+    trained = []
+    train_population = evaluate.train_population
+
+    def recorded(family, optimizer, *args, **kwargs):
+        trained.append(type(optimizer).__name__)
+        return train_population(family, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "train_population", recorded)
+    assert main(["meta-eval", str(second)] + common) == 0
+    assert trained == ["BatchedSmallFCLOpt", "BatchedSmallFCLOpt"]  # the learned runs only, one per task
+    capsys.readouterr()
+    a = json.loads((first / "eval-quick" / "results.json").read_text())["tasks"]
+    b = json.loads((second / "eval-quick" / "results.json").read_text())["tasks"]
+    for x, y in zip(a, b):
+        assert x["summary"]["adamw_tuned"] == y["summary"]["adamw_tuned"] and x["tuned_lr"] == y["tuned_lr"]
+        assert x["summary"]["adamw_default"] == y["summary"]["adamw_default"]
+        assert x["summary"]["learned"] != y["summary"]["learned"]
+    # other settings (a longer horizon) name other files: nothing is taken from runs that would differ
+    task = evaluate.SUITES["heldout-v1"][1]
+    quick = evaluate.EvalSettings.make(quick=True)
+    longer = evaluate.EvalSettings.make(quick=True, horizon=31)
+    assert evaluate.baseline_path(baselines, task, quick, "adamw_default", "cpu", {"lr": 1e-3}).exists()
+    assert not evaluate.baseline_path(baselines, task, longer, "adamw_default", "cpu", {"lr": 1e-3}).exists()
+    assert evaluate.baseline_path(baselines, task, evaluate.EvalSettings.make(quick=True, learned_lr=0.1),
+                                  "adamw_default", "cpu", {"lr": 1e-3}).exists()  # (the learned lr is not AdamW's)

@@ -100,6 +100,9 @@ def add_commands(sub) -> None:
     evaluate.add_argument("--learned-lr", type=_positive_float, default=None, metavar="LR",
                           help="run the learned optimizer at this lr instead of its default (SmallFCLOpt 1, ELO 1e-3: "
                                "the suite's protocol); default --out WEIGHTS/eval-lrLR")
+    evaluate.add_argument("--baselines", default=None, metavar="DIR",
+                          help="keep the AdamW runs here and take them from here: they do not depend on the weights, so "
+                               "evaluations of several weight sets that name the same DIR run them once")
     evaluate.add_argument("--quick", action="store_true",
                           help="tiny versions of the tasks, 30 steps, 3 AdamW lrs, 1+2 seeds (for tests)")
     evaluate.add_argument("--horizon", type=_positive_int, default=None, metavar="N", help="steps per run (default 5000)")
@@ -216,7 +219,7 @@ def cmd_meta_eval(args) -> int:
         settings = EvalSettings.make(quick=args.quick, horizon=args.horizon, tasks=tasks, learned_lr=args.learned_lr)
         settings.task_list()
         report = run_suite(args.weights, out, device, settings, progress=not args.quiet, max_minutes=args.max_minutes,
-                           optimizer=optimizer)
+                           optimizer=optimizer, baselines=args.baselines)
     except (MissingDependency, ValueError) as err:
         raise MetaUsageError(str(err)) from None
     print(report["markdown"])

@@ -228,11 +228,26 @@ def _aggregate(runs: list[dict]) -> dict:
             "divergence_rate": sum(r["diverged"] for r in runs) / len(runs), "runs": runs}
 
 
+def baseline_path(directory, task: EvalTask, settings: EvalSettings, name: str, device, extra=None) -> Path:
+    """Where an AdamW run of ``task`` is kept in a baselines directory: named by a digest of everything that
+    decides it — the task and its spec, the settings but the learned optimizer's lr, the run (its learning
+    rates), the device (a GPU's name) and torch's version — so a run is reused only where it would come out the
+    same."""
+    device = torch.device(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    settings_key = {k: v for k, v in settings.key().items() if k != "learned_lr"}
+    identity = {"task": task.name, "spec": task.quick_spec if settings.quick else task.spec, "settings": settings_key,
+                "run": name, "extra": extra or {}, "device": where, "torch": torch.__version__}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(directory) / f"{task.name}-{name}-{digest}.pt"
+
+
 def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, done: dict | None = None,
-                  save=None, progress=None, deadline=None, optimizer: str = "small_fc_lopt") -> dict:
+                  save=None, progress=None, deadline=None, optimizer: str = "small_fc_lopt", baselines=None) -> dict:
     """One task: the AdamW sweep, then the learned optimizer (``optimizer``'s step with ``meta_weights``), AdamW
     at 1e-3 and AdamW at the tuned lr. ``done`` holds runs finished earlier (resume); ``save(result)`` is called
-    after every run."""
+    after every run. ``baselines``: a directory where the AdamW runs, which do not depend on the weights, are
+    kept and taken from (:func:`baseline_path`), so that several weight sets share them."""
     spec = task.quick_spec if settings.quick else task.spec
     family = tasks_lib.build(spec).to(device)
     shapes = family.shapes()
@@ -248,6 +263,10 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
             progress.update(1)
 
     def finish(name, optimizer, seeds, extra=None):
+        kept = None if baselines is None or name == "learned" else baseline_path(baselines, task, settings, name,
+                                                                                  device, extra)
+        if name not in runs and kept is not None and kept.exists():
+            runs[name] = torch.load(kept, weights_only=True)
         if name in runs:
             if progress is not None:
                 progress.update(horizon)
@@ -262,6 +281,10 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
                  "cuda_graph_steps": out["graph_steps"]}
         entry.update(extra or {})
         runs[name] = entry
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(entry, kept.with_suffix(".tmp"))
+            os.replace(kept.with_suffix(".tmp"), kept)
         if save is not None:
             save(result)
 
@@ -359,9 +382,9 @@ def _jsonable(obj):
 
 
 def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings | None = None, progress=True,
-              max_minutes=None, optimizer: str = "small_fc_lopt") -> dict:
+              max_minutes=None, optimizer: str = "small_fc_lopt", baselines=None) -> dict:
     """Evaluate ``weights_source``, run by ``optimizer`` (small_fc_lopt or elo), on the suite; results (and
-    resumable per-task state) in ``out_dir``."""
+    resumable per-task state) in ``out_dir``; the AdamW runs shared through ``baselines`` (a directory) if given."""
     from tqdm.auto import tqdm
 
     settings = settings or EvalSettings()
@@ -396,7 +419,8 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
 
             bar.set_postfix({"task": task.name}, refresh=False)
             try:
-                result = evaluate_task(task, meta_weights, settings, device, done, save, bar, deadline, optimizer)
+                result = evaluate_task(task, meta_weights, settings, device, done, save, bar, deadline, optimizer,
+                                       baselines)
             except TimeoutError:
                 stopped = True
                 break
