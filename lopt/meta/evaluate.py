@@ -228,6 +228,13 @@ def _aggregate(runs: list[dict]) -> dict:
             "divergence_rate": sum(r["diverged"] for r in runs) / len(runs), "runs": runs}
 
 
+def _save_atomically(obj, path: Path) -> None:
+    """torch.save to a temporary file, then rename it over ``path``: an interrupted save leaves the old file."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def baseline_path(directory, task: EvalTask, settings: EvalSettings, name: str, device, extra=None) -> Path:
     """Where an AdamW run of ``task`` is kept in a baselines directory: named by a digest of everything that
     decides it — the task and its spec, the settings but the learned optimizer's lr, the run (its learning
@@ -283,8 +290,7 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
         runs[name] = entry
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(entry, kept.with_suffix(".tmp"))
-            os.replace(kept.with_suffix(".tmp"), kept)
+            _save_atomically(entry, kept)
         if save is not None:
             save(result)
 
@@ -413,9 +419,7 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
 
             def save(result, partial_path=partial_path):
                 if partial_path is not None:
-                    tmp = partial_path.with_suffix(".tmp")
-                    torch.save({"key": key, "result": result}, tmp)
-                    os.replace(tmp, partial_path)
+                    _save_atomically({"key": key, "result": result}, partial_path)
 
             bar.set_postfix({"task": task.name}, refresh=False)
             try:
