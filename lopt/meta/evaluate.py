@@ -42,6 +42,8 @@ import torch
 from lopt import weights as weights_lib
 from lopt.meta import tasks as tasks_lib
 from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt, inner_rule
+from lopt.meta.members import BACKENDS as MEMBER_BACKENDS
+from lopt.meta.members import MemberOptimizers
 from lopt.meta.stepper import PopulationStepper
 
 
@@ -102,16 +104,23 @@ class EvalSettings:
     tasks: tuple | None = None  # a subset of the suite's task names
     cuda_graphs: bool = True
     learned_lr: float | None = None  # the learned optimizer's lr; None: its class's default (the suite's protocol)
+    # None: the learned optimizer's step batched over the seeds (BatchedSmallFCLOpt, the protocol's records); a
+    # backend ("auto", "naive", "fused"): one torch.optim optimizer per seed (lopt.meta.members)
+    learned_backend: str | None = None
 
     @classmethod
-    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1", learned_lr=None):
+    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1", learned_lr=None, learned_backend=None):
         if learned_lr is not None and not (math.isfinite(learned_lr) and learned_lr > 0):
             raise ValueError(f"learned_lr={learned_lr!r}: the learned optimizer's lr must be a finite number > 0")
+        if learned_backend is not None and learned_backend not in MEMBER_BACKENDS:
+            raise ValueError(f"learned_backend={learned_backend!r}: choose one of {', '.join(MEMBER_BACKENDS)} (or "
+                             f"None, the batched step)")
         if quick:
             settings = cls(suite=suite, horizon=QUICK["horizon"], lrs=QUICK["lrs"], tune_seeds=QUICK["tune_seeds"],
-                           report_seeds=QUICK["report_seeds"], quick=True, tasks=tasks, learned_lr=learned_lr)
+                           report_seeds=QUICK["report_seeds"], quick=True, tasks=tasks, learned_lr=learned_lr,
+                           learned_backend=learned_backend)
         else:
-            settings = cls(suite=suite, tasks=tasks, learned_lr=learned_lr)
+            settings = cls(suite=suite, tasks=tasks, learned_lr=learned_lr, learned_backend=learned_backend)
         if horizon is not None:
             settings.horizon = int(horizon)
         return settings
@@ -133,6 +142,8 @@ class EvalSettings:
                "report_seeds": list(self.report_seeds), "quick": self.quick}
         if self.learned_lr is not None:  # (the key of runs kept at the default stays as it was)
             key["learned_lr"] = self.learned_lr
+        if self.learned_backend is not None:  # (likewise for the batched step)
+            key["learned_backend"] = self.learned_backend
         return key
 
 
@@ -242,7 +253,7 @@ def baseline_path(directory, task: EvalTask, settings: EvalSettings, name: str, 
     same."""
     device = torch.device(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    settings_key = {k: v for k, v in settings.key().items() if k != "learned_lr"}
+    settings_key = {k: v for k, v in settings.key().items() if k not in ("learned_lr", "learned_backend")}
     identity = {"task": task.name, "spec": task.quick_spec if settings.quick else task.spec, "settings": settings_key,
                 "run": name, "extra": extra or {}, "device": where, "torch": torch.__version__}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -287,6 +298,8 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
                  "members": len(seeds), "summaries": summaries, "train_curves": out["train"],
                  "cuda_graph_steps": out["graph_steps"]}
         entry.update(extra or {})
+        if getattr(optimizer, "backends", None):  # MemberOptimizers: what backend="auto" resolved to, per seed
+            entry["backends"] = optimizer.backends
         runs[name] = entry
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
@@ -310,9 +323,15 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
     result["tuned_lr"] = best_lr
 
     seeds = list(settings.report_seeds)
-    learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer, lr=settings.learned_lr)
-    learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
-    finish("learned", learned, seeds, {"lr": float(learned.lr), "optimizer": optimizer})
+    if settings.learned_backend is None:
+        learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer, lr=settings.learned_lr)
+        learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
+        extra = {}
+    else:
+        learned = MemberOptimizers(len(seeds), optimizer=optimizer, weights=meta_weights, lr=settings.learned_lr,
+                                   backend=settings.learned_backend)
+        extra = {"backend": settings.learned_backend}
+    finish("learned", learned, seeds, {"lr": float(learned.lr), "optimizer": optimizer, **extra})
     finish("adamw_default", BatchedAdamW(shapes, len(seeds), device, lr=1e-3), seeds, {"lr": 1e-3})
     finish("adamw_tuned", BatchedAdamW(shapes, len(seeds), device, lr=best_lr), seeds, {"lr": best_lr})
     result["summary"] = {name: _aggregate(runs[name]["summaries"]) for name in ("learned", "adamw_tuned", "adamw_default")}
@@ -336,7 +355,9 @@ def markdown_table(results: list[dict], header: str = "") -> str:
             s = r["summary"][key]
             label = names[key]
             if key == "learned":  # (runs kept before the lr was recorded are small_fc_lopt's, at lr 1)
-                label += f" (lr {r['runs']['learned'].get('lr', 1.0):g})"
+                run = r["runs"]["learned"]
+                label += f" (lr {run.get('lr', 1.0):g}" + (f", {'/'.join(sorted(set(run['backends'])))} step)"
+                                                          if run.get("backends") else ")")
             elif key == "adamw_tuned":
                 label += f" (lr {r['tuned_lr']:.2g})"
             lines.append(f"| {r['task']} | {r['horizon']} | {label} | {_fmt(s['final_train'])} | {_fmt(s['heldout'])} | "
