@@ -56,9 +56,17 @@ def test_an_evaluation_run_is_the_optimizer_training_torch_nn_modules(optimizer)
 def test_quick_meta_eval_writes_table_json_plot_and_resumes(tmp_path, capsys):
     out = tmp_path / "eval"
     assert main(["meta-eval", "random", "--quick", "--out", str(out), "--quiet"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "| task | horizon | optimizer |" in printed
     report = json.loads((out / "results.json").read_text())
+    # --quiet still logs each run as it finishes (stderr), so a stopped process's log says what finished
+    lines = captured.err.splitlines()
+    assert len(lines) == 4 * len(report["tasks"]) and "| task" not in captured.err
+    learned = report["tasks"][0]["summary"]["learned"]
+    assert (f"{report['tasks'][0]['task']}: learned done in " in lines[1]
+            and f"final training loss {learned['final_train']['mean']:.4g} (mean of 2), "
+                f"{round(learned['divergence_rate'] * 2)} diverged" in lines[1]), lines[1]
     assert report["complete"] and report["settings"]["quick"]
     names = [t["task"] for t in report["tasks"]]
     assert names == [t.name for t in evaluate.SUITES["heldout-v1"]]
@@ -74,6 +82,7 @@ def test_quick_meta_eval_writes_table_json_plot_and_resumes(tmp_path, capsys):
     before = (out / "results.md").read_text()
     assert main(["meta-eval", "random", "--quick", "--out", str(out), "--quiet"]) == 0
     assert (out / "results.md").read_text() == before
+    assert capsys.readouterr().err == ""  # nothing trained, nothing logged
 
 
 def test_exported_data_sets_stand_in_for_scikit_learn(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,11 +262,14 @@ def baseline_path(directory, task: EvalTask, settings: EvalSettings, name: str, 
 
 
 def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, done: dict | None = None,
-                  save=None, progress=None, deadline=None, optimizer: str = "small_fc_lopt", baselines=None) -> dict:
+                  save=None, progress=None, deadline=None, optimizer: str = "small_fc_lopt", baselines=None,
+                  log=None) -> dict:
     """One task: the AdamW sweep, then the learned optimizer (``optimizer``'s step with ``meta_weights``), AdamW
     at 1e-3 and AdamW at the tuned lr. ``done`` holds runs finished earlier (resume); ``save(result)`` is called
     after every run. ``baselines``: a directory where the AdamW runs, which do not depend on the weights, are
-    kept and taken from (:func:`baseline_path`), so that several weight sets share them."""
+    kept and taken from (:func:`baseline_path`), so that several weight sets share them. ``log(line)``: one line
+    per run trained here (its time, final training loss and divergences), so that a log shows what finished
+    even when the process is stopped before the table."""
     spec = task.quick_spec if settings.quick else task.spec
     family = tasks_lib.build(spec).to(device)
     shapes = family.shapes()
@@ -301,6 +305,11 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
         if getattr(optimizer, "backends", None):  # MemberOptimizers: what backend="auto" resolved to, per seed
             entry["backends"] = optimizer.backends
         runs[name] = entry
+        if log is not None:
+            finals = [m["final_train"] for m in summaries]
+            log(f"{task.name}: {name} done in {entry['seconds']:.1f} s, final training loss "
+                f"{statistics.fmean(finals):.4g} (mean of {len(finals)}), {sum(m['diverged'] for m in summaries)} "
+                f"diverged")
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
             _save_atomically(entry, kept)
@@ -425,6 +434,13 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
     bar = tqdm(total=len(task_list) * 4 * settings.horizon, disable=not progress, desc="meta-eval",
                unit="step", dynamic_ncols=True)
     deadline = None if max_minutes is None else time.perf_counter() + max_minutes * 60
+
+    def log(line):  # (above the progress bar when there is one; stderr, so stdout stays the table)
+        if progress:
+            tqdm.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
     results, stopped = [], False
     key = {"weights_sha": digest, **settings.key()}
     if optimizer != "small_fc_lopt":  # (the key of runs kept before ELO could be evaluated stays as it was)
@@ -445,7 +461,7 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
             bar.set_postfix({"task": task.name}, refresh=False)
             try:
                 result = evaluate_task(task, meta_weights, settings, device, done, save, bar, deadline, optimizer,
-                                       baselines)
+                                       baselines, log)
             except TimeoutError:
                 stopped = True
                 break
