@@ -102,7 +102,7 @@ def add_commands(sub) -> None:
                                "the suite's protocol); default --out WEIGHTS/eval-lrLR")
     evaluate.add_argument("--learned-backend", default=None, choices=["auto", "naive", "fused"],
                           help="step the learned optimizer as users do, one lopt optimizer per seed with this backend "
-                               "(auto: fused on a GPU, several times faster there), instead of the batched step the "
+                               "(auto: the fused step on a GPU), instead of the batched step the "
                                "suite's records used (within float32 rounding of it); default --out "
                                "WEIGHTS/eval-BACKEND")
     evaluate.add_argument("--baselines", default=None, metavar="DIR",
