@@ -64,7 +64,8 @@ class MemberOptimizers:
                            for views in self._views]
 
     def step(self, params, grads, state: dict, network=None) -> list:
-        """Member ``m``'s optimizer steps its views with ``grads[i][m]``; returns the updated ``params``."""
+        """Member ``m``'s optimizer steps its views with ``grads[i][m]``, in place; returns ``params``' storage
+        (which the stepper then need not copy)."""
         if len(params) != len(grads) or any(p.shape[:1] != (self.population,) for p in params):
             raise ValueError(f"MemberOptimizers: expected one gradient per parameter, each of a population of "
                              f"{self.population} on its first axis")
@@ -84,4 +85,4 @@ class MemberOptimizers:
     @property
     def backends(self) -> list:
         """The backend each member's optimizer resolved to (after the first step)."""
-        return [] if self.optimizers is None else [getattr(o, "backend", self.backend) for o in self.optimizers]
+        return [] if self.optimizers is None else [o.backend for o in self.optimizers]

@@ -98,7 +98,8 @@ class PopulationStepper:
         new = self.optimizer.step(leaves, grads, self.opt_state, network)
         with torch.no_grad():
             for p, value in zip(self.params, new):
-                p.copy_(value)
+                if value.data_ptr() != p.data_ptr():  # (an optimizer that stepped p in place returns p's storage)
+                    p.copy_(value)
         return loss.detach()
 
     def step(self, network, source_batch) -> torch.Tensor:
