@@ -79,6 +79,42 @@ def test_a_population_trained_by_member_optimizers_is_the_batched_population(mon
         assert torch.equal(run["params"][0][1], run["params"][0][2])  # the same seed, the same run
 
 
+@pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.parametrize("optimizer", batched.TRAINABLE)
+def test_scheduled_member_optimizers_are_the_scheduled_batched_population(optimizer, monkeypatch):
+    """A cosine-scheduled population (meta-eval --schedule cosine --learned-backend naive): one optimizer per member,
+    all sharing one 0-d lr tensor that train_population writes in place, gives the scheduled batched step's curves
+    and parameters, eager and through the emulated CUDA-graph path (bit for bit between those two); the schedule
+    acts (the constant run differs), and the shared lr ends the run as given."""
+    family = tasks.build(TEACHER)
+    rule = batched.inner_rule(optimizer)
+    weights = lopt.random_weights(rule.architecture, seed=3)
+    base = rule.defaults["lr"]
+    expected = evaluate.train_population(family, _batched(family.shapes(), 3, "cpu", weights, optimizer,
+                                                          lr=torch.tensor(base)), [2, 3, 3], 20, "cpu",
+                                         lr_schedule="cosine")
+    constant = evaluate.train_population(family, _batched(family.shapes(), 3, "cpu", weights, optimizer), [2, 3, 3],
+                                         20, "cpu")
+    assert _max_relative(expected["params"], constant["params"]) > 1e-3
+    runs = []
+    for emulate in (False, True):
+        monkeypatch.setattr(stepper, "EMULATE_ON_CPU", emulate)
+        lr = torch.tensor(base)
+        members = MemberOptimizers(3, optimizer=optimizer, weights=weights, lr=lr, backend="naive")
+        run = evaluate.train_population(family, members, [2, 3, 3], 20, "cpu", lr_schedule="cosine")
+        assert all(group["lr"] is lr for o in members.optimizers for group in o.param_groups)
+        assert torch.equal(lr, torch.tensor(base))
+        assert (run["graph_steps"] > 0) == emulate
+        assert float((run["train"] - expected["train"]).abs().max()) <= 1e-5
+        assert _max_relative(run["params"], expected["params"]) <= 1e-5
+        runs.append(run)
+    assert torch.equal(runs[0]["train"], runs[1]["train"])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
+    with pytest.raises(TypeError, match=r"MemberOptimizers.lr must be a floating-point tensor .* got 1.0"):
+        evaluate.train_population(family, MemberOptimizers(3, weights=weights, lr=1.0, backend="naive"), [2, 3, 3],
+                                  2, "cpu", lr_schedule="cosine")
+
+
 def test_member_optimizers_refuse_bad_arguments_with_the_fix():
     weights = lopt.weights.load_weights("lopt-small_fc-tiny", "small_fc_lopt")
     with pytest.raises(ValueError, match=r"backend='cuda'; choose one of auto, naive, fused"):
@@ -139,3 +175,31 @@ def test_fused_member_optimizers_on_a_gpu_follow_the_batched_step(optimizer):
         assert run["graph_steps"] > 0, "the fused members' steps were not replayed from a graph"
         assert _max_relative(run["params"], expected["params"]) <= 1e-4
         assert float((run["train"] - expected["train"]).abs().max()) <= 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_scheduled_runs_replayed_from_a_cuda_graph_follow_the_schedule():
+    """On a GPU: cosine-scheduled runs replayed from a captured CUDA graph (BatchedAdamW with an lr per member, the
+    batched step and fused members with a shared 0-d lr, each a CUDA tensor written in place between replays) give
+    what the same runs stepped eagerly give; a graph that kept its first lr would give the constant run instead,
+    which is far from them."""
+    weights = lopt.weights.load_weights("lopt-small_fc-tiny", "small_fc_lopt")
+    family = tasks.build(TEACHER).to("cuda")
+    shapes = family.shapes()
+    makes = {
+        "BatchedAdamW": lambda: batched.BatchedAdamW(shapes, 3, "cuda", lr=torch.tensor([1e-3, 1e-2, 1e-1],
+                                                                                         device="cuda")),
+        "BatchedSmallFCLOpt": lambda: _batched(shapes, 3, "cuda", weights, lr=torch.tensor(1.0, device="cuda")),
+        "fused members": lambda: MemberOptimizers(3, weights=weights, lr=torch.tensor(1.0, device="cuda"),
+                                                  backend="fused"),
+    }
+    for name, make in makes.items():
+        graph = evaluate.train_population(family, make(), [2, 3, 4], 30, "cuda", lr_schedule="cosine")
+        eager = evaluate.train_population(family, make(), [2, 3, 4], 30, "cuda", use_graph=False,
+                                          lr_schedule="cosine")
+        constant = evaluate.train_population(family, make(), [2, 3, 4], 30, "cuda", use_graph=False)
+        assert graph["graph_steps"] > 0, name
+        assert _max_relative(graph["params"], eager["params"]) <= 1e-5, name
+        assert float((graph["train"] - eager["train"]).abs().max()) <= 1e-5, name
+        assert _max_relative(constant["params"], eager["params"]) > 1e-3, name

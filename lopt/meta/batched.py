@@ -156,7 +156,11 @@ class BatchedSmallFCLOpt:
         optimizer: ``"small_fc_lopt"`` (``lopt.SmallFCLOpt``'s step) or ``"elo"`` (``lopt.ELO``'s).
         lr, weight_decay, exp_mult, step_mult, momentum_decays, rms_decays, adafactor_decays: as the
             optimizer's class, whose defaults apply where None (ELO takes no ``step_mult``). ``lr`` may
-            also be a (P,) tensor, one per member.
+            also be a tensor, 0-d (every member's) or (P,) (one per member), kept on ``device``.
+
+    ``self.lr`` is what the step reads, at every step: a tensor there is read in place, so a schedule
+    (``lopt.meta.evaluate.train_population``'s ``lr_schedule``) writes it between steps, and a CUDA graph
+    captured from the step follows it.
 
     The state (:meth:`init_state`) is a dict: ``"step"`` (P,) int64 (steps taken, as ``group["step"]``)
     and ``"tensors"``, one dict per parameter with SmallFCLOpt's buffers, each with the leading axis P.
@@ -176,7 +180,7 @@ class BatchedSmallFCLOpt:
         self.work_shapes = [s if s else (1,) for s in self.shapes]
         self.dims = [_shifted(reference.factored_dims(s)) for s in self.shapes]
         self.counts = [math.prod(s) for s in self.work_shapes]
-        self.lr = defaults["lr"] if lr is None else lr
+        self.lr = defaults["lr"] if lr is None else (lr.to(self.device) if torch.is_tensor(lr) else lr)
         self.weight_decay = weight_decay
         self.exp_mult = defaults["exp_mult"] if exp_mult is None else exp_mult
         self.step_mult = self.rule.step_mult if step_mult is None else step_mult
@@ -283,9 +287,10 @@ class BatchedAdamW:
     """``torch.optim.AdamW``'s update (``amsgrad=False``) with one learning rate per member.
 
     ``lr`` is a (P,) tensor (or a number); betas, eps and weight_decay as torch's (defaults 0.9, 0.999,
-    1e-8, 1e-2). The step count is a device tensor (float64) and the bias corrections are formed from it
-    on the device, in the arrangement of torch's ``capturable=True`` AdamW, so a CUDA graph can replay
-    the step. Non-finite
+    1e-8, 1e-2). ``self.lr`` is read at every step, a tensor in place (a schedule writes it between steps, as
+    :class:`BatchedSmallFCLOpt`'s). The step count is a device tensor (float64) and the bias corrections are
+    formed from it on the device, in the arrangement of torch's ``capturable=True`` AdamW, so a CUDA graph can
+    replay the step. Non-finite
     gradients are not skipped (as torch's AdamW).
     """
 

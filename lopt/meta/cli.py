@@ -48,6 +48,7 @@ def _assignment(text):
 
 def add_commands(sub) -> None:
     """Add ``meta-train`` and ``meta-eval`` to an argparse subparsers object."""
+    from lopt.meta.evaluate import SCHEDULES  # light too (torch is imported already; no scikit-learn, no matplotlib)
     from lopt.meta.presets import PRESETS  # light (no torch work, no scikit-learn)
 
     train = sub.add_parser("meta-train", help="meta-train small_fc_lopt's (or ELO's) MLP (truncated PES or ES) in "
@@ -91,8 +92,9 @@ def add_commands(sub) -> None:
                           help="a directory (config.json + model.safetensors, e.g. a meta-train --out), a "
                                ".safetensors file, a registered name, or 'random'")
     evaluate.add_argument("--out", default=None, metavar="DIR",
-                          help="write results.json, results.md, curves.png (default: WEIGHTS/eval[-quick] for a "
-                               "directory); finished runs are kept, so a rerun resumes")
+                          help="write results.json, results.md, curves.png (default for a directory: "
+                               "WEIGHTS/eval[-quick][-SCHEDULE][-lrLR][-BACKEND], a suffix for each option given "
+                               "that is not the protocol's default); finished runs are kept, so a rerun resumes")
     evaluate.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     evaluate.add_argument("--optimizer", default=None, metavar="NAME",
                           help="the optimizer that runs WEIGHTS: small_fc_lopt or elo (default: a meta-train run's own, "
@@ -105,6 +107,11 @@ def add_commands(sub) -> None:
                                "(auto: the fused step on a GPU), instead of the batched step the "
                                "suite's records used (within float32 rounding of it); default --out "
                                "WEIGHTS/eval-BACKEND")
+    evaluate.add_argument("--schedule", default="constant", choices=list(SCHEDULES),
+                          help="the lr schedule of every optimizer: constant (the suite's protocol, default) or cosine "
+                               "(a protocol variant: the learned optimizer's lr, AdamW's and its sweep's each "
+                               "multiplied by 0.5*(1 + cos(pi*t/horizon)) at step t, decaying to 0 over the horizon; "
+                               "AdamW's lr is tuned under it); default --out WEIGHTS/eval-cosine")
     evaluate.add_argument("--baselines", default=None, metavar="DIR",
                           help="keep the AdamW runs here and take them from here: they do not depend on the weights, so "
                                "evaluations of several weight sets that name the same DIR run them once")
@@ -217,13 +224,14 @@ def cmd_meta_eval(args) -> int:
     out = args.out
     if out is None and Path(args.weights).is_dir():
         out = Path(args.weights) / ("eval" + ("-quick" if args.quick else "")
+                                    + (f"-{args.schedule}" if args.schedule != "constant" else "")
                                     + (f"-lr{args.learned_lr:g}" if args.learned_lr is not None else "")
                                     + (f"-{args.learned_backend}" if args.learned_backend is not None else ""))
     tasks = None if args.tasks is None else tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     try:
         optimizer = _eval_optimizer(args)
         settings = EvalSettings.make(quick=args.quick, horizon=args.horizon, tasks=tasks, learned_lr=args.learned_lr,
-                                     learned_backend=args.learned_backend)
+                                     learned_backend=args.learned_backend, schedule=args.schedule)
         settings.task_list()
         report = run_suite(args.weights, out, device, settings, progress=not args.quiet, max_minutes=args.max_minutes,
                            optimizer=optimizer, baselines=args.baselines)

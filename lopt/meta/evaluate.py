@@ -16,6 +16,11 @@ the seed):
   the one with the lowest mean final training loss (a diverged run counts as +inf) is then run on
   seeds 2–6.
 
+A protocol variant (``schedule="cosine"``, ``lopt meta-eval --schedule cosine``) runs every one of these with
+its lr multiplied at step t by a schedule over the horizon (:data:`SCHEDULES`): the learned optimizer, the
+sweep (so the tuned lr is chosen under the schedule), AdamW at 1e-3 and at the tuned lr. The constant lr
+stays the suite's protocol; a variant's results are reported beside it, keyed and kept apart.
+
 Reported per task and optimizer: the final training loss (mean of the last 5% of steps, at least 10),
 the held-out loss at the end, the divergence rate (a run diverges when its final training loss is
 not finite or exceeds 1.5·L0, the normaliser's cap), as mean ± std over the 5 seeds; a markdown
@@ -94,6 +99,23 @@ QUICK = {"horizon": 30, "lrs": (1e-3, 1e-2, 1e-1), "tune_seeds": (0,), "report_s
 CURVE_POINTS = 200
 
 
+def _constant(t, horizon):
+    """1: the lr as given at every step."""
+    return 1.0
+
+
+def _cosine(t, horizon):
+    """½(1 + cos(π t / horizon)), from 1 at t = 0 toward 0 at t = horizon (torch's CosineAnnealingLR(T_max=horizon,
+    eta_min=0))."""
+    return 0.5 * (1.0 + math.cos(math.pi * t / horizon))
+
+
+# The protocol's lr schedules: name -> the multiplier of every optimizer's lr at step t (0 .. horizon - 1) of a run of
+# ``horizon`` steps, documented by its docstring (the report's header quotes it). "constant" is heldout-v1's frozen
+# protocol; the others are variants, reported beside it and never instead.
+SCHEDULES = {"constant": _constant, "cosine": _cosine}
+
+
 @dataclass
 class EvalSettings:
     suite: str = "heldout-v1"
@@ -108,20 +130,26 @@ class EvalSettings:
     # None: the learned optimizer's step batched over the seeds (BatchedSmallFCLOpt, the protocol's records); a
     # backend ("auto", "naive", "fused"): one torch.optim optimizer per seed (lopt.meta.members)
     learned_backend: str | None = None
+    # a name of SCHEDULES: every optimizer's lr (AdamW's sweep included) multiplied by it at every step
+    schedule: str = "constant"
 
     @classmethod
-    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1", learned_lr=None, learned_backend=None):
+    def make(cls, quick=False, horizon=None, tasks=None, suite="heldout-v1", learned_lr=None, learned_backend=None,
+             schedule="constant"):
         if learned_lr is not None and not (math.isfinite(learned_lr) and learned_lr > 0):
             raise ValueError(f"learned_lr={learned_lr!r}: the learned optimizer's lr must be a finite number > 0")
         if learned_backend is not None and learned_backend not in MEMBER_BACKENDS:
             raise ValueError(f"learned_backend={learned_backend!r}: choose one of {', '.join(MEMBER_BACKENDS)} (or "
                              f"None, the batched step)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if quick:
             settings = cls(suite=suite, horizon=QUICK["horizon"], lrs=QUICK["lrs"], tune_seeds=QUICK["tune_seeds"],
                            report_seeds=QUICK["report_seeds"], quick=True, tasks=tasks, learned_lr=learned_lr,
-                           learned_backend=learned_backend)
+                           learned_backend=learned_backend, schedule=schedule)
         else:
-            settings = cls(suite=suite, tasks=tasks, learned_lr=learned_lr, learned_backend=learned_backend)
+            settings = cls(suite=suite, tasks=tasks, learned_lr=learned_lr, learned_backend=learned_backend,
+                           schedule=schedule)
         if horizon is not None:
             settings.horizon = int(horizon)
         return settings
@@ -145,6 +173,8 @@ class EvalSettings:
             key["learned_lr"] = self.learned_lr
         if self.learned_backend is not None:  # (likewise for the batched step)
             key["learned_backend"] = self.learned_backend
+        if self.schedule != "constant":  # (likewise for the constant protocol; a variant's AdamW runs are its own)
+            key["schedule"] = self.schedule
         return key
 
 
@@ -170,12 +200,40 @@ def _seed_generator(device, seed):
     return generator.manual_seed(1_000_003 * (seed + 1))
 
 
-def train_population(family, optimizer, member_seeds, horizon, device, on_step=None, use_graph=True) -> dict:
+def scheduled_lr(optimizer, device) -> torch.Tensor:
+    """The tensor a schedule writes: ``optimizer.lr``, which every population optimizer's step reads in place
+    (BatchedSmallFCLOpt, BatchedAdamW, MemberOptimizers' shared lr). It must be a floating-point tensor on
+    ``device``: a number is baked into a captured CUDA graph (and is no object to write into), and a CPU tensor
+    beside CUDA parameters is read on the host when a kernel is launched, so a graph would keep its first value."""
+    lr = getattr(optimizer, "lr", None)
+    name = type(optimizer).__name__
+    if not (torch.is_tensor(lr) and lr.is_floating_point()):
+        raise TypeError(f"a scheduled run writes the optimizer's lr in place each step, so {name}.lr must be a "
+                        f"floating-point tensor its step reads (0-d, or one per member); got {lr!r}. Construct "
+                        f"{name} with lr=torch.tensor(LR, device=DEVICE)")
+    if lr.device != torch.device(device):
+        raise ValueError(f"a scheduled run needs {name}.lr on the population's device {torch.device(device)}, got a "
+                         f"tensor on {lr.device} (a captured CUDA graph would keep its first value)")
+    return lr
+
+
+def train_population(family, optimizer, member_seeds, horizon, device, on_step=None, use_graph=True,
+                     lr_schedule=None) -> dict:
     """Train one member per entry of ``member_seeds`` for ``horizon`` steps with ``optimizer`` (a batched
     optimizer over ``len(member_seeds)`` members). A seed fixes its instance (initial parameters, data
     order) whatever else trains beside it. Returns training losses (horizon, P), held-out losses (P,)
-    and the final parameters. On CUDA the steps replay a captured graph (``use_graph``)."""
+    and the final parameters. On CUDA the steps replay a captured graph (``use_graph``).
+
+    ``lr_schedule``: a name of :data:`SCHEDULES` (None: "constant"). Other than constant, the optimizer's lr
+    (:func:`scheduled_lr`, a tensor) is multiplied at step t by ``SCHEDULES[lr_schedule](t, horizon)``, written
+    in place before the step, and set back to its value as given after the run."""
+    if lr_schedule is not None and lr_schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule={lr_schedule!r}: choose one of {', '.join(SCHEDULES)} (or None)")
     device = torch.device(device)
+    multiplier = None if lr_schedule in (None, "constant") else SCHEDULES[lr_schedule]
+    if multiplier is not None:
+        lr = scheduled_lr(optimizer, device)
+        base = lr.clone()
     seeds = sorted(set(member_seeds))
     rows = torch.tensor([seeds.index(s) for s in member_seeds], device=device)
     generators = [_seed_generator(device, s) for s in seeds]
@@ -194,9 +252,14 @@ def train_population(family, optimizer, member_seeds, horizon, device, on_step=N
     losses = torch.empty(horizon, len(member_seeds), device=device)
     network = getattr(optimizer, "network", None)
     for t in range(horizon):
+        if multiplier is not None:
+            # in place and outside the step: a CUDA graph captured from the step reads this storage at every replay
+            torch.mul(base, multiplier(t, horizon), out=lr)
         losses[t] = stepper.step(network, [family.sample_batch(i, g) for i, g in zip(insts, generators)])
         if on_step is not None:
             on_step()
+    if multiplier is not None:
+        lr.copy_(base)
     generator = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
     heldout = family.heldout_loss(params, inst, generator.manual_seed(99))
     return {"train": losses.cpu(), "heldout": heldout.cpu(), "params": params,
@@ -276,6 +339,9 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
     result = dict(done or {})
     result.update({"task": task.name, "what": task.what, "spec": spec, "family": family.describe(),
                    "horizon": settings.horizon})
+    scheduled = settings.schedule != "constant"
+    if scheduled:  # (a constant-protocol result stays as it was)
+        result["schedule"] = settings.schedule
     result.setdefault("runs", {})
     runs = result["runs"]
     horizon = settings.horizon
@@ -296,12 +362,15 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
         if deadline is not None and time.perf_counter() > deadline:
             raise TimeoutError
         start = time.perf_counter()
-        out = train_population(family, optimizer, seeds, horizon, device, step_hook, settings.cuda_graphs)
+        out = train_population(family, optimizer, seeds, horizon, device, step_hook, settings.cuda_graphs,
+                               lr_schedule=settings.schedule)
         summaries = _summaries(family, out, horizon)
         entry = {"seconds": round(time.perf_counter() - start, 2), "seeds": list(seeds),
                  "members": len(seeds), "summaries": summaries, "train_curves": out["train"],
                  "cuda_graph_steps": out["graph_steps"]}
         entry.update(extra or {})
+        if scheduled:
+            entry["schedule"] = settings.schedule
         if getattr(optimizer, "backends", None):  # MemberOptimizers: what backend="auto" resolved to, per seed
             entry["backends"] = optimizer.backends
         runs[name] = entry
@@ -315,6 +384,10 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
             _save_atomically(entry, kept)
         if save is not None:
             save(result)
+
+    def adamw_lr(lr, members):
+        """A number for the constant protocol (its records stay as they were); a schedule writes a tensor in place."""
+        return torch.full((members,), lr, device=device) if scheduled else lr
 
     # 1. the AdamW sweep on the tuning seeds
     sweep_seeds = [s for _ in settings.lrs for s in settings.tune_seeds]
@@ -332,17 +405,23 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
     result["tuned_lr"] = best_lr
 
     seeds = list(settings.report_seeds)
+    # the lr as given, recorded as a number (a scheduled run's tensor is float32 and ends the run as given)
+    learned_lr = inner_rule(optimizer).defaults["lr"] if settings.learned_lr is None else settings.learned_lr
+    # scheduled: one 0-d tensor on the device, shared by the members, that the step reads in place
+    lr_arg = torch.tensor(float(learned_lr), device=device) if scheduled else settings.learned_lr
     if settings.learned_backend is None:
-        learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer, lr=settings.learned_lr)
+        learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer, lr=lr_arg)
         learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
         extra = {}
     else:
-        learned = MemberOptimizers(len(seeds), optimizer=optimizer, weights=meta_weights, lr=settings.learned_lr,
+        learned = MemberOptimizers(len(seeds), optimizer=optimizer, weights=meta_weights, lr=lr_arg,
                                    backend=settings.learned_backend)
         extra = {"backend": settings.learned_backend}
-    finish("learned", learned, seeds, {"lr": float(learned.lr), "optimizer": optimizer, **extra})
-    finish("adamw_default", BatchedAdamW(shapes, len(seeds), device, lr=1e-3), seeds, {"lr": 1e-3})
-    finish("adamw_tuned", BatchedAdamW(shapes, len(seeds), device, lr=best_lr), seeds, {"lr": best_lr})
+    finish("learned", learned, seeds, {"lr": float(learned_lr), "optimizer": optimizer, **extra})
+    finish("adamw_default", BatchedAdamW(shapes, len(seeds), device, lr=adamw_lr(1e-3, len(seeds))), seeds,
+           {"lr": 1e-3})
+    finish("adamw_tuned", BatchedAdamW(shapes, len(seeds), device, lr=adamw_lr(best_lr, len(seeds))), seeds,
+           {"lr": best_lr})
     result["summary"] = {name: _aggregate(runs[name]["summaries"]) for name in ("learned", "adamw_tuned", "adamw_default")}
     result["curves"] = {name: _curve(runs[name]["train_curves"]) for name in ("learned", "adamw_tuned", "adamw_default")}
     return result
@@ -360,15 +439,19 @@ def markdown_table(results: list[dict], header: str = "") -> str:
               "|---|---:|---|---:|---:|---:|"]
     names = {"learned": "learned", "adamw_tuned": "AdamW tuned", "adamw_default": "AdamW 1e-3"}
     for r in results:
+        schedule = f", {r['schedule']}" if r.get("schedule") else ""  # (a row says its protocol, pasted anywhere)
         for key in ("learned", "adamw_tuned", "adamw_default"):
             s = r["summary"][key]
             label = names[key]
             if key == "learned":  # (runs kept before the lr was recorded are small_fc_lopt's, at lr 1)
                 run = r["runs"]["learned"]
-                label += f" (lr {run.get('lr', 1.0):g}" + (f", {'/'.join(sorted(set(run['backends'])))} step)"
-                                                          if run.get("backends") else ")")
+                label += (f" (lr {run.get('lr', 1.0):g}"
+                          + (f", {'/'.join(sorted(set(run['backends'])))} step" if run.get("backends") else "")
+                          + f"{schedule})")
             elif key == "adamw_tuned":
-                label += f" (lr {r['tuned_lr']:.2g})"
+                label += f" (lr {r['tuned_lr']:.2g}{schedule})"
+            elif schedule:
+                label += f" ({r['schedule']})"
             lines.append(f"| {r['task']} | {r['horizon']} | {label} | {_fmt(s['final_train'])} | {_fmt(s['heldout'])} | "
                          f"{s['divergence_rate']:.0%} |")
     return "\n".join(lines) + "\n"
@@ -392,7 +475,7 @@ def plot_curves(results: list[dict], path) -> bool:
             points = [(s, v) for s, v in r["curves"][key] if v is not None]
             if points:
                 ax.plot(*zip(*points), label=label)
-        ax.set_title(r["task"], fontsize=9)
+        ax.set_title(r["task"] + (f" ({r['schedule']} lr)" if r.get("schedule") else ""), fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.set_yscale("log")
@@ -474,10 +557,15 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
               "weights_source": meta_weights.source, "weights_sha": digest, "device": str(device),
               "torch": torch.__version__, "settings": settings.key(), "complete": not stopped and
               len(results) == len(task_list), "tasks": [_jsonable(r) for r in results]}
+    schedule = ""
+    if settings.schedule != "constant":  # (the constant protocol's header stays as it was)
+        formula = " ".join(SCHEDULES[settings.schedule].__doc__.split()).rstrip(".")
+        schedule = (f" {settings.schedule.capitalize()} schedule: every optimizer's lr (the learned one's, AdamW's, "
+                    f"the sweep's) is multiplied at step t by {formula}; AdamW's lr is tuned under it.")
     header = (f"Meta-weights `{weights_source}` (sha {digest}, run by {inner_rule(optimizer).front_end.__name__}) on "
               f"suite {settings.suite}"
               f"{' (quick mode)' if settings.quick else ''}: mean ± std over seeds {list(settings.report_seeds)}; "
-              f"AdamW's lr tuned over {len(settings.lrs)} values on seeds {list(settings.tune_seeds)}.\n")
+              f"AdamW's lr tuned over {len(settings.lrs)} values on seeds {list(settings.tune_seeds)}.{schedule}\n")
     report["markdown"] = markdown_table(results, header) if results else header
     if out is not None:
         (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")

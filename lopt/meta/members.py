@@ -31,7 +31,11 @@ class MemberOptimizers:
         population: ``P``; the population's tensors are ``(P,) + S``.
         optimizer: ``"small_fc_lopt"`` or ``"elo"`` (:data:`lopt.meta.batched.TRAINABLE`).
         weights: the meta-weights every member runs (a :class:`lopt.weights.MetaWeights`, a name, a directory).
-        lr: the optimizer's lr (None: its class's default).
+        lr: the optimizer's lr (None: its class's default): a number, or a 0-d floating-point tensor on the
+            population's device that every member's optimizer shares and reads in place at every step (the
+            naive and fused backends do), so that a schedule writing ``self.lr`` between steps
+            (``lopt.meta.evaluate.train_population``'s ``lr_schedule``) moves every member, also from a captured
+            CUDA graph.
         backend: the optimizer's ``backend`` (``"auto"``, ``"naive"`` or ``"fused"``).
 
     The same interface as :class:`BatchedSmallFCLOpt` for :class:`~lopt.meta.stepper.PopulationStepper`:

@@ -3,7 +3,8 @@
 A step is: expand the per-source batch to the members (inside the step), the task's loss per member,
 its gradients (autograd), the batched optimizer's step, the new parameters written into the same
 tensors. Everything it touches lives in tensors that keep their storage (parameters, optimizer
-state, instance data, the network's weights, the batch), so on CUDA the step can be captured once
+state, instance data, the network's weights, the batch, the optimizer's ``lr`` where it is a tensor,
+which a schedule writes in place between steps), so on CUDA the step can be captured once
 as a CUDA graph and replayed: one launch instead of hundreds per step, which is what bounds a
 population of small tasks on a GPU. The batch is drawn outside the graph (the same draws, in the
 same order, as the eager step makes) and copied into the graph's input; new meta-weights are copied
@@ -145,8 +146,9 @@ class PopulationStepper:
                 for v in value:
                     walk(v)
 
+        lr = getattr(self.optimizer, "lr", None)  # (a scheduled lr: written in place between replays, never replaced)
         walk([self.params, self.opt_state, self._static_network, self._static_batch,
-              None if callable(self.inst) else self.inst])
+              None if callable(self.inst) else self.inst, lr if torch.is_tensor(lr) else None])
         return tensors
 
     def _capture(self, network, source_batch) -> bool:
