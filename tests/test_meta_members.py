@@ -163,7 +163,9 @@ def test_fused_member_optimizers_on_a_gpu_follow_the_batched_step(optimizer):
     """On a GPU: one fused optimizer per member, replayed from a captured CUDA graph, against the batched step (its
     own graph) on a digits CNN and a teacher–student MLP: parameters within 1e-4 after 30 steps (the fused step
     is within float32 rounding of the naive one, and training compounds it), the same curves within 1e-3."""
-    weights = lopt.weights.load_weights("lopt-small_fc-tiny", "small_fc_lopt")
+    # (the shipped set is small_fc_lopt's; ELO's architecture takes its own weights: random ones, at its small lr)
+    weights = (lopt.weights.load_weights("lopt-small_fc-tiny", "small_fc_lopt") if optimizer == "small_fc_lopt"
+               else lopt.random_weights(batched.inner_rule(optimizer).architecture, seed=3))
     lr = 1.0 if optimizer == "small_fc_lopt" else 1e-3
     for spec in (CNN, TEACHER):
         family = tasks.build(spec).to("cuda")

@@ -211,7 +211,10 @@ def scheduled_lr(optimizer, device) -> torch.Tensor:
         raise TypeError(f"a scheduled run writes the optimizer's lr in place each step, so {name}.lr must be a "
                         f"floating-point tensor its step reads (0-d, or one per member); got {lr!r}. Construct "
                         f"{name} with lr=torch.tensor(LR, device=DEVICE)")
-    if lr.device != torch.device(device):
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # ("cuda" is the current device: compare indices)
+        device = torch.device("cuda", torch.cuda.current_device())
+    if lr.device != device:
         raise ValueError(f"a scheduled run needs {name}.lr on the population's device {torch.device(device)}, got a "
                          f"tensor on {lr.device} (a captured CUDA graph would keep its first value)")
     return lr
