@@ -14,6 +14,23 @@ from lopt.meta import evaluate, tasks
 pytest.importorskip("sklearn", reason="the held-out suite uses scikit-learn's bundled data sets (lopt[meta])")
 
 
+WINE = {"task": "mlp", "dataset": "wine", "hidden": [16], "batch_size": 16}  # (wine_mlp's quick_spec)
+
+
+def _wine_reference(seed):
+    """The wine MLP of ``seed``'s instance as torch.nn modules holding its initial values, and its generator at the
+    point where train_population draws that instance's first batch."""
+    family = tasks.build(WINE)
+    generator = evaluate._seed_generator("cpu", seed)
+    inst = family.sample_instances(1, generator)
+    init = family.init_params(1, inst, generator)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), init):
+            p.copy_(value[0])
+    return family, model, inst, generator
+
+
 @pytest.mark.usefixtures("single_intra_op_thread")
 @pytest.mark.parametrize("optimizer", ["small_fc_lopt", "elo"])
 def test_an_evaluation_run_is_the_optimizer_training_torch_nn_modules(optimizer):
@@ -22,7 +39,7 @@ def test_an_evaluation_run_is_the_optimizer_training_torch_nn_modules(optimizer)
     from lopt.meta.batched import BatchedSmallFCLOpt, inner_rule
 
     rule = inner_rule(optimizer)
-    family = tasks.build({"task": "mlp", "dataset": "wine", "hidden": [16], "batch_size": 16})
+    family = tasks.build(WINE)
     weights = lopt.random_weights(rule.architecture, seed=5)
 
     opt = BatchedSmallFCLOpt(family.shapes(), 2, optimizer=optimizer)
@@ -31,13 +48,7 @@ def test_an_evaluation_run_is_the_optimizer_training_torch_nn_modules(optimizer)
     out = evaluate.train_population(family, opt, [1, 1], steps, "cpu")
     assert torch.equal(out["train"][:, 0], out["train"][:, 1])
 
-    generator = evaluate._seed_generator("cpu", 1)
-    inst = family.sample_instances(1, generator)
-    init = family.init_params(1, inst, generator)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), init):
-            p.copy_(value[0])
+    family, model, inst, generator = _wine_reference(1)
     reference = rule.front_end(model.parameters(), weights=weights, backend="naive")
     for t in range(steps):
         x, y = family.sample_batch(inst, generator)
@@ -178,23 +189,6 @@ def test_baselines_share_the_adamw_runs_between_weight_sets(tmp_path, capsys, mo
     assert not evaluate.baseline_path(baselines, task, longer, "adamw_default", "cpu", {"lr": 1e-3}).exists()
     assert evaluate.baseline_path(baselines, task, evaluate.EvalSettings.make(quick=True, learned_lr=0.1),
                                   "adamw_default", "cpu", {"lr": 1e-3}).exists()  # (the learned lr is not AdamW's)
-
-
-WINE = {"task": "mlp", "dataset": "wine", "hidden": [16], "batch_size": 16}  # (wine_mlp's quick_spec)
-
-
-def _wine_reference(seed):
-    """The wine MLP of ``seed``'s instance as torch.nn modules holding its initial values, and its generator at the
-    point where train_population draws that instance's first batch."""
-    family = tasks.build(WINE)
-    generator = evaluate._seed_generator("cpu", seed)
-    inst = family.sample_instances(1, generator)
-    init = family.init_params(1, inst, generator)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), init):
-            p.copy_(value[0])
-    return family, model, inst, generator
 
 
 def _train_reference(seed, steps, make_optimizer):
