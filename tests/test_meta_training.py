@@ -52,12 +52,14 @@ def _equal_states(a, b):
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.parametrize("inner_schedule", ["constant", "cosine"])
 @pytest.mark.parametrize("estimator", ["pes", "es"])
-def test_checkpoint_resume_is_bit_exact(tmp_path, estimator):
+def test_checkpoint_resume_is_bit_exact(tmp_path, estimator, inner_schedule):
     """N outer steps straight == N/2, checkpoint, a new process-like resume from the directory, N/2 more:
     identical θ, AdamW state, PES state (inner parameters, optimizer state, accumulators, positions), with an
-    unroll curriculum running across the break."""
+    unroll curriculum running across the break; with the inner lr constant and on a cosine over each unroll."""
     config = preset("smoke", estimator=estimator, outer_steps=12, validate_every=0, min_unroll=10, max_unroll=30,
+                    inner_schedule=inner_schedule,
                     tasks=[{"task": "mlp", "dataset": "mnist1d", "hidden": [8], "batch_size": 16,
                             "rescale": [0.1, 10.0]},
                            {"task": "teacher_student", "in_dim": 4, "out_dim": 2, "teacher_hidden": [8],
@@ -84,6 +86,10 @@ def test_checkpoint_resume_is_bit_exact(tmp_path, estimator):
     if estimator == "pes":
         assert sum(a["history"]["resets"]) > 0  # instances reached the end of their unrolls and were replaced
     assert [c["to_step"] for c in resumed.chunks] == [6, 12]
+    assert resumed.config.inner_schedule == inner_schedule
+    saved = torch.load(tmp_path / "chunks" / CHECKPOINT, weights_only=True)["config"]
+    assert saved.get("inner_schedule", "constant") == inner_schedule
+    assert torch.is_tensor(resumed.estimators[0].inner.optimizer.lr) == (inner_schedule == "cosine")
 
 
 def test_curriculum_max_unroll_at():
@@ -278,3 +284,251 @@ def test_the_deep_preset_starts_from_the_shipped_weights_and_steps_every_family(
     assert sorted(g for groups in trainer.history["groups"] for g in groups) == [0, 1, 2, 3, 4]
     assert all(map(math.isfinite, trainer.history["meta_loss"]))
     assert not torch.equal(trainer.theta.detach(), start)
+
+
+# ---------------------------------------------------------------------- the inner lr schedule (inner_schedule)
+
+SCHEDULE_FAMILY = {"task": "teacher_student", "in_dim": 5, "out_dim": 3, "teacher_hidden": [8], "student_hidden": [6],
+                   "batch_size": 8}
+DEFAULT_LR = {"small_fc_lopt": 1.0, "elo": 1e-3}  # lopt.SmallFCLOpt's and lopt.ELO's lr
+
+
+def _cosine_by_hand(t, length):
+    return 0.5 * (1.0 + math.cos(math.pi * t / length))
+
+
+def _clone(value):
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _record_unrolls(inner, calls):
+    """Wrap ``inner.unroll``: for every call, what it started from (state, generator, network, where in the unroll
+    each instance is) and what it gave (losses, parameters)."""
+    original = inner.unroll
+
+    def recording(network, steps, generator, on_step=None, positions=0, lengths=None):
+        call = {"state": _clone(inner.state_dict()), "generator": generator.get_state(), "network": _clone(network),
+                "steps": steps, "positions": _clone(positions), "lengths": _clone(lengths)}
+        losses = original(network, steps, generator, on_step, positions=positions, lengths=lengths)
+        call.update(losses=losses.clone(), params=[p.clone() for p in inner.params])
+        calls.append(call)
+        return losses
+
+    inner.unroll = recording
+
+
+def _unroll_by_hand(family, num_tasks, members, call, lr_at, optimizer="small_fc_lopt", make_optimizer=None):
+    """``call``'s unroll again, from its state (or, where that is None, from instances drawn anew with its
+    generator), by a constant-lr population whose (P,) lr tensor this function writes before every step with
+    ``lr_at(t)`` (a list of P numbers)."""
+    from lopt.meta.estimators import InnerPopulation
+
+    lr = torch.zeros(num_tasks * members)
+    inner = InnerPopulation(family, num_tasks, members, optimizer_kwargs={"optimizer": optimizer, "lr": lr})
+    if make_optimizer is not None:
+        inner.set_optimizer(make_optimizer(lr))
+    assert inner.optimizer.lr is lr
+    generator = torch.Generator()
+    generator.set_state(call["generator"])
+    if call["state"] is None:
+        inner.start(generator)
+    else:
+        inner.load_state_dict(_clone(call["state"]))
+    step = [0]
+
+    def write_lr():
+        lr.copy_(torch.tensor(lr_at(step[0]), dtype=torch.float32))
+
+    def on_step():
+        step[0] += 1
+        write_lr()
+
+    write_lr()
+    losses = inner.unroll(_clone(call["network"]), call["steps"], generator, on_step)
+    return losses, inner.params
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.parametrize("optimizer", ["small_fc_lopt", "elo"])
+@pytest.mark.parametrize("estimator", ["pes", "es"])
+def test_scheduled_unrolls_are_constant_lr_unrolls_with_the_lr_set_by_hand(estimator, optimizer):
+    """Every unroll of a cosine-scheduled PES (staggered starts, resets) or ES is the same unroll at a constant
+    (P,) lr tensor written by hand before every step with the class's lr · ½(1 + cos(π (position + t) / L)), per
+    instance (PES: its position in its unroll and its length; ES: t from 0 and the outer step's length), shared by
+    both members of the antithetic pair: losses and parameters."""
+    from lopt.meta import tasks
+    from lopt.meta.estimators import FullES, TruncatedPES
+    from lopt.meta.metaparams import MetaParamSpace
+
+    space = MetaParamSpace(lopt.meta.batched.inner_rule(optimizer).architecture)
+    theta = space.flatten(lopt.random_weights(space.architecture, seed=3))
+    family = tasks.build(SCHEDULE_FAMILY)
+    num_tasks, base = 3, DEFAULT_LR[optimizer]
+    if estimator == "pes":
+        est = TruncatedPES(family, space, num_tasks=num_tasks, truncation=4, min_unroll=8, max_unroll=16,
+                           optimizer_kwargs={"optimizer": optimizer}, schedule="cosine")
+    else:
+        est = FullES(family, space, num_tasks=num_tasks, min_unroll=5, max_unroll=12,
+                     optimizer_kwargs={"optimizer": optimizer}, schedule="cosine")
+    calls = []
+    _record_unrolls(est.inner, calls)
+    host, dev = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    est.start(host, dev)
+    first_positions = list(est.position) if estimator == "pes" else None
+    resets = sum(est.estimate(theta, host, dev)["resets"] for _ in range(5))
+    if estimator == "pes":
+        assert any(p > 0 for p in first_positions) and resets > 0  # staggered starts, and new unrolls from 0
+    for call in calls:
+        if estimator == "pes":
+            positions, lengths = call["positions"], call["lengths"]
+        else:
+            assert call["positions"] == 0 and call["lengths"] == call["steps"]
+            positions, lengths = [0] * num_tasks, [call["steps"]] * num_tasks
+
+        def lr_at(t):
+            per_instance = [base * _cosine_by_hand(p + t, n) for p, n in zip(positions, lengths)]
+            return per_instance + per_instance  # rows [+ every instance, − every instance]
+
+        losses, params = _unroll_by_hand(family, num_tasks, 2, call, lr_at, optimizer)
+        torch.testing.assert_close(losses, call["losses"], rtol=1e-6, atol=0)
+        for a, b in zip(params, call["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # the lr the last step read: the schedule's value there (well below the class's lr somewhere)
+    torch.testing.assert_close(est.inner.optimizer.lr, torch.tensor(lr_at(calls[-1]["steps"] - 1)), rtol=1e-6, atol=0)
+    assert float(est.inner.optimizer.lr.min()) < 0.9 * base
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_scheduled_validation_follows_the_schedule_over_the_validation_steps():
+    """validate() and validate_adamw(lr) under inner_schedule="cosine" are the same runs at a (P,) lr tensor written
+    by hand before step t with lr · ½(1 + cos(π t / validation_steps)), for the learned optimizer and for AdamW."""
+    from lopt.meta.batched import BatchedAdamW
+
+    steps = 9
+    config = preset("smoke", tasks=[SCHEDULE_FAMILY], validation_tasks=3, validation_steps=steps,
+                    inner_schedule="cosine", validate_every=0)
+    trainer = MetaTrainer(config)
+    family = trainer.families[0]
+    network = trainer.space.unflatten(trainer.theta.detach())
+
+    def by_hand(base, make_optimizer=None, net=None):
+        generator = torch.Generator().manual_seed(777_000)  # the trainer's validation instances (family 0)
+        call = {"state": None, "generator": generator.get_state(), "network": net, "steps": steps}
+        losses, _ = _unroll_by_hand(family, 3, 1, call, lambda t: [base * _cosine_by_hand(t, steps)] * 3,
+                                    make_optimizer=make_optimizer)
+        return float(losses.mean())
+
+    assert trainer.validate() == by_hand(1.0, net=network)
+    assert trainer.validate_adamw(1e-2) == by_hand(
+        1e-2, make_optimizer=lambda lr: BatchedAdamW(family.shapes(), 3, lr=lr))
+    constant = MetaTrainer(preset("smoke", tasks=[SCHEDULE_FAMILY], validation_tasks=3, validation_steps=steps))
+    assert constant.validate() != trainer.validate() and constant.validate_adamw(1e-2) != trainer.validate_adamw(1e-2)
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_the_constant_inner_schedule_is_the_run_as_it_was(tmp_path):
+    """inner_schedule="constant" (the default) given or not: the same run bit for bit (meta-losses, validations,
+    θ), the learned lr a number as before (no tensor), and no inner_schedule key in the record or checkpoint."""
+    runs = []
+    for overrides in ({}, {"inner_schedule": "constant"}):
+        trainer = MetaTrainer(preset("smoke", outer_steps=6, validate_every=3, validation_steps=15, **overrides),
+                              out_dir=tmp_path / str(len(runs)))
+        trainer.run(progress=False)
+        assert isinstance(trainer.estimators[0].inner.optimizer.lr, float)
+        assert "inner_schedule" not in json.loads((tmp_path / str(len(runs)) / RECORD).read_text())["config"]
+        runs.append(trainer)
+    a, b = runs
+    assert a.history["meta_loss"] == b.history["meta_loss"] and a.history["validation"] == b.history["validation"]
+    assert a.history["validation_adamw"] == b.history["validation_adamw"]
+    assert torch.equal(a.theta.detach(), b.theta.detach())
+    cosine = MetaTrainer(preset("smoke", outer_steps=2, validate_every=0, inner_schedule="cosine"))
+    cosine.run(progress=False)
+    assert cosine.history["meta_loss"] != a.history["meta_loss"][:2]
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_scheduled_steps_through_the_emulated_graph_path_are_the_eager_steps_bit_for_bit(monkeypatch):
+    """Under inner_schedule="cosine", PES truncations (with resets), ES and validation (learned and AdamW) through
+    the emulated CUDA-graph path (whose 'replays' check that no tensor a graph reads, the lr included, is
+    replaced) give the eager results bit for bit."""
+    from lopt.meta import stepper
+
+    def runs():
+        out = []
+        for estimator in ("pes", "es"):
+            config = preset("smoke", estimator=estimator, tasks=[SCHEDULE_FAMILY], num_tasks=2, truncation=4,
+                            min_unroll=8, max_unroll=16, outer_steps=4, validate_every=2, validation_steps=10,
+                            inner_schedule="cosine")
+            trainer = MetaTrainer(config)
+            trainer.run(progress=False)
+            inner = trainer.estimators[0].inner
+            out.append((trainer.theta.detach().clone(), trainer.history["meta_loss"], trainer.history["validation"],
+                        trainer.history["validation_adamw"], [p.clone() for p in inner.params],
+                        inner.stepper.graph_steps))
+        return out
+
+    eager = runs()
+    monkeypatch.setattr(stepper, "EMULATE_ON_CPU", True)
+    emulated = runs()
+    for a, b in zip(eager, emulated):
+        assert torch.equal(a[0], b[0]) and a[1:4] == b[1:4]
+        assert all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
+        assert a[5] == 0 and b[5] > 0  # eager had no replays; emulated did
+
+
+def test_inner_schedule_errors_and_records_without_it():
+    """An unknown inner_schedule is refused naming the choices; a config saved before the option existed (no
+    key) reads as constant."""
+    with pytest.raises(ValueError, match=r"inner_schedule='linear': choose one of constant, cosine"):
+        MetaTrainer(preset("smoke", inner_schedule="linear"))
+    config = preset("smoke").to_dict()
+    assert "inner_schedule" not in config
+    assert MetaTrainConfig.from_dict(config).inner_schedule == "constant"
+    assert MetaTrainConfig.from_dict(preset("smoke", inner_schedule="cosine").to_dict()).inner_schedule == "cosine"
+    from lopt.meta.estimators import InnerPopulation
+    from lopt.meta import tasks
+
+    inner = InnerPopulation(tasks.build(SCHEDULE_FAMILY), 2, schedule="cosine")
+    inner.start(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"a scheduled unroll \(cosine\) needs the unroll lengths"):
+        inner.unroll(None, 2, torch.Generator())
+    with pytest.raises(ValueError, match=r"one position and one length per instance \(2\), got 3 and 3"):
+        inner.unroll(None, 2, torch.Generator(), positions=[0, 0, 0], lengths=[4, 4, 4])
+    with pytest.raises(ValueError, match=r"schedule='linear': choose one of constant, cosine"):
+        InnerPopulation(tasks.build(SCHEDULE_FAMILY), 2, schedule="linear")
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+def test_meta_train_inner_schedule_option_resumes_and_refuses_another_schedule(tmp_path, capsys):
+    """--inner-schedule cosine starts a scheduled run (the record says so) that resumes with the same option or
+    none, and is refused with another; a run saved without the key (constant) resumes as constant, and is refused
+    with --inner-schedule cosine; --inner-schedule linear is an argparse error."""
+    from lopt.cli import main
+
+    common = ["meta-train", "--preset", "smoke", "--quiet", "--device", "cpu", "--set", "validate_every=0"]
+    cosine = common + ["--out", str(tmp_path / "cosine")]
+    assert main(cosine + ["--inner-schedule", "cosine", "--outer-steps", "2"]) == 0
+    assert json.loads((tmp_path / "cosine" / RECORD).read_text())["config"]["inner_schedule"] == "cosine"
+    assert main(cosine + ["--inner-schedule", "cosine", "--outer-steps", "3"]) == 2  # (outer_steps differs)
+    capsys.readouterr()
+    assert main(cosine + ["--inner-schedule", "constant", "--outer-steps", "2"]) == 2
+    assert "other settings (inner_schedule)" in capsys.readouterr().err
+    assert MetaTrainer.resume(tmp_path / "cosine").config.inner_schedule == "cosine"
+
+    constant = common + ["--out", str(tmp_path / "constant"), "--outer-steps", "2"]
+    assert main(constant) == 0
+    assert "inner_schedule" not in torch.load(tmp_path / "constant" / CHECKPOINT, weights_only=True)["config"]
+    assert main(constant + ["--inner-schedule", "cosine"]) == 2
+    assert "other settings (inner_schedule)" in capsys.readouterr().err
+    assert main(constant + ["--set", "inner_schedule=cosine"]) == 2
+    assert "other settings (inner_schedule)" in capsys.readouterr().err
+    assert main(constant) == 0 and "outer step 2/2, finished" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(common + ["--out", str(tmp_path / "x"), "--inner-schedule", "linear"])
+    assert "invalid choice: 'linear'" in capsys.readouterr().err

@@ -159,7 +159,8 @@ class BatchedSmallFCLOpt:
             also be a tensor, 0-d (every member's) or (P,) (one per member), kept on ``device``.
 
     ``self.lr`` is what the step reads, at every step: a tensor there is read in place, so a schedule
-    (``lopt.meta.evaluate.train_population``'s ``lr_schedule``) writes it between steps, and a CUDA graph
+    (``lopt.meta.evaluate.train_population``'s ``lr_schedule``, ``lopt.meta.estimators.InnerPopulation``'s
+    ``schedule``) writes it between steps, and a CUDA graph
     captured from the step follows it.
 
     The state (:meth:`init_state`) is a dict: ``"step"`` (P,) int64 (steps taken, as ``group["step"]``)

@@ -14,7 +14,7 @@ from pathlib import Path
 CONFIG_OPTIONS = {  # command-line option -> MetaTrainConfig field
     "estimator": "estimator", "outer_steps": "outer_steps", "seed": "seed", "init": "init", "num_tasks": "num_tasks",
     "truncation": "truncation", "min_unroll": "min_unroll", "max_unroll": "max_unroll", "std": "std", "lr": "lr",
-    "optimizer": "optimizer",
+    "optimizer": "optimizer", "inner_schedule": "inner_schedule",
 }
 
 
@@ -48,8 +48,8 @@ def _assignment(text):
 
 def add_commands(sub) -> None:
     """Add ``meta-train`` and ``meta-eval`` to an argparse subparsers object."""
-    from lopt.meta.evaluate import SCHEDULES  # light too (torch is imported already; no scikit-learn, no matplotlib)
     from lopt.meta.presets import PRESETS  # light (no torch work, no scikit-learn)
+    from lopt.meta.schedules import SCHEDULES  # light too (math and torch, which is imported already)
 
     train = sub.add_parser("meta-train", help="meta-train small_fc_lopt's (or ELO's) MLP (truncated PES or ES) in "
                                               "resumable chunks",
@@ -79,6 +79,10 @@ def add_commands(sub) -> None:
     train.add_argument("--max-unroll", type=_positive_int, default=None, metavar="N")
     train.add_argument("--std", type=_positive_float, default=None, help="perturbation std σ")
     train.add_argument("--lr", type=_positive_float, default=None, help="peak outer learning rate")
+    train.add_argument("--inner-schedule", default=None, choices=list(SCHEDULES),
+                       help="the learned optimizer's lr over each inner unroll: constant (default, every preset's) or "
+                            "cosine (its lr times 0.5*(1 + cos(pi*t/L)) at step t of an unroll of L steps, validation "
+                            "and its AdamW yardsticks likewise over the validation steps)")
     train.add_argument("--set", dest="assignments", action="append", type=_assignment, default=[], metavar="KEY=VALUE",
                        help="any other MetaTrainConfig field, VALUE as JSON (e.g. --set grad_clip=null, "
                             "--set 'tasks=[{\"task\": \"logreg\"}]'); repeatable")

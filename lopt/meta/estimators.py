@@ -26,6 +26,13 @@ different outer steps.
 **Full ES** draws a new population every outer step and unrolls it for a length drawn
 log-uniformly in ``[min_unroll, max_unroll]`` (one length per outer step), ``ξ_i = ε_i``; a NaN
 difference counts as 0 and ``clip_loss_diff`` optionally bounds each difference, as in ``full_es.py``.
+
+**Inner lr schedule** (``schedule``, lopt's; ``MetaTrainConfig.inner_schedule``): other than ``"constant"``,
+every member's lr at inner step ``t`` of its unroll of length ``L`` is ``base · SCHEDULES[schedule](t, L)``
+(:mod:`lopt.meta.schedules`), ``base`` the optimizer's lr as constructed. For PES ``t`` is the instance's
+position in its unroll (staggered starts included) plus the step within the truncation and ``L`` the
+instance's unroll length; for ES ``t`` counts from 0 and ``L`` is the outer step's unroll length. Both
+members of an antithetic pair share the lr.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import math
 import torch
 
 from lopt.meta.batched import BatchedSmallFCLOpt
+from lopt.meta.schedules import SCHEDULES, multipliers
 from lopt.meta.stepper import PopulationStepper, _copy_into
 
 
@@ -58,21 +66,48 @@ class InnerPopulation:
     """``num_tasks`` instances of ``family``, each trained by ``members`` (2: antithetic, 1: plain)
     copies of the learned optimizer, batched along the leading axis (rows ``[+ for every instance,
     − for every instance]``). Its tensors keep their storage from the first ``start`` on (new draws
-    are copied in), so that a step captured as a CUDA graph (:mod:`lopt.meta.stepper`) stays valid."""
+    are copied in), so that a step captured as a CUDA graph (:mod:`lopt.meta.stepper`) stays valid.
+
+    ``schedule``: a name of :data:`lopt.meta.schedules.SCHEDULES`. Other than ``"constant"``, the optimizer's lr
+    is a (P,) tensor on the device (its lr as constructed, ``lr_base``, per member), and :meth:`unroll` writes
+    ``lr_base · multiplier`` into it in place before every step, outside the step (a captured graph reads it).
+    ``"constant"`` leaves the optimizer as constructed (its lr a number, unless given as a tensor)."""
 
     def __init__(self, family, num_tasks: int, members: int = 2, device="cpu", optimizer_kwargs=None,
-                 use_graph: bool = False):
+                 use_graph: bool = False, schedule: str = "constant"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
         self.family = family
         self.num_tasks = int(num_tasks)
         self.members = int(members)
         self.population = self.num_tasks * self.members
         self.device = torch.device(device)
-        self.optimizer = BatchedSmallFCLOpt(family.shapes(), self.population, self.device, **(optimizer_kwargs or {}))
+        self.schedule = schedule
+        self.lr_base = None  # scheduled: the (P,) lr as constructed, that the multipliers scale
         self.use_graph = use_graph
         self.params = None
         self.opt_state = None
         self.inst = None
         self.stepper = None
+        self.set_optimizer(BatchedSmallFCLOpt(family.shapes(), self.population, self.device,
+                                              **(optimizer_kwargs or {})))
+
+    @property
+    def scheduled(self) -> bool:
+        return self.schedule != "constant"
+
+    def set_optimizer(self, optimizer) -> None:
+        """Train with ``optimizer`` (a population optimizer over P members; before the first step). Scheduled, its
+        ``lr`` (a number, a 0-d or a (P,) tensor) becomes a (P,) float32 tensor on the device that its step reads
+        in place, and ``lr_base`` a copy of it."""
+        if self.stepper is not None:
+            raise RuntimeError("InnerPopulation.set_optimizer: the population has stepped already")
+        if self.scheduled:
+            lr = optimizer.lr
+            lr = lr.detach() if torch.is_tensor(lr) else torch.tensor(float(lr))
+            self.lr_base = lr.to(device=self.device, dtype=torch.float32).expand(self.population).clone()
+            optimizer.lr = self.lr_base.clone()
+        self.optimizer = optimizer
 
     def _expand(self, value):
         return value if self.members == 1 else _dup(value)
@@ -106,12 +141,33 @@ class InnerPopulation:
                                              lambda: self._expand(self.inst), self._expand, self.use_graph)
         return self.stepper
 
-    def unroll(self, network: dict, steps: int, generator, on_step=None) -> torch.Tensor:
+    def unroll(self, network: dict, steps: int, generator, on_step=None, positions=0, lengths=None) -> torch.Tensor:
         """Train every member ``steps`` steps with its meta-weights (``network``: batched (P, ...) or shared);
-        returns the normalised training losses (steps, P), each taken before that step's update."""
+        returns the normalised training losses (steps, P), each taken before that step's update.
+
+        Scheduled (``schedule``), the lr of instance i's members at the call's step s is
+        ``lr_base · SCHEDULES[schedule](positions[i] + s, lengths[i])``: ``positions`` and ``lengths`` (an int, or
+        one per instance) say where in its unroll each instance is at the call's first step and how long that
+        unroll is (required then). The (steps, P) multipliers are formed once on the host and copied to the
+        device in one copy. Not scheduled, they are ignored."""
         stepper = self._stepper()
+        lr = mults = None
+        if self.scheduled:
+            if lengths is None:
+                raise ValueError(f"a scheduled unroll ({self.schedule}) needs the unroll lengths")
+            positions = [int(positions)] * self.num_tasks if isinstance(positions, int) else list(positions)
+            lengths = [int(lengths)] * self.num_tasks if isinstance(lengths, int) else list(lengths)
+            if not len(positions) == len(lengths) == self.num_tasks:
+                raise ValueError(f"a scheduled unroll takes one position and one length per instance "
+                                 f"({self.num_tasks}), got {len(positions)} and {len(lengths)}")
+            per_instance = multipliers(self.schedule, positions, lengths, steps)
+            mults = (per_instance if self.members == 1 else per_instance.repeat(1, self.members)).to(self.device)
+            lr = self.optimizer.lr
         losses = torch.empty(steps, self.population, device=self.device)
         for t in range(steps):
+            if mults is not None:
+                # in place and outside the step: a CUDA graph captured from the step reads this storage at every replay
+                torch.mul(self.lr_base, mults[t], out=lr)
             loss = stepper.step(network, self.family.sample_batch(self.inst, generator))
             losses[t] = self.family.normalise(loss)
             if on_step is not None:
@@ -147,14 +203,14 @@ class TruncatedPES:
     kind = "pes"
 
     def __init__(self, family, space, *, num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=1000,
-                 device="cpu", optimizer_kwargs=None, use_graph=False):
+                 device="cpu", optimizer_kwargs=None, use_graph=False, schedule="constant"):
         self.family = family
         self.space = space
         self.std = float(std)
         self.truncation = int(truncation)
         self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
         self.device = torch.device(device)
-        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph, schedule)
         self.num_tasks = self.inner.num_tasks
         self.accumulator = None   # ξ (num_tasks, D)
         self.position = None      # inner steps taken in the current unroll (num_tasks,), host
@@ -184,7 +240,8 @@ class TruncatedPES:
                     self.position[i], self.length[i] = 0, self._length(host_gen)
         eps = torch.randn(self.num_tasks, self.space.dim, generator=device_gen, device=self.device) * self.std
         members = torch.cat([theta + eps, theta - eps])
-        losses = self.inner.unroll(self.space.unflatten(members), self.truncation, device_gen, on_step)
+        losses = self.inner.unroll(self.space.unflatten(members), self.truncation, device_gen, on_step,
+                                   positions=self.position, lengths=self.length)
         mean = losses.mean(0)
         positive, negative = mean[: self.num_tasks], mean[self.num_tasks:]
         delta = torch.nan_to_num(positive - negative, nan=0.0, posinf=0.0, neginf=0.0)
@@ -211,14 +268,15 @@ class FullES:
     kind = "es"
 
     def __init__(self, family, space, *, num_tasks=8, std=0.01, min_unroll=100, max_unroll=1000,
-                 clip_loss_diff=None, device="cpu", optimizer_kwargs=None, truncation=None, use_graph=False):
+                 clip_loss_diff=None, device="cpu", optimizer_kwargs=None, truncation=None, use_graph=False,
+                 schedule="constant"):
         self.family = family
         self.space = space
         self.std = float(std)
         self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
         self.clip_loss_diff = clip_loss_diff
         self.device = torch.device(device)
-        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph, schedule)
         self.num_tasks = self.inner.num_tasks
 
     def start(self, host_gen, device_gen) -> None:
@@ -229,7 +287,7 @@ class FullES:
         self.inner.start(device_gen)
         eps = torch.randn(self.num_tasks, self.space.dim, generator=device_gen, device=self.device) * self.std
         losses = self.inner.unroll(self.space.unflatten(torch.cat([theta + eps, theta - eps])), length, device_gen,
-                                   on_step)
+                                   on_step, positions=0, lengths=length)
         mean = losses.mean(0)
         positive, negative = mean[: self.num_tasks], mean[self.num_tasks:]
         delta = torch.nan_to_num(positive - negative, nan=0.0, posinf=0.0, neginf=0.0)

@@ -50,6 +50,7 @@ from lopt.meta import tasks as tasks_lib
 from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt, inner_rule
 from lopt.meta.members import BACKENDS as MEMBER_BACKENDS
 from lopt.meta.members import MemberOptimizers
+from lopt.meta.schedules import SCHEDULES  # (the table of lr schedules, shared with meta-training)
 from lopt.meta.stepper import PopulationStepper
 
 
@@ -97,23 +98,6 @@ TUNE_SEEDS = (0, 1)
 REPORT_SEEDS = (2, 3, 4, 5, 6)
 QUICK = {"horizon": 30, "lrs": (1e-3, 1e-2, 1e-1), "tune_seeds": (0,), "report_seeds": (1, 2)}
 CURVE_POINTS = 200
-
-
-def _constant(t, horizon):
-    """1: the lr as given at every step."""
-    return 1.0
-
-
-def _cosine(t, horizon):
-    """½(1 + cos(π t / horizon)), from 1 at t = 0 toward 0 at t = horizon (torch's CosineAnnealingLR(T_max=horizon,
-    eta_min=0))."""
-    return 0.5 * (1.0 + math.cos(math.pi * t / horizon))
-
-
-# The protocol's lr schedules: name -> the multiplier of every optimizer's lr at step t (0 .. horizon - 1) of a run of
-# ``horizon`` steps, documented by its docstring (the report's header quotes it). "constant" is heldout-v1's frozen
-# protocol; the others are variants, reported beside it and never instead.
-SCHEDULES = {"constant": _constant, "cosine": _cosine}
 
 
 @dataclass

@@ -63,11 +63,16 @@ class MetaTrainConfig:
     checkpoint_minutes: float = 2.0         # a checkpoint at least this often
     cuda_graphs: bool = True                # on CUDA, replay each population step from a captured graph
     compile_inner: bool = False             # the batched optimizer's step through torch.compile (fused kernels)
+    # the inner lr's schedule over each unroll (a name of lopt.meta.schedules.SCHEDULES): the learned optimizer's lr
+    # at step t of an unroll of length L is its lr times SCHEDULES[inner_schedule](t, L); validation's too
+    inner_schedule: str = "constant"
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["betas"] = list(self.betas)
         out["baseline_lrs"] = list(self.baseline_lrs)
+        if self.inner_schedule == "constant":  # (records and checkpoints of constant runs stay as they were)
+            del out["inner_schedule"]
         return out
 
     @classmethod
@@ -106,8 +111,11 @@ class MetaTrainConfig:
     def check(self) -> None:
         """Raise ValueError naming the first option whose value cannot run."""
         from lopt.meta.batched import inner_rule
+        from lopt.meta.schedules import SCHEDULES
 
         inner_rule(self.optimizer)
+        if self.inner_schedule not in SCHEDULES:
+            raise ValueError(f"inner_schedule={self.inner_schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if not 1 <= self.min_unroll <= self.max_unroll:
             raise ValueError(f"min_unroll={self.min_unroll} and max_unroll={self.max_unroll}: an unroll range needs "
                              "1 <= min_unroll <= max_unroll")

@@ -93,6 +93,7 @@ class MetaTrainer:
             estimator(family, self.space, num_tasks=config.num_tasks, std=config.std, truncation=config.truncation,
                       min_unroll=config.min_unroll, max_unroll=config.max_unroll, device=self.device,
                       use_graph=config.cuda_graphs, optimizer_kwargs=self._optimizer_kwargs(config),
+                      schedule=config.inner_schedule,
                       **({"clip_loss_diff": config.clip_loss_diff} if config.estimator == "es" else {}))
             for family in self.families]
         self.host_gen = torch.Generator().manual_seed(config.seed)
@@ -110,7 +111,8 @@ class MetaTrainer:
         self.stopped_early = None  # the outer step at which `patience` validations without a new best ended the run
         self._stop = False
         self._validators = [InnerPopulation(family, config.validation_tasks, members=1, device=self.device,
-                                            optimizer_kwargs=self._optimizer_kwargs(config), use_graph=config.cuda_graphs)
+                                            optimizer_kwargs=self._optimizer_kwargs(config),
+                                            use_graph=config.cuda_graphs, schedule=config.inner_schedule)
                             for family in self.families]
 
     @staticmethod
@@ -171,7 +173,9 @@ class MetaTrainer:
     @torch.no_grad()
     def validate(self, theta=None) -> float:
         """Mean normalised training loss over ``validation_steps`` steps of ``validation_tasks`` fixed instances
-        of every family, trained with θ itself (no perturbation); the instances are the same at every call."""
+        of every family, trained with θ itself (no perturbation); the instances are the same at every call.
+        Under ``inner_schedule`` the lr follows the schedule over the validation run (t from 0 to
+        ``validation_steps``), as the weights are trained to be used."""
         config = self.config
         theta = self.theta.detach() if theta is None else theta.to(self.device)
         steps = config.validation_steps or config.max_unroll
@@ -180,22 +184,23 @@ class MetaTrainer:
         for i, inner in enumerate(self._validators):
             generator = _device_generator(self.device, 777_000 + 31 * i)
             inner.start(generator)
-            values.append(float(inner.unroll(network, steps, generator).mean()))
+            values.append(float(inner.unroll(network, steps, generator, lengths=steps).mean()))
         return sum(values) / len(values)
 
     @torch.no_grad()
     def validate_adamw(self, lr: float) -> float:
-        """The same measure for AdamW (lr ``lr``, torch's other defaults) on the same instances: a yardstick."""
+        """The same measure for AdamW (lr ``lr``, torch's other defaults) on the same instances: a yardstick; under
+        ``inner_schedule`` its lr follows the same schedule over the validation run."""
         config = self.config
         steps = config.validation_steps or config.max_unroll
         values = []
         for i, family in enumerate(self.families):
             generator = _device_generator(self.device, 777_000 + 31 * i)
             inner = InnerPopulation(family, config.validation_tasks, members=1, device=self.device,
-                                    use_graph=config.cuda_graphs)
-            inner.optimizer = BatchedAdamW(family.shapes(), inner.population, self.device, lr=lr)
+                                    use_graph=config.cuda_graphs, schedule=config.inner_schedule)
+            inner.set_optimizer(BatchedAdamW(family.shapes(), inner.population, self.device, lr=lr))
             inner.start(generator)
-            values.append(float(inner.unroll(None, steps, generator).mean()))
+            values.append(float(inner.unroll(None, steps, generator, lengths=steps).mean()))
         return sum(values) / len(values)
 
     # ------------------------------------------------------------------ state
