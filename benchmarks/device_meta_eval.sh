@@ -5,7 +5,7 @@
 # (meta-eval keeps each finished run; the next call resumes). Run from the repository root on the GPU machine:
 #   ARCHIVE=.devcarry/evals.tgz EVALS="shipped-lr0.1=lopt-small_fc-tiny@0.1 cand=.devcarry/cand@1" \
 #       bash benchmarks/device_meta_eval.sh
-# then copy $OUT/evals.tgz back over ARCHIVE (carry .devcarry). EVALS: NAME=WEIGHTS@LR entries (WEIGHTS as
+# then copy $OUT/evals.tgz back over ARCHIVE (carry .devcarry); $OUT/results.tgz holds the reports alone. EVALS: NAME=WEIGHTS@LR entries (WEIGHTS as
 # meta-eval takes it; LR the learned optimizer's lr, `default` for its class's); each one's results land in
 # NAME/ of the archive. MINUTES (default 8) bounds the call: meta-eval starts no run after it, and a run takes
 # up to ~2 minutes (the learned optimizer on mnist1d_mlp_512x7, an H100). EVAL_ARGS adds to every evaluation
@@ -24,7 +24,13 @@ dir=/tmp/lopt-meta-eval
 rm -rf "$dir" && mkdir -p "$dir/baselines"
 [ -f "$ARCHIVE" ] && tar xzf "$ARCHIVE" -C "$dir"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader
-save() { tar czf "$OUT/evals.tmp.tgz" -C "$dir" . && mv "$OUT/evals.tmp.tgz" "$OUT/evals.tgz"; }
+# evals.tgz: everything, to resume from; results.tgz: the reports alone (results.json/.md, curves), small enough to
+# come back whatever the runs weigh (the device tool returns files of at most 16 MiB; a full archive of several
+# evaluations with their kept runs passed that once and did not come back)
+save() {
+  tar czf "$OUT/evals.tmp.tgz" -C "$dir" . && mv "$OUT/evals.tmp.tgz" "$OUT/evals.tgz"
+  tar czf "$OUT/results.tmp.tgz" -C "$dir" --exclude='*.pt' . && mv "$OUT/results.tmp.tgz" "$OUT/results.tgz"
+}
 ( while sleep 30; do save; done ) &
 saver=$!
 for entry in $EVALS; do
@@ -43,4 +49,7 @@ for entry in $EVALS; do
 done
 kill "$saver" 2> /dev/null; wait "$saver" 2> /dev/null
 save
-echo "archive: $OUT/evals.tgz ($(du -h "$OUT/evals.tgz" | cut -f1)); copy it back over $ARCHIVE"
+echo "archive: $OUT/evals.tgz ($(du -h "$OUT/evals.tgz" | cut -f1)); copy it back over $ARCHIVE; reports alone: $OUT/results.tgz"
+if [ "$(stat -c %s "$OUT/evals.tgz")" -gt $(( 16 * 1024 * 1024 )) ]; then
+  echo "evals.tgz is over 16 MiB and will not come back: use results.tgz, and start the next ARCHIVE with fewer evaluations"
+fi
