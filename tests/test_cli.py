@@ -142,7 +142,12 @@ def test_bare_bench_on_a_cpu_machine(capsys, offline_hub, monkeypatch):
     code, out, err = run(capsys, "bench", "--steps", "1", "--warmup", "0", "--quiet")
     assert code == 0, err
     lines = out.splitlines()
-    for name, repo in (("small_fc_lopt", "btherien/mulo@main"), ("velo", "Pauljanson002/VeLO_RNN@main")):
+    # small_fc_lopt and MuLO fall back to the weights that ship with lopt (they train); the others to random ones
+    assert ("pretrained weights unavailable (cannot get config.json of 'small_fc_lopt' from the Hugging Face hub repo "
+            "btherien/mulo@main): using 'lopt-small_fc-tiny', lopt's own weights shipped with it") in lines
+    for name in ("small_fc_lopt", "mulo"):
+        assert f"{name} weights: lopt-small_fc-tiny (lopt/_registry/lopt-small_fc-tiny (ships with lopt))" in lines
+    for name, repo in (("velo", "Pauljanson002/VeLO_RNN@main"), ("elo", "DiamondXL/elo@main")):
         assert (f"pretrained weights unavailable (cannot get config.json of {name!r} from the Hugging Face hub repo "
                 f"{repo}): using untrained weights — timing only") in lines
         assert f"{name} weights: random (seed 0) (untrained weights — timing only)" in lines

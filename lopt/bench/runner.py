@@ -37,7 +37,8 @@ class BenchPlan:
 
 
 def resolve_bench_weights(optimizer_name: str, weights_arg, require_pretrained: bool, say=print):
-    """The weights to benchmark with: ``weights_arg``, else the registered ones, else random (timing only)."""
+    """The weights to benchmark with: ``weights_arg``, else the registered ones, else weights that ship with lopt
+    for the architecture (they train offline, so ``--curves`` shows training), else random (timing only)."""
     entry = registry.get(optimizer_name)
     architecture = entry.architecture
     if weights_arg is not None:
@@ -47,7 +48,12 @@ def resolve_bench_weights(optimizer_name: str, weights_arg, require_pretrained: 
     except weights_lib.WeightsError as err:
         if require_pretrained:
             raise
-        say(f"pretrained weights unavailable ({str(err).split(':')[0]}): using untrained weights — timing only")
+        reason = str(err).split(":")[0]
+        shipped = weights_lib.shipped_weights(architecture)
+        if shipped:
+            say(f"pretrained weights unavailable ({reason}): using {shipped[0]!r}, lopt's own weights shipped with it")
+            return weights_lib.load_weights(shipped[0], architecture)
+        say(f"pretrained weights unavailable ({reason}): using untrained weights — timing only")
         return weights_lib.random_weights(architecture)
 
 
