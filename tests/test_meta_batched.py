@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lopt
-from lopt.meta import batched
+from lopt.meta import batched, rules
+from lopt.meta.batched_celo2 import BatchedCELO2
 from lopt.meta.metaparams import MetaParamSpace
 
 SHAPES = [(5,), (4, 6), (6, 4), (5, 5), (2, 3, 4), (), (1, 7), (8, 3, 3, 3), (1,)]
@@ -17,12 +18,18 @@ def _relative(a, b):
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
-@pytest.mark.parametrize("optimizer", batched.TRAINABLE)
+@pytest.mark.parametrize("optimizer", rules.TRAINABLE)
 def test_one_member_of_the_batched_step_is_the_optimizer(optimizer):
-    """Every member, with its own meta-weights, steps exactly as SmallFCLOpt (or ELO) with backend="naive"
-    and those weights: 6 steps, every rank, a member that skips a step on a NaN gradient (its step count lags)."""
+    """Every member, with its own meta-weights, steps exactly as its optimizer (SmallFCLOpt, ELO, CELO2, ELO-CELO2)
+    with backend="naive" and those weights: 6 steps, every rank, a member that skips a step on a NaN gradient
+    (its step count lags)."""
     population, steps = 3, 6
-    rule = batched.inner_rule(optimizer)
+    rule = rules.inner_rule(optimizer)
+    # CELO2's Newton–Schulz amplifies the float32 rounding of products batched over the members (another
+    # summation order than one member's): up to 2.5e-5 here, where the naive step's own update moves by up to
+    # 2.4e-5 when its gradients move by one ulp (measured on these shapes, 6 steps): the one-ulp yardstick of
+    # docs/celo2.md §8.1; the updates below are compared after 6 steps of such drift, hence the margin
+    tolerance = 1e-4 if rule.architecture == "celo2" else 1e-6
     space = MetaParamSpace(rule.architecture)
     thetas = torch.stack([space.flatten(lopt.random_weights(rule.architecture, seed=s)) for s in range(population)])
     generator = torch.Generator().manual_seed(0)
@@ -31,7 +38,7 @@ def test_one_member_of_the_batched_step_is_the_optimizer(optimizer):
              for _ in range(steps)]
     grads[2][1][1, 0, 0] = float("nan")  # member 1 skips step 3 (all its tensors)
 
-    opt = batched.BatchedSmallFCLOpt(SHAPES, population, optimizer=optimizer)
+    opt = rules.batched_optimizer(SHAPES, population, optimizer=optimizer)
     state = opt.init_state()
     params = [p.clone() for p in init]
     network = space.unflatten(thetas)
@@ -56,19 +63,20 @@ def test_one_member_of_the_batched_step_is_the_optimizer(optimizer):
                 got = history[t][i][m]
                 update_ref = p.detach() - previous[i]
                 update_got = got - previous[i]
-                if update_ref.norm() == 0:
-                    assert torch.equal(got, p.detach())
+                if update_ref.norm() == 0:  # a skipped step: the member's parameters unchanged, bit for bit
+                    assert torch.equal(got, history[t - 1][i][m] if t else init[i][m]), (m, t, SHAPES[i])
                 else:
-                    assert _relative(update_got, update_ref) <= 1e-6, (m, t, SHAPES[i])
-                assert _relative(got, p.detach()) <= 1e-6
+                    assert _relative(update_got, update_ref) <= tolerance, (m, t, SHAPES[i])
+                assert _relative(got, p.detach()) <= tolerance
             previous = [p.detach().clone() for p in reference]
             # the state too (one example buffer per tensor)
         for i, p in enumerate(reference):
             ref_state = opt_m.state[p]
-            for name in ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v"):
-                if ref_state[name].numel():
-                    got = state["tensors"][i][name][m].reshape(ref_state[name].shape)
-                    assert _relative(got, ref_state[name]) <= 1e-6, (name, SHAPES[i])
+            assert set(state["tensors"][i]) == set(ref_state) - {"adam_step"}, SHAPES[i]
+            for name, buf in state["tensors"][i].items():
+                if buf.numel():
+                    got = buf[m].reshape(ref_state[name].shape)
+                    assert _relative(got, ref_state[name]) <= tolerance, (name, SHAPES[i])
 
 
 def test_each_trainable_optimizer_steps_with_its_own_defaults_and_the_others_are_refused_by_name():
@@ -77,12 +85,18 @@ def test_each_trainable_optimizer_steps_with_its_own_defaults_and_the_others_are
     assert torch.equal(elo.decays.momentum, torch.tensor([0.9, 0.99, 0.999]))  # ELO's decays, used as given
     with pytest.raises(ValueError, match="elo has no step_mult"):
         batched.BatchedSmallFCLOpt([(3,)], 2, optimizer="elo", step_mult=0.01)
-    with pytest.raises(ValueError, match=r"populations of small_fc_lopt and elo only .*'celo2' is registered, but its "
-                                         r"step \(Newton–Schulz"):
-        batched.inner_rule("celo2")
+    with pytest.raises(ValueError, match=r"populations of small_fc_lopt, elo, celo2, elo_celo2 only .*'velo' is "
+                                         r"registered, but its step \(an LSTM"):
+        rules.inner_rule("velo")
     with pytest.raises(ValueError, match=r"'adamw' is not a registered optimizer \(registered: small_fc_lopt, "):
-        batched.BatchedSmallFCLOpt([(3,)], 2, optimizer="adamw")
-    assert set(batched.TRAINABLE) | set(batched.NOT_BATCHED) == set(lopt.registry.names())
+        rules.batched_optimizer([(3,)], 2, optimizer="adamw")
+    assert set(rules.TRAINABLE) | set(rules.NOT_BATCHED) == set(lopt.registry.names())
+    celo2, elo_celo2 = BatchedCELO2([(3,)], 2), rules.batched_optimizer([(3,)], 2, optimizer="elo_celo2")
+    assert (celo2.lr, celo2.weight_decay, celo2.settings["max_grad_norm"], celo2.own_adam_moments) == (1e-3, 0.0, None, True)
+    assert (elo_celo2.weight_decay, elo_celo2.settings["max_grad_norm"], elo_celo2.own_adam_moments) == (0.1, 1.0, False)
+    assert elo_celo2.settings["adam_weight_decay"] == 0.1  # None: the constructor's weight_decay, as the class
+    with pytest.raises(ValueError, match="BatchedCELO2: ELO_CELO2 takes no adam_betas, step_mult"):
+        BatchedCELO2([(3,)], 2, optimizer="elo_celo2", adam_betas=(0.9, 0.99), step_mult=0.01)
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
@@ -288,3 +302,37 @@ def test_the_graph_path_keeps_every_tensor_in_place_and_changes_nothing(monkeypa
             assert a[0] == 0 and b[0] > 0 and sum(a) == sum(b)  # eager had no replays; emulated did
         else:
             assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.parametrize("options", [
+    {"use_adamw_for_1d": False, "param_scale_mult": True, "exp_mult": 0.5},
+    {"orthogonalize": False, "max_grad_norm": 0.5, "adam_lr_mult": 3.0, "adam_betas": (0.8, 0.9), "rms_mult": 2.0},
+])
+def test_celo2_options_and_a_learning_rate_per_member(options):
+    """BatchedCELO2 with CELO2's other options (every vector through the learned branch, param_scale_mult,
+    no Newton–Schulz, global clipping, the AdamW branch's own settings) and one lr per member, member by member
+    against lopt.CELO2(backend="naive") built with the same options and that member's lr."""
+    population, steps, shapes = 3, 4, [(5,), (4, 6), (), (3, 2, 2)]
+    space = MetaParamSpace("celo2")
+    thetas = torch.stack([space.flatten(lopt.random_weights("celo2", seed=s)) for s in range(population)])
+    generator = torch.Generator().manual_seed(1)
+    init = [torch.randn((population,) + s, generator=generator) for s in shapes]
+    grads = [[torch.randn((population,) + s, generator=generator) for s in shapes] for _ in range(steps)]
+    lrs = torch.tensor([1e-3, 3e-3, 1e-2])
+    opt = BatchedCELO2(shapes, population, lr=lrs.clone(), weight_decay=0.05, **options)
+    state, params = opt.init_state(), [p.clone() for p in init]
+    for t in range(steps):
+        params = opt.step(params, grads[t], state, space.unflatten(thetas))
+    for m in range(population):
+        reference = [torch.nn.Parameter(p[m].clone()) for p in init]
+        opt_m = lopt.CELO2(reference, lr=float(lrs[m]), weight_decay=0.05, weights=space.to_meta_weights(thetas[m]),
+                           backend="naive", **options)
+        for t in range(steps):
+            for p, g in zip(reference, grads[t]):
+                p.grad = g[m].clone()
+            opt_m.step()
+        for i, p in enumerate(reference):
+            moved = p.detach() - init[i][m]
+            assert moved.norm() > 0
+            assert _relative(params[i][m] - init[i][m], moved) <= 1e-4, (m, shapes[i])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lopt
-from lopt.meta import batched, evaluate, stepper, tasks
+from lopt.meta import batched, evaluate, rules, stepper, tasks
 from lopt.meta.members import MemberOptimizers
 
 SHAPES = [(5,), (4, 6), (6, 4), (2, 3, 4), (), (8, 3, 3, 3)]
@@ -21,19 +21,19 @@ def _max_relative(a_list, b_list):
 
 
 def _batched(shapes, population, device, weights, optimizer="small_fc_lopt", lr=None):
-    opt = batched.BatchedSmallFCLOpt(shapes, population, device, optimizer=optimizer, lr=lr)
+    opt = rules.batched_optimizer(shapes, population, device, optimizer=optimizer, lr=lr)
     opt.network = {k: v.to(device) for k, v in weights.tensors["mlp"].items()}
     return opt
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
-@pytest.mark.parametrize("optimizer", batched.TRAINABLE)
+@pytest.mark.parametrize("optimizer", rules.TRAINABLE)
 def test_member_optimizers_step_as_the_batched_step(optimizer):
     """Three members (random parameters and gradients of every rank, 6 steps, lr 0.3): each member's naive optimizer
     over views of the population tensors gives the batched step's parameters; a member whose gradient holds a NaN
     at step 3 changes nothing that step while the others step, as the batched step's per-member skip does."""
     population, steps = 3, 6
-    weights = lopt.random_weights(batched.inner_rule(optimizer).architecture, seed=3)
+    weights = lopt.random_weights(rules.inner_rule(optimizer).architecture, seed=3)
     generator = torch.Generator().manual_seed(0)
     init = [torch.randn((population,) + s, generator=generator) for s in SHAPES]
     grads = [[torch.randn((population,) + s, generator=generator) * 10.0 ** (i % 3 - 1) for i, s in enumerate(SHAPES)]
@@ -80,14 +80,14 @@ def test_a_population_trained_by_member_optimizers_is_the_batched_population(mon
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
-@pytest.mark.parametrize("optimizer", batched.TRAINABLE)
+@pytest.mark.parametrize("optimizer", rules.TRAINABLE)
 def test_scheduled_member_optimizers_are_the_scheduled_batched_population(optimizer, monkeypatch):
     """A cosine-scheduled population (meta-eval --schedule cosine --learned-backend naive): one optimizer per member,
     all sharing one 0-d lr tensor that train_population writes in place, gives the scheduled batched step's curves
     and parameters, eager and through the emulated CUDA-graph path (bit for bit between those two); the schedule
     acts (the constant run differs), and the shared lr ends the run as given."""
     family = tasks.build(TEACHER)
-    rule = batched.inner_rule(optimizer)
+    rule = rules.inner_rule(optimizer)
     weights = lopt.random_weights(rule.architecture, seed=3)
     base = rule.defaults["lr"]
     expected = evaluate.train_population(family, _batched(family.shapes(), 3, "cpu", weights, optimizer,
@@ -119,8 +119,8 @@ def test_member_optimizers_refuse_bad_arguments_with_the_fix():
     weights = lopt.weights.load_weights("lopt-small_fc-tiny", "small_fc_lopt")
     with pytest.raises(ValueError, match=r"backend='cuda'; choose one of auto, naive, fused"):
         MemberOptimizers(2, weights=weights, backend="cuda")
-    with pytest.raises(ValueError, match=r"'celo2' is registered, but its step .* is not batched"):
-        MemberOptimizers(2, optimizer="celo2", weights=weights)
+    with pytest.raises(ValueError, match=r"'velo' is registered, but its step .* is not batched"):
+        MemberOptimizers(2, optimizer="velo", weights=weights)
     members = MemberOptimizers(2, weights=weights, backend="naive")
     params = [torch.randn(3, 4)]
     with pytest.raises(ValueError, match=r"each of a population of 2 on its first axis"):
@@ -158,14 +158,14 @@ def test_meta_eval_learned_backend_keeps_its_runs_apart_and_names_the_step(tmp_p
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("optimizer", batched.TRAINABLE)
+@pytest.mark.parametrize("optimizer", rules.TRAINABLE)
 def test_fused_member_optimizers_on_a_gpu_follow_the_batched_step(optimizer):
     """On a GPU: one fused optimizer per member, replayed from a captured CUDA graph, against the batched step (its
     own graph) on a digits CNN and a teacher–student MLP: parameters within 1e-4 after 30 steps (the fused step
     is within float32 rounding of the naive one, and training compounds it), the same curves within 1e-3."""
     # (the shipped set is small_fc_lopt's; ELO's architecture takes its own weights: random ones, at its small lr)
     weights = (lopt.weights.load_weights("lopt-small_fc-tiny", "small_fc_lopt") if optimizer == "small_fc_lopt"
-               else lopt.random_weights(batched.inner_rule(optimizer).architecture, seed=3))
+               else lopt.random_weights(rules.inner_rule(optimizer).architecture, seed=3))
     lr = 1.0 if optimizer == "small_fc_lopt" else 1e-3
     for spec in (CNN, TEACHER):
         family = tasks.build(spec).to("cuda")

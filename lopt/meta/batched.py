@@ -5,7 +5,7 @@
 with every member allowed its own meta-weights and its own step count; with ``optimizer="elo"``, the
 step of ``lopt.ELO(backend="naive")`` (docs/elo.md: the same features and network, ELO's decays used
 as given, no ``step_mult``, its own weight decay). The optimizers whose step is batched here are
-:data:`TRAINABLE`; each one's defaults are read from its ``torch.optim`` class, and its decays and
+:data:`lopt.meta.rules.TRAINABLE`; each one's defaults are read from its ``torch.optim`` class, and its decays and
 update from its reference module, so nothing of either is restated here. It is built from the
 reference functions themselves (``lopt/reference/accumulators.py``, ``lopt/reference/small_fc_lopt.py``)
 wherever their broadcasting allows, so that there is one source of truth:
@@ -31,65 +31,17 @@ member, for the baselines of ``lopt meta-eval``.
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 
-from lopt import registry
+from lopt.meta.rules import inner_rule
 from lopt.reference import accumulators
 from lopt.reference import small_fc_lopt as reference
 
 GRADIENT_LIMIT = 2.0**64  # as lopt.optimizers.naive: beyond it g² overflows float32 and the step is skipped
 TIMESCALES = torch.tensor(reference.TIMESCALES, dtype=torch.float32)
-
-
-# The registered optimizers whose inner step is batched here: small_fc_lopt's per-element network over its 39
-# inputs, each with its own decays and update.
-TRAINABLE = ("small_fc_lopt", "elo")
-# What the other registered ones add to that step, which is not batched here.
-NOT_BATCHED = {
-    "celo2": "Newton–Schulz on every matrix's proposed step and AdamW for 1-d tensors",
-    "elo_celo2": "Newton–Schulz on every matrix's proposed step and AdamW for 1-d tensors",
-    "velo": "an LSTM that writes each tensor's network",
-    "mulo": "μP's per-layer scaling of the update, for μP-parametrised models, which lopt.meta's tasks are not",
-}
-
-
-@dataclass(frozen=True)
-class InnerRule:
-    """One trainable optimizer: its registered name, its weights' architecture (``weights/registry.json``), its
-    ``torch.optim`` class, reference module (``Decays``, ``apply_update``) and the constructor defaults the
-    batched step starts from."""
-
-    name: str
-    architecture: str
-    front_end: type
-    reference: object
-    defaults: dict
-
-    @property
-    def step_mult(self):
-        """small_fc_lopt's ``step_mult`` (a constructor option); ELO's update has none (its reference's 1)."""
-        return self.defaults.get("step_mult", getattr(self.reference, "STEP_MULT", None))
-
-
-def inner_rule(optimizer: str) -> InnerRule:
-    """The :class:`InnerRule` of ``optimizer`` (a name of :data:`TRAINABLE`); ValueError naming the choices."""
-    if optimizer not in TRAINABLE:
-        if optimizer not in registry.names():
-            what = f"is not a registered optimizer (registered: {', '.join(registry.names())})"
-        else:
-            what = f"is registered, but its step ({NOT_BATCHED.get(optimizer, 'its own')}) is not batched in lopt.meta"
-        raise ValueError(f"lopt.meta steps populations of {' and '.join(TRAINABLE)} only (to meta-train or "
-                         f"evaluate them); {optimizer!r} {what}")
-    entry = registry.get(optimizer)
-    front_end = entry.front_end_class
-    defaults = {name: p.default for name, p in inspect.signature(front_end.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    return InnerRule(optimizer, entry.architecture, front_end, front_end.reference, defaults)
 
 
 def _shifted(dims):
@@ -146,7 +98,82 @@ def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torc
     return x[..., 0], x[..., 1]
 
 
-class BatchedSmallFCLOpt:
+class PopulationStep:
+    """What every population-batched learned step shares: the members' shapes, their lr (a number, or a tensor
+    read in place at every step), the per-member skip of a non-finite step, resetting members, and the step
+    through ``torch.compile`` with its fallback. Subclasses form ``init_state`` (``"step"`` (P,) int64 and
+    ``"tensors"``, one dict of buffers per parameter, each with the leading axis P) and ``_step``."""
+
+    def __init__(self, shapes, population: int, device, *, lr, weight_decay, skip_nonfinite: bool, compiled: bool):
+        self.shapes = [tuple(s) for s in shapes]
+        self.population = int(population)
+        self.device = torch.device(device)
+        self.lr = lr.to(self.device) if torch.is_tensor(lr) else lr
+        self.weight_decay = weight_decay
+        self.skip_nonfinite = skip_nonfinite
+        # compiled: the step through torch.compile (inductor, one graph: fullgraph), which fuses its several
+        # hundred small elementwise ops per population step into a few kernels; within float32 rounding of the
+        # eager step, not bit for bit (inductor contracts and reorders some of them).
+        self.compiled = bool(compiled)
+        self._compiled_step = torch.compile(self._step, fullgraph=True) if self.compiled else None
+        self.compile_failure = None  # why torch.compile failed, where it did (then the step runs eagerly)
+
+    def member_lr(self, dims: int):
+        """The lr shaped to broadcast over a ``dims``-dimensional population tensor (one value per member)."""
+        lr = self.lr
+        return lr.view((-1,) + (1,) * (dims - 1)) if torch.is_tensor(lr) and lr.dim() else lr
+
+    def reset_members(self, state: dict, members: torch.Tensor) -> None:
+        """Zero the state of the members where ``members`` (P,) bool is True (a new task)."""
+        state["step"].masked_fill_(members, 0)
+        for buffers in state["tensors"]:
+            for buf in buffers.values():
+                if buf.numel():  # (masked_fill, not a product: a non-finite entry is cleared too)
+                    buf.masked_fill_(members.view((-1,) + (1,) * (buf.dim() - 1)), 0.0)
+
+    def finite_members(self, grads) -> torch.Tensor:
+        """(P,) bool: the members whose every gradient element is finite and below 2^64 in magnitude."""
+        ok = torch.ones(self.population, dtype=torch.bool, device=self.device)
+        for g in grads:
+            ok &= (g.detach().reshape(self.population, -1).abs() < GRADIENT_LIMIT).all(dim=1)
+        return ok
+
+    @torch.no_grad()
+    def step(self, params, grads, state: dict, network: dict) -> list:
+        """One step of every member; returns the new parameters (float32, ``(P,) + S``) and updates ``state``.
+
+        ``network``: the meta-weights' tensors, each batched ``(P,) + shape`` or shared ``shape``.
+        """
+        if self._compiled_step is not None:
+            try:
+                return self._compiled_step(params, grads, state, network)
+            except Exception as err:  # noqa: BLE001 - narrowed at once (torch._dynamo is imported only here)
+                from torch._dynamo.exc import BackendCompilerFailed
+
+                if not isinstance(err, BackendCompilerFailed):
+                    raise
+                # A compiler that fails on this graph (torch 2.11's inductor raises inside its own tiling
+                # code for the CUDA graph of some task families) fails while compiling, before the compiled
+                # step runs: nothing has changed, and the eager step is the same math.
+                cause = getattr(err, "inner_exception", None) or err  # (what the compiler itself raised)
+                warnings.warn(f"lopt.meta: torch.compile of the batched optimizer's step failed "
+                              f"({type(err).__name__}: {type(cause).__name__}: {cause}); "
+                              "stepping eagerly from now on (the same math: compile_inner changes only the speed)",
+                              RuntimeWarning, stacklevel=2)
+                self._compiled_step = None
+                self.compile_failure = f"{type(cause).__name__}: {cause}"
+        return self._step(params, grads, state, network)
+
+    def _step(self, params, grads, state: dict, network: dict) -> list:
+        raise NotImplementedError
+
+    @staticmethod
+    def keep_where(ok: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """``new`` for the members where ``ok`` (P,), ``old`` for the others."""
+        return torch.where(ok.view((-1,) + (1,) * (new.dim() - 1)), new, old)
+
+
+class BatchedSmallFCLOpt(PopulationStep):
     """small_fc_lopt (or ELO) stepped for ``population`` members at once (tensors ``(P,) + S``).
 
     Args:
@@ -175,27 +202,17 @@ class BatchedSmallFCLOpt:
         if step_mult is not None and "step_mult" not in defaults:
             raise ValueError(f"BatchedSmallFCLOpt: {optimizer} has no step_mult (its lr is its step size); "
                              "leave step_mult out")
-        self.shapes = [tuple(s) for s in shapes]
-        self.population = int(population)
-        self.device = torch.device(device)
-        self.work_shapes = [s if s else (1,) for s in self.shapes]
-        self.dims = [_shifted(reference.factored_dims(s)) for s in self.shapes]
-        self.counts = [math.prod(s) for s in self.work_shapes]
-        self.lr = defaults["lr"] if lr is None else (lr.to(self.device) if torch.is_tensor(lr) else lr)
-        self.weight_decay = weight_decay
         self.exp_mult = defaults["exp_mult"] if exp_mult is None else exp_mult
         self.step_mult = self.rule.step_mult if step_mult is None else step_mult
-        self.skip_nonfinite = skip_nonfinite
         given = (momentum_decays, rms_decays, adafactor_decays)
         names = ("momentum_decays", "rms_decays", "adafactor_decays")
         decays = [defaults[name] if value is None else value for name, value in zip(names, given)]
-        self.decays = self.rule.reference.Decays.from_offsets(*decays).to(self.device)
-        # compiled: the step through torch.compile (inductor, one graph: fullgraph), which fuses its several
-        # hundred small elementwise ops per population step into a few kernels; within float32 rounding of the
-        # eager step, not bit for bit (inductor contracts and reorders some of them).
-        self.compiled = bool(compiled)
-        self._compiled_step = torch.compile(self._step, fullgraph=True) if self.compiled else None
-        self.compile_failure = None  # why torch.compile failed, where it did (then the step runs eagerly)
+        self.decays = self.rule.reference.Decays.from_offsets(*decays).to(device)
+        super().__init__(shapes, population, device, lr=defaults["lr"] if lr is None else lr, weight_decay=weight_decay,
+                         skip_nonfinite=skip_nonfinite, compiled=compiled)
+        self.work_shapes = [s if s else (1,) for s in self.shapes]
+        self.dims = [_shifted(reference.factored_dims(s)) for s in self.shapes]
+        self.counts = [math.prod(s) for s in self.work_shapes]
 
     def init_state(self) -> dict:
         tensors = []
@@ -203,47 +220,6 @@ class BatchedSmallFCLOpt:
             state = accumulators.init_state((self.population,) + shape, dims)
             tensors.append({k: v.to(self.device) for k, v in state.items()})
         return {"step": torch.zeros(self.population, dtype=torch.int64, device=self.device), "tensors": tensors}
-
-    def reset_members(self, state: dict, members: torch.Tensor) -> None:
-        """Zero the state of the members where ``members`` (P,) bool is True (a new task)."""
-        state["step"].masked_fill_(members, 0)
-        for buffers in state["tensors"]:
-            for buf in buffers.values():
-                if buf.numel():  # (masked_fill, not a product: a non-finite entry is cleared too)
-                    buf.masked_fill_(members.view((-1,) + (1,) * (buf.dim() - 1)), 0.0)
-
-    def finite_members(self, grads) -> torch.Tensor:
-        """(P,) bool: the members whose every gradient element is finite and below 2^64 in magnitude."""
-        ok = torch.ones(self.population, dtype=torch.bool, device=self.device)
-        for g in grads:
-            ok &= (g.detach().reshape(self.population, -1).abs() < GRADIENT_LIMIT).all(dim=1)
-        return ok
-
-    @torch.no_grad()
-    def step(self, params, grads, state: dict, network: dict) -> list:
-        """One step of every member; returns the new parameters (float32, ``(P,) + S``) and updates ``state``.
-
-        ``network``: the MLP's six tensors, each batched ``(P,) + shape`` or shared ``shape``.
-        """
-        if self._compiled_step is not None:
-            try:
-                return self._compiled_step(params, grads, state, network)
-            except Exception as err:  # noqa: BLE001 - narrowed at once (torch._dynamo is imported only here)
-                from torch._dynamo.exc import BackendCompilerFailed
-
-                if not isinstance(err, BackendCompilerFailed):
-                    raise
-                # A compiler that fails on this graph (torch 2.11's inductor raises inside its own tiling
-                # code for the CUDA graph of some task families) fails while compiling, before the compiled
-                # step runs: nothing has changed, and the eager step is the same math.
-                cause = getattr(err, "inner_exception", None) or err  # (what the compiler itself raised)
-                warnings.warn(f"lopt.meta: torch.compile of the batched optimizer's step failed "
-                              f"({type(err).__name__}: {type(cause).__name__}: {cause}); "
-                              "stepping eagerly from now on (the same math: compile_inner changes only the speed)",
-                              RuntimeWarning, stacklevel=2)
-                self._compiled_step = None
-                self.compile_failure = f"{type(cause).__name__}: {cause}"
-        return self._step(params, grads, state, network)
 
     def _step(self, params, grads, state: dict, network: dict) -> list:
         P = self.population
@@ -258,8 +234,7 @@ class BatchedSmallFCLOpt:
             accumulators.update_accumulators(buffers, grad, self.decays, dims)
             if old is not None:
                 for name, buf in old.items():
-                    current = buffers[name]
-                    current.copy_(torch.where(ok.view((-1,) + (1,) * (current.dim() - 1)), current, buf))
+                    buffers[name].copy_(self.keep_where(ok, buffers[name], buf))
             features = reference.per_element_features(grad, value, buffers, dims)
             sums = _member_square_sums(features)  # (P, 28): the reference's sums, per member
             sums = sums.view((P,) + (1,) * (features.dim() - 2) + (reference.NUM_ELEMENT_FEATURES,))
@@ -271,14 +246,12 @@ class BatchedSmallFCLOpt:
         direction, magnitude = batched_mlp(torch.cat([features, time], dim=-1), network)
         updates = reference.update_from_mlp(direction, magnitude, self.exp_mult, self.step_mult)
         new_params, offset = [], 0
-        lr = self.lr
         for (value, count), shape in zip(pending, self.shapes):
             update = updates[:, offset:offset + count].reshape(value.shape)
             offset += count
-            member_lr = lr.view((-1,) + (1,) * (value.dim() - 1)) if torch.is_tensor(lr) and lr.dim() else lr
-            new = self.rule.reference.apply_update(value, update, member_lr, self.weight_decay)
+            new = self.rule.reference.apply_update(value, update, self.member_lr(value.dim()), self.weight_decay)
             if ok is not None:
-                new = torch.where(ok.view((-1,) + (1,) * (new.dim() - 1)), new, value)
+                new = self.keep_where(ok, new, value)
             new_params.append(new.reshape((P,) + shape))
         state["step"].copy_(step)  # in place: a captured step keeps reading and writing the same tensor
         return new_params

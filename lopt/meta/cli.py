@@ -66,7 +66,7 @@ def add_commands(sub) -> None:
                        help="stop (checkpointed) before this many minutes of this chunk; rerun to continue")
     train.add_argument("--optimizer", default=None, metavar="NAME",
                        help="whose step the tasks train with, and so whose weights come out: small_fc_lopt (default; "
-                            "lopt.SmallFCLOpt) or elo (lopt.ELO)")
+                            "lopt.SmallFCLOpt), elo (lopt.ELO), celo2 (lopt.CELO2) or elo_celo2 (lopt.ELO_CELO2)")
     train.add_argument("--estimator", default=None, choices=["pes", "es"], help="override the preset's estimator")
     train.add_argument("--outer-steps", type=_positive_int, default=None, metavar="N", help="override the preset's")
     train.add_argument("--seed", type=int, default=None)
@@ -101,10 +101,11 @@ def add_commands(sub) -> None:
                                "that is not the protocol's default); finished runs are kept, so a rerun resumes")
     evaluate.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     evaluate.add_argument("--optimizer", default=None, metavar="NAME",
-                          help="the optimizer that runs WEIGHTS: small_fc_lopt or elo (default: a meta-train run's own, "
-                               "else small_fc_lopt)")
+                          help="the optimizer that runs WEIGHTS: small_fc_lopt, elo, celo2 or elo_celo2 (default: a "
+                               "meta-train run's own, a registered weight set's, else small_fc_lopt)")
     evaluate.add_argument("--learned-lr", type=_positive_float, default=None, metavar="LR",
-                          help="run the learned optimizer at this lr instead of its default (SmallFCLOpt 1, ELO 1e-3: "
+                          help="run the learned optimizer at this lr instead of its default (SmallFCLOpt 1, ELO and "
+                               "CELO2 1e-3: "
                                "the suite's protocol); default --out WEIGHTS/eval-lrLR")
     evaluate.add_argument("--learned-backend", default=None, choices=["auto", "naive", "fused"],
                           help="step the learned optimizer as users do, one lopt optimizer per seed with this backend "
@@ -148,7 +149,7 @@ def _overrides(args) -> dict:
 
 
 def cmd_meta_train(args) -> int:
-    from lopt.meta.batched import inner_rule
+    from lopt.meta.rules import inner_rule
     from lopt.meta.data import MissingDependency
     from lopt.meta.presets import MetaTrainConfig, preset
     from lopt.meta.trainer import CHECKPOINT, MetaTrainer
@@ -193,7 +194,9 @@ def cmd_meta_train(args) -> int:
 
 def _trained_with(weights: str) -> tuple[str, str] | None:
     """(optimizer, where it is said) for weights whose optimizer is known: a meta-train run directory or its
-    ``best/`` (the run's record), a registered weight set (its architecture); else None."""
+    ``best/`` (the run's record), a registered weight set (the optimizer whose default it is, else its
+    architecture: ELO-CELO2's weights share CELO2's architecture); else None."""
+    from lopt import registry
     from lopt import weights as weights_lib
 
     path = Path(weights)
@@ -205,7 +208,11 @@ def _trained_with(weights: str) -> tuple[str, str] | None:
                 return name, str(record)
     registered = weights_lib.registered_weights().get(weights) if not path.exists() else None
     if registered is not None:
-        return registered.architecture, f"the registered weight set {weights!r}"
+        default_of = [name for name in registry.names() if registry.get(name).default_weights == weights]
+        if len(default_of) > 1 and registered.architecture in default_of:  # small_fc_lopt's (and MuLO's)
+            default_of = [registered.architecture]
+        name = default_of[0] if len(default_of) == 1 else registered.architecture
+        return name, f"the registered weight set {weights!r}"
     return None
 
 

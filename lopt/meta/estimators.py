@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from lopt.meta.batched import BatchedSmallFCLOpt
+from lopt.meta.rules import batched_optimizer
 from lopt.meta.schedules import SCHEDULES, multipliers
 from lopt.meta.stepper import PopulationStepper, _copy_into
 
@@ -89,7 +89,7 @@ class InnerPopulation:
         self.opt_state = None
         self.inst = None
         self.stepper = None
-        self.set_optimizer(BatchedSmallFCLOpt(family.shapes(), self.population, self.device,
+        self.set_optimizer(batched_optimizer(family.shapes(), self.population, self.device,
                                               **(optimizer_kwargs or {})))
 
     @property

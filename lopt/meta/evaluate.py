@@ -47,7 +47,8 @@ import torch
 
 from lopt import weights as weights_lib
 from lopt.meta import tasks as tasks_lib
-from lopt.meta.batched import BatchedAdamW, BatchedSmallFCLOpt, inner_rule
+from lopt.meta.batched import BatchedAdamW
+from lopt.meta.rules import batched_optimizer, inner_rule
 from lopt.meta.members import BACKENDS as MEMBER_BACKENDS
 from lopt.meta.members import MemberOptimizers
 from lopt.meta.schedules import SCHEDULES  # (the table of lr schedules, shared with meta-training)
@@ -111,7 +112,7 @@ class EvalSettings:
     tasks: tuple | None = None  # a subset of the suite's task names
     cuda_graphs: bool = True
     learned_lr: float | None = None  # the learned optimizer's lr; None: its class's default (the suite's protocol)
-    # None: the learned optimizer's step batched over the seeds (BatchedSmallFCLOpt, the protocol's records); a
+    # None: the learned optimizer's step batched over the seeds (rules.batched_optimizer, the protocol's records); a
     # backend ("auto", "naive", "fused"): one torch.optim optimizer per seed (lopt.meta.members)
     learned_backend: str | None = None
     # a name of SCHEDULES: every optimizer's lr (AdamW's sweep included) multiplied by it at every step
@@ -186,7 +187,7 @@ def _seed_generator(device, seed):
 
 def scheduled_lr(optimizer, device) -> torch.Tensor:
     """The tensor a schedule writes: ``optimizer.lr``, which every population optimizer's step reads in place
-    (BatchedSmallFCLOpt, BatchedAdamW, MemberOptimizers' shared lr). It must be a floating-point tensor on
+    (the batched learned steps, BatchedAdamW, MemberOptimizers' shared lr). It must be a floating-point tensor on
     ``device``: a number is baked into a captured CUDA graph (and is no object to write into), and a CPU tensor
     beside CUDA parameters is read on the host when a kernel is launched, so a graph would keep its first value."""
     lr = getattr(optimizer, "lr", None)
@@ -397,7 +398,7 @@ def evaluate_task(task: EvalTask, meta_weights, settings: EvalSettings, device, 
     # scheduled: one 0-d tensor on the device, shared by the members, that the step reads in place
     lr_arg = torch.tensor(float(learned_lr), device=device) if scheduled else settings.learned_lr
     if settings.learned_backend is None:
-        learned = BatchedSmallFCLOpt(shapes, len(seeds), device, optimizer=optimizer, lr=lr_arg)
+        learned = batched_optimizer(shapes, len(seeds), device, optimizer=optimizer, lr=lr_arg)
         learned.network = {k: v.to(device) for k, v in meta_weights.tensors["mlp"].items()}
         extra = {}
     else:
@@ -489,7 +490,7 @@ def _jsonable(obj):
 
 def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings | None = None, progress=True,
               max_minutes=None, optimizer: str = "small_fc_lopt", baselines=None) -> dict:
-    """Evaluate ``weights_source``, run by ``optimizer`` (small_fc_lopt or elo), on the suite; results (and
+    """Evaluate ``weights_source``, run by ``optimizer`` (a name of ``rules.TRAINABLE``), on the suite; results (and
     resumable per-task state) in ``out_dir``; the AdamW runs shared through ``baselines`` (a directory) if given."""
     from tqdm.auto import tqdm
 

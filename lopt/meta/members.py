@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 
-from lopt.meta.batched import inner_rule
+from lopt.meta.rules import inner_rule
 
 BACKENDS = ("auto", "naive", "fused")
 
@@ -29,7 +29,7 @@ class MemberOptimizers:
 
     Args:
         population: ``P``; the population's tensors are ``(P,) + S``.
-        optimizer: ``"small_fc_lopt"`` or ``"elo"`` (:data:`lopt.meta.batched.TRAINABLE`).
+        optimizer: a name of :data:`lopt.meta.rules.TRAINABLE`.
         weights: the meta-weights every member runs (a :class:`lopt.weights.MetaWeights`, a name, a directory).
         lr: the optimizer's lr (None: its class's default): a number, or a 0-d floating-point tensor on the
             population's device that every member's optimizer shares and reads in place at every step (the

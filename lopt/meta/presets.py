@@ -33,7 +33,7 @@ import torch
 @dataclass
 class MetaTrainConfig:
     preset: str = "custom"
-    optimizer: str = "small_fc_lopt"       # the optimizer whose step the tasks train with: small_fc_lopt or elo
+    optimizer: str = "small_fc_lopt"       # whose step the tasks train with: a name of lopt.meta.rules.TRAINABLE
     estimator: str = "pes"                 # "pes" (truncated PES) or "es" (full-length antithetic ES)
     tasks: list = field(default_factory=list)  # task-family specs ({"task": ..., ...}, lopt.meta.tasks.build)
     groups_per_step: int = 1                # task families estimated per outer step (round robin); 0 = all
@@ -66,13 +66,19 @@ class MetaTrainConfig:
     # the inner lr's schedule over each unroll (a name of lopt.meta.schedules.SCHEDULES): the learned optimizer's lr
     # at step t of an unroll of length L is its lr times SCHEDULES[inner_schedule](t, L); validation's too
     inner_schedule: str = "constant"
+    # the learned optimizer's lr in the inner unrolls (and validation); None: its class's default (SmallFCLOpt 1,
+    # ELO and CELO2 1e-3). CELO2's step has unit RMS per matrix, so its lr alone sets how far a step goes
+    inner_lr: float | None = None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["betas"] = list(self.betas)
         out["baseline_lrs"] = list(self.baseline_lrs)
-        if self.inner_schedule == "constant":  # (records and checkpoints of constant runs stay as they were)
+        # (records and checkpoints of runs without these options stay as they were)
+        if self.inner_schedule == "constant":
             del out["inner_schedule"]
+        if self.inner_lr is None:
+            del out["inner_lr"]
         return out
 
     @classmethod
@@ -110,10 +116,14 @@ class MetaTrainConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the first option whose value cannot run."""
-        from lopt.meta.batched import inner_rule
+        from lopt.meta.rules import inner_rule
         from lopt.meta.schedules import SCHEDULES
 
         inner_rule(self.optimizer)
+        lr = self.inner_lr
+        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
+            raise ValueError(f"inner_lr={self.inner_lr!r}: the learned optimizer's lr must be a positive number "
+                             "(leave it out for its class's default)")
         if self.inner_schedule not in SCHEDULES:
             raise ValueError(f"inner_schedule={self.inner_schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if not 1 <= self.min_unroll <= self.max_unroll:

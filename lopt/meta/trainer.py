@@ -29,7 +29,8 @@ import torch
 
 import lopt
 from lopt.meta import tasks as tasks_lib
-from lopt.meta.batched import BatchedAdamW, inner_rule
+from lopt.meta.batched import BatchedAdamW
+from lopt.meta.rules import inner_rule
 from lopt.meta.estimators import ESTIMATORS, InnerPopulation
 from lopt.meta.metaparams import MetaParamSpace
 from lopt.meta.presets import MetaTrainConfig
@@ -118,7 +119,10 @@ class MetaTrainer:
     @staticmethod
     def _optimizer_kwargs(config) -> dict:
         """The batched inner optimizer's options that the config chooses."""
-        return {"optimizer": config.optimizer, "compiled": bool(config.compile_inner)}
+        options = {"optimizer": config.optimizer, "compiled": bool(config.compile_inner)}
+        if config.inner_lr is not None:
+            options["lr"] = float(config.inner_lr)
+        return options
 
     # ------------------------------------------------------------------ one outer step
     def _groups(self, step: int) -> list[int]:
