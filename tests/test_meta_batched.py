@@ -242,17 +242,21 @@ def test_cuda_graph_steps_equal_eager_steps():
 
     family = tasks.build({"task": "cnn", "dataset": "digits", "channels": [4], "batch_size": 8}).to("cuda")
     shapes = family.shapes()
+    # (CELO2 and ELO-CELO2: Newton–Schulz on the 3x3 kernels and the matrices, ELO-CELO2's global clipping, inside
+    # the graph; an lr of 0.03 so that 12 steps move the parameters)
     for make in (lambda: batched.BatchedAdamW(shapes, 3, "cuda", lr=torch.tensor([1e-3, 1e-2, 1e-1])),
-                 lambda: _learned(shapes)):
+                 lambda: _learned(shapes), lambda: _learned(shapes, "celo2", 0.03),
+                 lambda: _learned(shapes, "elo_celo2", 0.03)):
         runs = [evaluate.train_population(family, make(), [0, 1, 1], 12, "cuda", use_graph=g) for g in (True, False)]
         assert runs[0]["graph_steps"] > 0
         assert _max_relative(runs[0]["params"], runs[1]["params"]) <= 1e-6
         assert float((runs[0]["train"] - runs[1]["train"]).abs().max()) <= 1e-5
 
 
-def _learned(shapes):
-    opt = batched.BatchedSmallFCLOpt(shapes, 3, "cuda")
-    opt.network = {k: v.cuda() for k, v in lopt.random_weights("small_fc_lopt", seed=2).tensors["mlp"].items()}
+def _learned(shapes, optimizer="small_fc_lopt", lr=None):
+    opt = rules.batched_optimizer(shapes, 3, "cuda", optimizer=optimizer, lr=lr)
+    architecture = rules.inner_rule(optimizer).architecture
+    opt.network = {k: v.cuda() for k, v in lopt.random_weights(architecture, seed=2).tensors["mlp"].items()}
     return opt
 
 

@@ -135,7 +135,10 @@ class BatchedCELO2(PopulationStep):
         scale = None
         if s["max_grad_norm"] is not None:
             norm = reference.global_norm(sum(member_sums(g) for g in grads))
-            scale = reference.clip_scale(norm, s["max_grad_norm"])
+            # reference.clip_scale per member, max_norm / max(norm, max_norm) in float32, with the limit filled on
+            # the device (a tensor built from a host number is a copy, which a CUDA graph's capture refuses)
+            limit = torch.full_like(norm, s["max_grad_norm"])
+            scale = limit / torch.maximum(norm, limit)
         return [reference.clip_gradient(g, per_member(scale, g.dim()) if scale is not None else None,
                                         s["grad_clip_value"]).unsqueeze(-1) for g in grads]
 
@@ -169,11 +172,7 @@ class BatchedCELO2(PopulationStep):
         else:
             exp_avg, exp_avg_sq = buffers["mom"][..., 0], buffers["rms"][..., -1]
             beta1, beta2, eps = self.decays.momentum[0], self.decays.rms[-1], reference.SHARED_ADAM_EPSILON
-        # reference.adam_direction, its bias corrections per member: float64, rounded to float32 by the division
-        # (a Python float divisor is, in the reference)
-        corrections = [per_member(reference.bias_correction(beta, step).to(torch.float32), value.dim())
-                       for beta in (beta1, beta2)]
-        direction = (exp_avg / corrections[0]) / (torch.sqrt(exp_avg_sq / corrections[1]) + eps)
+        direction = reference.adam_direction(exp_avg, exp_avg_sq, beta1, beta2, per_member(step, value.dim()), eps)
         lr = s["adam_lr_mult"] * self.member_lr(value.dim())
         return reference.apply_step(value, direction, lr, s["adam_weight_decay"])
 

@@ -344,10 +344,18 @@ def bias_correction(beta, step):
 
 def adam_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, beta1: float, beta2: float, step: int,
                    eps: float) -> torch.Tensor:
-    """``m̂ / (√v̂ + eps)`` with ``m̂ = m / (1 − β1^t)``, ``v̂ = v / (1 − β2^t)``."""
-    corrected_avg = exp_avg / bias_correction(beta1, step)
-    corrected_sq = exp_avg_sq / bias_correction(beta2, step)
+    """``m̂ / (√v̂ + eps)`` with ``m̂ = m / (1 − β1^t)``, ``v̂ = v / (1 − β2^t)``. A tensor ``step`` may also hold one
+    count per row of a population (``lopt.meta``: shaped to broadcast), each correction then its own."""
+    corrected_avg = exp_avg / _divisor(bias_correction(beta1, step))
+    corrected_sq = exp_avg_sq / _divisor(bias_correction(beta2, step))
     return corrected_avg / (torch.sqrt(corrected_sq) + eps)
+
+
+def _divisor(correction):
+    """A bias correction as the float32 divisor the division uses: a Python float or a 0-d float64 tensor is
+    rounded to float32 by the division itself; a tensor of corrections is rounded here, so that the same
+    float32 division happens (a float64 tensor with axes would make the whole division float64)."""
+    return correction.to(torch.float32) if torch.is_tensor(correction) else correction
 
 
 def update_adam_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, betas) -> None:
