@@ -48,20 +48,20 @@ def batched_first_layer_weight(network: dict, inputs: int) -> torch.Tensor:
 
 
 def batched_mlp(inputs: torch.Tensor, network: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.mlp`` per member: ``inputs`` (P, N, 30 or 15); every tensor of ``network`` batched
-    ``(P,) + shape`` or shared ``shape``. Returns (direction, magnitude), each (P, N)."""
+    """``reference.mlp`` per member: ``inputs`` (P, ..., 30 or 15); every tensor of ``network`` batched
+    ``(P,) + shape`` or shared ``shape``. Returns (direction, magnitude), each ``inputs.shape[:-1]``."""
 
     def bias(b):
         return b.unsqueeze(-2) if b.dim() == 2 else b  # (P, out): one row per member, over its N elements
 
-    hidden = torch.relu(inputs @ batched_first_layer_weight(network, inputs.shape[-1])
-                        + bias(network[reference.FIRST_BIAS]))
+    x = inputs.reshape(inputs.shape[0], -1, inputs.shape[-1])  # (P, N, F): one product per member
+    hidden = torch.relu(x @ batched_first_layer_weight(network, x.shape[-1]) + bias(network[reference.FIRST_BIAS]))
     layers = reference.dense_layer_count(network)
     for j in range(layers):
         hidden = hidden @ network[reference.DENSE_WEIGHT.format(j)] + bias(network[reference.DENSE_BIAS.format(j)])
         if j != layers - 1:
             hidden = torch.relu(hidden)
-    return hidden[..., 0], hidden[..., 1]
+    return hidden[..., 0].reshape(inputs.shape[:-1]), hidden[..., 1].reshape(inputs.shape[:-1])
 
 
 def member_sums(x: torch.Tensor) -> torch.Tensor:
@@ -146,16 +146,12 @@ class BatchedCELO2(PopulationStep):
         """§3.3–§3.8 for one tensor of every member (``value`` (P,) + work shape, pre-update)."""
         s = self.settings
         features = reference.per_element_features(grad, value.unsqueeze(-1), buffers, dims)
-        normalised = reference.normalise_over_last_axes(features)
-        P, width = normalised.shape[0], normalised.shape[-1]
-        direction, magnitude = batched_mlp(normalised.reshape(P, -1, width), network)
-        direction, magnitude = direction.reshape(value.shape), magnitude.reshape(value.shape)
-        factor = torch.exp(magnitude * s["exp_mult"])  # (reference.proposed_step's order of operations)
-        if s["param_scale_mult"]:
-            square_sums = accumulators.float64_sum(accumulators.finite_part(value).reshape(P, -1) ** 2, dim=1)
-            count = value[0].numel()
-            factor = per_member(reference.param_scale(value, square_sums, count), value.dim()) * factor
-        step = direction * factor
+        scale = None
+        if s["param_scale_mult"]:  # (per member: the float64 Σ p² over each member's own elements)
+            square_sums = accumulators.float64_sum(accumulators.finite_part(value).reshape(len(value), -1) ** 2, dim=1)
+            scale = per_member(reference.param_scale(value, square_sums, value[0].numel()), value.dim())
+        step = reference.proposed_step(reference.normalise_over_last_axes(features), network, exp_mult=s["exp_mult"],
+                                       scale=scale, network_fn=batched_mlp)
         if s["orthogonalize"] and rank >= 2:
             step = reference.orthogonalise(step, s["ns_coefficients"], s["ns_steps"], s["ns_eps"])
         update = reference.finish_step(step, s["rms_mult"])

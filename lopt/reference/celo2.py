@@ -269,10 +269,11 @@ def param_scale(param: torch.Tensor, square_sum: torch.Tensor | None = None, cou
 
 
 def proposed_step(normalised: torch.Tensor, network: dict, *, exp_mult: float,
-                  scale: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, network_fn=None) -> torch.Tensor:
     """§3.6 before Newton–Schulz: ``direction · exp(exp_mult · magnitude)`` from the normalised features,
-    times ``scale`` (:func:`param_scale`) where given (``param_scale_mult``)."""
-    direction, magnitude = mlp(normalised, network)
+    times ``scale`` (:func:`param_scale`) where given (``param_scale_mult``). ``network_fn`` runs the MLP
+    (default :func:`mlp`; ``lopt.meta`` passes one that gives every population member its own weights)."""
+    direction, magnitude = (network_fn or mlp)(normalised, network)
     factor = torch.exp(magnitude * exp_mult)
     if scale is not None:
         factor = scale * factor
