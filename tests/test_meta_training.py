@@ -52,17 +52,19 @@ def _equal_states(a, b):
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
-@pytest.mark.parametrize("estimator, inner_schedule, optimizer", [
-    ("pes", "constant", "small_fc_lopt"), ("pes", "cosine", "small_fc_lopt"), ("es", "constant", "small_fc_lopt"),
-    ("es", "cosine", "small_fc_lopt"), ("pes", "cosine", "celo2")])
-def test_checkpoint_resume_is_bit_exact(tmp_path, estimator, inner_schedule, optimizer):
+@pytest.mark.parametrize("estimator, inner_schedule, optimizer, lr_range", [
+    ("pes", "constant", "small_fc_lopt", None), ("pes", "cosine", "small_fc_lopt", None),
+    ("es", "constant", "small_fc_lopt", None), ("es", "cosine", "small_fc_lopt", None),
+    ("pes", "cosine", "celo2", None), ("pes", "constant", "small_fc_lopt", (0.3, 3.0)),
+    ("es", "cosine", "small_fc_lopt", (0.3, 3.0))])
+def test_checkpoint_resume_is_bit_exact(tmp_path, estimator, inner_schedule, optimizer, lr_range):
     """N outer steps straight == N/2, checkpoint, a new process-like resume from the directory, N/2 more:
     identical θ, AdamW state, PES state (inner parameters, optimizer state, accumulators, positions), with an
-    unroll curriculum running across the break; with the inner lr constant and on a cosine over each unroll; and
-    for CELO2 (its own inner lr, its AdamW branch's moments in the state)."""
+    unroll curriculum running across the break; with the inner lr constant and on a cosine over each unroll; for
+    CELO2 (its own inner lr, its AdamW branch's moments in the state); with lrs drawn per instance."""
     inner_lr = 0.03 if optimizer == "celo2" else None
     config = preset("smoke", estimator=estimator, outer_steps=12, validate_every=0, min_unroll=10, max_unroll=30,
-                    inner_schedule=inner_schedule, optimizer=optimizer, inner_lr=inner_lr,
+                    inner_schedule=inner_schedule, optimizer=optimizer, inner_lr=inner_lr, inner_lr_range=lr_range,
                     tasks=[{"task": "mlp", "dataset": "mnist1d", "hidden": [8], "batch_size": 16,
                             "rescale": [0.1, 10.0]},
                            {"task": "teacher_student", "in_dim": 4, "out_dim": 2, "teacher_hidden": [8],
@@ -93,8 +95,13 @@ def test_checkpoint_resume_is_bit_exact(tmp_path, estimator, inner_schedule, opt
     saved = torch.load(tmp_path / "chunks" / CHECKPOINT, weights_only=True)["config"]
     assert saved.get("inner_schedule", "constant") == inner_schedule
     assert saved.get("inner_lr") == inner_lr and ("inner_lr" in saved) == (inner_lr is not None)
-    assert torch.is_tensor(resumed.estimators[0].inner.optimizer.lr) == (inner_schedule == "cosine")
+    assert torch.is_tensor(resumed.estimators[0].inner.optimizer.lr) == (inner_schedule == "cosine" or bool(lr_range))
     assert resumed.estimators[0].inner.optimizer.rule.name == optimizer
+    assert saved.get("inner_lr_range") == (None if lr_range is None else list(lr_range))
+    if lr_range is not None:
+        for a_estimator, b_estimator in zip(straight.estimators, resumed.estimators):
+            assert torch.equal(a_estimator.inner.lr_base, b_estimator.inner.lr_base)
+            assert torch.equal(a_estimator.inner.optimizer.lr, b_estimator.inner.optimizer.lr)
 
 
 def test_curriculum_max_unroll_at():
@@ -166,6 +173,9 @@ def test_patience_ends_the_run_after_validations_without_a_new_best(tmp_path, mo
     ({"min_unroll": 70}, r"min_unroll=70 and max_unroll=60: an unroll range needs"),
     ({"inner_lr": 0.0}, r"inner_lr=0.0: the learned optimizer's lr must be a positive number \(leave it out for"),
     ({"inner_lr": "1e-2"}, r"inner_lr='1e-2': the learned optimizer's lr must be a positive number"),
+    ({"inner_lr_range": (1.0, 0.1)}, r"inner_lr_range=\(1.0, 0.1\): give \[low, high\], two positive numbers with low"),
+    ({"inner_lr_range": (0.0, 1.0)}, r"inner_lr_range=\(0.0, 1.0\): give \[low, high\]"),
+    ({"inner_lr_range": 0.5}, r"inner_lr_range=0.5: give \[low, high\]"),
 ])
 def test_config_errors_name_the_option(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -414,7 +424,7 @@ def test_scheduled_unrolls_are_constant_lr_unrolls_with_the_lr_set_by_hand(estim
     from lopt.meta.estimators import FullES, TruncatedPES
     from lopt.meta.metaparams import MetaParamSpace
 
-    space = MetaParamSpace(lopt.meta.batched.inner_rule(optimizer).architecture)
+    space = MetaParamSpace(lopt.meta.rules.inner_rule(optimizer).architecture)
     theta = space.flatten(lopt.random_weights(space.architecture, seed=3))
     family = tasks.build(SCHEDULE_FAMILY)
     num_tasks, base = 3, DEFAULT_LR[optimizer]
@@ -580,3 +590,42 @@ def test_meta_train_inner_schedule_option_resumes_and_refuses_another_schedule(t
     with pytest.raises(SystemExit):
         main(common + ["--out", str(tmp_path / "x"), "--inner-schedule", "linear"])
     assert "invalid choice: 'linear'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_an_lr_range_draws_one_lr_per_instance_shared_by_its_pair_and_redraws_on_reset(schedule):
+    """inner_lr_range: every instance's learned lr is log-uniform in the range, both members of its antithetic pair
+    share it, a reset redraws exactly the reset instances', and the optimizer reads them from one tensor written in
+    place (a captured graph's); without a schedule the optimizer's lr is the drawn lr itself, with one the unroll
+    scales it (checked against the multipliers); validation populations keep the fixed lr."""
+    from lopt.meta import tasks as tasks_lib
+    from lopt.meta.estimators import InnerPopulation
+    from lopt.meta.metaparams import MetaParamSpace
+    from lopt.meta.schedules import SCHEDULES
+
+    family = tasks_lib.build({"task": "logreg", "dim": 4, "classes": 3, "separation": 3.0, "batch_size": 8})
+    inner = InnerPopulation(family, 6, 2, "cpu", {"optimizer": "small_fc_lopt"}, schedule=schedule,
+                            lr_range=(0.1, 10.0))
+    generator = torch.Generator().manual_seed(0)
+    inner.start(generator)
+    lrs, tensor = inner.lr_base.clone(), inner.optimizer.lr
+    assert lrs.shape == (12,) and torch.equal(lrs[:6], lrs[6:])  # [+ for every instance, − for every instance]
+    assert bool(((lrs >= 0.1) & (lrs <= 10.0)).all()) and len(set(lrs[:6].tolist())) == 6
+    assert float(lrs.log().std()) > 0.5  # spread over the two decades, not bunched
+    if schedule == "constant":
+        assert torch.equal(tensor, lrs)
+    network = MetaParamSpace("small_fc_lopt").unflatten(
+        MetaParamSpace("small_fc_lopt").flatten(lopt.random_weights("small_fc_lopt", seed=0)))
+    inner.unroll(network, 3, generator, positions=[1] * 6, lengths=[10] * 6)
+    assert inner.optimizer.lr is tensor  # written in place, never replaced
+    if schedule == "cosine":  # the last step's lr: the drawn lr times the schedule at position 1 + 2 of 10
+        assert torch.allclose(tensor, lrs * SCHEDULES["cosine"](3, 10), rtol=1e-6)
+    mask = torch.tensor([True, False, False, True, False, False])
+    inner.reset(mask, generator)
+    again = inner.lr_base
+    changed = (again != lrs).view(2, 6)
+    assert changed[0].tolist() == mask.tolist() and changed[1].tolist() == mask.tolist()
+    assert torch.equal(again[:6], again[6:])
+    validator = InnerPopulation(family, 2, 1, "cpu", {"optimizer": "small_fc_lopt"}, schedule=schedule)
+    validator.start(generator)
+    assert validator.lr_range is None and (validator.lr_base is None) == (schedule == "constant")

@@ -71,19 +71,25 @@ class InnerPopulation:
     ``schedule``: a name of :data:`lopt.meta.schedules.SCHEDULES`. Other than ``"constant"``, the optimizer's lr
     is a (P,) tensor on the device (its lr as constructed, ``lr_base``, per member), and :meth:`unroll` writes
     ``lr_base · multiplier`` into it in place before every step, outside the step (a captured graph reads it).
-    ``"constant"`` leaves the optimizer as constructed (its lr a number, unless given as a tensor)."""
+    ``"constant"`` leaves the optimizer as constructed (its lr a number, unless given as a tensor).
+
+    ``lr_range``: (low, high), or None. Given, every instance draws its learned lr log-uniformly from it whenever it
+    is drawn (:meth:`start`, :meth:`reset`; from the generator they are given, after the instance), its members
+    (both of an antithetic pair) share it, and it is ``lr_base`` for that instance's rows: the lr of the unroll
+    (scaled by the schedule, where there is one)."""
 
     def __init__(self, family, num_tasks: int, members: int = 2, device="cpu", optimizer_kwargs=None,
-                 use_graph: bool = False, schedule: str = "constant"):
+                 use_graph: bool = False, schedule: str = "constant", lr_range=None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        self.lr_range = None if lr_range is None else (float(lr_range[0]), float(lr_range[1]))
         self.family = family
         self.num_tasks = int(num_tasks)
         self.members = int(members)
         self.population = self.num_tasks * self.members
         self.device = torch.device(device)
         self.schedule = schedule
-        self.lr_base = None  # scheduled: the (P,) lr as constructed, that the multipliers scale
+        self.lr_base = None  # scheduled or drawn (lr_range): the (P,) lr that the multipliers scale
         self.use_graph = use_graph
         self.params = None
         self.opt_state = None
@@ -96,13 +102,18 @@ class InnerPopulation:
     def scheduled(self) -> bool:
         return self.schedule != "constant"
 
+    @property
+    def per_member_lr(self) -> bool:
+        """Whether the optimizer's lr is a (P,) device tensor this population writes (scheduled, or drawn)."""
+        return self.scheduled or self.lr_range is not None
+
     def set_optimizer(self, optimizer) -> None:
         """Train with ``optimizer`` (a population optimizer over P members; before the first step). Scheduled, its
         ``lr`` (a number, a 0-d or a (P,) tensor) becomes a (P,) float32 tensor on the device that its step reads
         in place, and ``lr_base`` a copy of it."""
         if self.stepper is not None:
             raise RuntimeError("InnerPopulation.set_optimizer: the population has stepped already")
-        if self.scheduled:
+        if self.per_member_lr:
             lr = optimizer.lr
             lr = lr.detach() if torch.is_tensor(lr) else torch.tensor(float(lr))
             self.lr_base = lr.to(device=self.device, dtype=torch.float32).expand(self.population).clone()
@@ -112,10 +123,32 @@ class InnerPopulation:
     def _expand(self, value):
         return value if self.members == 1 else _dup(value)
 
+    def _draw_lrs(self, generator) -> torch.Tensor | None:
+        """(P,): a log-uniform lr from ``lr_range`` per instance, repeated over its members (None without a range)."""
+        if self.lr_range is None:
+            return None
+        low, high = self.lr_range
+        u = torch.rand(self.num_tasks, generator=generator, device=generator.device, dtype=torch.float64)
+        lrs = torch.exp(math.log(low) + u * (math.log(high) - math.log(low))).to(self.device, torch.float32)
+        return self._expand(lrs)
+
+    def _set_lrs(self, lrs: torch.Tensor, member_mask: torch.Tensor | None = None) -> None:
+        """Drawn lrs into ``lr_base`` (the rows of ``member_mask``, or all), and into the optimizer's lr where no
+        schedule writes it before every step. In place: a captured graph reads the optimizer's tensor."""
+        targets = [self.lr_base] + ([] if self.scheduled else [self.optimizer.lr])
+        for target in targets:
+            if member_mask is None:
+                target.copy_(lrs)
+            else:
+                _set_rows(target, member_mask, lrs)
+
     def start(self, generator) -> None:
         """Every instance drawn anew (parameters, instance data), the optimizer state zeroed."""
         inst = self.family.sample_instances(self.num_tasks, generator)
         params = [self._expand(p) for p in self.family.init_params(self.num_tasks, inst, generator)]
+        lrs = self._draw_lrs(generator)
+        if lrs is not None:
+            self._set_lrs(lrs)
         if self.params is None:
             self.inst, self.params, self.opt_state = inst, params, self.optimizer.init_state()
             return
@@ -133,6 +166,9 @@ class InnerPopulation:
         member_mask = self._expand(mask)
         for p, new in zip(self.params, base):
             _set_rows(p, member_mask, self._expand(new))
+        lrs = self._draw_lrs(generator)
+        if lrs is not None:
+            self._set_lrs(lrs, member_mask)
         self.optimizer.reset_members(self.opt_state, member_mask)
 
     def _stepper(self) -> PopulationStepper:
@@ -175,7 +211,10 @@ class InnerPopulation:
         return losses
 
     def state_dict(self) -> dict:
-        return {"params": self.params, "opt_state": self.opt_state, "inst": self.inst}
+        state = {"params": self.params, "opt_state": self.opt_state, "inst": self.inst}
+        if self.lr_range is not None:  # (the drawn lrs; without a range the lr is the constructor's, not state)
+            state["lr_base"] = self.lr_base
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         device = self.device
@@ -183,6 +222,8 @@ class InnerPopulation:
         opt_state = {"step": state["opt_state"]["step"].to(device),
                      "tensors": [{k: v.to(device) for k, v in t.items()} for t in state["opt_state"]["tensors"]]}
         inst = {k: v.to(device) for k, v in state["inst"].items()}
+        if self.lr_range is not None:
+            self._set_lrs(state["lr_base"].to(device))
         if self.params is None:
             self.params, self.opt_state, self.inst = params, opt_state, inst
             return
@@ -203,14 +244,15 @@ class TruncatedPES:
     kind = "pes"
 
     def __init__(self, family, space, *, num_tasks=8, std=0.01, truncation=50, min_unroll=100, max_unroll=1000,
-                 device="cpu", optimizer_kwargs=None, use_graph=False, schedule="constant"):
+                 device="cpu", optimizer_kwargs=None, use_graph=False, schedule="constant", lr_range=None):
         self.family = family
         self.space = space
         self.std = float(std)
         self.truncation = int(truncation)
         self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
         self.device = torch.device(device)
-        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph, schedule)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph, schedule,
+                                     lr_range)
         self.num_tasks = self.inner.num_tasks
         self.accumulator = None   # ξ (num_tasks, D)
         self.position = None      # inner steps taken in the current unroll (num_tasks,), host
@@ -269,14 +311,15 @@ class FullES:
 
     def __init__(self, family, space, *, num_tasks=8, std=0.01, min_unroll=100, max_unroll=1000,
                  clip_loss_diff=None, device="cpu", optimizer_kwargs=None, truncation=None, use_graph=False,
-                 schedule="constant"):
+                 schedule="constant", lr_range=None):
         self.family = family
         self.space = space
         self.std = float(std)
         self.min_unroll, self.max_unroll = int(min_unroll), int(max_unroll)
         self.clip_loss_diff = clip_loss_diff
         self.device = torch.device(device)
-        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph, schedule)
+        self.inner = InnerPopulation(family, num_tasks, 2, self.device, optimizer_kwargs, use_graph, schedule,
+                                     lr_range)
         self.num_tasks = self.inner.num_tasks
 
     def start(self, host_gen, device_gen) -> None:

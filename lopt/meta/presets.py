@@ -69,6 +69,10 @@ class MetaTrainConfig:
     # the learned optimizer's lr in the inner unrolls (and validation); None: its class's default (SmallFCLOpt 1,
     # ELO and CELO2 1e-3). CELO2's step has unit RMS per matrix, so its lr alone sets how far a step goes
     inner_lr: float | None = None
+    # (low, high): every task instance of the unrolls draws its learned lr log-uniformly from this range whenever it
+    # is drawn (both members of an antithetic pair share it), so that the weights learn to act at the lr a user
+    # gives them; validation keeps inner_lr (or the default). None: every unroll at inner_lr
+    inner_lr_range: tuple | None = None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -79,6 +83,10 @@ class MetaTrainConfig:
             del out["inner_schedule"]
         if self.inner_lr is None:
             del out["inner_lr"]
+        if self.inner_lr_range is None:
+            del out["inner_lr_range"]
+        else:
+            out["inner_lr_range"] = list(self.inner_lr_range)
         return out
 
     @classmethod
@@ -89,8 +97,8 @@ class MetaTrainConfig:
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown meta-training options {sorted(unknown)}")
-        for key in ("betas", "baseline_lrs"):
-            if key in values:
+        for key in ("betas", "baseline_lrs", "inner_lr_range"):
+            if values.get(key) is not None:
                 values[key] = tuple(values[key])
         return cls(**values)
 
@@ -124,6 +132,13 @@ class MetaTrainConfig:
         if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
             raise ValueError(f"inner_lr={self.inner_lr!r}: the learned optimizer's lr must be a positive number "
                              "(leave it out for its class's default)")
+        bounds = self.inner_lr_range
+        if bounds is not None and not (
+                isinstance(bounds, (tuple, list)) and len(bounds) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < math.inf for b in bounds)
+                and bounds[0] <= bounds[1]):
+            raise ValueError(f"inner_lr_range={bounds!r}: give [low, high], two positive numbers with low <= high "
+                             "(each instance's learned lr is drawn log-uniformly between them)")
         if self.inner_schedule not in SCHEDULES:
             raise ValueError(f"inner_schedule={self.inner_schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if not 1 <= self.min_unroll <= self.max_unroll:

@@ -94,7 +94,7 @@ class MetaTrainer:
             estimator(family, self.space, num_tasks=config.num_tasks, std=config.std, truncation=config.truncation,
                       min_unroll=config.min_unroll, max_unroll=config.max_unroll, device=self.device,
                       use_graph=config.cuda_graphs, optimizer_kwargs=self._optimizer_kwargs(config),
-                      schedule=config.inner_schedule,
+                      schedule=config.inner_schedule, lr_range=config.inner_lr_range,
                       **({"clip_loss_diff": config.clip_loss_diff} if config.estimator == "es" else {}))
             for family in self.families]
         self.host_gen = torch.Generator().manual_seed(config.seed)
