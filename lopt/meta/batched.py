@@ -26,7 +26,9 @@ A step whose gradients hold a non-finite value (or ``|g| >= 2^64``) changes noth
 optimizer. ``tests/test_meta_batched.py`` checks one member against ``SmallFCLOpt`` step by step.
 
 :class:`BatchedAdamW` is ``torch.optim.AdamW`` (single-tensor formula) with a learning rate per
-member, for the baselines of ``lopt meta-eval``.
+member, for the baselines of ``lopt meta-eval``. :class:`PopulationStep` is what every batched learned step
+shares (this one and ``lopt.meta.batched_celo2.BatchedCELO2``); ``lopt.meta.rules`` says which class steps
+which optimizer.
 """
 
 from __future__ import annotations
