@@ -105,8 +105,7 @@ def add_commands(sub) -> None:
                                "meta-train run's own, a registered weight set's, else small_fc_lopt)")
     evaluate.add_argument("--learned-lr", type=_positive_float, default=None, metavar="LR",
                           help="run the learned optimizer at this lr instead of its default (SmallFCLOpt 1, ELO and "
-                               "CELO2 1e-3: "
-                               "the suite's protocol); default --out WEIGHTS/eval-lrLR")
+                               "CELO2 1e-3: the suite's protocol); default --out WEIGHTS/eval-lrLR")
     evaluate.add_argument("--learned-backend", default=None, choices=["auto", "naive", "fused"],
                           help="step the learned optimizer as users do, one lopt optimizer per seed with this backend "
                                "(auto: the fused step on a GPU), instead of the batched step the "

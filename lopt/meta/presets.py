@@ -30,6 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _positive_number(value) -> bool:
+    """A finite number above 0 (not a bool, not a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 @dataclass
 class MetaTrainConfig:
     preset: str = "custom"
@@ -128,15 +133,12 @@ class MetaTrainConfig:
         from lopt.meta.schedules import SCHEDULES
 
         inner_rule(self.optimizer)
-        lr = self.inner_lr
-        if lr is not None and not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
+        if self.inner_lr is not None and not _positive_number(self.inner_lr):
             raise ValueError(f"inner_lr={self.inner_lr!r}: the learned optimizer's lr must be a positive number "
                              "(leave it out for its class's default)")
         bounds = self.inner_lr_range
-        if bounds is not None and not (
-                isinstance(bounds, (tuple, list)) and len(bounds) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < math.inf for b in bounds)
-                and bounds[0] <= bounds[1]):
+        if bounds is not None and not (isinstance(bounds, (tuple, list)) and len(bounds) == 2
+                                       and all(map(_positive_number, bounds)) and bounds[0] <= bounds[1]):
             raise ValueError(f"inner_lr_range={bounds!r}: give [low, high], two positive numbers with low <= high "
                              "(each instance's learned lr is drawn log-uniformly between them)")
         if self.inner_schedule not in SCHEDULES:
