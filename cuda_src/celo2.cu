@@ -6,10 +6,13 @@
 //   celo2_gradient_norm  (only where a group clips) Σ g² per chunk of every gradient, for the global norm,
 //                        and the check phase's test of every gradient element; before the accumulate phase,
 //                        which needs the clip factor the engine forms from these sums
-//   celo2_statistics     the learned tensors' per_element_features → Σ x² per feature, and Σ p²; the check
-//                        phase's test of every gradient element
-//   celo2_control        per learned tensor the features' normaliser scales and param_scale; per AdamW tensor
+//   celo2_statistics     the learned tensors' per_element_features → Σ x² per feature (but the 12 table
+//                        features'), and Σ p²; the check phase's test of every gradient element
+//   celo2_control        per learned tensor the features' normaliser scales (the table features' sums over
+//                        the R and C entries) and param_scale; per AdamW tensor
 //                        its bias corrections; a kept step's new R and C written to the state
+//   celo2_table_features per R and C entry of a learned matrix, its table features' share of the first layer
+//                        (normalised, times their first-layer weights; R's with the first layer's bias)
 //   celo2_mlp            features, normalisation, the MLP, the proposed step (direction · exp(exp_mult ·
 //                        magnitude), · param_scale) written to its place in its Newton–Schulz stack (the
 //                        tensor's matrix as it lies in memory); the learned tensors' accumulators stored
@@ -42,11 +45,25 @@ static_assert(C2_MLP_INPUTS == C2_FEATURES && C2_MLP_OUTPUTS == 3, "CELO2's MLP 
 static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features' sums of squares, then Σp²");
 #define C2_HIDDEN C2_MLP_HIDDEN
 #define C2_CONTROL_THREADS 256
+#define C2_CONTROL_LANES 8  // lanes per statistic adding a tensor's statistics chunks' partials in celo2_control
 #define C2_APPLY_THREADS 128
 #define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
 // Per learned tensor, the features' scales: (x · scale[j]) · unshift[j] (normalise_by_square_sums' two factors).
 #define C2_SCALES 64
 #define C2_UNSHIFT 32
+// A factored tensor's features from its R and C entries alone (groups 10–13: R_k, C_k, rsqrt(R_k + 1e-8),
+// rsqrt(C_k + 1e-8)): inputs [C2_TABLE_FIRST, C2_TABLE_END), R's at C2_TABLE_FIRST + {0, 1, 2, 6, 7, 8}, C's at
+// C2_TABLE_FIRST + {3, 4, 5, 9, 10, 11}. The element's own features: the rest (C2_ELEMENT_FEATURES of them).
+#define C2_TABLE_FIRST 15
+#define C2_TABLE_END 27
+#define C2_ELEMENT_FEATURES (C2_FEATURES - (C2_TABLE_END - C2_TABLE_FIRST))
+// Per R or C entry of a learned matrix (celo2_table_features): its share of the first layer's pre-activations
+// (C2_HIDDEN floats), then its three Adafactor factors; C2_ENTRY_FLOATS (lopt.fused.celo2.entry_floats) a
+// multiple of 4, read as float4s.
+#ifndef C2_ENTRY_FLOATS
+#error "build celo2.cu with its entry size: lopt.fused.celo2.kernel_defines"
+#endif
+static_assert(C2_ENTRY_FLOATS % 4 == 0 && C2_ENTRY_FLOATS >= C2_HIDDEN + 3, "an entry: the shares, then 3 factors");
 
 // reference: clip_gradient — the unscaled gradient times the global clip factor (exact for 1), clamped
 // to ±grad_clip_value. `transform`: the tensor's (factor, clamp), as the axis pass applied it.
@@ -59,21 +76,20 @@ LOPT_DEVICE const double* group_values(const double* celo2_groups, i64 group) {
   return celo2_groups + group * LOPT_CELO2_GROUP_DOUBLES;
 }
 
-// reference: per_element_features — x[0 ... inputs) from the step's gradient, the pre-update parameter and
-// the updated accumulators (R and C from the factor tables); the rest 0. Groups: grad, clamp(grad, ±0.1),
-// param, m_k, v, m_k·rsqrt(v + 1e-8), rsqrt(v + 1e-8), the factored gradient (3), grad·rsqrt(v + 1e-8),
-// then for a factored tensor R_k, C_k, rsqrt(R_k + 1e-8), rsqrt(C_k + 1e-8), m_k·rf_k·cf_k.
-LOPT_DEVICE void element_features(const TensorMeta& t, i64 e, float grad, float param, const ElementState& s,
-                                  const float* row_table, const float* col_table, float (&x)[C2_FEATURES]) {
-  FactorEntry row = {}, col = {};
-  if (t.factored) load_factor_entries(t, factor_index(t, e), row_table, col_table, row, col);
-  gradient_moment_features(x, grad, param, s, t.factored, row, col, 1e-8f, 0.1f);
-  if (t.factored) {
-    adafactor_features(x + 15, s, true, row, col, 0.f);
-  } else {
+// Input j of the MLP that an element's own feature i is (C2_ELEMENT_FEATURES of them: the table features left out).
+LOPT_DEVICE constexpr int element_input(int i) { return i < C2_TABLE_FIRST ? i : i + (C2_TABLE_END - C2_TABLE_FIRST); }
+
+// reference: per_element_features, less the table features (an element's R and C entries' values, which the
+// control phase sums over the tables and celo2_table_features multiplies into the first layer once per entry):
+// from the step's gradient, the pre-update parameter, the updated accumulators and the element's factors, groups
+// grad, clamp(grad, ±0.1), param, m_k, v, m_k·rsqrt(v + 1e-8), rsqrt(v + 1e-8), the factored gradient (3),
+// grad·rsqrt(v + 1e-8) (inputs 0–14), then for a factored tensor m_k·rf_k·cf_k (inputs 27–29; else 0).
+LOPT_DEVICE void element_features(float grad, float param, const ElementState& s, bool factored,
+                                  const FactorEntry& row, const FactorEntry& col, float (&x)[C2_ELEMENT_FEATURES]) {
+  gradient_moment_features(x, grad, param, s, factored, row, col, 1e-8f, 0.1f);
 #pragma unroll
-    for (int j = 15; j < C2_FEATURES; ++j) x[j] = 0.f;
-  }
+  for (int k = 0; k < 3; ++k)
+    x[C2_TABLE_FIRST + k] = factored ? __fmul_rn(__fmul_rn(s.mom[k], row.factor[k]), col.factor[k]) : 0.f;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -119,8 +135,8 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS)
 celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                  const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
-                 const float2* __restrict__ gradient_transforms, const float* __restrict__ row_table,
-                 const float* __restrict__ col_table, const float* grad_scale, const float* found_inf, int* status,
+                 const float2* __restrict__ gradient_transforms, const float4* __restrict__ row_factors,
+                 const float4* __restrict__ col_factors, const float* grad_scale, const float* found_inf, int* status,
                  double* __restrict__ stats_partials) {
   const i64 block_chunk = blockIdx.x;
   const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
@@ -133,9 +149,9 @@ celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__
   const Decays decays = group_decays(groups, t);
   const i64 chunk = block_chunk - t.first_stats_chunk;
   const int inputs = static_cast<int>(c.inputs);
-  float sums[LOPT_CELO2_SUMS];
+  float sums[C2_ELEMENT_FEATURES + 1];  // (element feature i's Σ x² at i, then Σ p²)
 #pragma unroll
-  for (int j = 0; j < LOPT_CELO2_SUMS; ++j) sums[j] = 0.f;
+  for (int i = 0; i <= C2_ELEMENT_FEATURES; ++i) sums[i] = 0.f;
   bool unusable = false;
   for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
     const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
@@ -151,17 +167,20 @@ celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__
     unusable |= gradient_unusable(raw_grad);
     const float grad = step_gradient(raw_grad, transform);
     update_accumulators(s, grad, decays, t.factored);
-    float x[C2_FEATURES];
-    element_features(t, e, grad, param, s, row_table, col_table, x);
+    FactorEntry row = {}, col = {};
+    if (t.factored) load_factors(t, factor_index(t, e), row_factors, col_factors, row, col);
+    float x[C2_ELEMENT_FEATURES];
+    element_features(grad, param, s, t.factored, row, col, x);
 #pragma unroll
-    for (int j = 0; j < C2_FEATURES; ++j)
-      if (j < inputs && is_finite(x[j])) sums[j] = fmaf(x[j], x[j], sums[j]);
-    if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
+      if (element_input(i) < inputs && is_finite(x[i])) sums[i] = fmaf(x[i], x[i], sums[i]);
+    if (is_finite(param)) sums[C2_ELEMENT_FEATURES] = fmaf(param, param, sums[C2_ELEMENT_FEATURES]);
   }
   report_unusable_gradients(unusable, status);
-  double values[LOPT_CELO2_SUMS];
+  double values[LOPT_CELO2_SUMS] = {};  // (the table features' stay 0: celo2_control sums them over the tables)
 #pragma unroll
-  for (int j = 0; j < LOPT_CELO2_SUMS; ++j) values[j] = sums[j];
+  for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) values[element_input(i)] = sums[i];
+  values[C2_FEATURES] = sums[C2_ELEMENT_FEATURES];
   __shared__ double scratch[LOPT_STATS_THREADS / 32][LOPT_CELO2_SUMS];
   __shared__ double block[LOPT_CELO2_SUMS];
   block_sums<LOPT_CELO2_SUMS, LOPT_STATS_THREADS>(values, scratch, block);
@@ -177,8 +196,9 @@ LOPT_DEVICE float bias_correction(double beta, i64 step) {
   return static_cast<float>(1.0 - pow(beta, static_cast<double>(step)));
 }
 
-// Blocks [0, num_tensors): one tensor each. A learned tensor: its chunks' sums in chunk order (float64),
-// then per feature normalise_by_square_sums' factors — scale = rsqrt(1e-9 + Σx²/count) formed in float64,
+// Blocks [0, num_tensors): one tensor each. A learned tensor: its chunks' sums in a fixed order (float64) and,
+// for a factored one, its table features' sums over its R and C entries (table_feature_square_sums), then per
+// feature normalise_by_square_sums' factors — scale = rsqrt(1e-9 + Σx²/count) formed in float64,
 // applied as (x · float(scale·shift)) · float(1/shift), shift 2^64 where scale < 2^-60 — and param_scale
 // sqrt(float(Σp²/count) + 1e-9). An AdamW tensor: its bias corrections for this step (its own count of
 // AdamW steps, CELO2; the group's, ELO-CELO2; this step included). The blocks after them commit a kept
@@ -221,13 +241,13 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
     return;
   }
   if (c.kind != LOPT_CELO2_LEARNED) return;
+  __shared__ double lane_sums[LOPT_CELO2_SUMS][C2_CONTROL_LANES];
+  __shared__ double table_scratch[C2_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
+  __shared__ double table_sums[LOPT_TABLE_FEATURES];
   __shared__ double sums[LOPT_CELO2_SUMS];
-  if (tid < LOPT_CELO2_SUMS) {
-    double s = 0.0;
-    for (i64 k = 0; k < t.num_stats_chunks; ++k) s += stats_partials[(t.first_stats_chunk + k) * LOPT_CELO2_SUMS + tid];
-    sums[tid] = s;
-  }
-  __syncthreads();
+  static_assert(C2_TABLE_END - C2_TABLE_FIRST == LOPT_TABLE_FEATURES, "the table features: R, C, rsqrt R, rsqrt C");
+  tensor_statistics_sums<LOPT_CELO2_SUMS, C2_CONTROL_THREADS, C2_CONTROL_LANES>(
+      t, stats_partials, row_table, col_table, C2_TABLE_FIRST, lane_sums, table_scratch, table_sums, sums);
   const double count = static_cast<double>(t.count);
   float* out = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
   if (tid < C2_FEATURES) {
@@ -238,6 +258,55 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
   } else if (tid == C2_FEATURES) {
     param_scales[tensor] = __fsqrt_rn(__fadd_rn(static_cast<float>(sums[C2_FEATURES] / count), 1e-9f));
   }
+}
+
+// ------------------------------------------------------------------------------------------
+// The table features' share of the first layer
+// ------------------------------------------------------------------------------------------
+
+// reference: normalise_by_square_sums' product, with the tensor's two factors of input j (celo2_control).
+LOPT_DEVICE float normalised(float x, float2 factors) { return __fmul_rn(__fmul_rn(x, factors.x), factors.y); }
+
+// Threads [0, total_row_entries): the R entries, then the C entries. An entry of a learned tensor: its six table
+// features normalised as an element's are, times their first-layer weights, accumulated in input order onto the
+// first layer's bias (an R entry) or onto 0 (a C entry); then its three factors. Every element of a factored
+// tensor shares its entries' values of these 12 of its 30 inputs, so the MLP pass starts its first layer from
+// its R entry's share plus its C entry's instead of forming them (docs/celo2.md §8).
+extern "C" __global__ void __launch_bounds__(C2_CONTROL_THREADS)
+celo2_table_features(const TensorMeta* __restrict__ tensors, int num_tensors,
+                     const Celo2Tensor* __restrict__ celo2_tensors, const float* __restrict__ row_table,
+                     const float* __restrict__ col_table, i64 total_row_entries, i64 total_col_entries,
+                     const float* __restrict__ feature_scales, const Celo2Network network,
+                     float* __restrict__ row_entries, float* __restrict__ col_entries) {
+  const i64 index = static_cast<i64>(blockIdx.x) * C2_CONTROL_THREADS + threadIdx.x;
+  const bool columns = index >= total_row_entries;
+  const i64 entry = columns ? index - total_row_entries : index;
+  if (columns && entry >= total_col_entries) return;
+  const int tensor = columns ? find_row<LOPT_TENSORMETA_COL_TABLE>(tensors, num_tensors, entry)
+                             : find_row<LOPT_TENSORMETA_ROW_TABLE>(tensors, num_tensors, entry);
+  if (celo2_tensors[tensor].kind != LOPT_CELO2_LEARNED) return;
+  const FactorEntry f = read_factor_entry(columns ? col_table : row_table, entry);
+  const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
+  const int first = C2_TABLE_FIRST + (columns ? 3 : 0);  // acc_k at first + k, rsqrt(acc_k + 1e-8) at first + 6 + k
+  int input[6];
+  float x[6];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    input[k] = first + k;
+    input[3 + k] = first + 6 + k;
+    x[k] = normalised(f.acc[k], make_float2(scale[input[k]], scale[C2_UNSHIFT + input[k]]));
+    x[3 + k] = normalised(f.rsqrt_acc[k], make_float2(scale[input[3 + k]], scale[C2_UNSHIFT + input[3 + k]]));
+  }
+  float* out = (columns ? col_entries : row_entries) + entry * C2_ENTRY_FLOATS;
+#pragma unroll
+  for (int n = 0; n < C2_HIDDEN; ++n) {
+    float a = columns ? 0.f : network.w[C2_MLP_B0 + n];
+#pragma unroll
+    for (int i = 0; i < 6; ++i) a = fmaf(network.w[C2_MLP_W0 + n * C2_FEATURES + input[i]], x[i], a);
+    out[n] = a;
+  }
+#pragma unroll
+  for (int j = C2_HIDDEN; j < C2_ENTRY_FLOATS; ++j) out[j] = j < C2_HIDDEN + 3 ? f.factor[j - C2_HIDDEN] : 0.f;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -263,10 +332,19 @@ LOPT_DEVICE void dense_layer(const float* w, int weights, int biases, const floa
 }
 
 // reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
-// (direction, magnitude; the third output no update reads is not computed).
-LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const Celo2Network& network) {
+// (direction, magnitude; the third output no update reads is not computed). The first layer's pre-activations
+// start from `start` (b0 plus the table features' share, celo2_table_features, or b0 alone for a tensor without
+// tables) and add the element's own normalised features `x` in input order.
+LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_ELEMENT_FEATURES], const float (&start)[C2_HIDDEN],
+                                     const Celo2Network& network) {
   float h[C2_HIDDEN];
-  dense_layer<C2_FEATURES, C2_HIDDEN, true>(network.w, C2_MLP_W0, C2_MLP_B0, x, h);
+#pragma unroll
+  for (int n = 0; n < C2_HIDDEN; ++n) {
+    float a = start[n];
+#pragma unroll
+    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) a = fmaf(network.w[C2_MLP_W0 + n * C2_FEATURES + element_input(i)], x[i], a);
+    h[n] = relu(a);
+  }
 #pragma unroll
   for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
     float next[C2_HIDDEN];
@@ -280,6 +358,21 @@ LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_FEATURES], const Celo2N
   return make_float2(out[0], out[1]);
 }
 
+// An R or C entry of celo2_table_features: its share of the first layer's pre-activations and its factors.
+LOPT_DEVICE void load_entry(const float* entries, i64 entry, float (&share)[C2_HIDDEN], float (&factor)[3]) {
+  const float4* p = reinterpret_cast<const float4*>(entries + entry * C2_ENTRY_FLOATS);
+  float v[C2_ENTRY_FLOATS];
+#pragma unroll
+  for (int q = 0; q < C2_ENTRY_FLOATS / 4; ++q) {
+    const float4 a = __ldg(p + q);
+    v[4 * q] = a.x; v[4 * q + 1] = a.y; v[4 * q + 2] = a.z; v[4 * q + 3] = a.w;
+  }
+#pragma unroll
+  for (int n = 0; n < C2_HIDDEN; ++n) share[n] = v[n];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) factor[k] = v[C2_HIDDEN + k];
+}
+
 // walk_apply_chunks' visitor: each learned element's features (its accumulators updated and, for a kept
 // step, stored), normalised, the MLP, and proposed_step: direction · exp(magnitude · exp_mult), times
 // param_scale where the group asks (param_scale_mult), at its element's index in its stack.
@@ -287,8 +380,8 @@ struct Celo2MLP {
   const Celo2Tensor* celo2_tensors;
   const double* celo2_groups;
   const float2* gradient_transforms;
-  const float* row_table;
-  const float* col_table;
+  const float* row_entries;  // celo2_table_features' entries
+  const float* col_entries;
   const float* feature_scales;
   const float* param_scales;
   const Celo2Network& network;
@@ -323,14 +416,25 @@ struct Celo2MLP {
       const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
       update_accumulators(s, grad, a.decays, t.factored);
       if (store_state) store_element_state(t, e, s);
-      float x[C2_FEATURES];
-      element_features(t, e, grad, param, s, row_table, col_table, x);
+      // The first layer's start (celo2_mlp_outputs) and the factors, from the element's R and C entries.
+      float start[C2_HIDDEN];
+      FactorEntry row = {}, col = {};
+      if (t.factored) {
+        const FactorIndex f = factor_index(t, e);
+        float col_share[C2_HIDDEN];
+        load_entry(row_entries, t.row_table + f.row, start, row.factor);
+        load_entry(col_entries, t.col_table + f.col, col_share, col.factor);
 #pragma unroll
-      for (int j = 0; j < C2_FEATURES; ++j) {
-        const float2 factors = scales[j];
-        x[j] = __fmul_rn(__fmul_rn(x[j], factors.x), factors.y);
+        for (int n = 0; n < C2_HIDDEN; ++n) start[n] = __fadd_rn(start[n], col_share[n]);
+      } else {
+#pragma unroll
+        for (int n = 0; n < C2_HIDDEN; ++n) start[n] = network.w[C2_MLP_B0 + n];
       }
-      const float2 out = celo2_mlp_outputs(x, network);
+      float x[C2_ELEMENT_FEATURES];  // (a tensor without tables: its inputs 27–29 are 0, and scaled by 0)
+      element_features(grad, param, s, t.factored, row, col, x);
+#pragma unroll
+      for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = normalised(x[i], scales[element_input(i)]);
+      const float2 out = celo2_mlp_outputs(x, start, network);
       float factor = expf(__fmul_rn(out.y, a.exp_mult));
       if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
       steps[c.step_offset + e] = __fmul_rn(out.x, factor);
@@ -346,12 +450,12 @@ extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, 8)
 celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
           const GroupMeta* __restrict__ groups, i64 total_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
           const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
-          const float* __restrict__ row_table, const float* __restrict__ col_table,
+          const float* __restrict__ row_entries, const float* __restrict__ col_entries,
           const float* __restrict__ feature_scales, const float* __restrict__ param_scales,
           const Celo2Network network, const float* grad_scale, const float* found_inf, int* status,
           float* __restrict__ steps) {
   const StepFlags flags{grad_scale, found_inf, status};
-  const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_table, col_table, feature_scales,
+  const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
                        param_scales, network, steps, !step_is_skipped(flags)};
   walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), visit);
 }

@@ -94,9 +94,15 @@ def float32_products():
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
+def entry_floats(geometry: MLPGeometry) -> int:
+    """Floats per R or C entry of ``celo2_table_features``: the entry's share of the first layer (one per hidden
+    unit), then its three factors, padded to a multiple of 4 (the MLP pass reads them as float4s)."""
+    return -(-(geometry.hidden + 3) // 4) * 4
+
+
 def kernel_defines(geometry: MLPGeometry) -> tuple:
-    """What celo2.cu is compiled with: the network's geometry (kernel traits)."""
-    return geometry.cuda_defines("C2_MLP")
+    """What celo2.cu is compiled with: the network's geometry (kernel traits) and its table entries' size."""
+    return geometry.cuda_defines("C2_MLP") + (f"C2_ENTRY_FLOATS={entry_floats(geometry)}",)
 
 
 # The MLP pass takes the packed network by value, as a kernel parameter (celo2.cu, Celo2Network): 4 KB is what
@@ -200,6 +206,8 @@ class Celo2Work:
     max_norms: torch.Tensor | None  # per row: its group's max_grad_norm (where it clips)
     limits: list | None
     feature_scales: torch.Tensor
+    row_entries: torch.Tensor  # celo2_table_features' R entries (entry_floats each), then its C entries
+    col_entries: torch.Tensor
     param_scales: torch.Tensor
     step_scales: torch.Tensor
     adam_corrections: torch.Tensor
@@ -210,8 +218,8 @@ class CELO2Fused(FusedEngine):
     """The fused engine behind ``CELO2(backend="fused")`` and ``ELO_CELO2(backend="fused")``."""
 
     SOURCE = "celo2.cu"
-    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_mlp", "celo2_matrix_sums",
-               "celo2_normalise", "celo2_apply")
+    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_table_features", "celo2_mlp",
+               "celo2_matrix_sums", "celo2_normalise", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
@@ -329,6 +337,8 @@ class CELO2Fused(FusedEngine):
             clips=torch.tensor([plan.key[2][g] for g in plan.groups], dtype=torch.bool, device=device) if clipping else None,
             max_norms=plan.workspace(n, torch.float32) if clipping else None, limits=None,
             feature_scales=plan.workspace(n * FEATURE_SCALE_FLOATS, torch.float32),
+            row_entries=plan.workspace(layout.total_row_entries * entry_floats(self.geometry), torch.float32),
+            col_entries=plan.workspace(layout.total_col_entries * entry_floats(self.geometry), torch.float32),
             param_scales=plan.workspace(n, torch.float32),
             step_scales=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             adam_corrections=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
@@ -418,8 +428,8 @@ class CELO2Fused(FusedEngine):
         layout, work = plan.layout, plan.work
         self.launch("celo2_statistics", layout.total_stats_chunks, STATS_THREADS, tensors=plan.tensor_table.table,
                     gradients=plan.gradients.table, num_tensors=layout.num_tensors, groups=plan.group_table.table,
-                    celo2_tensors=work.table.table, gradient_transforms=work.transforms, row_table=plan.row_table,
-                    col_table=plan.col_table, **flags, stats_partials=work.stats_partials)
+                    celo2_tensors=work.table.table, gradient_transforms=work.transforms, row_factors=plan.row_factors,
+                    col_factors=plan.col_factors, **flags, stats_partials=work.stats_partials)
 
     def _control(self, plan: Plan, flags: dict, *args) -> None:
         layout, work = plan.layout, plan.work
@@ -439,8 +449,16 @@ class CELO2Fused(FusedEngine):
                       celo2_groups=work.groups.table, gradient_transforms=work.transforms)
         if work.stacks:
             self._refresh_results(plan)
+            entries = layout.total_row_entries + layout.total_col_entries
+            if entries:
+                self.launch("celo2_table_features", -(-entries // CONTROL_THREADS), CONTROL_THREADS,
+                            tensors=plan.tensor_table.table, num_tensors=layout.num_tensors,
+                            celo2_tensors=work.table.table, row_table=plan.row_table, col_table=plan.col_table,
+                            total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
+                            feature_scales=work.feature_scales, network=self.network, row_entries=work.row_entries,
+                            col_entries=work.col_entries)
             self.launch("celo2_mlp", max(1, min(self.mlp_grid, chunks)), self.APPLY_THREADS, **tables,
-                        row_table=plan.row_table, col_table=plan.col_table, feature_scales=work.feature_scales,
+                        row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps)
             self._finish_steps(plan)
         self.launch("celo2_apply", max(1, min(self.apply_grid, chunks)), self.APPLY_THREADS, **tables,
