@@ -132,7 +132,7 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
 // Block b: stats chunk b. A learned tensor's elements: the accumulators updated (not stored), the
 // features, and the sums of their squares (non-finite values, of a non-finite parameter or state
 // element, left out: finite_part) and of the parameter's; every tensor's elements: the check phase's test.
-extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS)
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, 4)
 celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                  const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
                  const float2* __restrict__ gradient_transforms, const float4* __restrict__ row_factors,
@@ -399,13 +399,17 @@ struct Celo2MLP {
     // same tensor here); 0 for the inputs it does not have.
     __shared__ float2 scales[C2_FEATURES];
     __syncthreads();  // (the block's previous tensor is done with them)
+    bool shifted = false;
     if (threadIdx.x < C2_FEATURES) {
       const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
       scales[threadIdx.x] = static_cast<i64>(threadIdx.x) < c.inputs
                                 ? make_float2(scale[threadIdx.x], scale[C2_UNSHIFT + threadIdx.x])
                                 : make_float2(0.f, 0.f);
+      shifted = scales[threadIdx.x].y != 1.f && static_cast<i64>(threadIdx.x) < c.inputs;
     }
-    __syncthreads();
+    // Whether any feature's scale was shifted (celo2_control: scale < 2^-60); where none was, each un-shift is 1
+    // and its product exact, so it is left out (the same values, 18 multiplications fewer per element).
+    shifted = __syncthreads_or(shifted) != 0;
     const bool param_scale_mult = group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
     const float param_scale = param_scales[tensor];
     for (; chunk < end; ++chunk) {
@@ -432,8 +436,13 @@ struct Celo2MLP {
       }
       float x[C2_ELEMENT_FEATURES];  // (a tensor without tables: its inputs 27–29 are 0, and scaled by 0)
       element_features(grad, param, s, t.factored, row, col, x);
+      if (shifted) {
 #pragma unroll
-      for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = normalised(x[i], scales[element_input(i)]);
+        for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = normalised(x[i], scales[element_input(i)]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = __fmul_rn(x[i], scales[element_input(i)].x);
+      }
       const float2 out = celo2_mlp_outputs(x, start, network);
       float factor = expf(__fmul_rn(out.y, a.exp_mult));
       if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
@@ -469,8 +478,14 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
 
 // A learned element's final step: the orthogonalised (or, without Newton–Schulz, the proposed) value, except
 // where the proposed step is not finite — there it keeps its own value (reference: orthogonalise).
-LOPT_DEVICE float final_step(float proposed, const Celo2Tensor& c, i64 e) {
-  if (!is_finite(proposed)) return proposed;
+// `proposed_nonfinite`: the tensor's flag from celo2_matrix_sums (mode 0); where it is 0 (every proposed value
+// finite, or no Newton–Schulz: the result is the proposed step) the result is read alone, without the proposed
+// step's load before it.
+LOPT_DEVICE float final_step(const float* proposed, const Celo2Tensor& c, i64 e, int proposed_nonfinite) {
+  if (proposed_nonfinite != 0) {
+    const float value = proposed[e];
+    if (!is_finite(value)) return value;
+  }
   return load_as_float(pointer<const void>(c.result), e, static_cast<int>(c.result_dtype));
 }
 
@@ -481,29 +496,39 @@ LOPT_DEVICE float final_step(float proposed, const Celo2Tensor& c, i64 e) {
 // float32, plus ns_eps in float32) of the proposed step, with its non-finite elements as 0 (finite_part);
 // mode 1, finish_step's normalisation of the final step as celo2_control's of a feature: scale = rsqrt(1e-9 +
 // Σs²/count) in float64, applied as (s · float(scale·shift)) · float(1/shift), shift 2^64 where scale < 2^-60.
+// Mode 0 also sets the tensor's proposed_nonfinite flag (final_step): 1 where any proposed value is not finite,
+// counted per matrix in nonfinite_blocks (reset by the matrix's last block, as its ticket). A tensor no mode 0
+// launch takes keeps its flag: 0 as allocated (its result is its proposed step), or, had it been taken before,
+// the last value, which final_step reads correctly either way.
 extern "C" __global__ void __launch_bounds__(C2_SUMS_THREADS)
 celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
                   const double* __restrict__ celo2_groups, const int* __restrict__ rows, int mode,
                   const float* __restrict__ steps, double* partials, unsigned int* tickets,
-                  float* __restrict__ divisors, float2* __restrict__ step_scales) {
+                  unsigned int* nonfinite_blocks, int* proposed_nonfinite, float* __restrict__ divisors,
+                  float2* __restrict__ step_scales) {
   const int tensor = rows[blockIdx.y];
   const TensorMeta t = tensors[tensor];
   const Celo2Tensor c = celo2_tensors[tensor];
   const float* proposed = steps + c.step_offset;
+  const int flag = mode == 0 ? 1 : proposed_nonfinite[tensor];
   const i64 begin = t.numel * blockIdx.x / C2_SUMS_SPLITS, end = t.numel * (blockIdx.x + 1) / C2_SUMS_SPLITS;
   double sum = 0.0;
+  bool nonfinite = false;
   for (i64 e = begin + threadIdx.x; e < end; e += C2_SUMS_THREADS) {
-    const float s = mode == 0 ? proposed[e] : final_step(proposed[e], c, e);
+    const float s = mode == 0 ? proposed[e] : final_step(proposed, c, e, flag);
     if (is_finite(s)) sum = fma(static_cast<double>(s), static_cast<double>(s), sum);
+    else nonfinite = true;
   }
   double values[1] = {sum};
   __shared__ double scratch[C2_SUMS_THREADS / 32][1];
   __shared__ double total[1];
   __shared__ bool last;
+  const bool block_nonfinite = __syncthreads_or(nonfinite) != 0;
   block_sums<1, C2_SUMS_THREADS>(values, scratch, total);
   if (threadIdx.x == 0) {
     partials[blockIdx.y * C2_SUMS_SPLITS + blockIdx.x] = total[0];
-    __threadfence();  // (the partial is visible before the ticket counts it)
+    if (mode == 0 && block_nonfinite) atomicAdd(nonfinite_blocks + blockIdx.y, 1u);
+    __threadfence();  // (the partial and the count are visible before the ticket counts this block)
     last = atomicAdd(tickets + blockIdx.y, 1u) == C2_SUMS_SPLITS - 1;
   }
   __syncthreads();
@@ -513,6 +538,8 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   for (int k = 0; k < C2_SUMS_SPLITS; ++k) matrix += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
   tickets[blockIdx.y] = 0u;
   if (mode == 0) {
+    proposed_nonfinite[tensor] = __ldcg(nonfinite_blocks + blockIdx.y) != 0u ? 1 : 0;
+    nonfinite_blocks[blockIdx.y] = 0u;
     const float eps = static_cast<float>(group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_NS_EPS]);
     divisors[tensor] = __fadd_rn(static_cast<float>(sqrt(matrix)), eps);
   } else {
@@ -559,6 +586,7 @@ struct Celo2Apply {
   const double* celo2_groups;
   const float2* gradient_transforms;
   const float* steps;
+  const int* proposed_nonfinite;  // (celo2_matrix_sums' flags, final_step)
   const float2* step_scales;
   const float2* adam_corrections;
 
@@ -578,12 +606,13 @@ struct Celo2Apply {
     const double* values = group_values(celo2_groups, t.group);
     if (c.kind == LOPT_CELO2_LEARNED) {
       const float2 scale = step_scales[tensor];
+      const int flag = proposed_nonfinite[tensor];
       const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
       for (; chunk < end; ++chunk) {
         const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
         if (e >= t.numel) continue;
         const float param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-        const float s = final_step(steps[c.step_offset + e], c, e);
+        const float s = final_step(steps + c.step_offset, c, e, flag);
         apply_update(t, e, param, __fmul_rn(__fmul_rn(__fmul_rn(s, scale.x), scale.y), rms_mult), group);
       }
       return;
@@ -634,10 +663,11 @@ celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ grad
             const GroupMeta* __restrict__ groups, int num_groups, i64 total_chunks,
             const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
             const float2* __restrict__ gradient_transforms, const float* __restrict__ steps,
-            const float2* __restrict__ step_scales, const float2* __restrict__ adam_corrections,
-            const float* grad_scale, const float* found_inf, int* status, i64* skipped_steps) {
-  const Celo2Apply apply{tensors, celo2_tensors, num_tensors, celo2_groups, gradient_transforms, steps, step_scales,
-                         adam_corrections};
+            const int* __restrict__ proposed_nonfinite, const float2* __restrict__ step_scales,
+            const float2* __restrict__ adam_corrections, const float* grad_scale, const float* found_inf, int* status,
+            i64* skipped_steps) {
+  const Celo2Apply apply{tensors,     celo2_tensors,      num_tensors, celo2_groups, gradient_transforms,
+                         steps,       proposed_nonfinite, step_scales, adam_corrections};
   apply_pass(tensors, gradients, num_tensors, groups, num_groups, total_chunks, StepFlags{grad_scale, found_inf, status},
              skipped_steps, apply);
 }

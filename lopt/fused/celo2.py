@@ -195,6 +195,8 @@ class Celo2Work:
     divisors: torch.Tensor  # per tensor row: its Newton–Schulz divisor (norm + ns_eps)
     sum_partials: torch.Tensor  # float64, SUMS_SPLITS per matrix of a celo2_matrix_sums launch
     sum_tickets: torch.Tensor  # int32 per matrix, 0 between launches (the last block of each resets its own)
+    nonfinite_blocks: torch.Tensor  # int32 per matrix, as sum_tickets: its blocks that met a non-finite proposed value
+    proposed_nonfinite: torch.Tensor  # int32 per tensor row: 1 where its proposed step is not all finite (final_step)
     learned_rows: torch.Tensor  # int32, the learned tensors' rows
     orthogonalised: tuple | None  # per stack, the Newton–Schulz steps the result pointers were last written for
     ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step
@@ -328,6 +330,8 @@ class CELO2Fused(FusedEngine):
             stacks=stack_list, divisors=plan.workspace(n, torch.float32),
             sum_partials=plan.workspace(max(n, 1) * SUMS_SPLITS, torch.float64),
             sum_tickets=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
+            nonfinite_blocks=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
+            proposed_nonfinite=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             learned_rows=torch.tensor([row for stack in stack_list for row in stack.tensor_rows], dtype=torch.int32,
                                       device=device),
             orthogonalised=None, ns_rows=None,
@@ -462,7 +466,8 @@ class CELO2Fused(FusedEngine):
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps)
             self._finish_steps(plan)
         self.launch("celo2_apply", max(1, min(self.apply_grid, chunks)), self.APPLY_THREADS, **tables,
-                    num_groups=len(self.optimizer.param_groups), steps=work.steps, step_scales=work.step_scales,
+                    num_groups=len(self.optimizer.param_groups), steps=work.steps,
+                    proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
                     adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
         if work.elsewhere_rows:
             self._step_elsewhere(plan, inputs)
@@ -507,7 +512,8 @@ class CELO2Fused(FusedEngine):
         work, groups = plan.work, self.optimizer.param_groups
         tables = dict(tensors=plan.tensor_table.table, celo2_tensors=work.table.table)
         sums = dict(celo2_groups=work.groups.table, steps=work.steps, partials=work.sum_partials,
-                    tickets=work.sum_tickets)
+                    tickets=work.sum_tickets, nonfinite_blocks=work.nonfinite_blocks,
+                    proposed_nonfinite=work.proposed_nonfinite)
         if work.ns_rows is not None:
             count = work.ns_rows.numel()
             self.launch("celo2_matrix_sums", (SUMS_SPLITS, count), SUMS_THREADS, **tables, **sums,
