@@ -132,6 +132,8 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
 // Block b: stats chunk b. A learned tensor's elements: the accumulators updated (not stored), the
 // features, and the sums of their squares (non-finite values, of a non-finite parameter or state
 // element, left out: finite_part) and of the parameter's; every tensor's elements: the check phase's test.
+// Four blocks per SM (64 registers; at its natural 114 only two fit): with the warps to hide its loads' latency the
+// pass measured 4.77 -> 3.22 ms on GPT-2 medium (three blocks: 3.70; docs/performance.md §8).
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, 4)
 celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                  const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
@@ -451,10 +453,10 @@ struct Celo2MLP {
   }
 };
 
-// Eight blocks per SM: the pass is latency-bound (each element's loads, then ~750 dependent instructions),
-// and at its natural 124 registers only four blocks fit (25% occupancy). Capped at 64 it spills ~150 bytes
-// per thread to L1-resident local memory and still runs faster with twice the warps to hide latency
-// (docs/performance.md §8); the arithmetic, and so the result, is the same (only the PTX's .minnctapersm differs).
+// Eight blocks per SM: the pass is latency-bound (each element's loads, then several hundred dependent
+// instructions), and at its natural register count only four blocks fit (25% occupancy). Capped at 64 it spills
+// to L1-resident local memory (80 bytes per thread) and still runs faster with twice the warps to hide latency
+// (ten blocks measured slower; docs/performance.md §8); the arithmetic, and so the result, is the same.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, 8)
 celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
           const GroupMeta* __restrict__ groups, i64 total_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
