@@ -9,12 +9,16 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              ``f·g`` (clip before clamp)
 2. the shared accumulate phase (``adafactor_axis_partials`` with each tensor's gradient transform
    ``clamp(f·g, ±grad_clip_value)``, ``adafactor_finalize``, ``adafactor_factor_tables``)
-3. ``celo2_statistics``      the learned tensors' features' Σ x² and Σ p²; every gradient element checked
-4. ``celo2_control``         normaliser scales and ``param_scale``; the AdamW tensors' bias corrections; a kept
-                             step's R and C committed
-5. ``celo2_mlp``             features, normalisation, the MLP, the proposed step written to its place in its
-                             stack (the tensor's matrix as it lies in memory); the accumulators stored
-6. ``celo2_matrix_sums``     each matrix to orthogonalise: its norm (float64 sum) plus ``ns_eps``;
+3. ``celo2_statistics``      the learned tensors' features' Σ x² (but a factored tensor's 12 table features')
+                             and Σ p²; every gradient element checked
+4. ``celo2_control``         normaliser scales (the table features' sums over the R and C entries) and
+                             ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
+5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
+   ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares, the
+                             proposed step written to its place in its stack (the tensor's matrix as it lies in
+                             memory); the accumulators stored
+6. ``celo2_matrix_sums``     each matrix to orthogonalise: its norm (float64 sum) plus ``ns_eps``, and whether
+                             its proposed step has a non-finite element;
    ``celo2_normalise``       the matrices divided by it (a non-finite element as 0) into the workspace
    torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
                              or bfloat16 for ``precision="fast"``), in place in the workspace
