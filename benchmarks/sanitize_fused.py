@@ -41,7 +41,9 @@ for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small
     assert all(torch.isfinite(p).all() for p in params), name
 
 # CELO2 and ELO-CELO2: learned matrices (two of one shape: a Newton–Schulz stack of two), a transposed one, vectors
-# and a 4-d kernel (stepped elsewhere), an embedding group on the AdamW branch; ELO-CELO2 clips globally.
+# and a 4-d kernel (stepped elsewhere), an embedding group on the AdamW branch; ELO-CELO2 clips globally. CELO2's
+# run has a NaN in one matrix: its proposed step is not all finite, so the final step's other path (the proposed
+# step read first, the matrix flagged by celo2_matrix_sums) runs too.
 for cls, precision in ((lopt.CELO2, "exact"), (lopt.ELO_CELO2, "fast")):
     if ONLY and ONLY != "celo2":
         continue
@@ -51,10 +53,15 @@ for cls, precision in ((lopt.CELO2, "exact"), (lopt.ELO_CELO2, "fast")):
     groups = [{"params": params[:6]}, {"params": params[6:], "weight_decay": 0.01},
               {"params": [embedding], "is_embedding": True}]
     optimizer = cls(groups, weights=lopt.random_weights("celo2"), backend="fused", precision=precision)
+    poisoned = cls is lopt.CELO2
+    if poisoned:
+        with torch.no_grad():
+            params[9][3, 5] = float("nan")
     for step in range(3):
         for p in params + [embedding]:
             p.grad = torch.randn_like(p) * 1e-2
         optimizer.step()
     torch.cuda.synchronize()
-    assert all(torch.isfinite(p).all() for p in params + [embedding]), cls.__name__
+    assert int((~torch.isfinite(params[9])).sum()) == (1 if poisoned else 0), cls.__name__
+    assert all(torch.isfinite(p).all() for i, p in enumerate(params + [embedding]) if i != 9), cls.__name__
 print("sanitize run ok")
