@@ -132,8 +132,8 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
 // Block b: stats chunk b. A learned tensor's elements: the accumulators updated (not stored), the
 // features, and the sums of their squares (non-finite values, of a non-finite parameter or state
 // element, left out: finite_part) and of the parameter's; every tensor's elements: the check phase's test.
-// Four blocks per SM (64 registers; at its natural 114 only two fit): with the warps to hide its loads' latency the
-// pass measured 4.77 -> 3.22 ms on GPT-2 medium (three blocks: 3.70; docs/performance.md §8).
+// Four blocks per SM (64 registers; at its natural 114 only two fit): the pass waits on its loads, and twice the
+// warps hide that latency better than the registers saved spills cost (docs/performance.md §8).
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, 4)
 celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                  const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
