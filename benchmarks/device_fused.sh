@@ -2,7 +2,8 @@
 # One device call: CUDA tests, sanitizers, benchmark. Run from the repository root on the GPU machine:
 #   bash benchmarks/device_fused.sh            (writes logs and bench.json under $OUT)
 # PYTEST_ARGS (split on spaces), PYTEST_K (a -k expression, spaces allowed), TESTS=0, FRAMEWORKS=0, SANITIZE=0 (SANITIZERS="memcheck"), BENCH=0, BENCH_ARGS, SOAK=1,
-# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER, PROFILE_SECTIONS: Nsight Compute section names),
+# PROFILE=1 (+ PROFILE_KERNELS, PROFILE_OPTIMIZER, PROFILE_PRECISION: exact or fast, PROFILE_SECTIONS: Nsight
+# Compute section names),
 # HOST_TIMELINE=1 (profile_host.py's timelines, the fast check against the general one, interleaved;
 # HOST_OPTIMIZERS, HOST_PARAM_SET) adjust it.
 set -u
@@ -47,7 +48,8 @@ if [ "${PROFILE:-0}" = 1 ]; then
   for kernel in ${PROFILE_KERNELS:-velo_apply velo_statistics}; do
     sections=${PROFILE_SECTIONS:-"SpeedOfLight Occupancy MemoryWorkloadAnalysis WarpStateStats ComputeWorkloadAnalysis LaunchStats"}
     timeout 180 ncu --clock-control none -k $kernel -s 2 -c 1 $(printf -- '--section %s ' $sections) \
-        python3 benchmarks/profile_fused.py ${PROFILE_OPTIMIZER:-velo} gpt2-medium > "$OUT/ncu_$kernel.txt" 2>&1
+        python3 benchmarks/profile_fused.py ${PROFILE_OPTIMIZER:-velo} gpt2-medium ${PROFILE_PRECISION:-} \
+        > "$OUT/ncu_$kernel.txt" 2>&1
     echo "ncu $kernel: exit $?"
     grep -E "Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|Stall|Warp Cycles Per Issued|Theoretical Occ|Block Limit" \
         "$OUT/ncu_$kernel.txt" | head -24
