@@ -7,8 +7,8 @@
 #   on the GPU:  BENCH_ARGS="--optimizers celo2 --param-sets gpt2-medium --naive-steps 0 --steps 10 --fast" \
 #                    bash benchmarks/device_ab.sh run        (carry .devcarry)
 # `run` benches the trees in order, then the first one again (ROUNDS=2, the default: the machine's drift between
-# the first tree's two runs is the noise to read the others against), and prints each tree's rows and its
-# kernels' times; the records go to $OUT/ab_<tree>_<round>.json.
+# the first tree's two runs is the noise to read the others against), and prints each tree's rows with
+# bench_fused.py's kernel split; the records go to $OUT/ab_<tree>_<round>.json.
 set -u
 dir=${AB_DIR:-.devcarry/ab}
 case "${1:-}" in
@@ -42,19 +42,8 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=. timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_fused.py \
           --out "$OUT/ab_${name}_$round.json" ${BENCH_ARGS:-} > "$OUT/ab_${name}_$round.log" 2>&1)
       echo "== $name (run $round): exit $?"
-      grep -E "^[a-z_0-9]+ +(fused|naive)" "$OUT/ab_${name}_$round.log"
-      python3 - "$OUT/ab_${name}_$round.json" <<'PY'
-import json, sys
-try:
-    rows = json.load(open(sys.argv[1]))["results"]
-except (OSError, ValueError, KeyError):
-    sys.exit(0)
-for row in rows:
-    own = {k: v for k, v in row.get("kernel_ms", {}).items() if not k.startswith(("void ", "sm80_", "sm90_", "nvjet"))}
-    if own and row["optimizer"] != "adamw":
-        top = ", ".join(f"{k} {v:.3f}" for k, v in sorted(own.items(), key=lambda kv: -kv[1])[:6])
-        print(f"    {row['optimizer']} {row['backend']} {row['param_set']}: {top}")
-PY
+      # (the table's rows, and under each fused row bench_fused.py's split of its kernels, largest first)
+      grep -E "^[a-z_0-9]+ +(fused|naive)|^    [a-z]" "$OUT/ab_${name}_$round.log" | grep -v "^    captured" | cut -c1-220
     done
     ;;
   *)
