@@ -28,6 +28,7 @@
 // gradients. Nothing is written to parameters or state before the step is known to be kept.
 #include "common.cuh"
 #include "accumulators.cuh"
+#include "split_mma.cuh"
 
 // The network is data (lopt.network.MLPGeometry.cuda_defines, prefix C2_MLP): 30 inputs, hidden layers of
 // C2_MLP_HIDDEN units, 3 outputs (direction, magnitude, and one no update reads), PyTorch's out x in layout.
@@ -360,6 +361,153 @@ LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_ELEMENT_FEATURES], cons
   return make_float2(out[0], out[1]);
 }
 
+// precision="fast" (C2_FAST_MLP, lopt.fused.celo2.kernel_defines): the same MLP on tensor cores, BF16 operands
+// and float32 accumulators (mma.sync). A warp runs its 32 elements as two 16-row m-tiles. The first layer's
+// row of an element is 32 inputs: its normalised features (C2_ELEMENT_FEATURES, in element_input's order),
+// then its start (b0 plus its entries' shares) through an identity, then zeros; each lane writes its
+// element's row into the warp's tile, and ldmatrix hands every lane its A fragments. A layer's accumulators,
+// ReLU'd and rounded to BF16, are the next layer's A fragments in place (the m16n8 accumulator's layout is
+// the m16n8k8 A operand's). The output layer's 8 columns repeat (direction, magnitude), so that every lane of
+// a row's quad holds both, and two shuffles hand each element's pair back to its lane.
+#ifndef C2_FAST_MLP
+#define C2_FAST_MLP 0
+#endif
+#if C2_FAST_MLP
+static_assert(C2_HIDDEN <= 8 && C2_ELEMENT_FEATURES + C2_HIDDEN <= 32,
+              "the tensor-core MLP: hidden layers of at most 8 units (one n-tile), a first layer of 32 inputs");
+// A row: 32 BF16 inputs as 16 words, then 4 words of padding: any 8 consecutive rows' 16-byte pieces of one
+// k-step then fall in distinct banks (20 r mod 32 = 0, 20, 8, 28, 16, 4, 24, 12), for the row writes and for
+// ldmatrix's 8-row reads alike.
+#define C2_TILE_ROW_WORDS 20
+#define C2_TILE_ROW_PIECES (C2_TILE_ROW_WORDS / 4)
+#define C2_HIDDEN_OPERANDS (C2_MLP_HIDDEN_LAYERS > 0 ? C2_MLP_HIDDEN_LAYERS : 1)
+
+// Input k of an element's first-layer row: its normalised features, then its start, then 0.
+LOPT_DEVICE float first_layer_row_input(const float (&x)[C2_ELEMENT_FEATURES], const float (&start)[C2_HIDDEN],
+                                        int k) {
+  return k < C2_ELEMENT_FEATURES ? x[k] : k < C2_ELEMENT_FEATURES + C2_HIDDEN ? start[k - C2_ELEMENT_FEATURES] : 0.f;
+}
+
+// Lane (g, t)'s B word of a BF16 product: weight(k0 + 2t, g) and weight(k0 + 2t + 1, g). weight(k, n) is
+// called at constant k and n only (each a kernel-parameter read), and the lane's pair selected; once per thread.
+template <typename Weight>
+LOPT_DEVICE unsigned operand_word(int k0, const Weight& weight, int g, int t) {
+  float first = 0.f, second = 0.f;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (n == g && q == t) {
+        first = weight(k0 + 2 * q, n);
+        second = weight(k0 + 2 * q + 1, n);
+      }
+  return pack_bf16x2(first, second);
+}
+
+// Lane t's pair of a layer's biases, (b[2t], b[2t + 1]) (0 past the layer's units), from the packed network.
+LOPT_DEVICE float2 bias_pair(const Celo2Network& network, int biases, int units, int t) {
+  float2 pair = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    if (q == t) pair = make_float2(2 * q < units ? network.w[biases + 2 * q] : 0.f,
+                                   2 * q + 1 < units ? network.w[biases + 2 * q + 1] : 0.f);
+  return pair;
+}
+
+// A lane's operands of the whole MLP (its B words and bias pairs), formed once per thread.
+struct FastMlpOperands {
+  unsigned first[2][2];  // the first layer's 16-deep steps j: the words of inputs 16j + 2t (+1) and 16j + 8 + 2t (+1)
+  unsigned hidden[C2_HIDDEN_OPERANDS];
+  float2 hidden_bias[C2_HIDDEN_OPERANDS];
+  unsigned output;  // columns 2c, 2c + 1: direction, magnitude (c = 0 ... 3)
+  float2 output_bias;
+};
+
+LOPT_DEVICE FastMlpOperands fast_mlp_operands(const Celo2Network& network, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  FastMlpOperands o;
+  const auto first = [&](int k, int n) {
+    if (n >= C2_HIDDEN) return 0.f;
+    if (k < C2_ELEMENT_FEATURES) return network.w[C2_MLP_W0 + n * C2_FEATURES + element_input(k)];
+    return k - C2_ELEMENT_FEATURES == n ? 1.f : 0.f;  // (the start, through an identity)
+  };
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) o.first[j][half] = operand_word(16 * j + 8 * half, first, g, t);
+#pragma unroll
+  for (int layer = 0; layer < C2_HIDDEN_OPERANDS; ++layer) {
+    const int weights = C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE;
+    const auto hidden = [&](int k, int n) {
+      return layer < C2_MLP_HIDDEN_LAYERS && k < C2_HIDDEN && n < C2_HIDDEN ? network.w[weights + n * C2_HIDDEN + k]
+                                                                             : 0.f;
+    };
+    o.hidden[layer] = operand_word(0, hidden, g, t);
+    o.hidden_bias[layer] = layer < C2_MLP_HIDDEN_LAYERS
+                               ? bias_pair(network, C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, C2_HIDDEN, t)
+                               : make_float2(0.f, 0.f);
+  }
+  const auto output = [&](int k, int n) { return k < C2_HIDDEN ? network.w[C2_MLP_OUTPUT_W + (n % 2) * C2_HIDDEN + k] : 0.f; };
+  o.output = operand_word(0, output, g, t);
+  o.output_bias = make_float2(network.w[C2_MLP_OUTPUT_B], network.w[C2_MLP_OUTPUT_B + 1]);
+  return o;
+}
+
+// One 8-deep layer of the warp's two m-tiles in place: h ← W relu(h) + b (relu keeps NaN, as the reference's).
+LOPT_DEVICE void fast_dense_layer(float (&h)[2][4], unsigned weights, float2 bias) {
+  const float c[4] = {bias.x, bias.y, bias.x, bias.y};
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const unsigned a[2] = {pack_bf16x2(relu(h[m][0]), relu(h[m][1])), pack_bf16x2(relu(h[m][2]), relu(h[m][3]))};
+    mma_bf16_m16n8k8(h[m], a, weights, c);
+  }
+}
+
+// The MLP's (direction, magnitude) for the lane's element: celo2_mlp_outputs' layers in BF16 products. Every
+// lane of the warp calls it together; `tile`: the warp's 32 rows of C2_TILE_ROW_WORDS words.
+LOPT_DEVICE float2 fast_mlp_outputs(const float (&x)[C2_ELEMENT_FEATURES], const float (&start)[C2_HIDDEN],
+                                    const FastMlpOperands& o, uint4* tile, int lane) {
+  __syncwarp();  // (the warp's reads of its previous rows are done)
+#pragma unroll
+  for (int piece = 0; piece < 4; ++piece) {  // inputs 8 piece ... 8 piece + 7
+    unsigned words[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int k = 8 * piece + 2 * q;
+      words[q] = pack_bf16x2(first_layer_row_input(x, start, k), first_layer_row_input(x, start, k + 1));
+    }
+    tile[C2_TILE_ROW_PIECES * lane + piece] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  __syncwarp();
+  // The A fragment of 16-deep step j in m-tile m is four 8 x 8 matrices: rows 16m ... +7 and +8 ... +15 of
+  // pieces 2j and 2j + 1; lane l gives row 8 ((l / 8) % 2) + l % 8's address in piece 2j + l / 16.
+  const int matrix_row = 8 * ((lane / 8) % 2) + lane % 8, matrix_piece = lane / 16;
+  float h[2][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[m][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      unsigned a[4];
+      load_matrices_x4(a, tile + C2_TILE_ROW_PIECES * (16 * m + matrix_row) + 2 * j + matrix_piece);
+      mma_bf16_m16n8k16(h[m], a, o.first[j][0], o.first[j][1], h[m]);
+    }
+  }
+#pragma unroll
+  for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) fast_dense_layer(h, o.hidden[layer], o.hidden_bias[layer]);
+  fast_dense_layer(h, o.output, o.output_bias);
+  // Row r of m-tile m is held by the lanes 4 (r % 8) + t: in h[m][0], h[m][1] for r < 8, else h[m][2], h[m][3].
+  // Lane t of each quad passes m-tile t / 2's half t % 2, so the element of lane l (m-tile l / 16, row l % 16)
+  // reads it from lane 4 (l % 8) + l / 8.
+  const int t = lane % 4;
+  const float direction = t == 0 ? h[0][0] : t == 1 ? h[0][2] : t == 2 ? h[1][0] : h[1][2];
+  const float magnitude = t == 0 ? h[0][1] : t == 1 ? h[0][3] : t == 2 ? h[1][1] : h[1][3];
+  const int source = 4 * (lane % 8) + lane / 8;
+  return make_float2(__shfl_sync(0xffffffffu, direction, source), __shfl_sync(0xffffffffu, magnitude, source));
+}
+#endif
+
 // An R or C entry of celo2_table_features: its share of the first layer's pre-activations and its factors.
 LOPT_DEVICE void load_entry(const float* entries, i64 entry, float (&share)[C2_HIDDEN], float (&factor)[3]) {
   const float4* p = reinterpret_cast<const float4*>(entries + entry * C2_ENTRY_FLOATS);
@@ -389,6 +537,10 @@ struct Celo2MLP {
   const Celo2Network& network;
   float* steps;
   bool store_state;
+#if C2_FAST_MLP
+  const FastMlpOperands& operands;
+  uint4* tile;  // the warp's rows (fast_mlp_outputs)
+#endif
 
   LOPT_DEVICE void begin_tensor(int) const {}
 
@@ -416,36 +568,48 @@ struct Celo2MLP {
     const float param_scale = param_scales[tensor];
     for (; chunk < end; ++chunk) {
       const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
-      if (e >= t.numel) continue;
-      float param;
-      ElementState s;
-      const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
-      update_accumulators(s, grad, a.decays, t.factored);
-      if (store_state) store_element_state(t, e, s);
-      // The first layer's start (celo2_mlp_outputs) and the factors, from the element's R and C entries.
-      float start[C2_HIDDEN];
-      FactorEntry row = {}, col = {};
-      if (t.factored) {
-        const FactorIndex f = factor_index(t, e);
-        float col_share[C2_HIDDEN];
-        load_entry(row_entries, t.row_table + f.row, start, row.factor);
-        load_entry(col_entries, t.col_table + f.col, col_share, col.factor);
+      // (The tensor-core MLP takes every lane of the warp: a lane past the tensor's end runs zeros through it.)
+      const bool element = e < t.numel;
+      if (!C2_FAST_MLP && !element) continue;
+      float start[C2_HIDDEN];                // the first layer's start (celo2_mlp_outputs)
+      float x[C2_ELEMENT_FEATURES] = {};     // (a tensor without tables: its inputs 27–29 are 0, and scaled by 0)
+      if (element) {
+        float param;
+        ElementState s;
+        const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
+        update_accumulators(s, grad, a.decays, t.factored);
+        if (store_state) store_element_state(t, e, s);
+        // The start and the factors, from the element's R and C entries.
+        FactorEntry row = {}, col = {};
+        if (t.factored) {
+          const FactorIndex f = factor_index(t, e);
+          float col_share[C2_HIDDEN];
+          load_entry(row_entries, t.row_table + f.row, start, row.factor);
+          load_entry(col_entries, t.col_table + f.col, col_share, col.factor);
 #pragma unroll
-        for (int n = 0; n < C2_HIDDEN; ++n) start[n] = __fadd_rn(start[n], col_share[n]);
+          for (int n = 0; n < C2_HIDDEN; ++n) start[n] = __fadd_rn(start[n], col_share[n]);
+        } else {
+#pragma unroll
+          for (int n = 0; n < C2_HIDDEN; ++n) start[n] = network.w[C2_MLP_B0 + n];
+        }
+        element_features(grad, param, s, t.factored, row, col, x);
+        if (shifted) {
+#pragma unroll
+          for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = normalised(x[i], scales[element_input(i)]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = __fmul_rn(x[i], scales[element_input(i)].x);
+        }
       } else {
 #pragma unroll
-        for (int n = 0; n < C2_HIDDEN; ++n) start[n] = network.w[C2_MLP_B0 + n];
+        for (int n = 0; n < C2_HIDDEN; ++n) start[n] = 0.f;
       }
-      float x[C2_ELEMENT_FEATURES];  // (a tensor without tables: its inputs 27–29 are 0, and scaled by 0)
-      element_features(grad, param, s, t.factored, row, col, x);
-      if (shifted) {
-#pragma unroll
-        for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = normalised(x[i], scales[element_input(i)]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = __fmul_rn(x[i], scales[element_input(i)].x);
-      }
+#if C2_FAST_MLP
+      const float2 out = fast_mlp_outputs(x, start, operands, tile, threadIdx.x % 32);
+#else
       const float2 out = celo2_mlp_outputs(x, start, network);
+#endif
+      if (!element) continue;
       float factor = expf(__fmul_rn(out.y, a.exp_mult));
       if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
       steps[c.step_offset + e] = __fmul_rn(out.x, factor);
@@ -466,8 +630,15 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
           const Celo2Network network, const float* grad_scale, const float* found_inf, int* status,
           float* __restrict__ steps) {
   const StepFlags flags{grad_scale, found_inf, status};
+#if C2_FAST_MLP
+  __shared__ uint4 tiles[C2_APPLY_THREADS / 32][32 * C2_TILE_ROW_PIECES];
+  const FastMlpOperands operands = fast_mlp_operands(network, threadIdx.x % 32);
+  const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
+                       param_scales, network, steps, !step_is_skipped(flags), operands, tiles[threadIdx.x / 32]};
+#else
   const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
                        param_scales, network, steps, !step_is_skipped(flags)};
+#endif
   walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), visit);
 }
 

@@ -584,15 +584,6 @@ LOPT_DEVICE void output_layer_mma(const float h2[2][4][4], const uint2* w3_opera
 #define SFC_TILE_ROW_FLOATS SFC_FEATURE_STRIDE
 #endif
 
-// Four 8 x 8 matrices of 16-bit values from shared memory, in the MMA's fragment layout: lane l gives
-// the address of row l % 8 of matrix l / 8, and receives in word i its row (l / 4) and columns
-// 2 (l % 4), 2 (l % 4) + 1 of matrix i.
-LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3]) : "r"(address));
-}
-
 #if LOPT_SPLIT_MODE == 2
 // Mode 2 (precision="fast"): a row holds its features as BF16 in the MMA's column order, 16 words: the
 // uint4 of k-step j holds, for t = 0 ... 3, the pair (k = 8j + t, 8j + t + 4) (bf16_layer_32x32's

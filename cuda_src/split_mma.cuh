@@ -114,6 +114,23 @@ LOPT_MMA_F32(mma_tf32_m16n8k8, "m16n8k8.row.col.f32.tf32.tf32.f32")
 LOPT_MMA_F32(mma_bf16_m16n8k16, "m16n8k16.row.col.f32.bf16.bf16.f32")
 LOPT_MMA_F32(mma_f16_m16n8k16, "m16n8k16.row.col.f32.f16.f16.f32")
 
+// d = A B + c for one warp, 8 deep in BF16: A {row g, row g + 8} x k (2t, 2t + 1), B k (2t, 2t + 1) x column g.
+LOPT_DEVICE void mma_bf16_m16n8k8(float d[4], const unsigned a[2], unsigned b, const float c[4]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// Four 8 x 8 matrices of 16-bit values from shared memory, in the MMA's fragment layout: lane l gives
+// the address of row l % 8 of matrix l / 8, and receives in word i its row (l / 4) and columns
+// 2 (l % 4), 2 (l % 4) + 1 of matrix i.
+LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3]) : "r"(address));
+}
+
+
 // The value a weight w stands for once write_split_operand has split it: tf32(w) + bf16(w - tf32(w))
 // (mode 0), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
 // w, and the rest b - split_effective(b), which brings it to float32 accuracy.

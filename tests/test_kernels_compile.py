@@ -43,7 +43,7 @@ def build_defines(source, precision="exact", geometry=TENSOR_CORE_GEOMETRY, engi
     elif source == "celo2.cu":  # (the published network's geometry, 30 -> 8 -> 8 -> 3)
         from lopt.fused import celo2
 
-        own = celo2.kernel_defines(celo2.linear_network(lopt.random_weights("celo2", seed=0).tensors["mlp"])[1])
+        own = celo2.kernel_defines(precision, celo2.linear_network(lopt.random_weights("celo2", seed=0).tensors["mlp"])[1])
     return own + engine.kernel_traits()
 
 
@@ -71,10 +71,14 @@ def test_kernel_compiles(source, arch, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_small_fc_lopt_fast_precision_compiles(arch, tmp_path):
-    """small_fc_lopt.cu as the engine builds it for precision "fast" (exact: test_kernel_compiles), without warnings."""
-    result = compile_unit(launcher.kernel_source("small_fc_lopt.cu"), arch, tmp_path,
-                          ("-Werror", "all-warnings", *[f"-D{d}" for d in build_defines("small_fc_lopt.cu", "fast")]))
+@pytest.mark.parametrize("source", ["small_fc_lopt.cu", "celo2.cu"])
+def test_fast_precision_compiles(source, arch, tmp_path):
+    """The sources with a build of their own for precision "fast", as the engine builds them (exact:
+    test_kernel_compiles), without warnings."""
+    defines = build_defines(source, "fast")
+    assert source != "celo2.cu" or "C2_FAST_MLP=1" in defines
+    result = compile_unit(launcher.kernel_source(source), arch, tmp_path,
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in defines]))
     assert result.returncode == 0, result.stderr
 
 
@@ -140,6 +144,38 @@ def test_mlp_layers_mma_counts(precision, geometry, tmp_path):
     assert (ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
             ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
             ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")) == MMA_COUNTS[precision, geometry]
+
+
+def ptx_of(source, defines, tmp_path):
+    unit = tmp_path / source
+    unit.write_text(launcher.kernel_source(source))
+    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", *[f"-D{d}" for d in defines], str(unit),
+                             "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return (tmp_path / "out.ptx").read_text()
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_celo2_mlp_mma_counts(precision, tmp_path):
+    """CELO2's MLP pass on tensor cores in fast mode only: per warp's two m-tiles, the first layer's two 16-deep
+    BF16 products, then one 8-deep product each for the hidden layer and the output layer; in exact mode none
+    (float32 on the CUDA cores)."""
+    ptx = ptx_of("celo2.cu", build_defines("celo2.cu", precision), tmp_path)
+    counts = (ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+              ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32"), ptx.count("ldmatrix"))
+    assert counts == ((2 * 2, 2 * 2, 2 * 2) if precision == "fast" else (0, 0, 0))
+
+
+def test_celo2_fast_mlp_needs_the_geometry_that_fits_a_tile():
+    """Wider networks keep the float32 MLP in fast mode too (one 8-column tile; the element's 18 inputs and one
+    per hidden unit in a 32-input row)."""
+    from lopt.fused import celo2
+
+    assert celo2.ELEMENT_INPUTS == 18
+    assert [celo2.fast_mlp("fast", MLPGeometry(30, hidden, 1, 3)) for hidden in (4, 8, 9, 16)] == [True, True, False, False]
+    assert not celo2.fast_mlp("exact", MLPGeometry(30, 8, 1, 3))
+    defines = celo2.kernel_defines("fast", MLPGeometry(30, 16, 2, 3))
+    assert "C2_FAST_MLP=0" in defines and "C2_MLP_HIDDEN=16" in defines
 
 
 def test_kernel_source_inlines_each_header_once():

@@ -59,6 +59,10 @@ NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
+# The inputs an element of a factored tensor forms itself (C2_ELEMENT_FEATURES): all but the 12 table features
+# (R, C and their rsqrt), which enter the MLP through its R and C entries' shares (celo2_table_features).
+ELEMENT_INPUTS = reference.NUM_INPUTS - sum(width for name, width in reference.FEATURE_GROUPS
+                                             if name.endswith("_accumulator"))
 
 
 def linear_network(network: dict) -> tuple[dict, MLPGeometry]:
@@ -104,9 +108,18 @@ def entry_floats(geometry: MLPGeometry) -> int:
     return -(-(geometry.hidden + 3) // 4) * 4
 
 
-def kernel_defines(geometry: MLPGeometry) -> tuple:
-    """What celo2.cu is compiled with: the network's geometry (kernel traits) and its table entries' size."""
-    return geometry.cuda_defines("C2_MLP") + (f"C2_ENTRY_FLOATS={entry_floats(geometry)}",)
+def fast_mlp(precision: str, geometry: MLPGeometry) -> bool:
+    """Whether ``celo2_mlp`` runs the MLP on tensor cores (BF16 products, float32 sums: ``precision="fast"``'s
+    MLP): where the geometry fits one 8-column tile and a 32-input first layer (the element's own inputs and one
+    per hidden unit). Else, and in exact mode, float32 on the CUDA cores."""
+    return precision == "fast" and geometry.hidden <= 8 and ELEMENT_INPUTS + geometry.hidden <= 32
+
+
+def kernel_defines(precision: str, geometry: MLPGeometry) -> tuple:
+    """What celo2.cu is compiled with: the MLP's arithmetic (``fast_mlp``), the network's geometry (kernel
+    traits) and its table entries' size."""
+    return ((f"C2_FAST_MLP={int(fast_mlp(precision, geometry))}",) + geometry.cuda_defines("C2_MLP")
+            + (f"C2_ENTRY_FLOATS={entry_floats(geometry)}",))
 
 
 # The MLP pass takes the packed network by value, as a kernel parameter (celo2.cu, Celo2Network): 4 KB is what
@@ -236,7 +249,7 @@ class CELO2Fused(FusedEngine):
         if optimizer.has_sharded_parameters:
             raise RuntimeError("the fused CELO2 does not step sharded (DTensor, FSDP2) parameters yet")
         network, self.geometry = linear_network(optimizer.meta_weights.tensors["mlp"])
-        super().__init__(optimizer, kernel_defines(self.geometry))
+        super().__init__(optimizer, kernel_defines(optimizer.precision, self.geometry))
         self.network = network_argument(self.geometry.pack(network))
         self.work_dtype = torch.bfloat16 if optimizer.precision == "fast" else torch.float32
         self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)

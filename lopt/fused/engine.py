@@ -219,6 +219,7 @@ class FusedEngine:
         """``defines`` (``"NAME=VALUE"`` strings): the build of the kernels this engine runs (its precision);
         the update rule is added here."""
         defines = tuple(defines) + self.kernel_traits()
+        self.defines = defines  # (what the kernels were built with: tests and benchmarks read it)
         # A proxy, not a reference: the optimizer owns its engine, and a cycle between them would keep
         # the parameters' state and the workspaces on the GPU after `del opt` until the garbage
         # collector happens to run.
