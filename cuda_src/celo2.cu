@@ -340,14 +340,18 @@ LOPT_DEVICE void dense_layer(const float* w, int weights, int biases, const floa
 // tables) and add the element's own normalised features `x` in input order.
 LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_ELEMENT_FEATURES], const float (&start)[C2_HIDDEN],
                                      const Celo2Network& network) {
+  // Feature by feature into every hidden unit's sum (each unit's sum still in input order: the same values), so
+  // that a feature's register is free once it has entered the sums.
   float h[C2_HIDDEN];
 #pragma unroll
-  for (int n = 0; n < C2_HIDDEN; ++n) {
-    float a = start[n];
+  for (int n = 0; n < C2_HIDDEN; ++n) h[n] = start[n];
 #pragma unroll
-    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) a = fmaf(network.w[C2_MLP_W0 + n * C2_FEATURES + element_input(i)], x[i], a);
-    h[n] = relu(a);
+  for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) {
+#pragma unroll
+    for (int n = 0; n < C2_HIDDEN; ++n) h[n] = fmaf(network.w[C2_MLP_W0 + n * C2_FEATURES + element_input(i)], x[i], h[n]);
   }
+#pragma unroll
+  for (int n = 0; n < C2_HIDDEN; ++n) h[n] = relu(h[n]);
 #pragma unroll
   for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
     float next[C2_HIDDEN];
