@@ -8,6 +8,7 @@ written on a skipped step, state dicts that interchange).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -352,6 +353,17 @@ def test_fast_precision_stays_within_its_bounds(weights):
 # (orthogonalize=False) by the MLP's BF16 rounding alone; tensors the MLP pass does not take here (vectors;
 # rank >= 3 kernels, stepped by the reference functions in float32) keep the exact mode's bounds.
 CELO2_FAST_TENSOR_TOLERANCE = 0.1  # (measured worst 6.4e-2: a (6, 4) matrix; GPT-2 medium's 1.5e-2)
+# Where Newton–Schulz amplifies the MLP's BF16 rounding (an ill-conditioned small matrix; up to p'(0)^5 ≈ 486,
+# docs/celo2.md §3.6), a matrix may go past that bound: it is then held to the fast yardstick, the naive
+# backend's own change when its meta-weights are rounded to bfloat16 (a perturbation of the size the fast MLP's
+# operands get), times CELO2_FAST_YARDSTICK_FACTOR (the fast MLP also rounds its inputs and activations).
+CELO2_FAST_YARDSTICK_FACTOR = 4.0
+
+
+def bfloat16_meta_weights(weights):
+    """``weights`` with its network rounded to bfloat16 (and held as float32): the fast yardstick's input."""
+    network = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in weights.tensors["mlp"].items()}
+    return dataclasses.replace(weights, tensors={**weights.tensors, "mlp": network}, source="bfloat16")
 
 
 @pytest.mark.parametrize("name, options", [("celo2", {}), ("elo_celo2", {}), ("celo2", {"orthogonalize": False})],
@@ -367,32 +379,41 @@ def test_celo2_fast_precision_stays_within_its_bounds(name, options, weights):
     assert "C2_FAST_MLP=1" in fused._fused_engine.defines
     rerun_params = make_params(ALL_SHAPES, torch.float32, 0)
     rerun = make_optimizer(name, rerun_params, "fused", weights[name], **options)
-    worst_matrix = worst_other = 0.0
+    rounded_params = make_params(ALL_SHAPES, torch.float32, 0)
+    rounded = make_optimizer(name, rounded_params, "naive", bfloat16_meta_weights(weights[name]), **options)
+    worst_matrix = worst_other = worst_ratio = 0.0
+    beyond = 0
     for index in range(30):
         grads = random_grads(fused_params, seed=index)
-        for params in (fused_params, naive_params, rerun_params):
+        for params in (fused_params, naive_params, rerun_params, rounded_params):
             set_grads(params, grads)
         before = [p.detach().clone() for p in fused_params]
-        for opt in (fused, naive, rerun):
+        for opt in (fused, naive, rerun, rounded):
             step(opt, loss_of(index))
         assert all(torch.equal(a, b) for a, b in zip(fused_params, rerun_params)), f"step {index}: rerun differs"
         fused_updates = [f.detach() - b for f, b in zip(fused_params, before)]
         naive_updates = [n.detach() - b for n, b in zip(naive_params, before)]
+        rounded_updates = [r.detach() - b for r, b in zip(rounded_params, before)]
         scale = update_scale(naive_updates)
-        for uf, un, shape in zip(fused_updates, naive_updates, ALL_SHAPES):
+        for uf, un, ur, shape in zip(fused_updates, naive_updates, rounded_updates, ALL_SHAPES):
             assert bool(torch.isfinite(uf).all()), f"step {index} shape {shape}: non-finite update"
             if len(shape) == 2:  # (every matrix is orthogonalised, a (1, n) one too)
-                error = relative_error(uf, un)
+                error, yardstick = relative_error(uf, un), relative_error(ur, un)
                 worst_matrix = max(worst_matrix, error)
-                assert error <= CELO2_FAST_TENSOR_TOLERANCE, f"step {index} shape {shape}: relative error {error:.2e}"
+                if error > CELO2_FAST_TENSOR_TOLERANCE:
+                    beyond += 1
+                    worst_ratio = max(worst_ratio, error / yardstick)
+                    assert error <= CELO2_FAST_YARDSTICK_FACTOR * yardstick, \
+                        f"step {index} shape {shape}: relative error {error:.2e}, fast yardstick {yardstick:.2e}"
             else:
                 error = tensor_update_error(uf, un, scale)
                 worst_other = max(worst_other, error)
                 assert error <= tensor_tolerance(uf), f"step {index} shape {shape}: error {error:.2e}"
-        sync_into(naive, naive_params, fused, fused_params)
-        sync_into(rerun, rerun_params, fused, fused_params)
-    print(f"\n[{name} {options}] per-matrix relative update error, worst: {worst_matrix:.2e}; other tensors "
-          f"(exact bounds): {worst_other:.2e}")
+        for opt, params in ((naive, naive_params), (rerun, rerun_params), (rounded, rounded_params)):
+            sync_into(opt, params, fused, fused_params)
+    print(f"\n[{name} {options}] per-matrix relative update error, worst: {worst_matrix:.2e} ({beyond} of "
+          f"{30 * sum(len(s) == 2 for s in ALL_SHAPES)} beyond {CELO2_FAST_TENSOR_TOLERANCE}, at most "
+          f"{worst_ratio:.2f}x the fast yardstick); other tensors (exact bounds): {worst_other:.2e}")
     assert worst_matrix > STEP_TOLERANCE  # the bfloat16 products ran, not the float32 ones
 
 
