@@ -14,9 +14,10 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 4. ``celo2_control``         normaliser scales (the table features' sums over the R and C entries) and
                              ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
-   ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares, the
-                             proposed step written to its place in its stack (the tensor's matrix as it lies in
-                             memory); the accumulators stored
+   ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
+                             ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
+                             its place in its stack (the tensor's matrix as it lies in memory); the accumulators
+                             stored
 6. ``celo2_matrix_sums``     each matrix to orthogonalise: its norm (float64 sum) plus ``ns_eps``, and whether
                              its proposed step has a non-finite element;
    ``celo2_normalise``       the matrices divided by it (a non-finite element as 0) into the workspace
