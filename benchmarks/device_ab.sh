@@ -8,7 +8,7 @@
 #                    bash benchmarks/device_ab.sh run        (carry .devcarry)
 # `run` benches the trees in order, then the first one again (ROUNDS=2, the default: the machine's drift between
 # the first tree's two runs is the noise to read the others against), and prints each tree's rows with
-# bench_fused.py's kernel split; the records go to $OUT/ab_<tree>_<round>.json.
+# bench_fused.py's kernel split; the records (ab_<tree>_<round>.json, and each run's log) go to $OUT/ab.tgz.
 set -u
 dir=${AB_DIR:-.devcarry/ab}
 case "${1:-}" in
@@ -39,12 +39,16 @@ case "${1:-}" in
     for tree in $order; do
       name=$(basename "$tree")
       round=$((round + 1))
-      (cd "$tree" && PYTHONPATH=. timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_fused.py \
+      # (the record names the tree's commit: the copy has no history of its own)
+      commit=$(grep -F "$dir/$name:" "$dir/TREES" | tail -1 | awk '{print $2}')
+      (cd "$tree" && LOPT_COMMIT="$commit" PYTHONPATH=. timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_fused.py \
           --out "$OUT/ab_${name}_$round.json" ${BENCH_ARGS:-} > "$OUT/ab_${name}_$round.log" 2>&1)
       echo "== $name (run $round): exit $?"
       # (the table's rows, and under each fused row bench_fused.py's split of its kernels, largest first)
       grep -E "^[a-z_0-9]+ +(fused|naive)|^    [a-z]" "$OUT/ab_${name}_$round.log" | grep -v "^    captured" | cut -c1-220
     done
+    # (one archive: the device tool brings back only a few files per call)
+    (cd "$OUT" && tar czf ab.tgz ab_*.json ab_*.log && rm -f ab_*.json ab_*.log)
     ;;
   *)
     echo "usage: bash benchmarks/device_ab.sh export REV [REV ...] | run" >&2

@@ -630,7 +630,8 @@ struct Celo2MLP {
 
 // Eight blocks per SM: the pass is latency-bound (each element's loads, then several hundred dependent
 // instructions), and at its natural register count only four blocks fit (25% occupancy). Capped at 64 it spills
-// to L1-resident local memory (80 bytes per thread) and still runs faster with twice the warps to hide latency
+// to L1-resident local memory (36 bytes per thread; 56 in the tensor-core build) and still runs faster with twice
+// the warps to hide latency
 // (ten blocks measured slower; docs/performance.md §8); the arithmetic, and so the result, is the same.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, 8)
 celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
