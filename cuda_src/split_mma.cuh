@@ -130,7 +130,6 @@ LOPT_DEVICE void load_matrices_x4(unsigned f[4], const void* row_address) {
                : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3]) : "r"(address));
 }
 
-
 // The value a weight w stands for once write_split_operand has split it: tf32(w) + bf16(w - tf32(w))
 // (mode 0), bf16(tf32(w)) (mode 2). A bias carried by constant-one inputs takes two:
 // w, and the rest b - split_effective(b), which brings it to float32 accuracy.

@@ -21,11 +21,9 @@ import contextlib
 
 import torch
 
-from lopt.fused.celo2 import newton_schulz_products
+from lopt.fused.celo2 import TABLE_INPUTS, newton_schulz_products
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
-
-TABLE_INPUTS = range(reference.UNFACTORED_INPUTS, reference.UNFACTORED_INPUTS + 12)  # R, C, rsqrt R, rsqrt C
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:

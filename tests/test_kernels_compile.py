@@ -119,6 +119,16 @@ def test_a_contract_drift_fails_to_compile(source, struct, field, tmp_path, monk
     assert result.returncode != 0 and field in result.stderr
 
 
+def ptx_of(source, defines, tmp_path):
+    """``source`` compiled to PTX for sm_80 with ``defines`` (the instructions a build emits, before ptxas)."""
+    unit = tmp_path / source
+    unit.write_text(launcher.kernel_source(source))
+    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", *[f"-D{d}" for d in defines], str(unit),
+                             "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return (tmp_path / "out.ptx").read_text()
+
+
 # LOPT_SPLIT_MODE -> (TF32, BF16, FP16) MMAs of the MLP in the kernel's code, per n-tile and m-tile (4 x 2):
 # exact (mode 0), layer 1 a TF32 and a BF16 product per k-step, in two versions (4 k-steps, and 3 for
 # warps whose elements all read one shared entry), layer 2 three FP16 products per 16-deep step (2); one
@@ -134,25 +144,10 @@ MMA_COUNTS = {("exact", TENSOR_CORE_GEOMETRY): (COPIES * (32 + 24), COPIES * (32
 
 @pytest.mark.parametrize("precision, geometry", list(MMA_COUNTS), ids=lambda v: getattr(v, "hidden", v))
 def test_mlp_layers_mma_counts(precision, geometry, tmp_path):
-    unit = tmp_path / "small_fc_lopt.cu"
-    unit.write_text(launcher.kernel_source("small_fc_lopt.cu"))
-    defines = [f"-D{d}" for d in build_defines("small_fc_lopt.cu", precision, geometry)]
-    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", *defines, str(unit),
-                             "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    ptx = (tmp_path / "out.ptx").read_text()
+    ptx = ptx_of("small_fc_lopt.cu", build_defines("small_fc_lopt.cu", precision, geometry), tmp_path)
     assert (ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"),
             ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
             ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")) == MMA_COUNTS[precision, geometry]
-
-
-def ptx_of(source, defines, tmp_path):
-    unit = tmp_path / source
-    unit.write_text(launcher.kernel_source(source))
-    result = subprocess.run([nvcc(), "-arch=compute_80", "-ptx", "-std=c++17", *[f"-D{d}" for d in defines], str(unit),
-                             "-o", str(tmp_path / "out.ptx")], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return (tmp_path / "out.ptx").read_text()
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
@@ -171,7 +166,7 @@ def test_celo2_fast_mlp_needs_the_geometry_that_fits_a_tile():
     per hidden unit in a 32-input row)."""
     from lopt.fused import celo2
 
-    assert celo2.ELEMENT_INPUTS == 18
+    assert celo2.ELEMENT_INPUTS == 18 and celo2.TABLE_INPUTS == range(15, 27)  # (celo2.cu: C2_TABLE_FIRST, C2_TABLE_END)
     assert [celo2.fast_mlp("fast", MLPGeometry(30, hidden, 1, 3)) for hidden in (4, 8, 9, 16)] == [True, True, False, False]
     assert not celo2.fast_mlp("exact", MLPGeometry(30, 8, 1, 3))
     defines = celo2.kernel_defines("fast", MLPGeometry(30, 16, 2, 3))

@@ -60,10 +60,12 @@ NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
-# The inputs an element of a factored tensor forms itself (C2_ELEMENT_FEATURES): all but the 12 table features
-# (R, C and their rsqrt), which enter the MLP through its R and C entries' shares (celo2_table_features).
-ELEMENT_INPUTS = reference.NUM_INPUTS - sum(width for name, width in reference.FEATURE_GROUPS
-                                             if name.endswith("_accumulator"))
+# A factored tensor's table features (R, C and their rsqrt: C2_TABLE_FIRST ... C2_TABLE_END in celo2.cu), which
+# enter the MLP through its R and C entries' shares (celo2_table_features); an element forms the rest itself
+# (C2_ELEMENT_FEATURES).
+_TABLE_GROUPS = [index for index, (name, _) in enumerate(reference.FEATURE_GROUPS) if name.endswith("_accumulator")]
+TABLE_INPUTS = range(sum(reference.GROUP_WIDTHS[:_TABLE_GROUPS[0]]), sum(reference.GROUP_WIDTHS[:_TABLE_GROUPS[-1] + 1]))
+ELEMENT_INPUTS = reference.NUM_INPUTS - len(TABLE_INPUTS)
 
 
 def linear_network(network: dict) -> tuple[dict, MLPGeometry]:
