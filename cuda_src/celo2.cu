@@ -15,11 +15,12 @@
 //                        (normalised, times their first-layer weights; R's with the first layer's bias)
 //   celo2_mlp            features, normalisation, the MLP, the proposed step (direction · exp(exp_mult ·
 //                        magnitude), · param_scale) written to its place in its Newton–Schulz stack (the
-//                        tensor's matrix as it lies in memory); the learned tensors' accumulators stored
-//   celo2_matrix_sums    (mode 0) per matrix to orthogonalise: its norm plus ns_eps
-//   celo2_normalise      the matrices to orthogonalise divided by it, into Newton–Schulz's workspace
+//                        tensor's matrix as it lies in memory), and per block and tensor Σ s² of them; the
+//                        learned tensors' accumulators stored
+//   celo2_normalise      per matrix to orthogonalise: its norm plus ns_eps from the MLP pass's segment sums, and
+//                        the matrix divided by it, into Newton–Schulz's workspace
 //   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
-//   celo2_matrix_sums    (mode 1) per learned tensor: Σ s² of its final step → its two scale factors
+//   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
 //   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the AdamW branch (own
 //                        moments, or the shared accumulators); the step counters
 //
@@ -542,6 +543,7 @@ struct Celo2MLP {
   const float* param_scales;
   const Celo2Network& network;
   float* steps;
+  double* segment_sums;  // per (block, tensor) segment: Σ s² of its finite proposed values, sign bit set where it has a non-finite one
   bool store_state;
 #if C2_FAST_MLP
   const FastMlpOperands& operands;
@@ -572,6 +574,8 @@ struct Celo2MLP {
     shifted = __syncthreads_or(shifted) != 0;
     const bool param_scale_mult = group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
     const float param_scale = param_scales[tensor];
+    double square_sum = 0.0;  // (this thread's finite proposed values', float64: Newton–Schulz's divisor)
+    bool nonfinite = false;
     for (; chunk < end; ++chunk) {
       const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
       // (The tensor-core MLP takes every lane of the warp: a lane past the tensor's end runs zeros through it.)
@@ -623,8 +627,20 @@ struct Celo2MLP {
       if (!element) continue;
       float factor = expf(__fmul_rn(out.y, a.exp_mult));
       if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
-      steps[c.step_offset + e] = __fmul_rn(out.x, factor);
+      const float step = __fmul_rn(out.x, factor);
+      steps[c.step_offset + e] = step;
+      if (is_finite(step)) square_sum = fma(static_cast<double>(step), static_cast<double>(step), square_sum);
+      else nonfinite = true;
     }
+    // The segment's sum in a fixed order (the grid and the chunks' split are fixed: the same sum every run), at
+    // segment index blockIdx.x + tensor (unique: a block's tensors ascend, and the next block starts at its last
+    // tensor or after it); celo2_normalise adds a matrix's segments.
+    __shared__ double scratch[C2_APPLY_THREADS / 32][1];
+    __shared__ double total[1];
+    const bool any_nonfinite = __syncthreads_or(nonfinite) != 0;
+    const double values[1] = {square_sum};
+    block_sums<1, C2_APPLY_THREADS>(values, scratch, total);
+    if (threadIdx.x == 0) segment_sums[blockIdx.x + tensor] = any_nonfinite ? -total[0] : total[0];
   }
 };
 
@@ -640,16 +656,17 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
           const float* __restrict__ row_entries, const float* __restrict__ col_entries,
           const float* __restrict__ feature_scales, const float* __restrict__ param_scales,
           const Celo2Network network, const float* grad_scale, const float* found_inf, int* status,
-          float* __restrict__ steps) {
+          float* __restrict__ steps, double* __restrict__ segment_sums) {
   const StepFlags flags{grad_scale, found_inf, status};
 #if C2_FAST_MLP
   __shared__ uint4 tiles[C2_APPLY_THREADS / 32][32 * C2_TILE_ROW_PIECES];
   const FastMlpOperands operands = fast_mlp_operands(network, threadIdx.x % 32);
   const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
-                       param_scales, network, steps, !step_is_skipped(flags), operands, tiles[threadIdx.x / 32]};
+                       param_scales, network, steps, segment_sums, !step_is_skipped(flags), operands,
+                       tiles[threadIdx.x / 32]};
 #else
   const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
-                       param_scales, network, steps, !step_is_skipped(flags)};
+                       param_scales, network, steps, segment_sums, !step_is_skipped(flags)};
 #endif
   walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), visit);
 }
@@ -663,9 +680,9 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
 
 // A learned element's final step: the orthogonalised (or, without Newton–Schulz, the proposed) value, except
 // where the proposed step is not finite — there it keeps its own value (reference: orthogonalise).
-// `proposed_nonfinite`: the tensor's flag from celo2_matrix_sums (mode 0); where it is 0 (every proposed value
-// finite, or no Newton–Schulz: the result is the proposed step) the result is read alone, without the proposed
-// step's load before it.
+// `proposed_nonfinite`: the tensor's flag from celo2_normalise; where it is 0 (every proposed value finite, or no
+// Newton–Schulz: the result is the proposed step) the result is read alone, without the proposed step's load
+// before it.
 LOPT_DEVICE float final_step(const float* proposed, const Celo2Tensor& c, i64 e, int proposed_nonfinite) {
   if (proposed_nonfinite != 0) {
     const float value = proposed[e];
@@ -674,77 +691,93 @@ LOPT_DEVICE float final_step(const float* proposed, const Celo2Tensor& c, i64 e,
   return load_as_float(pointer<const void>(c.result), e, static_cast<int>(c.result_dtype));
 }
 
-// Blocks (x, b): part x of the matrix of learned tensor rows[b]; Σ over its finite values of v² in float64,
-// each part's sum a partial, and the matrix's last block to finish adds the partials in order (fixed order:
-// the same sum every run) and resets the matrix's ticket.
-// mode 0, Newton–Schulz's divisor (reference newton_schulz: the norm from a float64 sum of squares rounded to
-// float32, plus ns_eps in float32) of the proposed step, with its non-finite elements as 0 (finite_part);
-// mode 1, finish_step's normalisation of the final step as celo2_control's of a feature: scale = rsqrt(1e-9 +
-// Σs²/count) in float64, applied as (s · float(scale·shift)) · float(1/shift), shift 2^64 where scale < 2^-60.
-// Mode 0 also sets the tensor's proposed_nonfinite flag (final_step): 1 where any proposed value is not finite,
-// counted per matrix in nonfinite_blocks (reset by the matrix's last block, as its ticket). A tensor no mode 0
-// launch takes keeps its flag: 0 as allocated (its result is its proposed step), or, had it been taken before,
-// the last value, which final_step reads correctly either way.
+// Blocks (x, b): part x of learned tensor rows[b]'s final step; Σ over its finite values of s² in float64, each
+// part's sum a partial, and the tensor's last block to finish adds the partials in order (fixed order: the same
+// sum every run), resets its ticket and forms finish_step's normalisation as celo2_control's of a feature:
+// scale = rsqrt(1e-9 + Σs²/count) in float64, applied as (s · float(scale·shift)) · float(1/shift), shift 2^64
+// where scale < 2^-60.
 extern "C" __global__ void __launch_bounds__(C2_SUMS_THREADS)
 celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
-                  const double* __restrict__ celo2_groups, const int* __restrict__ rows, int mode,
-                  const float* __restrict__ steps, double* partials, unsigned int* tickets,
-                  unsigned int* nonfinite_blocks, int* proposed_nonfinite, float* __restrict__ divisors,
-                  float2* __restrict__ step_scales) {
+                  const int* __restrict__ rows, const float* __restrict__ steps, double* partials,
+                  unsigned int* tickets, const int* __restrict__ proposed_nonfinite, float2* __restrict__ step_scales) {
   const int tensor = rows[blockIdx.y];
   const TensorMeta t = tensors[tensor];
   const Celo2Tensor c = celo2_tensors[tensor];
   const float* proposed = steps + c.step_offset;
-  const int flag = mode == 0 ? 1 : proposed_nonfinite[tensor];
+  const int flag = proposed_nonfinite[tensor];
   const i64 begin = t.numel * blockIdx.x / C2_SUMS_SPLITS, end = t.numel * (blockIdx.x + 1) / C2_SUMS_SPLITS;
   double sum = 0.0;
-  bool nonfinite = false;
   for (i64 e = begin + threadIdx.x; e < end; e += C2_SUMS_THREADS) {
-    const float s = mode == 0 ? proposed[e] : final_step(proposed, c, e, flag);
+    const float s = final_step(proposed, c, e, flag);
     if (is_finite(s)) sum = fma(static_cast<double>(s), static_cast<double>(s), sum);
-    else nonfinite = true;
   }
-  double values[1] = {sum};
+  const double values[1] = {sum};
   __shared__ double scratch[C2_SUMS_THREADS / 32][1];
   __shared__ double total[1];
   __shared__ bool last;
-  const bool block_nonfinite = __syncthreads_or(nonfinite) != 0;
   block_sums<1, C2_SUMS_THREADS>(values, scratch, total);
   if (threadIdx.x == 0) {
     partials[blockIdx.y * C2_SUMS_SPLITS + blockIdx.x] = total[0];
-    if (mode == 0 && block_nonfinite) atomicAdd(nonfinite_blocks + blockIdx.y, 1u);
-    __threadfence();  // (the partial and the count are visible before the ticket counts this block)
+    __threadfence();  // (the partial is visible before the ticket counts this block)
     last = atomicAdd(tickets + blockIdx.y, 1u) == C2_SUMS_SPLITS - 1;
   }
   __syncthreads();
   if (!last || threadIdx.x != 0) return;
   __threadfence();
-  double matrix = 0.0;
-  for (int k = 0; k < C2_SUMS_SPLITS; ++k) matrix += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
+  double tensor_sum = 0.0;
+  for (int k = 0; k < C2_SUMS_SPLITS; ++k) tensor_sum += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
   tickets[blockIdx.y] = 0u;
-  if (mode == 0) {
-    proposed_nonfinite[tensor] = __ldcg(nonfinite_blocks + blockIdx.y) != 0u ? 1 : 0;
-    nonfinite_blocks[blockIdx.y] = 0u;
-    const float eps = static_cast<float>(group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_NS_EPS]);
-    divisors[tensor] = __fadd_rn(static_cast<float>(sqrt(matrix)), eps);
-  } else {
-    const double scale = 1.0 / sqrt(1e-9 + matrix / static_cast<double>(t.numel));
-    const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
-    step_scales[tensor] = make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
-  }
+  const double scale = 1.0 / sqrt(1e-9 + tensor_sum / static_cast<double>(t.numel));
+  const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
+  step_scales[tensor] = make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
 }
 
-// Blocks (x, b): the matrix of learned tensor rows[b], Newton–Schulz's input x = s / divisor (a non-finite s
-// as 0), stored as `work_dtype` (float32; bfloat16 for precision="fast") at the step's own index.
+// The MLP pass's block that walks apply chunk `chunk` (walk_apply_chunks' split of `total_chunks` over `blocks`,
+// at most one block per chunk: block b takes [total·b/blocks, total·(b+1)/blocks)), the last b whose range
+// starts at or before it.
+LOPT_DEVICE i64 mlp_block_of(i64 chunk, int blocks, i64 total_chunks) {
+  return ((chunk + 1) * blocks - 1) / total_chunks;
+}
+
+// Blocks (x, b): the matrix of learned tensor rows[b]. Newton–Schulz's divisor (reference newton_schulz: the
+// norm from a float64 sum of squares rounded to float32, plus ns_eps in float32) of its proposed step, its
+// non-finite elements as 0 (finite_part), from the MLP pass's segment sums (celo2_mlp: one per block and
+// tensor, at blockIdx + tensor, so a matrix's are those of the blocks that walked its chunks, added in block
+// order); then x = s / divisor (a non-finite s as 0), stored as `work_dtype` (float32; bfloat16 for
+// precision="fast") at the step's own index. Block 0 of each matrix also sets the tensor's proposed_nonfinite
+// flag (final_step): 1 where a segment met a non-finite value. A tensor no launch takes keeps its flag: 0 as
+// allocated (its result is its proposed step), or, had it been taken before, the last value, which final_step
+// reads correctly either way.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
 celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
-                const int* __restrict__ rows, const float* __restrict__ steps, const float* __restrict__ divisors,
+                const double* __restrict__ celo2_groups, const int* __restrict__ rows,
+                const double* __restrict__ segment_sums, int mlp_blocks, i64 total_chunks,
+                const float* __restrict__ steps, int* __restrict__ proposed_nonfinite, float* __restrict__ divisors,
                 void* __restrict__ work, int work_dtype) {
   const int tensor = rows[blockIdx.y];
-  const i64 numel = tensors[tensor].numel;
+  const TensorMeta t = tensors[tensor];
   const i64 offset = celo2_tensors[tensor].step_offset;
-  const float divisor = divisors[tensor];
-  for (i64 e = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x; e < numel;
+  __shared__ float shared_divisor;
+  if (threadIdx.x == 0) {
+    const i64 first = mlp_block_of(t.first_apply_chunk, mlp_blocks, total_chunks);
+    const i64 last = mlp_block_of(t.first_apply_chunk + t.num_apply_chunks - 1, mlp_blocks, total_chunks);
+    double sum = 0.0;
+    bool nonfinite = false;
+    for (i64 block = first; block <= last; ++block) {  // (each walked one chunk at least: blocks <= total_chunks)
+      const double segment = segment_sums[block + tensor];
+      nonfinite |= signbit(segment) != 0;
+      sum += fabs(segment);
+    }
+    const float eps = static_cast<float>(group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_NS_EPS]);
+    shared_divisor = __fadd_rn(static_cast<float>(sqrt(sum)), eps);
+    if (blockIdx.x == 0) {
+      divisors[tensor] = shared_divisor;
+      proposed_nonfinite[tensor] = nonfinite ? 1 : 0;
+    }
+  }
+  __syncthreads();
+  const float divisor = shared_divisor;
+  for (i64 e = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x; e < t.numel;
        e += static_cast<i64>(gridDim.x) * C2_APPLY_THREADS) {
     const float s = steps[offset + e];
     store_from_float(work, offset + e, work_dtype, is_finite(s) ? __fdiv_rn(s, divisor) : 0.f);
@@ -771,7 +804,7 @@ struct Celo2Apply {
   const double* celo2_groups;
   const float2* gradient_transforms;
   const float* steps;
-  const int* proposed_nonfinite;  // (celo2_matrix_sums' flags, final_step)
+  const int* proposed_nonfinite;  // (celo2_normalise's flags, final_step)
   const float2* step_scales;
   const float2* adam_corrections;
 

@@ -150,12 +150,16 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
     clips = any(group.get("max_grad_norm") is not None for group in opt.param_groups)
-    # (CELO2: 3 launches of its own around Newton–Schulz's products, which are torch's, and one for the R and C
+    # (CELO2: 2 launches of its own around Newton–Schulz's products, which are torch's, and one for the R and C
     # entries' share of the first layer)
-    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 11 + clips, "elo_celo2": 11 + clips}[name]
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 10 + clips, "elo_celo2": 10 + clips}[name]
     if name in ("celo2", "elo_celo2"):  # (CELO2 clips f·g before its clamp: the norm comes first, no norm jobs)
         assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
-        assert names[-4:] == ["celo2_matrix_sums", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
+        assert names[-4:] == ["celo2_mlp", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
+        # celo2_normalise finds a matrix's divisor in the MLP pass's segment sums: the same grid's
+        blocks = {launch[0]: launch for launch in recorded[:per_step]}
+        normalise = blocks["celo2_normalise"][3][declared_parameter_names(source)["celo2_normalise"].index("mlp_blocks")]
+        assert normalise == blocks["celo2_mlp"][1]
         # the MLP's network by value: the packed weights, bit for bit
         mlp = next(launch for launch in recorded if launch[0] == "celo2_mlp")
         network = mlp[3][declared_parameter_names(source)["celo2_mlp"].index("network")]
@@ -784,9 +788,8 @@ def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recor
                      and int(rows[row, CELO2_FIELD["result_dtype"]]) == dtype]
             where[tuple(p.shape)] = found[0] if len(found) == 1 else found
         launches = [launch for launch in recorded if launch[0] in ("celo2_matrix_sums", "celo2_normalise")]
-        mode = names["celo2_matrix_sums"].index("mode")
-        ns = [grid[1] for name, grid, _, args in launches if name == "celo2_matrix_sums" and args[mode] == 0]
-        finals = [grid[1] for name, grid, _, args in launches if name == "celo2_matrix_sums" and args[mode] == 1]
+        ns = [grid[1] for name, grid, _, args in launches if name == "celo2_normalise"]
+        finals = [grid[1] for name, grid, _, args in launches if name == "celo2_matrix_sums"]
         assert finals == [len(params)]  # (every learned tensor's final step is summed)
         return where, (ns[0] if ns else 0)
 

@@ -16,11 +16,11 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
-                             its place in its stack (the tensor's matrix as it lies in memory); the accumulators
-                             stored
-6. ``celo2_matrix_sums``     each matrix to orthogonalise: its norm (float64 sum) plus ``ns_eps``, and whether
-                             its proposed step has a non-finite element;
-   ``celo2_normalise``       the matrices divided by it (a non-finite element as 0) into the workspace
+                             its place in its stack (the tensor's matrix as it lies in memory), and per block
+                             and tensor the float64 Σ s² of those values; the accumulators stored
+6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
+                             its proposed step has a non-finite element, and the matrix divided by the former (a
+                             non-finite element as 0) into the workspace
    torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
                              or bfloat16 for ``precision="fast"``), in place in the workspace
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
@@ -213,9 +213,10 @@ class Celo2Work:
     #                     laid out as `steps` up to the end of the matrices' stacks
     stacks: list
     divisors: torch.Tensor  # per tensor row: its Newton–Schulz divisor (norm + ns_eps)
-    sum_partials: torch.Tensor  # float64, SUMS_SPLITS per matrix of a celo2_matrix_sums launch
-    sum_tickets: torch.Tensor  # int32 per matrix, 0 between launches (the last block of each resets its own)
-    nonfinite_blocks: torch.Tensor  # int32 per matrix, as sum_tickets: its blocks that met a non-finite proposed value
+    segment_sums: torch.Tensor  # float64 per (MLP block, tensor row) at block + row: Σ s² of the segment's finite
+    #                             proposed values, its sign bit set where it met a non-finite one (celo2_normalise)
+    sum_partials: torch.Tensor  # float64, SUMS_SPLITS per learned tensor of celo2_matrix_sums
+    sum_tickets: torch.Tensor  # int32 per learned tensor, 0 between launches (the last block of each resets its own)
     proposed_nonfinite: torch.Tensor  # int32 per tensor row: 1 where its proposed step is not all finite (final_step)
     learned_rows: torch.Tensor  # int32, the learned tensors' rows
     orthogonalised: tuple | None  # per stack, the Newton–Schulz steps the result pointers were last written for
@@ -348,9 +349,9 @@ class CELO2Fused(FusedEngine):
             kinds=kinds, table=table, groups=launcher.MetadataTable(device, dtype=np.float64), group_rows=None,
             steps=plan.workspace(offset, torch.float32), work=plan.workspace(2 * matrix_elements, self.work_dtype),
             stacks=stack_list, divisors=plan.workspace(n, torch.float32),
+            segment_sums=plan.workspace(self.mlp_grid + n, torch.float64),
             sum_partials=plan.workspace(max(n, 1) * SUMS_SPLITS, torch.float64),
             sum_tickets=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
-            nonfinite_blocks=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             proposed_nonfinite=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             learned_rows=torch.tensor([row for stack in stack_list for row in stack.tensor_rows], dtype=torch.int32,
                                       device=device),
@@ -481,9 +482,10 @@ class CELO2Fused(FusedEngine):
                             total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
                             feature_scales=work.feature_scales, network=self.network, row_entries=work.row_entries,
                             col_entries=work.col_entries)
-            self.launch("celo2_mlp", max(1, min(self.mlp_grid, chunks)), self.APPLY_THREADS, **tables,
+            self.launch("celo2_mlp", self._mlp_blocks(chunks), self.APPLY_THREADS, **tables,
                         row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
-                        param_scales=work.param_scales, network=self.network, **flags, steps=work.steps)
+                        param_scales=work.param_scales, network=self.network, **flags, steps=work.steps,
+                        segment_sums=work.segment_sums)
             self._finish_steps(plan)
         self.launch("celo2_apply", max(1, min(self.apply_grid, chunks)), self.APPLY_THREADS, **tables,
                     num_groups=len(self.optimizer.param_groups), steps=work.steps,
@@ -524,22 +526,24 @@ class CELO2Fused(FusedEngine):
         work.ns_rows = torch.tensor(ns_rows, dtype=torch.int32, device=plan.device) if ns_rows else None
         work.orthogonalised = choices
 
+    def _mlp_blocks(self, chunks: int) -> int:
+        """celo2_mlp's grid for ``chunks`` apply chunks: persistent, and never more blocks than chunks (so that every
+        block walks one at least, and celo2_normalise finds a matrix's segment sums from its chunks alone)."""
+        return max(1, min(self.mlp_grid, chunks))
+
     def _finish_steps(self, plan: Plan) -> None:
         """Newton–Schulz on each stack of matrices whose group orthogonalises: their divisors and the divided
-        matrices (two launches for every stack), then the products per stack in the workspace (float32 without
+        matrices (one launch for every stack), then the products per stack in the workspace (float32 without
         TF32, or bfloat16); then ``finish_step``'s normalisation of every learned tensor's final step as two
         float32 factors (``normalise_by_square_sums``), which the apply pass multiplies by."""
         work, groups = plan.work, self.optimizer.param_groups
         tables = dict(tensors=plan.tensor_table.table, celo2_tensors=work.table.table)
-        sums = dict(celo2_groups=work.groups.table, steps=work.steps, partials=work.sum_partials,
-                    tickets=work.sum_tickets, nonfinite_blocks=work.nonfinite_blocks,
-                    proposed_nonfinite=work.proposed_nonfinite)
         if work.ns_rows is not None:
-            count = work.ns_rows.numel()
-            self.launch("celo2_matrix_sums", (SUMS_SPLITS, count), SUMS_THREADS, **tables, **sums,
-                        rows=work.ns_rows, mode=0, divisors=work.divisors, step_scales=None)
-            self.launch("celo2_normalise", (NORMALISE_BLOCKS, count), self.APPLY_THREADS, **tables, rows=work.ns_rows,
-                        steps=work.steps, divisors=work.divisors, work=work.work,
+            self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), self.APPLY_THREADS, **tables,
+                        celo2_groups=work.groups.table, rows=work.ns_rows, segment_sums=work.segment_sums,
+                        mlp_blocks=self._mlp_blocks(plan.layout.total_apply_chunks),
+                        total_chunks=plan.layout.total_apply_chunks, steps=work.steps,
+                        proposed_nonfinite=work.proposed_nonfinite, divisors=work.divisors, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
             size = work.work.numel() // 2
             first, second = work.work[:size], work.work[size:]
@@ -550,8 +554,9 @@ class CELO2Fused(FusedEngine):
                         group = groups[stack.group]
                         newton_schulz_products(stack.view(first), stack.view(second), stack.gram, stack.polynomial,
                                                group["ns_coefficients"], steps, exact=self.work_dtype == torch.float32)
-        self.launch("celo2_matrix_sums", (SUMS_SPLITS, work.learned_rows.numel()), SUMS_THREADS, **tables, **sums,
-                    rows=work.learned_rows, mode=1, divisors=None, step_scales=work.step_scales)
+        self.launch("celo2_matrix_sums", (SUMS_SPLITS, work.learned_rows.numel()), SUMS_THREADS, **tables,
+                    rows=work.learned_rows, steps=work.steps, partials=work.sum_partials, tickets=work.sum_tickets,
+                    proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales)
 
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
         """The learned tensors of rank >= 3: the reference's learned_step on the device, from the step's
