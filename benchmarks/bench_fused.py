@@ -8,7 +8,8 @@ launches per step (torch.profiler), peak memory beyond parameters and gradients,
 kernel (median over PROFILED_STEPS profiled steps), achieved bandwidth against the bytes each kernel must move, and the fused-vs-naive relative
 update error (one step from identical state). The device-to-device copy bandwidth is measured in the
 same process. ``--optimizers`` takes registered names (small_fc_lopt, velo, elo, mulo); ``--fast`` adds each one's
-``precision="fast"`` row, ``--max-grad-norm`` a clipped row;
+``precision="fast"`` row (``--only-fast``: that row alone, for an A/B of the fast mode), ``--max-grad-norm`` a
+clipped row;
 ``--graph`` also times each step captured in a CUDA graph and replayed, back to back and after 40 ms idle
 (no host share; the "unthrottled" time, see benchmarks/RESULTS.md).
 """
@@ -236,7 +237,10 @@ def main() -> int:
                              "sqrt(numel))")
     parser.add_argument("--fast", action="store_true",
                         help="also time each optimizer that has it fused with precision='fast'")
+    parser.add_argument("--only-fast", action="store_true",
+                        help="time each optimizer's precision='fast' row alone beside AdamW (an A/B of the fast mode)")
     args = parser.parse_args()
+    args.fast = args.fast or args.only_fast
     optimizers = args.optimizers.split(",")
     option_rows = {name: ([{"max_grad_norm": args.max_grad_norm}] if args.max_grad_norm is not None and name != "velo"
                           else [])
@@ -257,10 +261,12 @@ def main() -> int:
                                                                                           args.steps, args.warmup)
         write_record(args.out, env, rows)
         for name in optimizers:
-            fused = measure(name, "fused", param_set, weights[name], args.steps, args.warmup)
-            fused["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name])
-            rows.append(fused)
-            write_record(args.out, env, rows)
+            fused = None
+            if not args.only_fast:
+                fused = measure(name, "fused", param_set, weights[name], args.steps, args.warmup)
+                fused["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name])
+                rows.append(fused)
+                write_record(args.out, env, rows)
             for options in option_rows.get(name, ()):
                 rows.append(measure(name, "fused", param_set, weights[name], args.steps, args.warmup, options=options))
                 rows[-1]["max_rel_error_vs_naive"] = update_error(name, param_set, weights[name], options=options)
@@ -268,10 +274,10 @@ def main() -> int:
                     rows[-1]["graph_ms_per_step"], rows[-1]["graph_paused_ms_per_step"] = graph_step_ms(
                         name, param_set, weights[name], args.steps, args.warmup, options)
                 write_record(args.out, env, rows)
-            if args.graph:
+            if args.graph and fused is not None:
                 fused["graph_ms_per_step"], fused["graph_paused_ms_per_step"] = graph_step_ms(
                     name, param_set, weights[name], args.steps, args.warmup)
-            if args.naive_steps:
+            if args.naive_steps and not args.only_fast:
                 rows.append(measure(name, "naive", param_set, weights[name], args.naive_steps, 1))
             write_record(args.out, env, rows)
         for row in rows:
