@@ -597,16 +597,19 @@ LOPT_DEVICE ApplyScalars read_apply_scalars(const GroupMeta& g) {
 // reference: apply_update, written back in the parameter's dtype, each product and sum rounded.
 //   small_fc_lopt, VeLO: p − lr·u, then p − (weight_decay·lr)·p (the updated value decays);
 //   ELO (LOPT_WEIGHT_DECAY_INSIDE_STEP): p − lr·(u + weight_decay·p), the pre-update value inside the step.
-template <bool Streamed = false>
-LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
+LOPT_DEVICE float updated_param(float param, float update, const ApplyScalars& a) {
 #if LOPT_WEIGHT_DECAY_INSIDE_STEP
   if (a.weight_decay != 0.f) update = __fadd_rn(update, __fmul_rn(a.weight_decay, param));
-  const float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
+  return __fadd_rn(param, __fmul_rn(a.neg_lr, update));
 #else
-  float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
-  if (a.neg_weight_decay_lr != 0.f) new_param = __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param));
+  const float new_param = __fadd_rn(param, __fmul_rn(a.neg_lr, update));
+  return a.neg_weight_decay_lr != 0.f ? __fadd_rn(new_param, __fmul_rn(a.neg_weight_decay_lr, new_param)) : new_param;
 #endif
-  store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), new_param);
+}
+
+template <bool Streamed = false>
+LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float update, const ApplyScalars& a) {
+  store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), updated_param(param, update, a));
 }
 
 // A persistent grid's walk over the apply chunks of every tensor: block b takes its contiguous range of
@@ -637,7 +640,7 @@ LOPT_DEVICE void walk_apply_chunks(const TensorMeta* tensors, const i64* gradien
 //
 //   struct Apply {
 //     LOPT_DEVICE bool skipped(const StepFlags& flags) const;  // the step's decision (VeLO adds its loss)
-//     LOPT_DEVICE void finish(bool skipped) const;              // one thread, before the counters advance
+//     LOPT_DEVICE void finish(bool skipped) const;              // block 0's threads, before the counters advance
 //     LOPT_DEVICE void begin_tensor(int tensor) const;          // every thread, before the tensor's chunks
 //     LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int tensor, i64 chunk, i64 end,
 //                             float inverse_scale) const;       // the elements of chunks [chunk, end)
@@ -647,9 +650,9 @@ LOPT_DEVICE void apply_pass(const TensorMeta* tensors, const i64* gradients, int
                             int num_groups, i64 total_chunks, const StepFlags& flags, i64* skipped_steps,
                             const Apply& apply) {
   const bool skipped = apply.skipped(flags);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (blockIdx.x == 0) {
     apply.finish(skipped);  // (every earlier launch has read what it advances)
-    finish_step(groups, num_groups, skipped, flags, skipped_steps);
+    if (threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
   }
   if (skipped) return;  // nothing is written
   walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), apply);

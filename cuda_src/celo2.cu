@@ -50,7 +50,11 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_CONTROL_LANES 8  // lanes per statistic adding a tensor's statistics chunks' partials in celo2_control
 #define C2_APPLY_THREADS 128
 #define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
-#define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's)
+#define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's, element by element)
+#define C2_APPLY_QUADS 2  // quads (4 consecutive elements) a thread of celo2_apply loads at once (a learned tensor's)
+// Blocks of celo2_apply per SM (64 registers, a few spilled): the pass waits on DRAM, and the warps this
+// occupancy adds hide more of that wait than the spills cost (docs/performance.md §8).
+#define C2_APPLY_BLOCKS 8
 #define C2_MLP_PREFETCH 2  // chunks ahead the MLP pass requests its next elements into L2
 // Per learned tensor, the features' scales: (x · scale[j]) · unshift[j] (normalise_by_square_sums' two factors).
 #define C2_SCALES 64
@@ -793,6 +797,15 @@ LOPT_DEVICE float adam_direction(float m, float v, float2 corrections, float eps
   return __fdiv_rn(__fdiv_rn(m, corrections.x), __fadd_rn(__fsqrt_rn(__fdiv_rn(v, corrections.y)), eps));
 }
 
+// The AdamW branch's values for one tensor: its group's scalars with adam_lr_mult · lr and adam_weight_decay,
+// its gradient transform, bias corrections, betas (rounded once from the group's float64) and eps (ELO-CELO2's
+// shared branch: 1e-8).
+struct Celo2AdamScalars {
+  ApplyScalars scalars;
+  float2 transform, corrections;
+  float b1, b1_mix, b2, b2_mix, eps;
+};
+
 // apply_pass' functor: a learned element's u = rms_mult · normalised s (its final step, times its matrix's
 // two factors), an AdamW element's direction (its moments updated and
 // stored), then apply_update (p − lr·(u + weight_decay·p); the AdamW branch with adam_lr_mult · lr and
@@ -811,30 +824,104 @@ struct Celo2Apply {
   LOPT_DEVICE bool skipped(const StepFlags& flags) const { return step_is_skipped(flags); }
   LOPT_DEVICE void finish(bool skipped) const {
     if (skipped) return;
-    for (int i = 0; i < num_tensors; ++i) {
-      const Celo2Tensor c = celo2_tensors[i];
+    // (block 0's threads share the tensors, so that block 0 starts on its share of the pass with the others)
+    for (int i = threadIdx.x; i < num_tensors; i += blockDim.x) {
+      const Celo2Tensor& c = celo2_tensors[i];
       if (c.kind == LOPT_CELO2_ADAM_OWN) *pointer<i64>(c.adam_step) += 1;
     }
   }
   LOPT_DEVICE void begin_tensor(int) const {}
 
+  LOPT_DEVICE Celo2AdamScalars adam_scalars(const Celo2Tensor& c, const double* values, const ApplyScalars& group,
+                                            int tensor) const {
+    Celo2AdamScalars adam;
+    adam.scalars = group;
+    const float lr = values[LOPT_CELO2_GROUP_ADAM_LR_ON_DEVICE] != 0.0
+                         ? __fmul_rn(static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR_MULT]), -group.neg_lr)
+                         : static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR]);
+    adam.scalars.neg_lr = -lr;
+    adam.scalars.weight_decay = static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_WEIGHT_DECAY]);
+    adam.transform = gradient_transforms[tensor];
+    adam.corrections = adam_corrections[tensor];
+    const double beta1 = values[LOPT_CELO2_GROUP_ADAM_BETA1], beta2 = values[LOPT_CELO2_GROUP_ADAM_BETA2];
+    adam.b1 = static_cast<float>(beta1);
+    adam.b1_mix = static_cast<float>(1.0 - beta1);
+    adam.b2 = static_cast<float>(beta2);
+    adam.b2_mix = static_cast<float>(1.0 - beta2);
+    adam.eps = c.kind == LOPT_CELO2_ADAM_OWN ? static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_EPS]) : 1e-8f;
+    return adam;
+  }
+
+  // A learned element's u = rms_mult · normalised s, applied.
+  LOPT_DEVICE static float learned_param(float param, float s, float2 scale, float rms_mult, const ApplyScalars& group) {
+    return updated_param(param, __fmul_rn(__fmul_rn(__fmul_rn(s, scale.x), scale.y), rms_mult), group);
+  }
+
+  // An AdamW element (reference: update_adam_moments on its own exp_avg, exp_avg_sq, then adam_direction):
+  // m and v updated in place, the new parameter returned.
+  LOPT_DEVICE static float adam_own_param(float raw_grad, float param, float& m, float& v, float inverse_scale,
+                                          const Celo2AdamScalars& adam) {
+    const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), adam.transform);
+    m = ema(m, adam.b1, adam.b1_mix, grad);
+    v = ema(v, adam.b2, adam.b2_mix, __fmul_rn(grad, grad));
+    return updated_param(param, adam_direction(m, v, adam.corrections, adam.eps), adam.scalars);
+  }
+
   LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
                           float inverse_scale) const {
     const Celo2Tensor c = celo2_tensors[tensor];
     const double* values = group_values(celo2_groups, t.group);
+    // (the elements of chunks [chunk, end): chunks are C2_APPLY_CHUNK elements, and a tensor's first is whole)
+    const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;
+    const i64 stop = min((end - t.first_apply_chunk) * C2_APPLY_CHUNK, t.numel);
+    const int param_dtype = static_cast<int>(t.param_dtype);
     if (c.kind == LOPT_CELO2_LEARNED) {
       const float2 scale = step_scales[tensor];
       const int flag = proposed_nonfinite[tensor];
       const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
-      // C2_APPLY_ELEMENTS chunks at a time, every element's loads issued before any is used: one element's
-      // loads alone left the pass waiting on DRAM latency (it took ~2.6x its time at the copy bandwidth).
+      const int result_dtype = static_cast<int>(c.result_dtype);
+      if (flag == 0 && quad_aligned(t.param, param_dtype) && quad_aligned(c.result, result_dtype)) {
+        // C2_APPLY_QUADS quads of four consecutive elements per thread at a time, every load issued before any
+        // value is used: with an element per load the pass waited on DRAM latency (docs/performance.md §8).
+        for (i64 first = begin; first < stop; first += 4 * C2_APPLY_THREADS * C2_APPLY_QUADS) {
+          float4 param[C2_APPLY_QUADS], s[C2_APPLY_QUADS];
+#pragma unroll
+          for (int q = 0; q < C2_APPLY_QUADS; ++q) {
+            const i64 e = first + 4 * (q * C2_APPLY_THREADS + threadIdx.x);
+            if (e + 4 <= stop) {
+              param[q] = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
+              s[q] = load_quad_as_float(pointer<const void>(c.result), e, result_dtype);  // (final_step: flag 0)
+            }
+          }
+#pragma unroll
+          for (int q = 0; q < C2_APPLY_QUADS; ++q) {
+            const i64 e = first + 4 * (q * C2_APPLY_THREADS + threadIdx.x);
+            if (e + 4 <= stop) {
+              float4 updated;
+#pragma unroll
+              for (int k = 0; k < 4; ++k)
+                quad_value(updated, k) = learned_param(quad_value(param[q], k), quad_value(s[q], k), scale, rms_mult, group);
+              store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
+            } else {
+              for (i64 i = e; i < stop; ++i)  // (the tensor's last, partial quad)
+                store_from_float(pointer<void>(t.param), i, param_dtype,
+                                 learned_param(load_as_float(pointer<const void>(t.param), i, param_dtype),
+                                               load_as_float(pointer<const void>(c.result), i, result_dtype), scale,
+                                               rms_mult, group));
+            }
+          }
+        }
+        return;
+      }
+      // Element by element (a parameter or step not aligned for quads, or a proposed step with a non-finite
+      // element): C2_APPLY_ELEMENTS chunks at a time, every element's loads issued before any is used.
       for (; chunk < end; chunk += C2_APPLY_ELEMENTS) {
         float param[C2_APPLY_ELEMENTS], s[C2_APPLY_ELEMENTS];
 #pragma unroll
         for (int k = 0; k < C2_APPLY_ELEMENTS; ++k) {
           const i64 e = (chunk + k - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
           if (chunk + k < end && e < t.numel) {
-            param[k] = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+            param[k] = load_as_float(pointer<const void>(t.param), e, param_dtype);
             s[k] = final_step(steps + c.step_offset, c, e, flag);
           }
         }
@@ -842,53 +929,63 @@ struct Celo2Apply {
         for (int k = 0; k < C2_APPLY_ELEMENTS; ++k) {
           const i64 e = (chunk + k - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
           if (chunk + k < end && e < t.numel)
-            apply_update(t, e, param[k], __fmul_rn(__fmul_rn(__fmul_rn(s[k], scale.x), scale.y), rms_mult), group);
+            store_from_float(pointer<void>(t.param), e, param_dtype, learned_param(param[k], s[k], scale, rms_mult, group));
         }
       }
       return;
     }
     if (c.kind != LOPT_CELO2_ADAM_OWN && c.kind != LOPT_CELO2_ADAM_SHARED) return;
-    ApplyScalars adam = group;
-    const float lr = values[LOPT_CELO2_GROUP_ADAM_LR_ON_DEVICE] != 0.0
-                         ? __fmul_rn(static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR_MULT]), -group.neg_lr)
-                         : static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR]);
-    adam.neg_lr = -lr;
-    adam.weight_decay = static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_WEIGHT_DECAY]);
-    const float2 transform = gradient_transforms[tensor];
-    const float2 corrections = adam_corrections[tensor];
-    const bool own = c.kind == LOPT_CELO2_ADAM_OWN;
-    const double beta1 = values[LOPT_CELO2_GROUP_ADAM_BETA1], beta2 = values[LOPT_CELO2_GROUP_ADAM_BETA2];
-    const float b1 = static_cast<float>(beta1), b1_mix = static_cast<float>(1.0 - beta1);
-    const float b2 = static_cast<float>(beta2), b2_mix = static_cast<float>(1.0 - beta2);
-    const float eps = own ? static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_EPS]) : 1e-8f;
-    for (; chunk < end; ++chunk) {
-      const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
-      if (e >= t.numel) continue;
-      float param, m, v;
-      if (own) {  // reference: update_adam_moments on the parameter's exp_avg, exp_avg_sq
-        float* exp_avg = pointer<float>(c.exp_avg) + e;
-        float* exp_avg_sq = pointer<float>(c.exp_avg_sq) + e;
-        const float raw_grad = load_as_float(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype));
-        param = load_as_float(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-        const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), transform);
-        m = ema(*exp_avg, b1, b1_mix, grad);
-        v = ema(*exp_avg_sq, b2, b2_mix, __fmul_rn(grad, grad));
-        *exp_avg = m;
-        *exp_avg_sq = v;
-      } else {  // reference: adamw_shared_step, on the accumulators updated as the learned tensors' are
-        ElementState s;
-        const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
-        update_accumulators(s, grad, group.decays, t.factored);
-        store_element_state(t, e, s);
-        m = s.mom[0];
-        v = s.rms;
+    const Celo2AdamScalars adam = adam_scalars(c, values, group, tensor);
+    if (c.kind == LOPT_CELO2_ADAM_OWN) {
+      float* exp_avg = pointer<float>(c.exp_avg);
+      float* exp_avg_sq = pointer<float>(c.exp_avg_sq);
+      const void* grad = pointer<const void>(t.grad);
+      const int grad_dtype = static_cast<int>(t.grad_dtype);
+      const bool quads = quad_aligned(t.grad, grad_dtype) && quad_aligned(t.param, param_dtype) &&
+                         quad_aligned(c.exp_avg, LOPT_F32) && quad_aligned(c.exp_avg_sq, LOPT_F32);
+      // (a quad of four consecutive elements per thread at a time where every array allows, else an element)
+      const int per_thread = quads ? 4 : 1;
+      for (i64 first = begin; first < stop; first += per_thread * C2_APPLY_THREADS) {
+        const i64 e = first + per_thread * threadIdx.x;
+        if (quads && e + 4 <= stop) {
+          const float4 raw_grad = load_quad_as_float(grad, e, grad_dtype);
+          const float4 param = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
+          float4 m = *reinterpret_cast<const float4*>(exp_avg + e), v = *reinterpret_cast<const float4*>(exp_avg_sq + e);
+          float4 updated;
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            quad_value(updated, k) = adam_own_param(quad_value(raw_grad, k), quad_value(param, k), quad_value(m, k),
+                                                    quad_value(v, k), inverse_scale, adam);
+          *reinterpret_cast<float4*>(exp_avg + e) = m;
+          *reinterpret_cast<float4*>(exp_avg_sq + e) = v;
+          store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
+          continue;
+        }
+        for (i64 i = e; i < min(e + per_thread, stop); ++i) {  // (element by element; a quad's tail)
+          float m = exp_avg[i], v = exp_avg_sq[i];
+          const float updated = adam_own_param(load_as_float(grad, i, grad_dtype),
+                                               load_as_float(pointer<const void>(t.param), i, param_dtype), m, v,
+                                               inverse_scale, adam);
+          exp_avg[i] = m;
+          exp_avg_sq[i] = v;
+          store_from_float(pointer<void>(t.param), i, param_dtype, updated);
+        }
       }
-      apply_update(t, e, param, adam_direction(m, v, corrections, eps), adam);
+      return;
+    }
+    // reference: adamw_shared_step, on the accumulators updated as the learned tensors' are
+    for (i64 e = begin + threadIdx.x; e < stop; e += C2_APPLY_THREADS) {
+      float param;
+      ElementState s;
+      const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), adam.transform);
+      update_accumulators(s, grad, group.decays, t.factored);
+      store_element_state(t, e, s);
+      apply_update(t, e, param, adam_direction(s.mom[0], s.rms, adam.corrections, adam.eps), adam.scalars);
     }
   }
 };
 
-extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_APPLY_BLOCKS)
 celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
             const GroupMeta* __restrict__ groups, int num_groups, i64 total_chunks,
             const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,

@@ -24,6 +24,7 @@ enum LoptDType { LOPT_F32 = 0, LOPT_BF16 = 1, LOPT_F16 = 2 };
     return packed;                                                                      \
   }
 LOPT_PACK_X2(pack_bf16x2, "cvt.rn.bf16x2.f32")                  // to BF16, to nearest
+LOPT_PACK_X2(pack_f16x2, "cvt.rn.f16x2.f32")                    // to FP16, to nearest (as cvt.rn.f16.f32 each)
 LOPT_PACK_X2(pack_bf16x2_relu, "cvt.rn.relu.bf16x2.f32")        // max(x, 0) to BF16: the ReLU inside the conversion
 LOPT_PACK_X2(pack_f16x2_satfinite, "cvt.rn.satfinite.f16x2.f32")  // to FP16, to nearest, saturating at +-65504
 LOPT_PACK_X2(pack_f16x2_relu_satfinite, "cvt.rn.satfinite.relu.f16x2.f32")  // max(x, 0) the same
@@ -97,6 +98,42 @@ template <typename T>
 LOPT_DEVICE T* pointer(i64 address) { return reinterpret_cast<T*>(address); }
 
 LOPT_DEVICE int dtype_bytes(int dtype) { return dtype == LOPT_F32 ? 4 : 2; }
+
+// Whether an array at `address` of `dtype` values can be read and written four values at a time from any
+// index that is a multiple of 4 (load_quad_as_float, store_quad_from_float).
+LOPT_DEVICE bool quad_aligned(i64 address, int dtype) { return address % (4 * dtype_bytes(dtype)) == 0; }
+
+// Values index ... index + 3 as float, in one load (16 bytes, or 8 for 16-bit values): a pass that reads
+// a value per element from several arrays keeps more bytes in flight per instruction (and per register)
+// than with four loads. base + index is quad_aligned (the caller checks).
+template <bool Streamed = false>
+LOPT_DEVICE float4 load_quad_as_float(const void* base, i64 index, int dtype) {
+  if (dtype == LOPT_F32)
+    return element_load<Streamed>(reinterpret_cast<const float4*>(static_cast<const float*>(base) + index));
+  const uint2 bits = element_load<Streamed>(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(base) + index));
+  return make_float4(sixteen_bits_to_float(static_cast<unsigned short>(bits.x & 0xffffu), dtype),
+                     sixteen_bits_to_float(static_cast<unsigned short>(bits.x >> 16), dtype),
+                     sixteen_bits_to_float(static_cast<unsigned short>(bits.y & 0xffffu), dtype),
+                     sixteen_bits_to_float(static_cast<unsigned short>(bits.y >> 16), dtype));
+}
+
+// store_from_float of four values at index ... index + 3 (quad_aligned), in one store; each value rounded
+// as store_from_float rounds it.
+template <bool Streamed = false>
+LOPT_DEVICE void store_quad_from_float(void* base, i64 index, int dtype, float4 values) {
+  if (dtype == LOPT_F32) {
+    element_store<Streamed>(reinterpret_cast<float4*>(static_cast<float*>(base) + index), values);
+    return;
+  }
+  const bool bf16 = dtype == LOPT_BF16;
+  const uint2 bits = make_uint2(bf16 ? pack_bf16x2(values.x, values.y) : pack_f16x2(values.x, values.y),
+                                bf16 ? pack_bf16x2(values.z, values.w) : pack_f16x2(values.z, values.w));
+  element_store<Streamed>(reinterpret_cast<uint2*>(static_cast<unsigned short*>(base) + index), bits);
+}
+
+// A float4's values by index (0 ... 3: x, y, z, w), for loops over a quad's elements that the compiler unrolls.
+LOPT_DEVICE float& quad_value(float4& q, int k) { return k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w; }
+LOPT_DEVICE float quad_value(const float4& q, int k) { return k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w; }
 
 // Asks L2 for the line holding `address` and moves on (no result to wait for). The statistics passes
 // issue it for the elements they load next, so that their DRAM latency overlaps the current elements'

@@ -755,7 +755,7 @@ struct VeloApply {
   LOPT_DEVICE bool skipped(const StepFlags& flags) const { return velo_step_is_skipped(flags, loss); }
 
   LOPT_DEVICE void finish(bool skipped) const {
-    if (skipped) return;
+    if (skipped || threadIdx.x != 0) return;
     const LossBuffer buffer = update_loss_buffer(loss_means, loss_running_min, loss_count, loss_decays, loss);
     for (int j = 0; j < VELO_LOSS_TIMESCALES; ++j) {
       loss_means[j] = buffer.means[j];
