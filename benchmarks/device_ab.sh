@@ -4,7 +4,7 @@
 # compare). Two steps:
 #   here:        bash benchmarks/device_ab.sh export main my-branch HEAD~1 ...
 #                (git archive of each revision's lopt/, cuda_src/, benchmarks/ and weights/ into .devcarry/ab/<i>-<rev>)
-#   on the GPU:  BENCH_ARGS="--optimizers celo2 --param-sets gpt2-medium --naive-steps 0 --steps 10 --fast" \
+#   on the GPU:  BENCH_ARGS="--optimizers celo2 --param-sets gpt2-medium --naive-steps 0 --steps 10 --only-fast" \
 #                    bash benchmarks/device_ab.sh run        (carry .devcarry)
 # `run` benches the trees in order, then the first one again (ROUNDS=2, the default: the machine's drift between
 # the first tree's two runs is the noise to read the others against), and prints each tree's rows with
