@@ -756,8 +756,8 @@ extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
 celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
                 const double* __restrict__ celo2_groups, const int* __restrict__ rows,
                 const double* __restrict__ segment_sums, int mlp_blocks, i64 total_chunks,
-                const float* __restrict__ steps, int* __restrict__ proposed_nonfinite, float* __restrict__ divisors,
-                void* __restrict__ work, int work_dtype) {
+                const float* __restrict__ steps, int* __restrict__ proposed_nonfinite, void* __restrict__ work,
+                int work_dtype) {
   const int tensor = rows[blockIdx.y];
   const TensorMeta t = tensors[tensor];
   const i64 offset = celo2_tensors[tensor].step_offset;
@@ -774,10 +774,7 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
     }
     const float eps = static_cast<float>(group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_NS_EPS]);
     shared_divisor = __fadd_rn(static_cast<float>(sqrt(sum)), eps);
-    if (blockIdx.x == 0) {
-      divisors[tensor] = shared_divisor;
-      proposed_nonfinite[tensor] = nonfinite ? 1 : 0;
-    }
+    if (blockIdx.x == 0) proposed_nonfinite[tensor] = nonfinite ? 1 : 0;
   }
   __syncthreads();
   const float divisor = shared_divisor;

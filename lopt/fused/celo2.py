@@ -212,7 +212,6 @@ class Celo2Work:
     work: torch.Tensor  # Newton–Schulz's two ping-pong buffers (float32, or bfloat16 for precision "fast"), each
     #                     laid out as `steps` up to the end of the matrices' stacks
     stacks: list
-    divisors: torch.Tensor  # per tensor row: its Newton–Schulz divisor (norm + ns_eps)
     segment_sums: torch.Tensor  # float64 per (MLP block, tensor row) at block + row: Σ s² of the segment's finite
     #                             proposed values, its sign bit set where it met a non-finite one (celo2_normalise)
     sum_partials: torch.Tensor  # float64, SUMS_SPLITS per learned tensor of celo2_matrix_sums
@@ -348,7 +347,7 @@ class CELO2Fused(FusedEngine):
         return Celo2Work(
             kinds=kinds, table=table, groups=launcher.MetadataTable(device, dtype=np.float64), group_rows=None,
             steps=plan.workspace(offset, torch.float32), work=plan.workspace(2 * matrix_elements, self.work_dtype),
-            stacks=stack_list, divisors=plan.workspace(n, torch.float32),
+            stacks=stack_list,
             segment_sums=plan.workspace(self.mlp_grid + n, torch.float64),
             sum_partials=plan.workspace(max(n, 1) * SUMS_SPLITS, torch.float64),
             sum_tickets=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
@@ -543,7 +542,7 @@ class CELO2Fused(FusedEngine):
                         celo2_groups=work.groups.table, rows=work.ns_rows, segment_sums=work.segment_sums,
                         mlp_blocks=self._mlp_blocks(plan.layout.total_apply_chunks),
                         total_chunks=plan.layout.total_apply_chunks, steps=work.steps,
-                        proposed_nonfinite=work.proposed_nonfinite, divisors=work.divisors, work=work.work,
+                        proposed_nonfinite=work.proposed_nonfinite, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
             size = work.work.numel() // 2
             first, second = work.work[:size], work.work[size:]
