@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, help="weight decay of every curves run (default: the optimizers' own)")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (docs/bench.md)")
     bench.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as a Markdown table")
-    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars (they are drawn only on a terminal)")
     from lopt.meta.cli import add_commands as add_meta_commands  # meta-train, meta-eval (docs/meta_training.md)
 
     add_meta_commands(sub)

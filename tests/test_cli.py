@@ -167,6 +167,30 @@ def test_bare_bench_on_a_cpu_machine(capsys, offline_hub, monkeypatch):
     assert any("not selected: compiling the naive step takes minutes" in n for n in notes)
 
 
+@pytest.mark.parametrize("terminal", [True, False])
+def test_bench_progress_bars_are_drawn_only_on_a_terminal(terminal, monkeypatch):
+    """A redirected stderr (a log file, CI) gets none of a progress bar's redrawn frames; a terminal gets the bar,
+    and --quiet turns it off there too."""
+    import io
+
+    from lopt.bench.runner import make_progress_factory
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    for enabled in (True, False):
+        stream = Stream()
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = make_progress_factory(enabled)(3, "celo2 naive tiny-lm")
+        for _ in range(3):
+            bar.update(1)
+        bar.close()
+        monkeypatch.undo()
+        drawn = "celo2 naive tiny-lm" in stream.getvalue()
+        assert drawn == (terminal and enabled), (terminal, enabled, stream.getvalue())
+
+
 def test_bench_require_pretrained_fails_clearly(capsys, offline_hub, no_benchmark):
     code, _, err = run(capsys, "bench", "--device", "cpu", "--params", "tiny-lm", "--steps", "1", "--quiet",
                        "--optimizer", "small_fc_lopt", "--require-pretrained")

@@ -58,11 +58,13 @@ def resolve_bench_weights(optimizer_name: str, weights_arg, require_pretrained: 
 
 
 def make_progress_factory(enabled: bool):
-    """``make(total, description)`` -> a tqdm bar (stderr), or None when progress bars are off."""
+    """``make(total, description)`` -> a tqdm bar on stderr, drawn only where stderr is a terminal (a log file or
+    CI's pipe would get every redrawn frame), or none at all when progress bars are off."""
     from tqdm import tqdm
 
     def make(total: int, description: str):
-        return tqdm(total=total, desc=description, unit="step", leave=False, disable=not enabled)
+        # (disable=None: tqdm's own test, off where its stream is not a terminal)
+        return tqdm(total=total, desc=description, unit="step", leave=False, disable=None if enabled else True)
 
     return make
 
