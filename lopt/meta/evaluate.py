@@ -502,7 +502,7 @@ def run_suite(weights_source, out_dir=None, device="cpu", settings: EvalSettings
     if out is not None:
         (out / "tasks").mkdir(parents=True, exist_ok=True)
     task_list = settings.task_list()
-    bar = tqdm(total=len(task_list) * 4 * settings.horizon, disable=not progress, desc="meta-eval",
+    bar = tqdm(total=len(task_list) * 4 * settings.horizon, disable=None if progress else True, desc="meta-eval",
                unit="step", dynamic_ncols=True)
     deadline = None if max_minutes is None else time.perf_counter() + max_minutes * 60
 

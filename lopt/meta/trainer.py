@@ -332,8 +332,9 @@ class MetaTrainer:
         if self.step == 0 and config.validate_every and not self.history["validation"]:
             self._validate_and_keep_best()
             self.history["validation_adamw"] = {f"{lr:g}": self.validate_adamw(lr) for lr in config.baseline_lrs}
-        bar = tqdm(total=config.outer_steps, initial=self.step, disable=not progress, desc="meta-train", unit="step",
-                   dynamic_ncols=True)
+        # (disable=None: drawn only where stderr is a terminal, so a redirected log gets no redrawn frames)
+        bar = tqdm(total=config.outer_steps, initial=self.step, disable=None if progress else True, desc="meta-train",
+                   unit="step", dynamic_ncols=True)
         ema, step_time, stopped_for = None, None, None
         try:
             while self.step < target and self.stopped_early is None:
