@@ -350,8 +350,7 @@ def test_velo_max_num_steps_is_where_the_float32_loss_decay_reaches_one():
     assert (velo_reference.loss_buffer_decays(limit) < 1).all()
     assert all((velo_reference.loss_buffer_decays(n) < 1).all() for n in (1, 10, 150_000, 10**7, limit - 1))
     beyond = limit + 1
-    slowest = torch.logspace(1, torch.log10(torch.tensor(beyond, dtype=torch.float32)).item(), 10,
-                             dtype=torch.float32)[-1].item()  # (the halflife loss_buffer_decays forms)
+    slowest = velo_reference.loss_buffer_timescales(beyond)[-1].item()
     assert np.float32(math.exp(-1 / slowest)) == 1
     assert velo_reference.loss_buffer_decays(beyond)[-1].item() in (1.0, float(np.nextafter(np.float32(1), 0)))
 

@@ -121,11 +121,15 @@ class LossBuffer:
     count: torch.Tensor
 
 
+def loss_buffer_timescales(num_steps: int) -> torch.Tensor:
+    """h = logspace(1, log10 N, 10) in float32 (h_0 = 10, h_9 = N, geometric between)."""
+    return torch.logspace(1, torch.log10(torch.tensor(num_steps, dtype=torch.float32)).item(), NUM_LOSS_TIMESCALES,
+                          dtype=torch.float32)
+
+
 def loss_buffer_decays(num_steps: int, device=None) -> torch.Tensor:
-    """δ_j = exp(−1/h_j), h = logspace(1, log10 N, 10) in float32 (h_0 = 10, h_9 = N, geometric between)."""
-    halflife = torch.logspace(1, torch.log10(torch.tensor(num_steps, dtype=torch.float32)).item(), NUM_LOSS_TIMESCALES,
-                              dtype=torch.float32)
-    return torch.exp(-1.0 / halflife).to(device)
+    """δ_j = exp(−1/h_j), h the :func:`loss_buffer_timescales`."""
+    return torch.exp(-1.0 / loss_buffer_timescales(num_steps)).to(device)
 
 
 def init_loss_buffer(num_steps: int, device=None) -> LossBuffer:
