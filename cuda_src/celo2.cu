@@ -51,6 +51,7 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_APPLY_THREADS 128
 #define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
 #define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's, element by element)
+#define C2_NORMALISE_QUADS 2  // quads a thread of celo2_normalise loads at once
 #define C2_APPLY_QUADS 2  // quads (4 consecutive elements) a thread of celo2_apply loads at once (a learned tensor's)
 // Blocks of celo2_apply per SM (64 registers, a few spilled): the pass waits on DRAM, and the warps this
 // occupancy adds hide more of that wait than the spills cost (docs/performance.md §8).
@@ -778,8 +779,36 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
   }
   __syncthreads();
   const float divisor = shared_divisor;
-  for (i64 e = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x; e < t.numel;
-       e += static_cast<i64>(gridDim.x) * C2_APPLY_THREADS) {
+  const i64 threads = static_cast<i64>(gridDim.x) * C2_APPLY_THREADS;
+  const i64 thread = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x;
+  i64 begin = 0;  // (the first element left to the element-by-element loop)
+  const i64 address = reinterpret_cast<i64>(work) + offset * dtype_bytes(work_dtype);
+  if (quad_aligned(reinterpret_cast<i64>(steps + offset), LOPT_F32) && quad_aligned(address, work_dtype)) {
+    // C2_NORMALISE_QUADS quads of four consecutive elements per thread at a time, every load issued before any
+    // value is used: one 4-byte load per thread in flight left the pass waiting on DRAM latency, as celo2_apply
+    // did (docs/performance.md §8).
+    const i64 quads = t.numel / 4;
+    for (i64 first = thread; first < quads; first += threads * C2_NORMALISE_QUADS) {
+      float4 s[C2_NORMALISE_QUADS];
+#pragma unroll
+      for (int q = 0; q < C2_NORMALISE_QUADS; ++q)
+        if (first + q * threads < quads)
+          s[q] = load_quad_as_float(steps + offset, 4 * (first + q * threads), LOPT_F32);
+#pragma unroll
+      for (int q = 0; q < C2_NORMALISE_QUADS; ++q) {
+        if (first + q * threads >= quads) continue;
+        float4 x;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float value = quad_value(s[q], k);
+          quad_value(x, k) = is_finite(value) ? __fdiv_rn(value, divisor) : 0.f;
+        }
+        store_quad_from_float(work, offset + 4 * (first + q * threads), work_dtype, x);
+      }
+    }
+    begin = 4 * quads;  // (the matrix's last, partial quad)
+  }
+  for (i64 e = begin + thread; e < t.numel; e += threads) {
     const float s = steps[offset + e];
     store_from_float(work, offset + e, work_dtype, is_finite(s) ? __fdiv_rn(s, divisor) : 0.f);
   }
