@@ -40,7 +40,7 @@ NET = WEIGHTS.tensors["mlp"]
 SHAPES = {
     "wide": (4, 6), "tall": (6, 4), "square": (5, 5), "row": (1, 7), "column": (7, 1), "large_wide": (16, 48),
     "large_tall": (40, 12), "3d": (2, 3, 4), "conv": (8, 3, 3, 3), "conv_tie": (4, 4, 3, 3), "bias": (7,),
-    "scalar": (),
+    "scalar": (), "token": (1, 1, 9), "one_slice": (1, 6, 4),  # (one slice: the fused passes step them as matrices)
 }
 EMBEDDING = (10, 4)
 
@@ -305,6 +305,39 @@ def test_fused_steps_match_the_float64_oracle(variant):
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_replayed_newton_schulz_products_are_the_eager_ones_bit_for_bit(precision, monkeypatch):
+    """The fused backend captures Newton–Schulz's products once per plan as a CUDA graph and replays it every
+    step (CELO2Fused._newton_schulz): the same kernels on the same workspaces as the eager products, so every
+    step's parameters and state are the eager backend's bit for bit, also after the coefficients change (a new
+    capture)."""
+    from lopt.fused import celo2 as fused_celo2
+    from lopt.fused import launcher
+
+    if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
+        pytest.skip("needs a CUDA device and CuPy")
+    results = []
+    for replayed in (True, False):
+        if not replayed:  # (the eager path, which a step being captured by its caller takes)
+            monkeypatch.setattr(fused_celo2.CELO2Fused, "REPLAY_PRODUCTS", False)
+        params = [torch.nn.Parameter(random_like(shape, 50 + i).cuda()) for i, shape in enumerate(SHAPES.values())]
+        opt = lopt.CELO2(params, lr=0.1, weights=WEIGHTS, backend="fused", precision=precision)
+        for s in range(4):
+            if s == 2:
+                opt.param_groups[0]["ns_coefficients"] = (3.0, -4.0, 1.9)
+            for i, p in enumerate(params):
+                p.grad = random_like(p.shape, 100 * s + i).cuda()
+            opt.step()
+        graph = opt._fused_engine.plan.work.products_graph
+        assert (graph is not None) is replayed
+        results.append([p.detach().clone() for p in params]
+                       + [v.clone() for p in params for v in opt.state[p].values() if torch.is_tensor(v)])
+        monkeypatch.undo()
+    for replayed, eager in zip(*results):
+        assert torch.equal(replayed, eager)
+
+
 def test_the_step_routes_the_parameters_as_the_sources_do():
     opt, params, _, _ = _build("celo2")
     for p in params:
@@ -463,7 +496,8 @@ def test_malformed_saved_state_is_refused_and_changes_nothing():
     embedding_index = len(params) - 1
     for mutate, message in [
         (lambda sd: sd["state"][embedding_index].pop("adam_step"), r"lacks \['adam_step'\]"),
-        (lambda sd: sd["state"][embedding_index].update(adam_step=-1), "adam_step of parameter #12 must be an int >= 0"),
+        (lambda sd: sd["state"][embedding_index].update(adam_step=-1),
+         f"adam_step of parameter #{embedding_index} must be an int >= 0"),
         (lambda sd: sd["state"][embedding_index].pop("exp_avg_sq"), r"lacks \['exp_avg_sq'\]"),
         (lambda sd: sd["state"][embedding_index].update(exp_avg=torch.zeros(3)), "saved 'exp_avg' has shape"),
         (lambda sd: sd["state"][0].pop("fac_vec_col"), r"lacks \['fac_vec_col'\]"),
@@ -485,7 +519,7 @@ def test_nonfinite_gradients_skip_or_raise_and_change_nothing():
     opt.step()
     before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
     params[-1].grad[0, 0] = math.inf  # an AdamW-branch gradient
-    with pytest.warns(RuntimeWarning, match="step skipped because the gradient of parameter #12"):
+    with pytest.warns(RuntimeWarning, match=f"step skipped because the gradient of parameter #{len(SHAPES)}"):
         opt.step()
     assert opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(params, before[0]))

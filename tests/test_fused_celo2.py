@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lopt.fused.celo2 import newton_schulz_products, stored_matrix
+from lopt.fused.celo2 import newton_schulz_products, one_matrix, stored_matrix
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
@@ -76,14 +76,27 @@ def test_the_transpose_of_a_stack_orthogonalises_to_the_transpose():
 
 @pytest.mark.parametrize("shape, order, stored", [
     ((6, 4), (0, 1), (6, 4)), ((6, 4), (1, 0), (4, 6)), ((3,), (0,), (1, 3)), ((), (), (1, 1)), ((1, 7), (0, 1), (1, 7)),
+    ((1, 6, 4), (0, 1, 2), (6, 4)), ((1, 6, 4), (2, 0, 1), (4, 6)), ((1, 1, 6, 4), (1, 2, 0, 3), (6, 4)),
+    ((1, 1, 9), (0, 1, 2), (1, 9)),
 ])
 def test_a_tensors_matrix_is_stored_as_it_lies_in_memory(shape, order, stored):
     assert stored_matrix(shape, order) == stored
-    if len(shape) == 2:  # the memory of a tensor with that axis order, read as the stored matrix, is the tensor
-        logical = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+    if len(shape) >= 2:  # the memory of a tensor with that axis order, read as the stored matrix, is the tensor
+        logical = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
         memory = logical.permute(*order).contiguous().reshape(-1)
         view = memory.view(stored)
-        assert torch.equal(view if order == (0, 1) else view.t(), logical)
+        matrix = logical.reshape(shape[-2:])
+        row_major = [axis for axis in order if axis >= len(shape) - 2] == [len(shape) - 2, len(shape) - 1]
+        assert torch.equal(view if row_major else view.t(), matrix)
+
+
+@pytest.mark.parametrize("shape, fused", [((5, 3), True), ((7,), True), ((), True), ((1, 5, 3), True),
+                                          ((1, 1, 9), True), ((1, 1, 1, 2), True), ((2, 5, 3), False),
+                                          ((8, 3, 3, 3), False), ((1, 2, 3, 3), False)])
+def test_a_tensor_of_one_slice_is_stepped_as_a_matrix(shape, fused):
+    """The fused passes take a learned tensor whose normalisations and Newton–Schulz run over all of it (its
+    leading axes of size 1); one of several slices is stepped elsewhere."""
+    assert one_matrix(shape) is fused
 
 
 @pytest.mark.parametrize("orthogonalize", [False, True])

@@ -751,6 +751,24 @@ def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
     assert (a.split_outputs, a.split_slab_sums, a.num_norm_jobs) == (b.split_outputs, b.split_slab_sums, b.num_norm_jobs)
 
 
+def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded):
+    """A learned tensor of rank >= 3 whose leading axes are all of size 1 (a class token) is the matrix of its
+    last two axes: it joins the stack of that matrix's shape, and Newton–Schulz's launches take it; a conv
+    kernel (several slices) is stepped elsewhere, by the reference functions."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(1, 1, 9), (1, 9), (1, 6, 4), (2, 3, 3, 3)]]
+    opt = engine_for("celo2", params)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+    opt.step()
+    engine = opt._fused_engine
+    row = {tuple(p.shape): next(i for i, q in enumerate(engine.plan.params) if q is p) for p in params}
+    stacks = {(s.rows_per_matrix, s.cols): sorted(s.tensor_rows) for s in engine.plan.work.stacks if s.matrices}
+    assert stacks == {(1, 9): sorted([row[(1, 1, 9)], row[(1, 9)]]), (6, 4): [row[(1, 6, 4)]]}
+    assert engine.plan.work.elsewhere_rows == [row[(2, 3, 3, 3)]]
+    assert [grid[1] for name, grid, _, _ in recorded if name == "celo2_normalise"] == [3]
+
+
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recorded):
     """Where the apply pass reads each learned tensor's final step (Celo2Tensor.result): in the workspace

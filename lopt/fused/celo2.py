@@ -22,12 +22,13 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              its proposed step has a non-finite element, and the matrix divided by the former (a
                              non-finite element as 0) into the workspace
    torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
-                             or bfloat16 for ``precision="fast"``), in place in the workspace
+                             or bfloat16 for ``precision="fast"``), in place in the workspace, replayed from
+                             one CUDA graph per plan
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
 7. ``celo2_apply``           ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the AdamW branch (CELO2's own moments
                              with its own step counts; ELO-CELO2's shared accumulators); the step counters
-8. torch, "elsewhere"        learned tensors of rank >= 3 (conv kernels), whose normalisation and
-                             Newton–Schulz run per slice of their last two axes: the reference functions,
+8. torch, "elsewhere"        learned tensors of rank >= 3 of several slices (conv kernels), whose normalisation
+                             and Newton–Schulz run per slice of their last two axes: the reference functions,
                              written where the step is kept (no host synchronisation)
 
 Everything stays on the device (a step is capturable in a CUDA graph). The fused backend refuses
@@ -170,8 +171,8 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
 class Stack:
     """Same-shaped learned steps of one group, each ``(rows, cols)`` as the tensor's matrix lies in memory,
     contiguous in the step buffer from ``offset``: Newton–Schulz takes them as one batch (orienting each by
-    its smaller side, so that a matrix and its transpose come out transposed alike). ``matrices``: rank-2
-    parameters (vectors and 0-d parameters, as ``(1, n)``, are never orthogonalised)."""
+    its smaller side, so that a matrix and its transpose come out transposed alike). ``matrices``: parameters
+    of rank >= 2 (:func:`one_matrix`; vectors and 0-d parameters, as ``(1, n)``, are never orthogonalised)."""
 
     group: int
     rows_per_matrix: int
@@ -191,13 +192,23 @@ class Stack:
         return buffer[self.offset:self.offset + size].view(self.count, self.rows_per_matrix, self.cols)
 
 
+def one_matrix(shape) -> bool:
+    """Whether the fused passes step a learned tensor of this shape: rank <= 2, or a higher rank whose leading
+    axes are all of size 1 (a class token ``(1, 1, d)``), whose one slice of its last two axes is the whole
+    tensor, so that every normalisation and Newton–Schulz run over all of it, as a matrix's do. The others
+    (conv kernels: a slice per leading index) are stepped elsewhere."""
+    return math.prod(shape[:-2]) == 1
+
+
 def stored_matrix(shape, order) -> tuple[int, int]:
     """A learned tensor's matrix as it lies in memory: ``(m, n)`` for a matrix in row-major order, ``(n, m)`` for
-    one in column-major order (``order``: its axes from outermost to innermost), ``(1, n)`` for a vector of n
-    elements (a 0-d parameter: one). Newton–Schulz of the transpose is the transpose of Newton–Schulz."""
+    one in column-major order (``order``: its axes from outermost to innermost; a tensor of :func:`one_matrix`'s
+    higher ranks: its last two axes' order, the others being of size 1), ``(1, n)`` for a vector of n elements
+    (a 0-d parameter: one). Newton–Schulz of the transpose is the transpose of Newton–Schulz."""
     if len(shape) <= 1:
         return 1, (shape[0] if shape else 1)
-    return shape[order[0]], shape[order[1]]
+    outer, inner = [axis for axis in order if axis >= len(shape) - 2]
+    return shape[outer], shape[inner]
 
 
 @dataclass
@@ -219,6 +230,7 @@ class Celo2Work:
     proposed_nonfinite: torch.Tensor  # int32 per tensor row: 1 where its proposed step is not all finite (final_step)
     learned_rows: torch.Tensor  # int32, the learned tensors' rows
     orthogonalised: tuple | None  # per stack, the Newton–Schulz steps the result pointers were last written for
+    products_graph: tuple | None  # (its runs' key, the CUDA graph of Newton–Schulz's products: _newton_schulz)
     ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step
     stats_partials: torch.Tensor
     norm_partials: torch.Tensor | None  # (where a group clips) Σ g² per statistics chunk
@@ -246,6 +258,9 @@ class CELO2Fused(FusedEngine):
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
 
+    # Newton–Schulz's products replayed from a CUDA graph captured once per plan (_newton_schulz); False: eager
+    # every step (the tests compare the two)
+    REPLAY_PRODUCTS = False
     STEPS_SHARDED_PARAMETERS = False  # (Newton–Schulz would need each split matrix gathered: the naive backend does)
 
     def __init__(self, optimizer):
@@ -261,8 +276,8 @@ class CELO2Fused(FusedEngine):
 
     @property
     def ALLOCATES_PER_STEP(self) -> bool:  # noqa: N802 (FusedEngine's attribute)
-        """Only the learned tensors of rank >= 3 (the reference functions, on the device) allocate: Newton–Schulz
-        runs in the plan's workspaces."""
+        """Only the learned tensors of several slices (the reference functions, on the device) allocate:
+        Newton–Schulz runs in the plan's workspaces."""
         return bool(self.plan is not None and self.plan.work.elsewhere_rows)
 
     # ------------------------------------------------------------------ plan
@@ -271,7 +286,7 @@ class CELO2Fused(FusedEngine):
         optimizer = self.optimizer
         if optimizer.uses_adamw(group, p):
             return ADAM_OWN if optimizer._OWN_ADAM_MOMENTS else ADAM_SHARED
-        return LEARNED if p.dim() <= 2 else ELSEWHERE
+        return LEARNED if one_matrix(tuple(p.shape)) else ELSEWHERE
 
     def _plan_for(self, inputs) -> Plan:
         groups = self.optimizer.param_groups
@@ -324,8 +339,9 @@ class CELO2Fused(FusedEngine):
             elif kind == LEARNED:
                 shape = tuple(p.shape)
                 m, cols = stored_matrix(shape, plan.memory_orders[row])
-                stacks.setdefault((plan.groups[row], m, cols, len(shape) == 2), []).append(row)
-                rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS if len(shape) == 2 else reference.UNFACTORED_INPUTS
+                matrix = len(shape) >= 2
+                stacks.setdefault((plan.groups[row], m, cols, matrix), []).append(row)
+                rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS if matrix else reference.UNFACTORED_INPUTS
         stack_list, offset = [], 0
         # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end)
         for (group, m, cols, matrices), members in sorted(stacks.items(), key=lambda item: not item[0][3]):
@@ -354,7 +370,7 @@ class CELO2Fused(FusedEngine):
             proposed_nonfinite=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             learned_rows=torch.tensor([row for stack in stack_list for row in stack.tensor_rows], dtype=torch.int32,
                                       device=device),
-            orthogonalised=None, ns_rows=None,
+            orthogonalised=None, ns_rows=None, products_graph=None,
             stats_partials=plan.workspace(layout.total_stats_chunks * SUMS, torch.float64),
             norm_partials=plan.workspace(layout.total_stats_chunks, torch.float64) if clipping else None,
             transforms=transforms, clamps=None,
@@ -544,22 +560,52 @@ class CELO2Fused(FusedEngine):
                         total_chunks=plan.layout.total_apply_chunks, steps=work.steps,
                         proposed_nonfinite=work.proposed_nonfinite, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
-            size = work.work.numel() // 2
-            first, second = work.work[:size], work.work[size:]
-            products = float32_products() if self.work_dtype == torch.float32 else contextlib.nullcontext()
-            with products:
-                for stack, steps in zip(work.stacks, work.orthogonalised):
-                    if steps > 0:
-                        group = groups[stack.group]
-                        newton_schulz_products(stack.view(first), stack.view(second), stack.gram, stack.polynomial,
-                                               group["ns_coefficients"], steps, exact=self.work_dtype == torch.float32)
+            runs = [(stack, steps, tuple(float(c) for c in groups[stack.group]["ns_coefficients"]))
+                    for stack, steps in zip(work.stacks, work.orthogonalised) if steps > 0]
+            self._newton_schulz(plan, runs)
         self.launch("celo2_matrix_sums", (SUMS_SPLITS, work.learned_rows.numel()), SUMS_THREADS, **tables,
                     rows=work.learned_rows, steps=work.steps, partials=work.sum_partials, tickets=work.sum_tickets,
                     proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales)
 
+    def _newton_schulz(self, plan: Plan, runs: list) -> None:
+        """Newton–Schulz's products for ``runs`` (stack, steps, coefficients) in the plan's workspace. On a GPU they
+        are captured once, for the plan and its runs, as one CUDA graph that every step replays on the current
+        stream: ~25 launches per stack become one (a slower host would otherwise wait them out: ViT-B/16's ~125).
+        The products read and write only the plan's own workspaces, whose addresses the graph keeps, so a replay
+        is the eager products, kernel for kernel. Eager off the GPU (the CPU stand-ins), and where the step itself
+        is being captured (the caller's graph then takes the products)."""
+        work = plan.work
+        if not self.REPLAY_PRODUCTS or plan.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self._products(work, runs)
+            return
+        key = tuple((id(stack), steps, coefficients) for stack, steps, coefficients in runs)
+        if work.products_graph is None or work.products_graph[0] != key:
+            graph = torch.cuda.CUDAGraph()
+            # (captured on a stream of its own, as CUDA requires of a capture; nothing runs until the replay below.
+            # "thread_local": other threads, a DataLoader's pinning thread say, may go on calling CUDA meanwhile)
+            with torch.cuda.stream(torch.cuda.Stream(plan.device)):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._products(work, runs)
+                finally:
+                    graph.capture_end()
+            work.products_graph = (key, graph)
+        work.products_graph[1].replay()
+
+    def _products(self, work: Celo2Work, runs: list) -> None:
+        """The products themselves, stack by stack (float32 with TF32 off, or bfloat16), on the current stream."""
+        size = work.work.numel() // 2
+        first, second = work.work[:size], work.work[size:]
+        exact = self.work_dtype == torch.float32
+        with float32_products() if exact else contextlib.nullcontext():
+            for stack, steps, coefficients in runs:
+                newton_schulz_products(stack.view(first), stack.view(second), stack.gram, stack.polynomial,
+                                       coefficients, steps, exact=exact)
+
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
-        """The learned tensors of rank >= 3: the reference's learned_step on the device, from the step's
-        gradient as the kernels form it (unscaled, ``clamp(f·g)``), written where the step is kept."""
+        """The learned tensors of several slices (not :func:`one_matrix`): the reference's learned_step on the
+        device, from the step's gradient as the kernels form it (unscaled, ``clamp(f·g)``), written where the
+        step is kept."""
         optimizer, work = self.optimizer, plan.work
         keep = plan.status[STATUS_NONFINITE] == 0
         if inputs.found_inf is not None:
