@@ -318,9 +318,8 @@ def test_replayed_newton_schulz_products_are_the_eager_ones_bit_for_bit(precisio
     if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
         pytest.skip("needs a CUDA device and CuPy")
     results = []
-    for replayed in (True, False):
-        if not replayed:  # (the eager path, which a step being captured by its caller takes)
-            monkeypatch.setattr(fused_celo2.CELO2Fused, "REPLAY_PRODUCTS", False)
+    for replayed in (True, False):  # (False: the eager path, which a step being captured by its caller takes)
+        monkeypatch.setattr(fused_celo2.CELO2Fused, "REPLAY_PRODUCTS", replayed)
         params = [torch.nn.Parameter(random_like(shape, 50 + i).cuda()) for i, shape in enumerate(SHAPES.values())]
         opt = lopt.CELO2(params, lr=0.1, weights=WEIGHTS, backend="fused", precision=precision)
         for s in range(4):
@@ -336,6 +335,45 @@ def test_replayed_newton_schulz_products_are_the_eager_ones_bit_for_bit(precisio
         monkeypatch.undo()
     for replayed, eager in zip(*results):
         assert torch.equal(replayed, eager)
+
+
+# (run in a fresh process: there the fused step's products are the first cuBLAS calls, so the capture meets
+# cuBLAS's handle and workspace uncreated, as a training script's first step can)
+FIRST_PRODUCTS_SCRIPT = """
+import torch, lopt
+from lopt.fused import celo2 as fused_celo2
+results = []
+for replayed in (True, False):
+    fused_celo2.CELO2Fused.REPLAY_PRODUCTS = replayed
+    params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)).cuda())
+              for i, shape in enumerate([(64, 96), (96, 64), (1, 1, 32), (7,)])]
+    opt = lopt.CELO2(params, lr=0.1, weights=lopt.random_weights("celo2", seed=5), backend="fused",
+                     precision="fast")
+    for s in range(3):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * s + i)).cuda()
+        opt.step()
+    assert (opt._fused_engine.plan.work.products_graph is not None) is replayed
+    results.append([p.detach().clone() for p in params])
+assert all(torch.equal(a, b) for a, b in zip(*results)), "replayed products differ from the eager ones"
+print("first products: replayed == eager")
+"""
+
+
+@pytest.mark.cuda
+def test_products_captured_where_they_are_the_first_cublas_calls_of_the_process():
+    """The capture's warm-up: in a fresh process, the fused step's first Newton–Schulz products (the process's
+    first cuBLAS calls) are captured and then replayed, bit for bit the eager products."""
+    import subprocess
+    import sys
+
+    from lopt.fused import launcher
+
+    if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
+        pytest.skip("needs a CUDA device and CuPy")
+    run = subprocess.run([sys.executable, "-c", FIRST_PRODUCTS_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "first products: replayed == eager" in run.stdout
 
 
 def test_the_step_routes_the_parameters_as_the_sources_do():

@@ -22,8 +22,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              its proposed step has a non-finite element, and the matrix divided by the former (a
                              non-finite element as 0) into the workspace
    torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
-                             or bfloat16 for ``precision="fast"``), in place in the workspace, replayed from
-                             one CUDA graph per plan
+                             or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
+                             from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
 7. ``celo2_apply``           ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the AdamW branch (CELO2's own moments
                              with its own step counts; ELO-CELO2's shared accumulators); the step counters
@@ -259,7 +259,8 @@ class CELO2Fused(FusedEngine):
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
 
     # Newton–Schulz's products replayed from a CUDA graph captured once per plan (_newton_schulz); False: eager
-    # every step (the tests compare the two)
+    # every step. Off until a GPU run has measured it and passed its tests (docs/celo2.md §8, step 6); the tests
+    # set it both ways.
     REPLAY_PRODUCTS = False
     STEPS_SHARDED_PARAMETERS = False  # (Newton–Schulz would need each split matrix gathered: the naive backend does)
 
@@ -568,8 +569,8 @@ class CELO2Fused(FusedEngine):
                     proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales)
 
     def _newton_schulz(self, plan: Plan, runs: list) -> None:
-        """Newton–Schulz's products for ``runs`` (stack, steps, coefficients) in the plan's workspace. On a GPU they
-        are captured once, for the plan and its runs, as one CUDA graph that every step replays on the current
+        """Newton–Schulz's products for ``runs`` (stack, steps, coefficients) in the plan's workspace. With
+        ``REPLAY_PRODUCTS``, on a GPU they are captured once, for the plan and its runs, as one CUDA graph that every step replays on the current
         stream: ~25 launches per stack become one (a slower host would otherwise wait them out: ViT-B/16's ~125).
         The products read and write only the plan's own workspaces, whose addresses the graph keeps, so a replay
         is the eager products, kernel for kernel. Eager off the GPU (the CPU stand-ins), and where the step itself
@@ -579,18 +580,27 @@ class CELO2Fused(FusedEngine):
             self._products(work, runs)
             return
         key = tuple((id(stack), steps, coefficients) for stack, steps, coefficients in runs)
-        if work.products_graph is None or work.products_graph[0] != key:
-            graph = torch.cuda.CUDAGraph()
-            # (captured on a stream of its own, as CUDA requires of a capture; nothing runs until the replay below.
-            # "thread_local": other threads, a DataLoader's pinning thread say, may go on calling CUDA meanwhile)
-            with torch.cuda.stream(torch.cuda.Stream(plan.device)):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._products(work, runs)
-                finally:
-                    graph.capture_end()
-            work.products_graph = (key, graph)
-        work.products_graph[1].replay()
+        if work.products_graph is not None and work.products_graph[0] == key:
+            work.products_graph[1].replay()
+            return
+        # A new capture, on a stream of its own (CUDA captures on a side stream). This step's products run eagerly
+        # on that stream first: that is the warm-up a capture needs (cuBLAS creates its handle and this stream's
+        # workspace outside the capture; in a process whose first product this is, creating them inside failed
+        # it), and it is this step's result, since a capture runs nothing. "thread_local": other threads, a
+        # DataLoader's pinning thread say, may go on calling CUDA meanwhile.
+        current = torch.cuda.current_stream(plan.device)
+        side = torch.cuda.Stream(plan.device)
+        side.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            self._products(work, runs)
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._products(work, runs)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        work.products_graph = (key, graph)
 
     def _products(self, work: Celo2Work, runs: list) -> None:
         """The products themselves, stack by stack (float32 with TF32 off, or bfloat16), on the current stream."""
