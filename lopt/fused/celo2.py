@@ -570,8 +570,9 @@ class CELO2Fused(FusedEngine):
 
     def _newton_schulz(self, plan: Plan, runs: list) -> None:
         """Newton–Schulz's products for ``runs`` (stack, steps, coefficients) in the plan's workspace. With
-        ``REPLAY_PRODUCTS``, on a GPU they are captured once, for the plan and its runs, as one CUDA graph that every step replays on the current
-        stream: ~25 launches per stack become one (a slower host would otherwise wait them out: ViT-B/16's ~125).
+        ``REPLAY_PRODUCTS``, on a GPU they are captured once, for the plan and its runs, as one CUDA graph that
+        every later step replays on the current stream: ~25 launches per stack become one (a slower host would
+        otherwise wait them out: ViT-B/16's ~125).
         The products read and write only the plan's own workspaces, whose addresses the graph keeps, so a replay
         is the eager products, kernel for kernel. Eager off the GPU (the CPU stand-ins), and where the step itself
         is being captured (the caller's graph then takes the products)."""
