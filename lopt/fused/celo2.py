@@ -259,9 +259,9 @@ class CELO2Fused(FusedEngine):
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
 
     # Newton–Schulz's products replayed from a CUDA graph captured once per plan (_newton_schulz); False: eager
-    # every step. Off until a GPU run has measured it and passed its tests (docs/celo2.md §8, step 6); the tests
-    # set it both ways.
-    REPLAY_PRODUCTS = False
+    # every step (the tests set it both ways). On: the host issued ViT-B/16's ~125 product launches more slowly
+    # than the GPU ran them (docs/celo2.md §8, step 6; docs/performance.md §8).
+    REPLAY_PRODUCTS = True
     STEPS_SHARDED_PARAMETERS = False  # (Newton–Schulz would need each split matrix gathered: the naive backend does)
 
     def __init__(self, optimizer):
