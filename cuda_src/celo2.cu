@@ -557,30 +557,15 @@ struct Celo2MLP {
 
   LOPT_DEVICE void begin_tensor(int) const {}
 
-  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int tensor, i64 chunk, i64 end,
-                          float inverse_scale) const {
-    const Celo2Tensor c = celo2_tensors[tensor];
-    if (c.kind != LOPT_CELO2_LEARNED) return;
-    const float2 transform = gradient_transforms[tensor];
-    // The tensor's normaliser factors, once per block in shared memory (every thread of the block walks the
-    // same tensor here); 0 for the inputs it does not have.
-    __shared__ float2 scales[C2_FEATURES];
-    __syncthreads();  // (the block's previous tensor is done with them)
-    bool shifted = false;
-    if (threadIdx.x < C2_FEATURES) {
-      const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
-      scales[threadIdx.x] = static_cast<i64>(threadIdx.x) < c.inputs
-                                ? make_float2(scale[threadIdx.x], scale[C2_UNSHIFT + threadIdx.x])
-                                : make_float2(0.f, 0.f);
-      shifted = scales[threadIdx.x].y != 1.f && static_cast<i64>(threadIdx.x) < c.inputs;
-    }
-    // Whether any feature's scale was shifted (celo2_control: scale < 2^-60); where none was, each un-shift is 1
-    // and its product exact, so it is left out (the same values, 18 multiplications fewer per element).
-    shifted = __syncthreads_or(shifted) != 0;
-    const bool param_scale_mult = group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
-    const float param_scale = param_scales[tensor];
-    double square_sum = 0.0;  // (this thread's finite proposed values', float64: Newton–Schulz's divisor)
-    bool nonfinite = false;
+  // The elements of chunks [chunk, end) of a tensor, factored or not as `Factored` (the tensor's own flag, made a
+  // constant: each kind's loop carries neither the other's state nor its branches, which at the pass's 64
+  // registers made the compiler spill and recompute).
+  template <bool Factored>
+  LOPT_DEVICE void elements(const TensorMeta& tensor_meta, const ApplyScalars& a, const Celo2Tensor& c, float2 transform,
+                            const float2* scales, bool shifted, bool param_scale_mult, float param_scale, i64 chunk,
+                            i64 end, float inverse_scale, double& square_sum, bool& nonfinite) const {
+    TensorMeta t = tensor_meta;
+    t.factored = Factored;
     for (; chunk < end; ++chunk) {
       const i64 e = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
       // (The tensor-core MLP takes every lane of the warp: a lane past the tensor's end runs zeros through it.)
@@ -636,6 +621,39 @@ struct Celo2MLP {
       steps[c.step_offset + e] = step;
       if (is_finite(step)) square_sum = fma(static_cast<double>(step), static_cast<double>(step), square_sum);
       else nonfinite = true;
+    }
+  }
+
+  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int tensor, i64 chunk, i64 end,
+                          float inverse_scale) const {
+    const Celo2Tensor c = celo2_tensors[tensor];
+    if (c.kind != LOPT_CELO2_LEARNED) return;
+    const float2 transform = gradient_transforms[tensor];
+    // The tensor's normaliser factors, once per block in shared memory (every thread of the block walks the
+    // same tensor here); 0 for the inputs it does not have.
+    __shared__ float2 scales[C2_FEATURES];
+    __syncthreads();  // (the block's previous tensor is done with them)
+    bool shifted = false;
+    if (threadIdx.x < C2_FEATURES) {
+      const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
+      scales[threadIdx.x] = static_cast<i64>(threadIdx.x) < c.inputs
+                                ? make_float2(scale[threadIdx.x], scale[C2_UNSHIFT + threadIdx.x])
+                                : make_float2(0.f, 0.f);
+      shifted = scales[threadIdx.x].y != 1.f && static_cast<i64>(threadIdx.x) < c.inputs;
+    }
+    // Whether any feature's scale was shifted (celo2_control: scale < 2^-60); where none was, each un-shift is 1
+    // and its product exact, so it is left out (the same values, 18 multiplications fewer per element).
+    shifted = __syncthreads_or(shifted) != 0;
+    const bool param_scale_mult = group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
+    const float param_scale = param_scales[tensor];
+    double square_sum = 0.0;  // (this thread's finite proposed values', float64: Newton–Schulz's divisor)
+    bool nonfinite = false;
+    if (t.factored) {
+      elements<true>(t, a, c, transform, scales, shifted, param_scale_mult, param_scale, chunk, end, inverse_scale,
+                     square_sum, nonfinite);
+    } else {
+      elements<false>(t, a, c, transform, scales, shifted, param_scale_mult, param_scale, chunk, end, inverse_scale,
+                      square_sum, nonfinite);
     }
     // The segment's sum in a fixed order (the grid and the chunks' split are fixed: the same sum every run), at
     // segment index blockIdx.x + tensor (unique: a block's tensors ascend, and the next block starts at its last
