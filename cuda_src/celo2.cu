@@ -562,7 +562,7 @@ struct Celo2MLP {
   // registers made the compiler spill and recompute).
   template <bool Factored>
   LOPT_DEVICE void elements(const TensorMeta& tensor_meta, const ApplyScalars& a, const Celo2Tensor& c, float2 transform,
-                            const float2* scales, bool shifted, bool param_scale_mult, float param_scale, i64 chunk,
+                            const float (*scales)[32], bool shifted, bool param_scale_mult, float param_scale, i64 chunk,
                             i64 end, float inverse_scale, double& square_sum, bool& nonfinite) const {
     TensorMeta t = tensor_meta;
     t.factored = Factored;
@@ -600,10 +600,11 @@ struct Celo2MLP {
         element_features(grad, param, s, t.factored, row, col, x);
         if (shifted) {
 #pragma unroll
-          for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = normalised(x[i], scales[element_input(i)]);
+          for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
+            x[i] = __fmul_rn(__fmul_rn(x[i], scales[0][element_input(i)]), scales[1][element_input(i)]);
         } else {
 #pragma unroll
-          for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = __fmul_rn(x[i], scales[element_input(i)].x);
+          for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[i] = __fmul_rn(x[i], scales[0][element_input(i)]);
         }
       } else {
 #pragma unroll
@@ -631,15 +632,16 @@ struct Celo2MLP {
     const float2 transform = gradient_transforms[tensor];
     // The tensor's normaliser factors, once per block in shared memory (every thread of the block walks the
     // same tensor here); 0 for the inputs it does not have.
-    __shared__ float2 scales[C2_FEATURES];
+    // (as two rows, the scales then the un-shifts, 16-byte aligned: an element reads four scales per load)
+    __shared__ __align__(16) float scales[2][32];
     __syncthreads();  // (the block's previous tensor is done with them)
     bool shifted = false;
     if (threadIdx.x < C2_FEATURES) {
       const float* scale = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
-      scales[threadIdx.x] = static_cast<i64>(threadIdx.x) < c.inputs
-                                ? make_float2(scale[threadIdx.x], scale[C2_UNSHIFT + threadIdx.x])
-                                : make_float2(0.f, 0.f);
-      shifted = scales[threadIdx.x].y != 1.f && static_cast<i64>(threadIdx.x) < c.inputs;
+      const bool input = static_cast<i64>(threadIdx.x) < c.inputs;
+      scales[0][threadIdx.x] = input ? scale[threadIdx.x] : 0.f;
+      scales[1][threadIdx.x] = input ? scale[C2_UNSHIFT + threadIdx.x] : 0.f;
+      shifted = input && scales[1][threadIdx.x] != 1.f;
     }
     // Whether any feature's scale was shifted (celo2_control: scale < 2^-60); where none was, each un-shift is 1
     // and its product exact, so it is left out (the same values, 18 multiplications fewer per element).
