@@ -599,6 +599,7 @@ struct Celo2MLP {
         }
         element_features(grad, param, s, t.factored, row, col, x);
         if (shifted) {
+          // (normalised()'s arithmetic, written out: through its float2 the exact build spilled 16 bytes more)
 #pragma unroll
           for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
             x[i] = __fmul_rn(__fmul_rn(x[i], scales[0][element_input(i)]), scales[1][element_input(i)]);
