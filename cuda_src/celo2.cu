@@ -52,6 +52,7 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
 #define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's, element by element)
 #define C2_NORMALISE_QUADS 2  // quads a thread of celo2_normalise loads at once
+#define C2_SHARED_PREFETCH 4  // elements of a thread ahead that ELO-CELO2's shared AdamW branch requests into L2
 #define C2_APPLY_QUADS 2  // quads (4 consecutive elements) a thread of celo2_apply loads at once (a learned tensor's)
 // Blocks of celo2_apply per SM (64 registers, a few spilled): the pass waits on DRAM, and the warps this
 // occupancy adds hide more of that wait than the spills cost (docs/performance.md §8).
@@ -1020,8 +1021,11 @@ struct Celo2Apply {
       }
       return;
     }
-    // reference: adamw_shared_step, on the accumulators updated as the learned tensors' are
+    // reference: adamw_shared_step, on the accumulators updated as the learned tensors' are. Each element's
+    // arrays requested into L2 C2_SHARED_PREFETCH of a thread's elements ahead: one element per thread at a time
+    // otherwise waits out each element's DRAM latency, and loading several at once spills (64 registers).
     for (i64 e = begin + threadIdx.x; e < stop; e += C2_APPLY_THREADS) {
+      if (e + C2_SHARED_PREFETCH * C2_APPLY_THREADS < stop) prefetch_element(t, e + C2_SHARED_PREFETCH * C2_APPLY_THREADS);
       float param;
       ElementState s;
       const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), adam.transform);
