@@ -106,6 +106,43 @@ LOPT_DEVICE void element_features(float grad, float param, const ElementState& s
 // Check: the global norm's sums
 // ------------------------------------------------------------------------------------------
 
+// One thread's share of a stats chunk for the global norm: Σ g² of the unscaled gradient in float32, element by
+// element in index order, and whether any element is unusable. Elements first + 4·(q·LOPT_STATS_THREADS + lane)
+// + i (q < C2_NORM_QUADS, i < 4): each quad read in one load (quad_aligned gradients), all of a thread's loads
+// issued before any is used — one 4-byte load in flight a thread at a time left the pass waiting on DRAM.
+// `Dtype`: the gradient's, fixed at compile time so that no per-load branch orders the loads.
+#define C2_NORM_QUADS (LOPT_STATS_PER_THREAD / 4)
+static_assert(LOPT_STATS_PER_THREAD % 4 == 0, "a thread's share of a stats chunk: whole quads");
+template <int Dtype>
+LOPT_DEVICE float chunk_square_sum(const void* grad, i64 first, i64 numel, float inverse_scale, bool& unusable) {
+  float4 x[C2_NORM_QUADS];
+#pragma unroll
+  for (int q = 0; q < C2_NORM_QUADS; ++q) {
+    const i64 e = first + 4 * (q * LOPT_STATS_THREADS + threadIdx.x);
+    if (e + 4 <= numel) x[q] = load_quad_as_float<true>(grad, e, Dtype);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int q = 0; q < C2_NORM_QUADS; ++q) {
+    const i64 e = first + 4 * (q * LOPT_STATS_THREADS + threadIdx.x);
+    if (e + 4 <= numel) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float g = unscale_gradient(quad_value(x[q], i), inverse_scale);
+        unusable |= gradient_unusable(g);
+        sum = fmaf(g, g, sum);
+      }
+    } else {
+      for (i64 i = e; i < numel; ++i) {  // (the tensor's last, partial quad)
+        const float g = unscale_gradient(load_as_float<true>(grad, i, Dtype), inverse_scale);
+        unusable |= gradient_unusable(g);
+        sum = fmaf(g, g, sum);
+      }
+    }
+  }
+  return sum;
+}
+
 // Block b: stats chunk b of every tensor (all kinds): Σ g² of the unscaled gradient, float32 per thread,
 // float64 per block in a fixed order; and the check phase's test of each element, reported as the axis
 // pass reports it (adafactor_finalize, which runs after this, makes it the step's flag).
@@ -117,15 +154,23 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
   const i64 chunk = block_chunk - t.first_stats_chunk;
   const float inverse_scale = grad_scale != nullptr ? __frcp_rn(*grad_scale) : 1.0f;
+  const void* grad = pointer<const void>(t.grad);
+  const int dtype = static_cast<int>(t.grad_dtype);
   float sum = 0.f;
   bool unusable = false;
-  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
-    if (e >= t.numel) break;
-    const float g = unscale_gradient(load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)),
-                                     inverse_scale);
-    unusable |= gradient_unusable(g);
-    sum = fmaf(g, g, sum);
+  if (quad_aligned(t.grad, dtype)) {
+    const i64 first = chunk * LOPT_STATS_CHUNK;
+    sum = dtype == LOPT_F32    ? chunk_square_sum<LOPT_F32>(grad, first, t.numel, inverse_scale, unusable)
+          : dtype == LOPT_BF16 ? chunk_square_sum<LOPT_BF16>(grad, first, t.numel, inverse_scale, unusable)
+                               : chunk_square_sum<LOPT_F16>(grad, first, t.numel, inverse_scale, unusable);
+  } else {  // (a gradient view not aligned to four elements: element by element)
+    for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
+      const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+      if (e >= t.numel) break;
+      const float g = unscale_gradient(load_as_float<true>(grad, e, dtype), inverse_scale);
+      unusable |= gradient_unusable(g);
+      sum = fmaf(g, g, sum);
+    }
   }
   report_axis_unusable(unusable, status);
   double values[1] = {static_cast<double>(sum)};

@@ -337,6 +337,38 @@ def test_replayed_newton_schulz_products_are_the_eager_ones_bit_for_bit(precisio
         assert torch.equal(replayed, eager)
 
 
+@pytest.mark.cuda
+def test_global_norm_pass_sums_every_gradient_element_once():
+    """celo2_gradient_norm (ELO-CELO2's global clipping): its per-chunk sums add up to the float64 Σ g² of every
+    gradient of every group, each element once: quads over whole chunks and a tensor's partial last quad
+    (21,007 elements: three chunks), a bfloat16 gradient (quads of 8 bytes, a partial quad), a gradient view
+    one element off a quad's alignment (element by element), vectors, the embedding group's."""
+    from lopt.fused import launcher
+
+    if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
+        pytest.skip("needs a CUDA device and CuPy")
+    shapes = [(3001, 7), (40, 9), (5,), (64, 48)]
+    params = [torch.nn.Parameter(random_like(shape, 60 + i).cuda()) for i, shape in enumerate(shapes)]
+    low = torch.nn.Parameter(random_like((50, 33), 70).cuda().to(torch.bfloat16))
+    embedding = torch.nn.Parameter(random_like((30, 8), 71).cuda())
+    opt = lopt.ELO_CELO2([{"params": params + [low]}, {"params": [embedding], "is_embedding": True}], lr=1e-3,
+                         weights=WEIGHTS, backend="fused", precision="fast")
+    for step in range(2):  # (the second: the plan's fast check)
+        grads = [random_like(p.shape, 80 + 10 * step + i).cuda().to(p.dtype) * 1e-2
+                 for i, p in enumerate(params + [low, embedding])]
+        storage = torch.full((grads[1].numel() + 1,), float("nan"), device="cuda")
+        storage[1:] = grads[1].flatten()
+        grads[1] = storage[1:].view(grads[1].shape)  # (4 bytes past a 16-byte boundary)
+        for p, g in zip(params + [low, embedding], grads):
+            p.grad = g
+        opt.step()
+        engine = opt._fused_engine
+        sums = engine.plan.work.norm_partials[:engine.plan.layout.total_stats_chunks]
+        want = sum(g.double().square().sum() for g in grads)
+        assert torch.isclose(sums.sum(), want, rtol=1e-6, atol=0), (step, sums.sum().item(), want.item())
+        assert (sums > 0).all()
+
+
 # (run in a fresh process: there the fused step's products are the first cuBLAS calls, so the capture meets
 # cuBLAS's handle and workspace uncreated, as a training script's first step can)
 FIRST_PRODUCTS_SCRIPT = """
