@@ -21,7 +21,7 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
                              its proposed step has a non-finite element, and the matrix divided by the former (a
                              non-finite element as 0) into the workspace
-   torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
+   torch, per family         Newton–Schulz's products (:func:`newton_schulz_family`: float32 with TF32 off,
                              or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
                              from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
@@ -151,20 +151,37 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
     (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (the GEMM's
     epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference).
     ``gram`` and ``polynomial``: ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
+    return newton_schulz_family([(x, y)], gram, polynomial, coefficients, steps, exact)[0]
+
+
+def newton_schulz_family(stacks: list, gram: torch.Tensor, polynomial: torch.Tensor, coefficients, steps: int,
+                         exact: bool) -> list:
+    """:func:`newton_schulz_products` for several stacks at once whose Gram matrices are of one size ``k``
+    (``stacks``: their ``(x, y)`` pairs, each of its own shape): each iteration forms every stack's Gram matrices
+    into its part of ``gram`` (``(Σ count, k, k)``, the stacks' in order), then the polynomial of all of them in
+    three launches, then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
+    another shape costs its two products an iteration and no more of the polynomial's launches (ViT-B/16's and
+    GPT-2 medium's matrices all have one smaller side). Returns each stack's result buffer."""
     a, b, c = coefficients
-    tall = x.shape[-2] > x.shape[-1]
+    pairs = list(stacks)
+    bounds = np.cumsum([0] + [x.shape[0] for x, _ in pairs])
     for _ in range(steps):
-        torch.bmm(x.mT, x, out=gram) if tall else torch.bmm(x, x.mT, out=gram)
+        for (x, _), start, end in zip(pairs, bounds[:-1], bounds[1:]):
+            out = gram[start:end]
+            torch.bmm(x.mT, x, out=out) if x.shape[-2] > x.shape[-1] else torch.bmm(x, x.mT, out=out)
         torch.mul(gram, b, out=polynomial)
         if not exact:
             polynomial.diagonal(dim1=-2, dim2=-1).add_(a)
         polynomial.baddbmm_(gram, gram, alpha=c)
-        if exact:
-            torch.baddbmm(x, x, polynomial.mT, beta=a, out=y) if tall else torch.baddbmm(x, polynomial, x, beta=a, out=y)
-        else:
-            torch.bmm(x, polynomial.mT, out=y) if tall else torch.bmm(polynomial, x, out=y)
-        x, y = y, x
-    return x
+        for (x, y), start, end in zip(pairs, bounds[:-1], bounds[1:]):
+            p = polynomial[start:end]
+            tall = x.shape[-2] > x.shape[-1]
+            if exact:
+                torch.baddbmm(x, x, p.mT, beta=a, out=y) if tall else torch.baddbmm(x, p, x, beta=a, out=y)
+            else:
+                torch.bmm(x, p.mT, out=y) if tall else torch.bmm(p, x, out=y)
+        pairs = [(y, x) for x, y in pairs]
+    return [x for x, _ in pairs]
 
 
 @dataclass
@@ -180,8 +197,11 @@ class Stack:
     offset: int
     tensor_rows: list
     matrices: bool
-    gram: torch.Tensor | None = None  # (count, k, k), k = min(rows, cols): Newton–Schulz's workspaces
-    polynomial: torch.Tensor | None = None
+    gram: torch.Tensor | None = None  # (count, k, k), k = min(rows, cols): Newton–Schulz's workspaces, this
+    polynomial: torch.Tensor | None = None  # stack's part of its family's (every stack of matrices with this k)
+    family_gram: torch.Tensor | None = None  # the family's, ``(Σ count, k, k)``: newton_schulz_family
+    family_polynomial: torch.Tensor | None = None
+    family_start: int = 0  # where this stack's matrices begin in them
 
     @property
     def count(self) -> int:
@@ -209,6 +229,23 @@ def stored_matrix(shape, order) -> tuple[int, int]:
         return 1, (shape[0] if shape else 1)
     outer, inner = [axis for axis in order if axis >= len(shape) - 2]
     return shape[outer], shape[inner]
+
+
+def families_of(runs: list) -> list:
+    """``runs`` (stack, steps, coefficients, in stack order) as lists that :func:`newton_schulz_family` takes
+    at once: consecutive stacks of one Gram family, adjacent in its workspace, with the same steps and
+    coefficients (a group's own choices split a family)."""
+    families: list = []
+    for run in runs:
+        if families:
+            last, steps, coefficients = families[-1][-1]
+            stack = run[0]
+            if (stack.family_gram is last.family_gram and stack.family_start == last.family_start + last.count
+                    and run[1:] == (steps, coefficients)):
+                families[-1].append(run)
+                continue
+        families.append([run])
+    return families
 
 
 @dataclass
@@ -345,17 +382,29 @@ class CELO2Fused(FusedEngine):
                 rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS if matrix else reference.UNFACTORED_INPUTS
         stack_list, offset = [], 0
         # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end)
-        for (group, m, cols, matrices), members in sorted(stacks.items(), key=lambda item: not item[0][3]):
+        # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end; those of
+        # one smaller side k next to each other, sharing one Gram workspace: newton_schulz_family)
+        for (group, m, cols, matrices), members in sorted(stacks.items(),
+                                                          key=lambda item: (not item[0][3], min(item[0][1:3]))):
             stack = Stack(group=group, rows_per_matrix=m, cols=cols, offset=offset, tensor_rows=members,
                           matrices=matrices)
             for index, row in enumerate(members):
                 rows[row, CELO2_FIELD["step_offset"]] = offset + index * m * cols
-            if matrices:
-                k = min(m, cols)
-                stack.gram = plan.workspace(stack.count * k * k, self.work_dtype).view(stack.count, k, k)
-                stack.polynomial = plan.workspace(stack.count * k * k, self.work_dtype).view(stack.count, k, k)
             offset += stack.count * m * cols
             stack_list.append(stack)
+        families: dict = {}
+        for stack in stack_list:
+            if stack.matrices:
+                families.setdefault(min(stack.rows_per_matrix, stack.cols), []).append(stack)
+        for k, members in families.items():
+            count = sum(stack.count for stack in members)
+            gram = plan.workspace(count * k * k, self.work_dtype).view(count, k, k)
+            polynomial = plan.workspace(count * k * k, self.work_dtype).view(count, k, k)
+            start = 0
+            for stack in members:
+                stack.family_gram, stack.family_polynomial, stack.family_start = gram, polynomial, start
+                stack.gram, stack.polynomial = gram[start:start + stack.count], polynomial[start:start + stack.count]
+                start += stack.count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
         table = launcher.MetadataTable(device)
         table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
@@ -609,9 +658,12 @@ class CELO2Fused(FusedEngine):
         first, second = work.work[:size], work.work[size:]
         exact = self.work_dtype == torch.float32
         with float32_products() if exact else contextlib.nullcontext():
-            for stack, steps, coefficients in runs:
-                newton_schulz_products(stack.view(first), stack.view(second), stack.gram, stack.polynomial,
-                                       coefficients, steps, exact=exact)
+            for family in families_of(runs):
+                stack, steps, coefficients = family[0]
+                start, end = stack.family_start, family[-1][0].family_start + family[-1][0].count
+                newton_schulz_family([(member.view(first), member.view(second)) for member, _, _ in family],
+                                     stack.family_gram[start:end], stack.family_polynomial[start:end],
+                                     coefficients, steps, exact=exact)
 
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
         """The learned tensors of several slices (not :func:`one_matrix`): the reference's learned_step on the
