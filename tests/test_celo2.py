@@ -369,6 +369,57 @@ def test_global_norm_pass_sums_every_gradient_element_once():
         assert (sums > 0).all()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls", [lopt.CELO2, lopt.ELO_CELO2])
+def test_each_pass_walks_its_own_tensors_chunks_across_its_grid(cls):
+    """The MLP, shared-AdamW and apply passes each walk only the chunks of the tensors they step, split over their
+    whole grid (celo2.cu, walk_celo2_chunks): here embeddings of ~2,300 chunks come first (a walk over every
+    tensor's chunks would number the learned ones after them, as celo2_normalise's segment lookup must not), a
+    bfloat16 embedding, a vector with a partial quad and parameters and gradients one element off a quad's
+    alignment (the element-by-element paths); three steps of the fused backend against the naive one on the GPU:
+    the AdamW tensors' parameters and accumulators within float32 rounding, the learned matrices' within 2e-5
+    (float32's rounding in two orders of the MLP's sums, through Newton–Schulz)."""
+    from lopt.fused import launcher
+
+    if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
+        pytest.skip("needs a CUDA device and CuPy")
+
+    def off_by_one(t):  # (a view 4 bytes past a 16-byte boundary)
+        storage = torch.full((t.numel() + 1,), float("nan"), device=t.device, dtype=t.dtype)
+        storage[1:] = t.flatten()
+        return storage[1:].view(t.shape)
+
+    def build(backend):
+        embeddings = [torch.nn.Parameter(random_like((3001, 96), 90).cuda()),
+                      torch.nn.Parameter(random_like((500, 64), 91).cuda().to(torch.bfloat16)),
+                      torch.nn.Parameter(off_by_one(random_like((77, 20), 92).cuda()))]
+        learned = [torch.nn.Parameter(random_like(shape, 93 + i).cuda())
+                   for i, shape in enumerate([(256, 600), (64, 1000), (50003,)])]
+        opt = cls([{"params": embeddings, "is_embedding": True}, {"params": learned}], lr=1e-2, weights=WEIGHTS,
+                  backend=backend)
+        return opt, embeddings + learned
+
+    fused, fused_params = build("fused")
+    naive, naive_params = build("naive")
+    for step in range(3):
+        for i, (a, b) in enumerate(zip(fused_params, naive_params)):
+            g = random_like(a.shape, 300 + 10 * step + i).cuda().to(a.dtype)
+            a.grad = off_by_one(g) if i == 2 else g
+            b.grad = g.clone()
+        before = [p.detach().double() for p in naive_params]
+        fused.step()
+        naive.step()
+        for i, (a, b, old) in enumerate(zip(fused_params, naive_params, before)):
+            bound = 2e-5 if i in (3, 4) else (1e-2 if a.dtype == torch.bfloat16 else 1e-6)
+            assert rel_err(a.detach().double() - old, b.detach().double() - old) < bound, (step, i)
+            for key, value in naive.state[b].items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.count_nonzero() > 0:
+                    assert rel_err(fused.state[a][key], value) < 1e-6, (step, i, key)
+    work = fused._fused_engine.plan.work
+    assert work.mlp_walk.rows == 2 and work.mlp_walk.chunks == 256 * 600 // 128 + 500
+    assert (work.shared_walk.rows, work.apply_walk.rows) == ((4, 2) if cls is lopt.ELO_CELO2 else (0, 6))
+
+
 # (run in a fresh process: there the fused step's products are the first cuBLAS calls, so the capture meets
 # cuBLAS's handle and workspace uncreated, as a training script's first step can)
 FIRST_PRODUCTS_SCRIPT = """

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lopt.fused.celo2 import Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix, stored_matrix
+from lopt.fused.celo2 import (Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix,
+                              stored_matrix, walk_of)
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
@@ -110,6 +111,17 @@ def test_families_are_adjacent_stacks_of_one_workspace_and_one_iteration():
     assert [[run[0] for run in family] for family in families_of(runs)] == [[a, b], [c], [e]]
     assert [[run[0] for run in family] for family in families_of([(a, 5, ns), (c, 5, ns), (d, 5, ns)])] == [[a], [c, d]]
     assert [[run[0] for run in family] for family in families_of([(a, 5, ns), (b, 4, ns)])] == [[a], [b]]
+
+
+def test_a_walk_numbers_its_tensors_chunks_from_zero_leaving_out_the_empty():
+    """walk_of: the Celo2Walk rows of a pass that steps some tensors only (celo2.cu, walk_celo2_chunks): each
+    tensor's first chunk in the walk's own space, in row order, a tensor of no chunks left out."""
+    walk, firsts = walk_of([1, 3, 4, 6], [5, 2, 9, 0, 3, 7, 1], "cpu")
+    assert (walk.rows, walk.chunks) == (3, 2 + 3 + 1) and firsts == {1: 0, 4: 2, 6: 5}
+    assert walk.table.tolist() == [[0, 1], [2, 4], [5, 6]]
+    assert walk.arguments() == dict(walk=walk.table, walk_rows=3, walk_chunks=6)
+    empty, none = walk_of([3], [5, 2, 9, 0], "cpu")
+    assert (empty.table, empty.rows, empty.chunks, none) == (None, 0, 0, {})
 
 
 @pytest.mark.parametrize("shape, order, stored", [

@@ -18,6 +18,7 @@ import torch
 import lopt
 from lopt import registry
 from lopt.fused import launcher
+from lopt.fused.celo2 import ADAM_OWN, ADAM_SHARED, LEARNED
 from lopt.fused.contract import FIELD
 from lopt.fused.engine import FusedEngine, commit_blocks
 from fused_helpers import fused_engine_optimizers
@@ -151,11 +152,29 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     assert names[:per_step] == names[per_step:]
     clips = any(group.get("max_grad_norm") is not None for group in opt.param_groups)
     # (CELO2: 2 launches of its own around Newton–Schulz's products, which are torch's, and one for the R and C
-    # entries' share of the first layer)
-    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 10 + clips, "elo_celo2": 10 + clips}[name]
+    # entries' share of the first layer; ELO-CELO2 one more for its shared AdamW tensors, the vectors here)
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 10 + clips, "elo_celo2": 11 + clips}[name]
     if name in ("celo2", "elo_celo2"):  # (CELO2 clips f·g before its clamp: the norm comes first, no norm jobs)
         assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
-        assert names[-4:] == ["celo2_mlp", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
+        shared = ["celo2_shared_adamw"] if name == "elo_celo2" else []
+        assert names[-4 - len(shared):] == ["celo2_mlp", "celo2_normalise", "celo2_matrix_sums"] + shared + ["celo2_apply"]
+        # each persistent pass walks its own tensors' chunks only: the MLP pass the learned matrix's (the transposed
+        # one; the 3-d and 4-d tensors are stepped elsewhere), the apply pass that and CELO2's own-moment AdamW
+        # tensors' (the vectors), the shared pass ELO-CELO2's AdamW tensors'
+        work = opt._fused_engine.plan.work
+        learned = [row for row, kind in enumerate(work.kinds) if kind == LEARNED]
+        adam = [row for row, kind in enumerate(work.kinds) if kind in (ADAM_OWN, ADAM_SHARED)]
+        assert learned == [2] and adam == [0, 1]
+        walked = {launch[0]: launch for launch in recorded[:per_step]}
+        for kernel, rows in [("celo2_mlp", learned), ("celo2_apply", learned + (adam if name == "celo2" else [])),
+                             ("celo2_shared_adamw", adam if name == "elo_celo2" else None)]:
+            if rows is None:
+                assert kernel not in walked
+                continue
+            parameters = declared_parameter_names(source)[kernel]
+            args = walked[kernel][3]
+            assert args[parameters.index("walk_rows")] == len(rows)
+            assert args[parameters.index("walk_chunks")] == sum(-(-params[row].numel() // 128) for row in rows)
         # celo2_normalise finds a matrix's divisor in the MLP pass's segment sums: the same grid's
         blocks = {launch[0]: launch for launch in recorded[:per_step]}
         normalise = blocks["celo2_normalise"][3][declared_parameter_names(source)["celo2_normalise"].index("mlp_blocks")]

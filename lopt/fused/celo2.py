@@ -60,6 +60,7 @@ SUMS_SPLITS = 16  # blocks per matrix of celo2_matrix_sums (C2_SUMS_SPLITS)
 NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
+WALK_FIELD = FIELD["Celo2Walk"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
 # A factored tensor's table features (R, C and their rsqrt: C2_TABLE_FIRST ... C2_TABLE_END in celo2.cu), which
 # enter the MLP through its R and C entries' shares (celo2_table_features); an element forms the rest itself
@@ -249,6 +250,36 @@ def families_of(runs: list) -> list:
 
 
 @dataclass
+class Walk:
+    """The chunks one of the persistent passes walks (Celo2Walk rows in celo2.cu): those of some tensors only,
+    numbered in a space of their own that the pass's grid splits evenly."""
+
+    table: torch.Tensor | None  # int64 (first_chunk, tensor) per tensor; None where it walks none
+    rows: int
+    chunks: int
+
+    def arguments(self) -> dict:
+        return dict(walk=self.table, walk_rows=self.rows, walk_chunks=self.chunks)
+
+
+def walk_of(rows: list, chunks: list, device) -> tuple[Walk, dict]:
+    """The walk over tensor rows ``rows`` (ascending; ``chunks[row]`` apply chunks each, a tensor of none
+    left out), and each row's first chunk in it."""
+    entries, firsts, total = [], {}, 0
+    for row in rows:
+        if chunks[row] > 0:
+            entries.append((total, row))
+            firsts[row] = total
+            total += chunks[row]
+    if not entries:
+        return Walk(None, 0, 0), firsts
+    table = empty_rows("Celo2Walk", len(entries))
+    table[:, WALK_FIELD["first_chunk"]] = [first for first, _ in entries]
+    table[:, WALK_FIELD["tensor"]] = [row for _, row in entries]
+    return Walk(torch.from_numpy(table).to(device), len(entries), total), firsts
+
+
+@dataclass
 class Celo2Work:
     """A CELO2 plan's own tables and workspaces."""
 
@@ -283,6 +314,9 @@ class Celo2Work:
     step_scales: torch.Tensor
     adam_corrections: torch.Tensor
     elsewhere_rows: list
+    mlp_walk: Walk  # the learned tensors' chunks (celo2_mlp)
+    apply_walk: Walk  # the learned and own-moment AdamW tensors' (celo2_apply)
+    shared_walk: Walk  # ELO-CELO2's shared AdamW tensors' (celo2_shared_adamw)
 
 
 class CELO2Fused(FusedEngine):
@@ -290,7 +324,7 @@ class CELO2Fused(FusedEngine):
 
     SOURCE = "celo2.cu"
     KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_table_features", "celo2_mlp",
-               "celo2_matrix_sums", "celo2_normalise", "celo2_apply")
+               "celo2_matrix_sums", "celo2_normalise", "celo2_shared_adamw", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
@@ -310,6 +344,7 @@ class CELO2Fused(FusedEngine):
         self.work_dtype = torch.bfloat16 if optimizer.precision == "fast" else torch.float32
         self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)
         self.apply_grid = self.persistent_grid("celo2_apply", self.APPLY_THREADS)
+        self.shared_grid = self.persistent_grid("celo2_shared_adamw", self.APPLY_THREADS)
         self._kinds: dict = {}
 
     @property
@@ -406,6 +441,13 @@ class CELO2Fused(FusedEngine):
                 stack.gram, stack.polynomial = gram[start:start + stack.count], polynomial[start:start + stack.count]
                 start += stack.count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
+        chunks = [-(-math.prod(shape) // self.APPLY_CHUNK) for shape in layout.shapes]
+        by_kind = {kind: [row for row in range(n) if kinds[row] == kind] for kind in (LEARNED, ADAM_OWN, ADAM_SHARED)}
+        mlp_walk, mlp_chunks = walk_of(by_kind[LEARNED], chunks, device)
+        for row, first in mlp_chunks.items():
+            rows[row, CELO2_FIELD["mlp_chunk"]] = first
+        apply_walk, _ = walk_of(sorted(by_kind[LEARNED] + by_kind[ADAM_OWN]), chunks, device)
+        shared_walk, _ = walk_of(by_kind[ADAM_SHARED], chunks, device)
         table = launcher.MetadataTable(device)
         table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
         clipping = any(plan.key[2])
@@ -432,7 +474,7 @@ class CELO2Fused(FusedEngine):
             param_scales=plan.workspace(n, torch.float32),
             step_scales=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             adam_corrections=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
-            elsewhere_rows=elsewhere)
+            elsewhere_rows=elsewhere, mlp_walk=mlp_walk, apply_walk=apply_walk, shared_walk=shared_walk)
 
     def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
         """The fast check's early accumulate phase where no group clips. Where one does, the axis pass clamps
@@ -533,10 +575,9 @@ class CELO2Fused(FusedEngine):
 
     def _apply(self, plan: Plan, flags: dict, inputs=None) -> None:
         layout, work = plan.layout, plan.work
-        chunks = layout.total_apply_chunks
-        tables = dict(tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
-                      groups=plan.group_table.table, total_chunks=chunks, celo2_tensors=work.table.table,
-                      celo2_groups=work.groups.table, gradient_transforms=work.transforms)
+        tables = dict(tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
+                      celo2_tensors=work.table.table, celo2_groups=work.groups.table,
+                      gradient_transforms=work.transforms)
         if work.stacks:
             self._refresh_results(plan)
             entries = layout.total_row_entries + layout.total_col_entries
@@ -547,12 +588,18 @@ class CELO2Fused(FusedEngine):
                             total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
                             feature_scales=work.feature_scales, network=self.network, row_entries=work.row_entries,
                             col_entries=work.col_entries)
-            self.launch("celo2_mlp", self._mlp_blocks(chunks), self.APPLY_THREADS, **tables,
+            self.launch("celo2_mlp", self._mlp_blocks(work.mlp_walk), self.APPLY_THREADS, **tables,
+                        **work.mlp_walk.arguments(),
                         row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps,
                         segment_sums=work.segment_sums)
             self._finish_steps(plan)
-        self.launch("celo2_apply", max(1, min(self.apply_grid, chunks)), self.APPLY_THREADS, **tables,
+        if work.shared_walk.chunks:
+            self.launch("celo2_shared_adamw", min(self.shared_grid, work.shared_walk.chunks), self.APPLY_THREADS,
+                        **tables, **work.shared_walk.arguments(), adam_corrections=work.adam_corrections, **flags)
+        # (one block at least: block 0 advances the step counters)
+        self.launch("celo2_apply", max(1, min(self.apply_grid, work.apply_walk.chunks)), self.APPLY_THREADS, **tables,
+                    **work.apply_walk.arguments(), num_tensors=layout.num_tensors,
                     num_groups=len(self.optimizer.param_groups), steps=work.steps,
                     proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
                     adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
@@ -591,10 +638,10 @@ class CELO2Fused(FusedEngine):
         work.ns_rows = torch.tensor(ns_rows, dtype=torch.int32, device=plan.device) if ns_rows else None
         work.orthogonalised = choices
 
-    def _mlp_blocks(self, chunks: int) -> int:
-        """celo2_mlp's grid for ``chunks`` apply chunks: persistent, and never more blocks than chunks (so that every
-        block walks one at least, and celo2_normalise finds a matrix's segment sums from its chunks alone)."""
-        return max(1, min(self.mlp_grid, chunks))
+    def _mlp_blocks(self, walk: Walk) -> int:
+        """celo2_mlp's grid for its walk: persistent, and never more blocks than chunks (so that every block walks
+        one at least, and celo2_normalise finds a matrix's segment sums from its chunks alone)."""
+        return max(1, min(self.mlp_grid, walk.chunks))
 
     def _finish_steps(self, plan: Plan) -> None:
         """Newton–Schulz on each stack of matrices whose group orthogonalises: their divisors and the divided
@@ -606,8 +653,7 @@ class CELO2Fused(FusedEngine):
         if work.ns_rows is not None:
             self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), self.APPLY_THREADS, **tables,
                         celo2_groups=work.groups.table, rows=work.ns_rows, segment_sums=work.segment_sums,
-                        mlp_blocks=self._mlp_blocks(plan.layout.total_apply_chunks),
-                        total_chunks=plan.layout.total_apply_chunks, steps=work.steps,
+                        mlp_blocks=self._mlp_blocks(work.mlp_walk), mlp_chunks=work.mlp_walk.chunks, steps=work.steps,
                         proposed_nonfinite=work.proposed_nonfinite, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
             runs = [(stack, steps, tuple(float(c) for c in groups[stack.group]["ns_coefficients"]))
