@@ -21,12 +21,12 @@
 //                        the matrix divided by it, into Newton–Schulz's workspace
 //   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
-//   celo2_shared_adamw   (ELO-CELO2) the AdamW branch of the shared accumulators
-//   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); CELO2's AdamW branch (its
-//                        own moments); the step counters
+//   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators), on a stream of
+//                        its own beside Newton–Schulz's products
+//   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the step counters
 //
-// The MLP pass, the shared AdamW pass and the apply pass each walk the chunks of the tensors they step only
-// (walk_celo2_chunks), so that their persistent grids share that work evenly.
+// The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_celo2_chunks), so that
+// their persistent grids share that work evenly.
 //
 // Learned tensors of rank >= 3 (normalised per slice of their last two axes) are stepped by the
 // reference functions on the device (lopt.fused.celo2, "elsewhere"): the kernels only check their
@@ -56,8 +56,8 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
 #define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's, element by element)
 #define C2_NORMALISE_QUADS 2  // quads a thread of celo2_normalise loads at once
-// Blocks of celo2_shared_adamw per SM: a thread's quad holds up to 36 loaded values (registers for them).
-#define C2_SHARED_BLOCKS 4
+// Blocks of celo2_adamw per SM: a thread's quad of a shared-accumulator tensor holds up to 36 loaded values.
+#define C2_ADAMW_BLOCKS 4
 #define C2_APPLY_QUADS 2  // quads (4 consecutive elements) a thread of celo2_apply loads at once (a learned tensor's)
 // Blocks of celo2_apply per SM (64 registers, a few spilled): the pass waits on DRAM, and the warps this
 // occupancy adds hide more of that wait than the spills cost (docs/performance.md §8).
@@ -980,19 +980,9 @@ struct Celo2Apply {
     return updated_param(param, __fmul_rn(__fmul_rn(__fmul_rn(s, scale.x), scale.y), rms_mult), group);
   }
 
-  // An AdamW element (reference: update_adam_moments on its own exp_avg, exp_avg_sq, then adam_direction):
-  // m and v updated in place, the new parameter returned.
-  LOPT_DEVICE static float adam_own_param(float raw_grad, float param, float& m, float& v, float inverse_scale,
-                                          const Celo2AdamScalars& adam) {
-    const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), adam.transform);
-    m = ema(m, adam.b1, adam.b1_mix, grad);
-    v = ema(v, adam.b2, adam.b2_mix, __fmul_rn(grad, grad));
-    return updated_param(param, adam_direction(m, v, adam.corrections, adam.eps), adam.scalars);
-  }
-
   LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
                           float inverse_scale) const {
-    const Celo2Tensor c = celo2_tensors[tensor];
+    const Celo2Tensor c = celo2_tensors[tensor];  // (a learned tensor: the apply pass walks those alone)
     const double* values = group_values(celo2_groups, t.group);
     // (the elements of chunks [chunk, end): chunks are C2_APPLY_CHUNK elements, and a tensor's first is whole)
     const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;
@@ -1057,9 +1047,59 @@ struct Celo2Apply {
       }
       return;
     }
-    if (c.kind != LOPT_CELO2_ADAM_OWN) return;  // (ELO-CELO2's shared AdamW tensors: celo2_shared_adamw)
-    const Celo2AdamScalars adam =
-        celo2_adam_scalars(c, values, group, gradient_transforms[tensor], adam_corrections[tensor]);
+  }
+};
+
+// The AdamW branch, walk_celo2_chunks' visitor over the AdamW tensors' walk: CELO2's on each tensor's own moments
+// (reference: update_adam_moments, adam_direction), ELO-CELO2's on the shared accumulators, updated as the learned
+// tensors' are (reference: adamw_shared_step). A quad of four consecutive elements per thread at a time where
+// every array allows (each array's values in one or three 16-byte loads, all issued before any is used), else
+// element by element. Inside celo2_apply (64 registers) the shared branch could take only an element per thread
+// at a time, whose DRAM latency each thread waited out in turn, and the blocks whose share of the apply pass's
+// chunks was an AdamW tensor's ran last (docs/performance.md §8).
+struct Celo2AdamW {
+  const Celo2Tensor* celo2_tensors;
+  const double* celo2_groups;
+  const float2* gradient_transforms;
+  const float2* adam_corrections;
+
+  LOPT_DEVICE void begin_tensor(int) const {}
+
+  // An own-moment AdamW element (reference: update_adam_moments on its own exp_avg, exp_avg_sq, then adam_direction):
+  // m and v updated in place, the new parameter returned.
+  LOPT_DEVICE static float adam_own_param(float raw_grad, float param, float& m, float& v, float inverse_scale,
+                                          const Celo2AdamScalars& adam) {
+    const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), adam.transform);
+    m = ema(m, adam.b1, adam.b1_mix, grad);
+    v = ema(v, adam.b2, adam.b2_mix, __fmul_rn(grad, grad));
+    return updated_param(param, adam_direction(m, v, adam.corrections, adam.eps), adam.scalars);
+  }
+
+  // A shared-accumulator AdamW element from its loaded values (the gradient unscaled): the accumulators updated, the new parameter
+  // returned.
+  LOPT_DEVICE static float element(float unscaled_grad, float param, ElementState& s, const Celo2AdamScalars& adam,
+                                   const Decays& decays, bool factored) {
+    const float grad = step_gradient(unscaled_grad, adam.transform);
+    update_accumulators(s, grad, decays, factored);
+    return updated_param(param, adam_direction(s.mom[0], s.rms, adam.corrections, adam.eps), adam.scalars);
+  }
+
+  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
+                          float inverse_scale) const {
+    const Celo2Tensor c = celo2_tensors[tensor];
+    const Celo2AdamScalars adam = celo2_adam_scalars(c, group_values(celo2_groups, t.group), group,
+                                                     gradient_transforms[tensor], adam_corrections[tensor]);
+    const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;  // (a multiple of 4)
+    const i64 stop = min((end - t.first_apply_chunk) * C2_APPLY_CHUNK, t.numel);
+    if (c.kind == LOPT_CELO2_ADAM_OWN)
+      own_moments(t, c, adam, begin, stop, inverse_scale);
+    else
+      shared_accumulators(t, group, adam, begin, stop, inverse_scale);
+  }
+
+  LOPT_DEVICE void own_moments(const TensorMeta& t, const Celo2Tensor& c, const Celo2AdamScalars& adam, i64 begin,
+                               i64 stop, float inverse_scale) const {
+    const int param_dtype = static_cast<int>(t.param_dtype);
     float* exp_avg = pointer<float>(c.exp_avg);
     float* exp_avg_sq = pointer<float>(c.exp_avg_sq);
     const void* grad = pointer<const void>(t.grad);
@@ -1095,37 +1135,9 @@ struct Celo2Apply {
       }
     }
   }
-};
 
-// ELO-CELO2's AdamW branch (reference: adamw_shared_step) on the shared accumulators, updated as the learned
-// tensors' are: walk_celo2_chunks' visitor over the shared tensors' walk. A quad of four consecutive elements per
-// thread at a time where every array allows (each array's values in one or three 16-byte loads, all issued before
-// any is used), else element by element. In celo2_apply (64 registers) the branch could take only an element per
-// thread at a time, whose DRAM latency each thread waited out in turn (docs/performance.md §8).
-struct Celo2SharedAdamW {
-  const Celo2Tensor* celo2_tensors;
-  const double* celo2_groups;
-  const float2* gradient_transforms;
-  const float2* adam_corrections;
-
-  LOPT_DEVICE void begin_tensor(int) const {}
-
-  // One element from its loaded values (the gradient unscaled): the accumulators updated, the new parameter
-  // returned.
-  LOPT_DEVICE static float element(float unscaled_grad, float param, ElementState& s, const Celo2AdamScalars& adam,
-                                   const Decays& decays, bool factored) {
-    const float grad = step_gradient(unscaled_grad, adam.transform);
-    update_accumulators(s, grad, decays, factored);
-    return updated_param(param, adam_direction(s.mom[0], s.rms, adam.corrections, adam.eps), adam.scalars);
-  }
-
-  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
-                          float inverse_scale) const {
-    const Celo2Tensor c = celo2_tensors[tensor];
-    const Celo2AdamScalars adam = celo2_adam_scalars(c, group_values(celo2_groups, t.group), group,
-                                                     gradient_transforms[tensor], adam_corrections[tensor]);
-    const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;  // (a multiple of 4)
-    const i64 stop = min((end - t.first_apply_chunk) * C2_APPLY_CHUNK, t.numel);
+  LOPT_DEVICE void shared_accumulators(const TensorMeta& t, const ApplyScalars& group, const Celo2AdamScalars& adam,
+                                       i64 begin, i64 stop, float inverse_scale) const {
     const int grad_dtype = static_cast<int>(t.grad_dtype), param_dtype = static_cast<int>(t.param_dtype);
     const bool quads = quad_aligned(t.grad, grad_dtype) && quad_aligned(t.param, param_dtype) &&
                        quad_aligned(t.mom, LOPT_F32) && quad_aligned(t.rms, LOPT_F32) &&
@@ -1207,17 +1219,17 @@ celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ grad
     walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), apply);
 }
 
-// ELO-CELO2's shared AdamW tensors (Celo2SharedAdamW), before celo2_apply, which advances the step counters; it
-// writes where the step is kept (step_is_skipped: the same decision as celo2_apply's).
-extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_SHARED_BLOCKS)
-celo2_shared_adamw(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
-                   const GroupMeta* __restrict__ groups, const Celo2Walk* __restrict__ walk, int walk_rows,
-                   i64 walk_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
-                   const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
-                   const float2* __restrict__ adam_corrections, const float* grad_scale, const float* found_inf,
-                   int* status) {
+// The AdamW tensors (Celo2AdamW), on a stream of their own beside Newton–Schulz's products (lopt.fused.celo2): they
+// read nothing the products or celo2_apply write, and write only their own tensors and state. celo2_apply
+// advances the step counters, which this pass does not read (its bias corrections come from celo2_control).
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_ADAMW_BLOCKS)
+celo2_adamw(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
+            const GroupMeta* __restrict__ groups, const Celo2Walk* __restrict__ walk, int walk_rows, i64 walk_chunks,
+            const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
+            const float2* __restrict__ gradient_transforms, const float2* __restrict__ adam_corrections,
+            const float* grad_scale, const float* found_inf, int* status) {
   const StepFlags flags{grad_scale, found_inf, status};
-  if (step_is_skipped(flags)) return;
-  const Celo2SharedAdamW visit{celo2_tensors, celo2_groups, gradient_transforms, adam_corrections};
+  if (step_is_skipped(flags)) return;  // (celo2_apply's decision: nothing is written)
+  const Celo2AdamW visit{celo2_tensors, celo2_groups, gradient_transforms, adam_corrections};
   walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
 }

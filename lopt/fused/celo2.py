@@ -314,9 +314,8 @@ class Celo2Work:
     step_scales: torch.Tensor
     adam_corrections: torch.Tensor
     elsewhere_rows: list
-    mlp_walk: Walk  # the learned tensors' chunks (celo2_mlp)
-    apply_walk: Walk  # the learned and own-moment AdamW tensors' (celo2_apply)
-    shared_walk: Walk  # ELO-CELO2's shared AdamW tensors' (celo2_shared_adamw)
+    learned_walk: Walk  # the learned tensors' chunks (celo2_mlp, celo2_apply)
+    adamw_walk: Walk  # the AdamW tensors' (celo2_adamw)
 
 
 class CELO2Fused(FusedEngine):
@@ -324,7 +323,7 @@ class CELO2Fused(FusedEngine):
 
     SOURCE = "celo2.cu"
     KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_table_features", "celo2_mlp",
-               "celo2_matrix_sums", "celo2_normalise", "celo2_shared_adamw", "celo2_apply")
+               "celo2_matrix_sums", "celo2_normalise", "celo2_adamw", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
@@ -333,6 +332,10 @@ class CELO2Fused(FusedEngine):
     # every step (the tests set it both ways). On: the host issued ViT-B/16's ~125 product launches more slowly
     # than the GPU ran them (docs/celo2.md §8, step 6; docs/performance.md §8).
     REPLAY_PRODUCTS = True
+    # The AdamW tensors' pass on a stream of its own beside Newton–Schulz's products, in blocks of
+    # ADAMW_CHUNKS_PER_BLOCK chunks (_adamw); False: in line before them, on a persistent grid.
+    ADAMW_BESIDE_PRODUCTS = True
+    ADAMW_CHUNKS_PER_BLOCK = 8
     STEPS_SHARDED_PARAMETERS = False  # (Newton–Schulz would need each split matrix gathered: the naive backend does)
 
     def __init__(self, optimizer):
@@ -344,7 +347,8 @@ class CELO2Fused(FusedEngine):
         self.work_dtype = torch.bfloat16 if optimizer.precision == "fast" else torch.float32
         self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)
         self.apply_grid = self.persistent_grid("celo2_apply", self.APPLY_THREADS)
-        self.shared_grid = self.persistent_grid("celo2_shared_adamw", self.APPLY_THREADS)
+        self.adamw_grid = self.persistent_grid("celo2_adamw", self.APPLY_THREADS)
+        self._side_stream = None  # (celo2_adamw's, made at the first step that has AdamW tensors: _adamw)
         self._kinds: dict = {}
 
     @property
@@ -442,12 +446,10 @@ class CELO2Fused(FusedEngine):
                 start += stack.count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
         chunks = [-(-math.prod(shape) // self.APPLY_CHUNK) for shape in layout.shapes]
-        by_kind = {kind: [row for row in range(n) if kinds[row] == kind] for kind in (LEARNED, ADAM_OWN, ADAM_SHARED)}
-        mlp_walk, mlp_chunks = walk_of(by_kind[LEARNED], chunks, device)
-        for row, first in mlp_chunks.items():
+        learned_walk, firsts = walk_of([row for row in range(n) if kinds[row] == LEARNED], chunks, device)
+        for row, first in firsts.items():
             rows[row, CELO2_FIELD["mlp_chunk"]] = first
-        apply_walk, _ = walk_of(sorted(by_kind[LEARNED] + by_kind[ADAM_OWN]), chunks, device)
-        shared_walk, _ = walk_of(by_kind[ADAM_SHARED], chunks, device)
+        adamw_walk, _ = walk_of([row for row in range(n) if kinds[row] in (ADAM_OWN, ADAM_SHARED)], chunks, device)
         table = launcher.MetadataTable(device)
         table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
         clipping = any(plan.key[2])
@@ -474,7 +476,7 @@ class CELO2Fused(FusedEngine):
             param_scales=plan.workspace(n, torch.float32),
             step_scales=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             adam_corrections=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
-            elsewhere_rows=elsewhere, mlp_walk=mlp_walk, apply_walk=apply_walk, shared_walk=shared_walk)
+            elsewhere_rows=elsewhere, learned_walk=learned_walk, adamw_walk=adamw_walk)
 
     def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
         """The fast check's early accumulate phase where no group clips. Where one does, the axis pass clamps
@@ -588,23 +590,50 @@ class CELO2Fused(FusedEngine):
                             total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
                             feature_scales=work.feature_scales, network=self.network, row_entries=work.row_entries,
                             col_entries=work.col_entries)
-            self.launch("celo2_mlp", self._mlp_blocks(work.mlp_walk), self.APPLY_THREADS, **tables,
-                        **work.mlp_walk.arguments(),
+            self.launch("celo2_mlp", self._mlp_blocks(work.learned_walk), self.APPLY_THREADS, **tables,
+                        **work.learned_walk.arguments(),
                         row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps,
                         segment_sums=work.segment_sums)
-            self._finish_steps(plan)
-        if work.shared_walk.chunks:
-            self.launch("celo2_shared_adamw", min(self.shared_grid, work.shared_walk.chunks), self.APPLY_THREADS,
-                        **tables, **work.shared_walk.arguments(), adam_corrections=work.adam_corrections, **flags)
-        # (one block at least: block 0 advances the step counters)
-        self.launch("celo2_apply", max(1, min(self.apply_grid, work.apply_walk.chunks)), self.APPLY_THREADS, **tables,
-                    **work.apply_walk.arguments(), num_tensors=layout.num_tensors,
-                    num_groups=len(self.optimizer.param_groups), steps=work.steps,
-                    proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
-                    adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
-        if work.elsewhere_rows:
-            self._step_elsewhere(plan, inputs)
+        side = self._adamw(plan, flags, tables)
+        try:
+            if work.stacks:
+                self._finish_steps(plan)
+            # (one block at least: block 0 advances the step counters)
+            self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)), self.APPLY_THREADS,
+                        **tables, **work.learned_walk.arguments(), num_tensors=layout.num_tensors,
+                        num_groups=len(self.optimizer.param_groups), steps=work.steps,
+                        proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
+                        adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
+            if work.elsewhere_rows:
+                self._step_elsewhere(plan, inputs)
+        finally:
+            if side is not None:  # (the step ends when both streams have: a caller's next work waits for both)
+                torch.cuda.current_stream(plan.device).wait_stream(side)
+
+    def _adamw(self, plan: Plan, flags: dict, tables: dict):
+        """The AdamW tensors' pass (celo2_adamw), bound by memory, on a stream of its own beside Newton–Schulz's
+        products, bound by the tensor cores: forked from the current stream once every table it reads is
+        uploaded (the learned tensors' result pointers included), joined back at the step's end (``_apply``). It
+        reads nothing the products, ``celo2_apply`` or the tensors stepped elsewhere write, and writes only the
+        AdamW tensors and their state. Returns that stream (None: no AdamW tensor, or off the GPU, where the
+        pass runs in line)."""
+        walk = plan.work.adamw_walk
+        if not walk.chunks:
+            return None
+        arguments = dict(tables, **walk.arguments(), adam_corrections=plan.work.adam_corrections, **flags)
+        if not self.ADAMW_BESIDE_PRODUCTS or plan.device.type != "cuda":
+            self.launch("celo2_adamw", min(self.adamw_grid, walk.chunks), self.APPLY_THREADS, **arguments)
+            return None
+        # (short blocks, not a persistent grid: the products' blocks find SMs as soon as any of these ends)
+        blocks = -(-walk.chunks // self.ADAMW_CHUNKS_PER_BLOCK)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(plan.device)
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream(plan.device))
+        with torch.cuda.stream(side):
+            self.launch("celo2_adamw", blocks, self.APPLY_THREADS, **arguments)
+        return side
 
     def _orthogonalised(self, plan: Plan) -> tuple:
         """Per stack, the Newton–Schulz steps it takes this step (-1 where its group does not orthogonalise, or
@@ -653,7 +682,8 @@ class CELO2Fused(FusedEngine):
         if work.ns_rows is not None:
             self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), self.APPLY_THREADS, **tables,
                         celo2_groups=work.groups.table, rows=work.ns_rows, segment_sums=work.segment_sums,
-                        mlp_blocks=self._mlp_blocks(work.mlp_walk), mlp_chunks=work.mlp_walk.chunks, steps=work.steps,
+                        mlp_blocks=self._mlp_blocks(work.learned_walk), mlp_chunks=work.learned_walk.chunks,
+                        steps=work.steps,
                         proposed_nonfinite=work.proposed_nonfinite, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
             runs = [(stack, steps, tuple(float(c) for c in groups[stack.group]["ns_coefficients"]))
