@@ -21,8 +21,7 @@
 //                        the matrix divided by it, into Newton–Schulz's workspace
 //   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
-//   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators), on a stream of
-//                        its own beside Newton–Schulz's products
+//   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
 //   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the step counters
 //
 // The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_celo2_chunks), so that
@@ -1219,9 +1218,8 @@ celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ grad
     walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), apply);
 }
 
-// The AdamW tensors (Celo2AdamW), on a stream of their own beside Newton–Schulz's products (lopt.fused.celo2): they
-// read nothing the products or celo2_apply write, and write only their own tensors and state. celo2_apply
-// advances the step counters, which this pass does not read (its bias corrections come from celo2_control).
+// The AdamW tensors (Celo2AdamW), before celo2_apply, which advances the step counters (this pass's bias
+// corrections come from celo2_control).
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_ADAMW_BLOCKS)
 celo2_adamw(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
             const GroupMeta* __restrict__ groups, const Celo2Walk* __restrict__ walk, int walk_rows, i64 walk_chunks,

@@ -370,24 +370,23 @@ def test_global_norm_pass_sums_every_gradient_element_once():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("beside", [True, False], ids=["adamw-beside-products", "adamw-in-line"])
 @pytest.mark.parametrize("cls", [lopt.CELO2, lopt.ELO_CELO2])
-def test_each_pass_walks_its_own_tensors_chunks_across_its_grid(cls, beside, monkeypatch):
+def test_each_pass_walks_its_own_tensors_chunks_across_its_grid(cls):
     """The MLP and apply passes walk the learned tensors' chunks, the AdamW pass the AdamW tensors' (CELO2's own
-    moments, ELO-CELO2's shared accumulators), each split over its whole grid (celo2.cu, walk_celo2_chunks); the
-    AdamW pass on a stream of its own beside Newton–Schulz's products, or in line. Here embeddings of ~2,300 chunks
+    moments, ELO-CELO2's shared accumulators), each split over its whole grid (celo2.cu, walk_celo2_chunks). Here
+    embeddings of ~2,300 chunks
     come first (a walk over every tensor's chunks would number the learned ones after them, as celo2_normalise's
     segment lookup must not), a bfloat16 embedding, a vector with a partial quad, and a parameter and gradient one
     element off a quad's alignment (the element-by-element paths). Three steps of the fused backend against the
     naive one on the GPU: the AdamW tensors' updates within float32 rounding (parameters ~0.02, updates ~0.01: a
-    parameter's ulp is ~1e-6 of its update) and their accumulators within 1e-6, the learned matrices' updates
-    within 2e-5 (float32's rounding in two orders of the MLP's sums, through Newton–Schulz)."""
-    from lopt.fused import celo2 as fused_celo2
+    parameter's ulp is ~1e-6 of its update), the bfloat16 parameter within one of its ulps (its float32 value a
+    rounding apart can round to either neighbour: 1.2% of an update here), the accumulators within 1e-6, and the
+    learned matrices' updates within 2e-5 (float32's rounding in two orders of the MLP's sums, through
+    Newton–Schulz)."""
     from lopt.fused import launcher
 
     if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
         pytest.skip("needs a CUDA device and CuPy")
-    monkeypatch.setattr(fused_celo2.CELO2Fused, "ADAMW_BESIDE_PRODUCTS", beside)
 
     def off_by_one(t):  # (a view 4 bytes past a 16-byte boundary)
         storage = torch.full((t.numel() + 1,), float("nan"), device=t.device, dtype=t.dtype)
@@ -416,8 +415,12 @@ def test_each_pass_walks_its_own_tensors_chunks_across_its_grid(cls, beside, mon
         fused.step()
         naive.step()
         for i, (a, b, old) in enumerate(zip(fused_params, naive_params, before)):
-            bound = 2e-5 if i in (3, 4) else (1e-2 if a.dtype == torch.bfloat16 else 4e-6)
-            error = rel_err(a.detach().double() - old, b.detach().double() - old)
+            if a.dtype == torch.bfloat16:  # (in bfloat16 ulps of the naive backend's value)
+                error = float(((a.double() - b.double()).abs() / (b.double().abs() * 2.0 ** -7).clamp_min(1e-30)).max())
+                bound = 1.0 + 1e-9
+            else:
+                error = rel_err(a.detach().double() - old, b.detach().double() - old)
+                bound = 2e-5 if i in (3, 4) else 4e-6
             if not error < bound:
                 errors[(step, i, "update")] = error
             for key, value in naive.state[b].items():

@@ -332,10 +332,6 @@ class CELO2Fused(FusedEngine):
     # every step (the tests set it both ways). On: the host issued ViT-B/16's ~125 product launches more slowly
     # than the GPU ran them (docs/celo2.md §8, step 6; docs/performance.md §8).
     REPLAY_PRODUCTS = True
-    # The AdamW tensors' pass on a stream of its own beside Newton–Schulz's products, in blocks of
-    # ADAMW_CHUNKS_PER_BLOCK chunks (_adamw); False: in line before them, on a persistent grid.
-    ADAMW_BESIDE_PRODUCTS = True
-    ADAMW_CHUNKS_PER_BLOCK = 8
     STEPS_SHARDED_PARAMETERS = False  # (Newton–Schulz would need each split matrix gathered: the naive backend does)
 
     def __init__(self, optimizer):
@@ -348,7 +344,6 @@ class CELO2Fused(FusedEngine):
         self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)
         self.apply_grid = self.persistent_grid("celo2_apply", self.APPLY_THREADS)
         self.adamw_grid = self.persistent_grid("celo2_adamw", self.APPLY_THREADS)
-        self._side_stream = None  # (celo2_adamw's, made at the first step that has AdamW tensors: _adamw)
         self._kinds: dict = {}
 
     @property
@@ -595,45 +590,25 @@ class CELO2Fused(FusedEngine):
                         row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps,
                         segment_sums=work.segment_sums)
-        side = self._adamw(plan, flags, tables)
-        try:
-            if work.stacks:
-                self._finish_steps(plan)
-            # (one block at least: block 0 advances the step counters)
-            self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)), self.APPLY_THREADS,
-                        **tables, **work.learned_walk.arguments(), num_tensors=layout.num_tensors,
-                        num_groups=len(self.optimizer.param_groups), steps=work.steps,
-                        proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
-                        adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
-            if work.elsewhere_rows:
-                self._step_elsewhere(plan, inputs)
-        finally:
-            if side is not None:  # (the step ends when both streams have: a caller's next work waits for both)
-                torch.cuda.current_stream(plan.device).wait_stream(side)
+        self._adamw(plan, flags, tables)
+        if work.stacks:
+            self._finish_steps(plan)
+        # (one block at least: block 0 advances the step counters)
+        self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)), self.APPLY_THREADS,
+                    **tables, **work.learned_walk.arguments(), num_tensors=layout.num_tensors,
+                    num_groups=len(self.optimizer.param_groups), steps=work.steps,
+                    proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
+                    adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
+        if work.elsewhere_rows:
+            self._step_elsewhere(plan, inputs)
 
-    def _adamw(self, plan: Plan, flags: dict, tables: dict):
-        """The AdamW tensors' pass (celo2_adamw), bound by memory, on a stream of its own beside Newton–Schulz's
-        products, bound by the tensor cores: forked from the current stream once every table it reads is
-        uploaded (the learned tensors' result pointers included), joined back at the step's end (``_apply``). It
-        reads nothing the products, ``celo2_apply`` or the tensors stepped elsewhere write, and writes only the
-        AdamW tensors and their state. Returns that stream (None: no AdamW tensor, or off the GPU, where the
-        pass runs in line)."""
+    def _adamw(self, plan: Plan, flags: dict, tables: dict) -> None:
+        """The AdamW tensors' pass (celo2_adamw) over their walk, on a persistent grid. (On a stream of its own
+        beside Newton–Schulz's products, in short blocks, it measured no faster: docs/performance.md §8.)"""
         walk = plan.work.adamw_walk
-        if not walk.chunks:
-            return None
-        arguments = dict(tables, **walk.arguments(), adam_corrections=plan.work.adam_corrections, **flags)
-        if not self.ADAMW_BESIDE_PRODUCTS or plan.device.type != "cuda":
-            self.launch("celo2_adamw", min(self.adamw_grid, walk.chunks), self.APPLY_THREADS, **arguments)
-            return None
-        # (short blocks, not a persistent grid: the products' blocks find SMs as soon as any of these ends)
-        blocks = -(-walk.chunks // self.ADAMW_CHUNKS_PER_BLOCK)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(plan.device)
-        side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream(plan.device))
-        with torch.cuda.stream(side):
-            self.launch("celo2_adamw", blocks, self.APPLY_THREADS, **arguments)
-        return side
+        if walk.chunks:
+            self.launch("celo2_adamw", min(self.adamw_grid, walk.chunks), self.APPLY_THREADS, **tables,
+                        **walk.arguments(), adam_corrections=plan.work.adam_corrections, **flags)
 
     def _orthogonalised(self, plan: Plan) -> tuple:
         """Per stack, the Newton–Schulz steps it takes this step (-1 where its group does not orthogonalise, or
