@@ -645,17 +645,23 @@ LOPT_DEVICE void walk_apply_chunks(const TensorMeta* tensors, const i64* gradien
 //     LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& a, int tensor, i64 chunk, i64 end,
 //                             float inverse_scale) const;       // the elements of chunks [chunk, end)
 //   };
+// (apply_pass_goes_on: the decision and the counters alone, for a pass that walks its chunks its own way.)
 template <typename Apply>
-LOPT_DEVICE void apply_pass(const TensorMeta* tensors, const i64* gradients, int num_tensors, const GroupMeta* groups,
-                            int num_groups, i64 total_chunks, const StepFlags& flags, i64* skipped_steps,
-                            const Apply& apply) {
+LOPT_DEVICE bool apply_pass_goes_on(const GroupMeta* groups, int num_groups, const StepFlags& flags,
+                                    i64* skipped_steps, const Apply& apply) {
   const bool skipped = apply.skipped(flags);
   if (blockIdx.x == 0) {
     apply.finish(skipped);  // (every earlier launch has read what it advances)
     if (threadIdx.x == 0) finish_step(groups, num_groups, skipped, flags, skipped_steps);
   }
-  if (skipped) return;  // nothing is written
-  walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), apply);
+  return !skipped;  // (skipped: nothing is written)
+}
+template <typename Apply>
+LOPT_DEVICE void apply_pass(const TensorMeta* tensors, const i64* gradients, int num_tensors, const GroupMeta* groups,
+                            int num_groups, i64 total_chunks, const StepFlags& flags, i64* skipped_steps,
+                            const Apply& apply) {
+  if (apply_pass_goes_on(groups, num_groups, flags, skipped_steps, apply))
+    walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), apply);
 }
 
 // ------------------------------------------------------------------------------------------

@@ -21,8 +21,11 @@
 //                        the matrix divided by it, into Newton–Schulz's workspace
 //   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
-//   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the AdamW branch (own
-//                        moments, or the shared accumulators); the step counters
+//   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
+//   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the step counters
+//
+// The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_celo2_chunks), so that
+// their persistent grids share that work evenly.
 //
 // Learned tensors of rank >= 3 (normalised per slice of their last two axes) are stepped by the
 // reference functions on the device (lopt.fused.celo2, "elsewhere"): the kernels only check their
@@ -52,7 +55,8 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
 #define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's, element by element)
 #define C2_NORMALISE_QUADS 2  // quads a thread of celo2_normalise loads at once
-#define C2_SHARED_PREFETCH 4  // elements of a thread ahead that ELO-CELO2's shared AdamW branch requests into L2
+// Blocks of celo2_adamw per SM: a thread's quad of a shared-accumulator tensor holds up to 36 loaded values.
+#define C2_ADAMW_BLOCKS 4
 #define C2_APPLY_QUADS 2  // quads (4 consecutive elements) a thread of celo2_apply loads at once (a learned tensor's)
 // Blocks of celo2_apply per SM (64 registers, a few spilled): the pass waits on DRAM, and the warps this
 // occupancy adds hide more of that wait than the spills cost (docs/performance.md §8).
@@ -581,7 +585,30 @@ LOPT_DEVICE void load_entry(const float* entries, i64 entry, float (&share)[C2_H
   for (int k = 0; k < 3; ++k) factor[k] = v[C2_HIDDEN + k];
 }
 
-// walk_apply_chunks' visitor: each learned element's features (its accumulators updated and, for a kept
+// A persistent grid's walk over the apply chunks of the tensors of one walk (Celo2Walk rows, `rows` of them, in
+// row order, numbered from 0 to `total_chunks` in the walk's own space): block b takes its contiguous range of
+// that space, tensor by tensor, as walk_apply_chunks does over every tensor's. The passes that step some kinds
+// only share their work among all their blocks so: over every tensor's chunks, GPT-2 medium's embeddings (15% of
+// its elements, AdamW's) left 15% of the MLP pass's blocks without work, the others with all of it.
+template <typename Visit>
+LOPT_DEVICE void walk_celo2_chunks(const TensorMeta* tensors, const i64* gradients, const GroupMeta* groups,
+                                   const Celo2Walk* walk, int rows, i64 total_chunks, float inverse_scale,
+                                   const Visit& visit) {
+  const i64 stop = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < stop;) {
+    const Celo2Walk w = walk[find_row<LOPT_CELO2WALK_FIRST_CHUNK>(walk, rows, chunk)];
+    const int tensor = static_cast<int>(w.tensor);
+    visit.begin_tensor(tensor);
+    const TensorMeta t = tensor_row(tensors, gradients, tensor);
+    const ApplyScalars a = read_apply_scalars(groups[t.group]);
+    const i64 end = min(stop, w.first_chunk + t.num_apply_chunks);
+    const i64 first = t.first_apply_chunk + (chunk - w.first_chunk);  // (in the tensor table's numbering)
+    visit.chunks(t, a, tensor, first, first + (end - chunk), inverse_scale);
+    chunk = end;
+  }
+}
+
+// walk_celo2_chunks' visitor (the learned tensors' walk): each learned element's features (its accumulators updated and, for a kept
 // step, stored), normalised, the MLP, and proposed_step: direction · exp(magnitude · exp_mult), times
 // param_scale where the group asks (param_scale_mult), at its element's index in its stack.
 struct Celo2MLP {
@@ -722,8 +749,8 @@ struct Celo2MLP {
 // the warps to hide latency
 // (ten blocks measured slower; docs/performance.md §8); the arithmetic, and so the result, is the same.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, 8)
-celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-          const GroupMeta* __restrict__ groups, i64 total_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
+celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, const GroupMeta* __restrict__ groups,
+          const Celo2Walk* __restrict__ walk, int walk_rows, i64 walk_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
           const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
           const float* __restrict__ row_entries, const float* __restrict__ col_entries,
           const float* __restrict__ feature_scales, const float* __restrict__ param_scales,
@@ -740,7 +767,7 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
   const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
                        param_scales, network, steps, segment_sums, !step_is_skipped(flags)};
 #endif
-  walk_apply_chunks(tensors, gradients, num_tensors, groups, total_chunks, inverse_grad_scale(flags), visit);
+  walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -804,7 +831,7 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   step_scales[tensor] = make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
 }
 
-// The MLP pass's block that walks apply chunk `chunk` (walk_apply_chunks' split of `total_chunks` over `blocks`,
+// The MLP pass's block that walks chunk `chunk` of its walk (walk_celo2_chunks' split of `total_chunks` over `blocks`,
 // at most one block per chunk: block b takes [total·b/blocks, total·(b+1)/blocks)), the last b whose range
 // starts at or before it.
 LOPT_DEVICE i64 mlp_block_of(i64 chunk, int blocks, i64 total_chunks) {
@@ -823,7 +850,7 @@ LOPT_DEVICE i64 mlp_block_of(i64 chunk, int blocks, i64 total_chunks) {
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
 celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
                 const double* __restrict__ celo2_groups, const int* __restrict__ rows,
-                const double* __restrict__ segment_sums, int mlp_blocks, i64 total_chunks,
+                const double* __restrict__ segment_sums, int mlp_blocks, i64 mlp_chunks,
                 const float* __restrict__ steps, int* __restrict__ proposed_nonfinite, void* __restrict__ work,
                 int work_dtype) {
   const int tensor = rows[blockIdx.y];
@@ -831,8 +858,9 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
   const i64 offset = celo2_tensors[tensor].step_offset;
   __shared__ float shared_divisor;
   if (threadIdx.x == 0) {
-    const i64 first = mlp_block_of(t.first_apply_chunk, mlp_blocks, total_chunks);
-    const i64 last = mlp_block_of(t.first_apply_chunk + t.num_apply_chunks - 1, mlp_blocks, total_chunks);
+    const i64 mlp_chunk = celo2_tensors[tensor].mlp_chunk;  // (its first chunk in the MLP pass's walk)
+    const i64 first = mlp_block_of(mlp_chunk, mlp_blocks, mlp_chunks);
+    const i64 last = mlp_block_of(mlp_chunk + t.num_apply_chunks - 1, mlp_blocks, mlp_chunks);
     double sum = 0.0;
     bool nonfinite = false;
     for (i64 block = first; block <= last; ++block) {  // (each walked one chunk at least: blocks <= total_chunks)
@@ -899,6 +927,26 @@ struct Celo2AdamScalars {
   float b1, b1_mix, b2, b2_mix, eps;
 };
 
+LOPT_DEVICE Celo2AdamScalars celo2_adam_scalars(const Celo2Tensor& c, const double* values, const ApplyScalars& group,
+                                                float2 transform, float2 corrections) {
+  Celo2AdamScalars adam;
+  adam.scalars = group;
+  const float lr = values[LOPT_CELO2_GROUP_ADAM_LR_ON_DEVICE] != 0.0
+                       ? __fmul_rn(static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR_MULT]), -group.neg_lr)
+                       : static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR]);
+  adam.scalars.neg_lr = -lr;
+  adam.scalars.weight_decay = static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_WEIGHT_DECAY]);
+  adam.transform = transform;
+  adam.corrections = corrections;
+  const double beta1 = values[LOPT_CELO2_GROUP_ADAM_BETA1], beta2 = values[LOPT_CELO2_GROUP_ADAM_BETA2];
+  adam.b1 = static_cast<float>(beta1);
+  adam.b1_mix = static_cast<float>(1.0 - beta1);
+  adam.b2 = static_cast<float>(beta2);
+  adam.b2_mix = static_cast<float>(1.0 - beta2);
+  adam.eps = c.kind == LOPT_CELO2_ADAM_OWN ? static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_EPS]) : 1e-8f;
+  return adam;
+}
+
 // apply_pass' functor: a learned element's u = rms_mult · normalised s (its final step, times its matrix's
 // two factors), an AdamW element's direction (its moments updated and
 // stored), then apply_update (p − lr·(u + weight_decay·p); the AdamW branch with adam_lr_mult · lr and
@@ -925,44 +973,15 @@ struct Celo2Apply {
   }
   LOPT_DEVICE void begin_tensor(int) const {}
 
-  LOPT_DEVICE Celo2AdamScalars adam_scalars(const Celo2Tensor& c, const double* values, const ApplyScalars& group,
-                                            int tensor) const {
-    Celo2AdamScalars adam;
-    adam.scalars = group;
-    const float lr = values[LOPT_CELO2_GROUP_ADAM_LR_ON_DEVICE] != 0.0
-                         ? __fmul_rn(static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR_MULT]), -group.neg_lr)
-                         : static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_LR]);
-    adam.scalars.neg_lr = -lr;
-    adam.scalars.weight_decay = static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_WEIGHT_DECAY]);
-    adam.transform = gradient_transforms[tensor];
-    adam.corrections = adam_corrections[tensor];
-    const double beta1 = values[LOPT_CELO2_GROUP_ADAM_BETA1], beta2 = values[LOPT_CELO2_GROUP_ADAM_BETA2];
-    adam.b1 = static_cast<float>(beta1);
-    adam.b1_mix = static_cast<float>(1.0 - beta1);
-    adam.b2 = static_cast<float>(beta2);
-    adam.b2_mix = static_cast<float>(1.0 - beta2);
-    adam.eps = c.kind == LOPT_CELO2_ADAM_OWN ? static_cast<float>(values[LOPT_CELO2_GROUP_ADAM_EPS]) : 1e-8f;
-    return adam;
-  }
 
   // A learned element's u = rms_mult · normalised s, applied.
   LOPT_DEVICE static float learned_param(float param, float s, float2 scale, float rms_mult, const ApplyScalars& group) {
     return updated_param(param, __fmul_rn(__fmul_rn(__fmul_rn(s, scale.x), scale.y), rms_mult), group);
   }
 
-  // An AdamW element (reference: update_adam_moments on its own exp_avg, exp_avg_sq, then adam_direction):
-  // m and v updated in place, the new parameter returned.
-  LOPT_DEVICE static float adam_own_param(float raw_grad, float param, float& m, float& v, float inverse_scale,
-                                          const Celo2AdamScalars& adam) {
-    const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), adam.transform);
-    m = ema(m, adam.b1, adam.b1_mix, grad);
-    v = ema(v, adam.b2, adam.b2_mix, __fmul_rn(grad, grad));
-    return updated_param(param, adam_direction(m, v, adam.corrections, adam.eps), adam.scalars);
-  }
-
   LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
                           float inverse_scale) const {
-    const Celo2Tensor c = celo2_tensors[tensor];
+    const Celo2Tensor c = celo2_tensors[tensor];  // (a learned tensor: the apply pass walks those alone)
     const double* values = group_values(celo2_groups, t.group);
     // (the elements of chunks [chunk, end): chunks are C2_APPLY_CHUNK elements, and a tensor's first is whole)
     const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;
@@ -1027,70 +1046,188 @@ struct Celo2Apply {
       }
       return;
     }
-    if (c.kind != LOPT_CELO2_ADAM_OWN && c.kind != LOPT_CELO2_ADAM_SHARED) return;
-    const Celo2AdamScalars adam = adam_scalars(c, values, group, tensor);
-    if (c.kind == LOPT_CELO2_ADAM_OWN) {
-      float* exp_avg = pointer<float>(c.exp_avg);
-      float* exp_avg_sq = pointer<float>(c.exp_avg_sq);
-      const void* grad = pointer<const void>(t.grad);
-      const int grad_dtype = static_cast<int>(t.grad_dtype);
-      const bool quads = quad_aligned(t.grad, grad_dtype) && quad_aligned(t.param, param_dtype) &&
-                         quad_aligned(c.exp_avg, LOPT_F32) && quad_aligned(c.exp_avg_sq, LOPT_F32);
-      // (a quad of four consecutive elements per thread at a time where every array allows, else an element)
-      const int per_thread = quads ? 4 : 1;
-      for (i64 first = begin; first < stop; first += per_thread * C2_APPLY_THREADS) {
-        const i64 e = first + per_thread * threadIdx.x;
-        if (quads && e + 4 <= stop) {
-          const float4 raw_grad = load_quad_as_float(grad, e, grad_dtype);
-          const float4 param = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
-          float4 m = *reinterpret_cast<const float4*>(exp_avg + e), v = *reinterpret_cast<const float4*>(exp_avg_sq + e);
-          float4 updated;
+  }
+};
+
+// The AdamW branch, walk_celo2_chunks' visitor over the AdamW tensors' walk: CELO2's on each tensor's own moments
+// (reference: update_adam_moments, adam_direction), ELO-CELO2's on the shared accumulators, updated as the learned
+// tensors' are (reference: adamw_shared_step). A quad of four consecutive elements per thread at a time where
+// every array allows (each array's values in one or three 16-byte loads, all issued before any is used), else
+// element by element. Inside celo2_apply (64 registers) the shared branch could take only an element per thread
+// at a time, whose DRAM latency each thread waited out in turn, and the blocks whose share of the apply pass's
+// chunks was an AdamW tensor's ran last (docs/performance.md §8).
+struct Celo2AdamW {
+  const Celo2Tensor* celo2_tensors;
+  const double* celo2_groups;
+  const float2* gradient_transforms;
+  const float2* adam_corrections;
+
+  LOPT_DEVICE void begin_tensor(int) const {}
+
+  // An own-moment AdamW element (reference: update_adam_moments on its own exp_avg, exp_avg_sq, then adam_direction):
+  // m and v updated in place, the new parameter returned.
+  LOPT_DEVICE static float adam_own_param(float raw_grad, float param, float& m, float& v, float inverse_scale,
+                                          const Celo2AdamScalars& adam) {
+    const float grad = step_gradient(unscale_gradient(raw_grad, inverse_scale), adam.transform);
+    m = ema(m, adam.b1, adam.b1_mix, grad);
+    v = ema(v, adam.b2, adam.b2_mix, __fmul_rn(grad, grad));
+    return updated_param(param, adam_direction(m, v, adam.corrections, adam.eps), adam.scalars);
+  }
+
+  // A shared-accumulator AdamW element from its loaded values (the gradient unscaled): the accumulators updated, the new parameter
+  // returned.
+  LOPT_DEVICE static float element(float unscaled_grad, float param, ElementState& s, const Celo2AdamScalars& adam,
+                                   const Decays& decays, bool factored) {
+    const float grad = step_gradient(unscaled_grad, adam.transform);
+    update_accumulators(s, grad, decays, factored);
+    return updated_param(param, adam_direction(s.mom[0], s.rms, adam.corrections, adam.eps), adam.scalars);
+  }
+
+  LOPT_DEVICE void chunks(const TensorMeta& t, const ApplyScalars& group, int tensor, i64 chunk, i64 end,
+                          float inverse_scale) const {
+    const Celo2Tensor c = celo2_tensors[tensor];
+    const Celo2AdamScalars adam = celo2_adam_scalars(c, group_values(celo2_groups, t.group), group,
+                                                     gradient_transforms[tensor], adam_corrections[tensor]);
+    const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;  // (a multiple of 4)
+    const i64 stop = min((end - t.first_apply_chunk) * C2_APPLY_CHUNK, t.numel);
+    if (c.kind == LOPT_CELO2_ADAM_OWN)
+      own_moments(t, c, adam, begin, stop, inverse_scale);
+    else
+      shared_accumulators(t, group, adam, begin, stop, inverse_scale);
+  }
+
+  LOPT_DEVICE void own_moments(const TensorMeta& t, const Celo2Tensor& c, const Celo2AdamScalars& adam, i64 begin,
+                               i64 stop, float inverse_scale) const {
+    const int param_dtype = static_cast<int>(t.param_dtype);
+    float* exp_avg = pointer<float>(c.exp_avg);
+    float* exp_avg_sq = pointer<float>(c.exp_avg_sq);
+    const void* grad = pointer<const void>(t.grad);
+    const int grad_dtype = static_cast<int>(t.grad_dtype);
+    const bool quads = quad_aligned(t.grad, grad_dtype) && quad_aligned(t.param, param_dtype) &&
+                       quad_aligned(c.exp_avg, LOPT_F32) && quad_aligned(c.exp_avg_sq, LOPT_F32);
+    // (a quad of four consecutive elements per thread at a time where every array allows, else an element)
+    const int per_thread = quads ? 4 : 1;
+    for (i64 first = begin; first < stop; first += per_thread * C2_APPLY_THREADS) {
+      const i64 e = first + per_thread * threadIdx.x;
+      if (quads && e + 4 <= stop) {
+        const float4 raw_grad = load_quad_as_float(grad, e, grad_dtype);
+        const float4 param = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
+        float4 m = *reinterpret_cast<const float4*>(exp_avg + e), v = *reinterpret_cast<const float4*>(exp_avg_sq + e);
+        float4 updated;
 #pragma unroll
-          for (int k = 0; k < 4; ++k)
-            quad_value(updated, k) = adam_own_param(quad_value(raw_grad, k), quad_value(param, k), quad_value(m, k),
-                                                    quad_value(v, k), inverse_scale, adam);
-          *reinterpret_cast<float4*>(exp_avg + e) = m;
-          *reinterpret_cast<float4*>(exp_avg_sq + e) = v;
-          store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
-          continue;
-        }
-        for (i64 i = e; i < min(e + per_thread, stop); ++i) {  // (element by element; a quad's tail)
-          float m = exp_avg[i], v = exp_avg_sq[i];
-          const float updated = adam_own_param(load_as_float(grad, i, grad_dtype),
-                                               load_as_float(pointer<const void>(t.param), i, param_dtype), m, v,
-                                               inverse_scale, adam);
-          exp_avg[i] = m;
-          exp_avg_sq[i] = v;
-          store_from_float(pointer<void>(t.param), i, param_dtype, updated);
-        }
+        for (int k = 0; k < 4; ++k)
+          quad_value(updated, k) = adam_own_param(quad_value(raw_grad, k), quad_value(param, k), quad_value(m, k),
+                                                  quad_value(v, k), inverse_scale, adam);
+        *reinterpret_cast<float4*>(exp_avg + e) = m;
+        *reinterpret_cast<float4*>(exp_avg_sq + e) = v;
+        store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
+        continue;
       }
-      return;
+      for (i64 i = e; i < min(e + per_thread, stop); ++i) {  // (element by element; a quad's tail)
+        float m = exp_avg[i], v = exp_avg_sq[i];
+        const float updated = adam_own_param(load_as_float(grad, i, grad_dtype),
+                                             load_as_float(pointer<const void>(t.param), i, param_dtype), m, v,
+                                             inverse_scale, adam);
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        store_from_float(pointer<void>(t.param), i, param_dtype, updated);
+      }
     }
-    // reference: adamw_shared_step, on the accumulators updated as the learned tensors' are. Each element's
-    // arrays requested into L2 C2_SHARED_PREFETCH of a thread's elements ahead: one element per thread at a time
-    // otherwise waits out each element's DRAM latency, and loading several at once spills (64 registers).
-    for (i64 e = begin + threadIdx.x; e < stop; e += C2_APPLY_THREADS) {
-      if (e + C2_SHARED_PREFETCH * C2_APPLY_THREADS < stop) prefetch_element(t, e + C2_SHARED_PREFETCH * C2_APPLY_THREADS);
-      float param;
-      ElementState s;
-      const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), adam.transform);
-      update_accumulators(s, grad, group.decays, t.factored);
-      store_element_state(t, e, s);
-      apply_update(t, e, param, adam_direction(s.mom[0], s.rms, adam.corrections, adam.eps), adam.scalars);
+  }
+
+  LOPT_DEVICE void shared_accumulators(const TensorMeta& t, const ApplyScalars& group, const Celo2AdamScalars& adam,
+                                       i64 begin, i64 stop, float inverse_scale) const {
+    const int grad_dtype = static_cast<int>(t.grad_dtype), param_dtype = static_cast<int>(t.param_dtype);
+    const bool quads = quad_aligned(t.grad, grad_dtype) && quad_aligned(t.param, param_dtype) &&
+                       quad_aligned(t.mom, LOPT_F32) && quad_aligned(t.rms, LOPT_F32) &&
+                       (t.factored || quad_aligned(t.fac_full, LOPT_F32));
+    for (i64 e = begin + 4 * threadIdx.x; e < stop; e += 4 * C2_APPLY_THREADS) {
+      if (quads && e + 4 <= stop) {
+        const float4 raw_grad = load_quad_as_float(pointer<const void>(t.grad), e, grad_dtype);
+        const float4 param = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
+        float4* mom = reinterpret_cast<float4*>(pointer<float>(t.mom) + 3 * e);  // (the quad's 12 momenta)
+        float4* full = reinterpret_cast<float4*>(pointer<float>(t.fac_full) + 3 * e);
+        float4* rms = reinterpret_cast<float4*>(pointer<float>(t.rms) + e);
+        float m[12], v[12];
+        reinterpret_cast<float4*>(m)[0] = mom[0];
+        reinterpret_cast<float4*>(m)[1] = mom[1];
+        reinterpret_cast<float4*>(m)[2] = mom[2];
+        float4 r = *rms;
+        if (!t.factored) {
+          reinterpret_cast<float4*>(v)[0] = full[0];
+          reinterpret_cast<float4*>(v)[1] = full[1];
+          reinterpret_cast<float4*>(v)[2] = full[2];
+        }
+        float4 updated;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          ElementState s;
+#pragma unroll
+          for (int j = 0; j < 3; ++j) {
+            s.mom[j] = m[3 * k + j];
+            s.full[j] = t.factored ? 0.f : v[3 * k + j];
+          }
+          s.rms = quad_value(r, k);
+          quad_value(updated, k) = element(unscale_gradient(quad_value(raw_grad, k), inverse_scale), quad_value(param, k),
+                                           s, adam, group.decays, t.factored);
+#pragma unroll
+          for (int j = 0; j < 3; ++j) {
+            m[3 * k + j] = s.mom[j];
+            v[3 * k + j] = s.full[j];
+          }
+          quad_value(r, k) = s.rms;
+        }
+        mom[0] = reinterpret_cast<float4*>(m)[0];
+        mom[1] = reinterpret_cast<float4*>(m)[1];
+        mom[2] = reinterpret_cast<float4*>(m)[2];
+        *rms = r;
+        if (!t.factored) {
+          full[0] = reinterpret_cast<float4*>(v)[0];
+          full[1] = reinterpret_cast<float4*>(v)[1];
+          full[2] = reinterpret_cast<float4*>(v)[2];
+        }
+        store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
+        continue;
+      }
+      for (i64 i = e; i < min(e + 4, stop); ++i) {  // (element by element: unaligned arrays; a tensor's last quad)
+        float param;
+        ElementState s;
+        const float grad = load_element(t, i, inverse_scale, param, s);
+        const float updated = element(grad, param, s, adam, group.decays, t.factored);
+        store_element_state(t, i, s);
+        store_from_float(pointer<void>(t.param), i, param_dtype, updated);
+      }
     }
   }
 };
 
+// Block 0 advances the step counters (apply_pass_goes_on), so the pass launches with one block at least, also
+// where its walk is empty.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_APPLY_BLOCKS)
 celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-            const GroupMeta* __restrict__ groups, int num_groups, i64 total_chunks,
-            const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
+            const GroupMeta* __restrict__ groups, int num_groups, const Celo2Walk* __restrict__ walk, int walk_rows,
+            i64 walk_chunks, const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
             const float2* __restrict__ gradient_transforms, const float* __restrict__ steps,
             const int* __restrict__ proposed_nonfinite, const float2* __restrict__ step_scales,
             const float2* __restrict__ adam_corrections, const float* grad_scale, const float* found_inf, int* status,
             i64* skipped_steps) {
   const Celo2Apply apply{tensors,     celo2_tensors,      num_tensors, celo2_groups, gradient_transforms,
                          steps,       proposed_nonfinite, step_scales, adam_corrections};
-  apply_pass(tensors, gradients, num_tensors, groups, num_groups, total_chunks, StepFlags{grad_scale, found_inf, status},
-             skipped_steps, apply);
+  const StepFlags flags{grad_scale, found_inf, status};
+  if (apply_pass_goes_on(groups, num_groups, flags, skipped_steps, apply))
+    walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), apply);
+}
+
+// The AdamW tensors (Celo2AdamW), before celo2_apply, which advances the step counters (this pass's bias
+// corrections come from celo2_control).
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_ADAMW_BLOCKS)
+celo2_adamw(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
+            const GroupMeta* __restrict__ groups, const Celo2Walk* __restrict__ walk, int walk_rows, i64 walk_chunks,
+            const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
+            const float2* __restrict__ gradient_transforms, const float2* __restrict__ adam_corrections,
+            const float* grad_scale, const float* found_inf, int* status) {
+  const StepFlags flags{grad_scale, found_inf, status};
+  if (step_is_skipped(flags)) return;  // (celo2_apply's decision: nothing is written)
+  const Celo2AdamW visit{celo2_tensors, celo2_groups, gradient_transforms, adam_corrections};
+  walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
 }

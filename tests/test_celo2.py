@@ -369,6 +369,72 @@ def test_global_norm_pass_sums_every_gradient_element_once():
         assert (sums > 0).all()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls", [lopt.CELO2, lopt.ELO_CELO2])
+def test_each_pass_walks_its_own_tensors_chunks_across_its_grid(cls):
+    """The MLP and apply passes walk the learned tensors' chunks, the AdamW pass the AdamW tensors' (CELO2's own
+    moments, ELO-CELO2's shared accumulators), each split over its whole grid (celo2.cu, walk_celo2_chunks). Here
+    embeddings of ~2,300 chunks
+    come first (a walk over every tensor's chunks would number the learned ones after them, as celo2_normalise's
+    segment lookup must not), a bfloat16 embedding, a vector with a partial quad, and a parameter and gradient one
+    element off a quad's alignment (the element-by-element paths). Three steps of the fused backend against the
+    naive one on the GPU: the AdamW tensors' updates within float32 rounding (parameters ~0.02, updates ~0.01: a
+    parameter's ulp is ~1e-6 of its update), the bfloat16 parameter within one of its ulps (its float32 value a
+    rounding apart can round to either neighbour: 1.2% of an update here), the accumulators within 1e-6, and the
+    learned matrices' updates within 2e-5 (float32's rounding in two orders of the MLP's sums, through
+    Newton–Schulz)."""
+    from lopt.fused import launcher
+
+    if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
+        pytest.skip("needs a CUDA device and CuPy")
+
+    def off_by_one(t):  # (a view 4 bytes past a 16-byte boundary)
+        storage = torch.full((t.numel() + 1,), float("nan"), device=t.device, dtype=t.dtype)
+        storage[1:] = t.flatten()
+        return storage[1:].view(t.shape)
+
+    def build(backend):
+        embeddings = [torch.nn.Parameter(random_like((3001, 96), 90, 0.02).cuda()),
+                      torch.nn.Parameter(random_like((500, 64), 91, 0.02).cuda().to(torch.bfloat16)),
+                      torch.nn.Parameter(off_by_one(random_like((77, 20), 92, 0.02).cuda()))]
+        learned = [torch.nn.Parameter(random_like(shape, 93 + i, 0.02).cuda())
+                   for i, shape in enumerate([(256, 600), (64, 1000), (50003,)])]
+        opt = cls([{"params": embeddings, "is_embedding": True}, {"params": learned}], lr=1e-2, weights=WEIGHTS,
+                  backend=backend)
+        return opt, embeddings + learned
+
+    fused, fused_params = build("fused")
+    naive, naive_params = build("naive")
+    errors = {}
+    for step in range(3):
+        for i, (a, b) in enumerate(zip(fused_params, naive_params)):
+            g = random_like(a.shape, 300 + 10 * step + i).cuda().to(a.dtype)
+            a.grad = off_by_one(g) if i == 2 else g
+            b.grad = g.clone()
+        before = [p.detach().double() for p in naive_params]
+        fused.step()
+        naive.step()
+        for i, (a, b, old) in enumerate(zip(fused_params, naive_params, before)):
+            if a.dtype == torch.bfloat16:  # (in bfloat16 ulps of the naive backend's value)
+                error = float(((a.double() - b.double()).abs() / (b.double().abs() * 2.0 ** -7).clamp_min(1e-30)).max())
+                bound = 1.0 + 1e-9
+            else:
+                error = rel_err(a.detach().double() - old, b.detach().double() - old)
+                bound = 2e-5 if i in (3, 4) else 4e-6
+            if not error < bound:
+                errors[(step, i, "update")] = error
+            for key, value in naive.state[b].items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.count_nonzero() > 0:
+                    error = rel_err(fused.state[a][key], value)
+                    if not error < 1e-6:
+                        errors[(step, i, key)] = error
+    assert not errors, errors
+    work = fused._fused_engine.plan.work
+    assert (work.learned_walk.rows, work.learned_walk.chunks) == (2, 256 * 600 // 128 + 500)
+    assert (work.adamw_walk.rows, work.adamw_walk.chunks) == (4, -(-3001 * 96 // 128) + 250 + -(-77 * 20 // 128)
+                                                              + -(-50003 // 128))
+
+
 # (run in a fresh process: there the fused step's products are the first cuBLAS calls, so the capture meets
 # cuBLAS's handle and workspace uncreated, as a training script's first step can)
 FIRST_PRODUCTS_SCRIPT = """

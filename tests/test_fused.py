@@ -42,7 +42,8 @@ def tensor_tolerance(tensor) -> float:
 @pytest.fixture(scope="module")
 def weights():
     return {"small_fc_lopt": lopt.random_weights("small_fc_lopt", seed=7), "velo": lopt.random_weights("velo", seed=8),
-            "elo": lopt.random_weights("elo", seed=9), "celo2": lopt.random_weights("celo2", seed=10)}
+            "elo": lopt.random_weights("elo", seed=9), "celo2": lopt.random_weights("celo2", seed=10),
+            "elo_celo2": lopt.random_weights("celo2", seed=11)}  # (the architecture ELO-CELO2 shares)
 
 
 def loss_of(step_index: int) -> torch.Tensor:
@@ -472,9 +473,12 @@ def test_bit_identical_reruns(name, weights):
 
 
 @pytest.mark.parametrize("name, options", [("small_fc_lopt", {}), ("small_fc_lopt", {"max_grad_norm": 0.3}),
-                                           ("velo", {}), ("elo", {"max_grad_norm": 0.3})])
+                                           ("velo", {}), ("elo", {"max_grad_norm": 0.3}), ("celo2", {}),
+                                           ("elo_celo2", {})])
 def test_cuda_graph_replay_equals_eager(name, options, weights):
-    """lr as a CUDA tensor and the loss as a static CUDA tensor: the graph follows a scheduler."""
+    """lr as a CUDA tensor and the loss as a static CUDA tensor: the graph follows a scheduler. CELO2 and
+    ELO-CELO2: the AdamW tensors' pass on its own stream (forked and joined inside the capture), Newton–Schulz's
+    products eager inside it, the 3-d tensor stepped elsewhere."""
     shapes = [(64, 48), (48,), (3, 5, 7), (300, 260), ()]
     eager_params, graph_params = make_params(shapes, seed=5), make_params(shapes, seed=5)
     eager = make_optimizer(name, eager_params, "fused", weights[name], lr=torch.tensor(0.9, device="cuda"), **options)

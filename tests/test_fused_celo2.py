@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lopt.fused.celo2 import newton_schulz_products, one_matrix, stored_matrix
+from lopt.fused.celo2 import (Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix,
+                              stored_matrix, walk_of)
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
@@ -72,6 +73,55 @@ def test_the_transpose_of_a_stack_orthogonalises_to_the_transpose():
     wide = run_products(x, 5, exact=True)
     tall = run_products(x.mT.contiguous(), 5, exact=True)
     assert relative(tall.mT, wide) < 2e-6
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_family_of_stacks_is_each_stack_alone(exact):
+    """Stacks of one smaller side k share the polynomial's launches (newton_schulz_family): a wide, a tall and
+    a square stack of k = 6 together give each stack's own iteration (CPU: bit for bit), the reference's within
+    rounding, and each result in the buffer the parity rule names."""
+    shapes = [((6, 15), 2), ((11, 6), 3), ((6, 6), 1)]
+    xs = [divided(stack_of(shape, count, seed=40 + i)) for i, (shape, count) in enumerate(shapes)]
+    alone = [run_products(x, 5, exact) for x in xs]
+    pairs = [(divided(x).clone(), torch.full_like(x, float("nan"))) for x in xs]
+    total = sum(count for _, count in shapes)
+    gram = torch.full((total, 6, 6), float("nan"))
+    polynomial = torch.full((total, 6, 6), float("nan"))
+    results = newton_schulz_family(pairs, gram, polynomial, reference.NS_COEFFICIENTS, 5, exact)
+    for (first, second), result, want, x in zip(pairs, results, alone, xs):
+        assert result.data_ptr() == second.data_ptr()  # (5 steps: the second buffer)
+        assert torch.equal(result, want)
+        assert relative(result, reference.newton_schulz(x)) < 2e-6
+
+
+def test_families_are_adjacent_stacks_of_one_workspace_and_one_iteration():
+    """families_of: consecutive runs join while they follow each other in one family's workspace and take the
+    same steps and coefficients; another group's coefficients, a gap (a stack not orthogonalised this step) or
+    another k start a new family."""
+    six, four = torch.empty(6, 6, 6), torch.empty(2, 4, 4)
+
+    def stack(family, start, count):
+        return Stack(group=0, rows_per_matrix=6, cols=9, offset=0, tensor_rows=list(range(count)), matrices=True,
+                     family_gram=family, family_start=start)
+
+    a, b, c, d, e = stack(six, 0, 2), stack(six, 2, 1), stack(six, 3, 2), stack(six, 5, 1), stack(four, 0, 2)
+    ns = reference.NS_COEFFICIENTS
+    other = (3.0, -4.0, 1.9)
+    runs = [(a, 5, ns), (b, 5, ns), (c, 5, other), (e, 5, ns)]
+    assert [[run[0] for run in family] for family in families_of(runs)] == [[a, b], [c], [e]]
+    assert [[run[0] for run in family] for family in families_of([(a, 5, ns), (c, 5, ns), (d, 5, ns)])] == [[a], [c, d]]
+    assert [[run[0] for run in family] for family in families_of([(a, 5, ns), (b, 4, ns)])] == [[a], [b]]
+
+
+def test_a_walk_numbers_its_tensors_chunks_from_zero_leaving_out_the_empty():
+    """walk_of: the Celo2Walk rows of a pass that steps some tensors only (celo2.cu, walk_celo2_chunks): each
+    tensor's first chunk in the walk's own space, in row order, a tensor of no chunks left out."""
+    walk, firsts = walk_of([1, 3, 4, 6], [5, 2, 9, 0, 3, 7, 1], "cpu")
+    assert (walk.rows, walk.chunks) == (3, 2 + 3 + 1) and firsts == {1: 0, 4: 2, 6: 5}
+    assert walk.table.tolist() == [[0, 1], [2, 4], [5, 6]]
+    assert walk.arguments() == dict(walk=walk.table, walk_rows=3, walk_chunks=6)
+    empty, none = walk_of([3], [5, 2, 9, 0], "cpu")
+    assert (empty.table, empty.rows, empty.chunks, none) == (None, 0, 0, {})
 
 
 @pytest.mark.parametrize("shape, order, stored", [

@@ -18,6 +18,7 @@ import torch
 import lopt
 from lopt import registry
 from lopt.fused import launcher
+from lopt.fused.celo2 import ADAM_OWN, ADAM_SHARED, LEARNED
 from lopt.fused.contract import FIELD
 from lopt.fused.engine import FusedEngine, commit_blocks
 from fused_helpers import fused_engine_optimizers
@@ -150,12 +151,25 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     per_step = len(names) // 2
     assert names[:per_step] == names[per_step:]
     clips = any(group.get("max_grad_norm") is not None for group in opt.param_groups)
-    # (CELO2: 2 launches of its own around Newton–Schulz's products, which are torch's, and one for the R and C
-    # entries' share of the first layer)
-    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 10 + clips, "elo_celo2": 10 + clips}[name]
+    # (CELO2: 2 launches of its own around Newton–Schulz's products, which are torch's, one for the R and C entries'
+    # share of the first layer, and one for the AdamW tensors, the vectors here)
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 11 + clips, "elo_celo2": 11 + clips}[name]
     if name in ("celo2", "elo_celo2"):  # (CELO2 clips f·g before its clamp: the norm comes first, no norm jobs)
         assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
-        assert names[-4:] == ["celo2_mlp", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
+        assert names[-5:] == ["celo2_mlp", "celo2_adamw", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
+        # the MLP and apply passes walk the learned matrix's chunks alone (the transposed one; the 3-d and 4-d
+        # tensors are stepped elsewhere), the AdamW pass the vectors' (CELO2's own moments, ELO-CELO2's shared)
+        work = opt._fused_engine.plan.work
+        learned = [row for row, kind in enumerate(work.kinds) if kind == LEARNED]
+        adam = [row for row, kind in enumerate(work.kinds) if kind in (ADAM_OWN, ADAM_SHARED)]
+        assert learned == [2] and adam == [0, 1]
+        assert {work.kinds[row] for row in adam} == {ADAM_OWN if name == "celo2" else ADAM_SHARED}
+        walked = {launch[0]: launch for launch in recorded[:per_step]}
+        for kernel, rows in [("celo2_mlp", learned), ("celo2_apply", learned), ("celo2_adamw", adam)]:
+            parameters = declared_parameter_names(source)[kernel]
+            args = walked[kernel][3]
+            assert args[parameters.index("walk_rows")] == len(rows)
+            assert args[parameters.index("walk_chunks")] == sum(-(-params[row].numel() // 128) for row in rows)
         # celo2_normalise finds a matrix's divisor in the MLP pass's segment sums: the same grid's
         blocks = {launch[0]: launch for launch in recorded[:per_step]}
         normalise = blocks["celo2_normalise"][3][declared_parameter_names(source)["celo2_normalise"].index("mlp_blocks")]

@@ -21,7 +21,7 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
                              its proposed step has a non-finite element, and the matrix divided by the former (a
                              non-finite element as 0) into the workspace
-   torch, per stack          Newton–Schulz's products (:func:`newton_schulz_products`: float32 with TF32 off,
+   torch, per family         Newton–Schulz's products (:func:`newton_schulz_family`: float32 with TF32 off,
                              or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
                              from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
@@ -60,6 +60,7 @@ SUMS_SPLITS = 16  # blocks per matrix of celo2_matrix_sums (C2_SUMS_SPLITS)
 NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
+WALK_FIELD = FIELD["Celo2Walk"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
 # A factored tensor's table features (R, C and their rsqrt: C2_TABLE_FIRST ... C2_TABLE_END in celo2.cu), which
 # enter the MLP through its R and C entries' shares (celo2_table_features); an element forms the rest itself
@@ -151,20 +152,37 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
     (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (the GEMM's
     epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference).
     ``gram`` and ``polynomial``: ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
+    return newton_schulz_family([(x, y)], gram, polynomial, coefficients, steps, exact)[0]
+
+
+def newton_schulz_family(stacks: list, gram: torch.Tensor, polynomial: torch.Tensor, coefficients, steps: int,
+                         exact: bool) -> list:
+    """:func:`newton_schulz_products` for several stacks at once whose Gram matrices are of one size ``k``
+    (``stacks``: their ``(x, y)`` pairs, each of its own shape): each iteration forms every stack's Gram matrices
+    into its part of ``gram`` (``(Σ count, k, k)``, the stacks' in order), then the polynomial of all of them in
+    three launches, then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
+    another shape costs its two products an iteration and no more of the polynomial's launches (ViT-B/16's and
+    GPT-2 medium's matrices all have one smaller side). Returns each stack's result buffer."""
     a, b, c = coefficients
-    tall = x.shape[-2] > x.shape[-1]
+    pairs = list(stacks)
+    bounds = np.cumsum([0] + [x.shape[0] for x, _ in pairs])
     for _ in range(steps):
-        torch.bmm(x.mT, x, out=gram) if tall else torch.bmm(x, x.mT, out=gram)
+        for (x, _), start, end in zip(pairs, bounds[:-1], bounds[1:]):
+            out = gram[start:end]
+            torch.bmm(x.mT, x, out=out) if x.shape[-2] > x.shape[-1] else torch.bmm(x, x.mT, out=out)
         torch.mul(gram, b, out=polynomial)
         if not exact:
             polynomial.diagonal(dim1=-2, dim2=-1).add_(a)
         polynomial.baddbmm_(gram, gram, alpha=c)
-        if exact:
-            torch.baddbmm(x, x, polynomial.mT, beta=a, out=y) if tall else torch.baddbmm(x, polynomial, x, beta=a, out=y)
-        else:
-            torch.bmm(x, polynomial.mT, out=y) if tall else torch.bmm(polynomial, x, out=y)
-        x, y = y, x
-    return x
+        for (x, y), start, end in zip(pairs, bounds[:-1], bounds[1:]):
+            p = polynomial[start:end]
+            tall = x.shape[-2] > x.shape[-1]
+            if exact:
+                torch.baddbmm(x, x, p.mT, beta=a, out=y) if tall else torch.baddbmm(x, p, x, beta=a, out=y)
+            else:
+                torch.bmm(x, p.mT, out=y) if tall else torch.bmm(p, x, out=y)
+        pairs = [(y, x) for x, y in pairs]
+    return [x for x, _ in pairs]
 
 
 @dataclass
@@ -180,8 +198,11 @@ class Stack:
     offset: int
     tensor_rows: list
     matrices: bool
-    gram: torch.Tensor | None = None  # (count, k, k), k = min(rows, cols): Newton–Schulz's workspaces
-    polynomial: torch.Tensor | None = None
+    gram: torch.Tensor | None = None  # (count, k, k), k = min(rows, cols): Newton–Schulz's workspaces, this
+    polynomial: torch.Tensor | None = None  # stack's part of its family's (every stack of matrices with this k)
+    family_gram: torch.Tensor | None = None  # the family's, ``(Σ count, k, k)``: newton_schulz_family
+    family_polynomial: torch.Tensor | None = None
+    family_start: int = 0  # where this stack's matrices begin in them
 
     @property
     def count(self) -> int:
@@ -209,6 +230,53 @@ def stored_matrix(shape, order) -> tuple[int, int]:
         return 1, (shape[0] if shape else 1)
     outer, inner = [axis for axis in order if axis >= len(shape) - 2]
     return shape[outer], shape[inner]
+
+
+def families_of(runs: list) -> list:
+    """``runs`` (stack, steps, coefficients, in stack order) as lists that :func:`newton_schulz_family` takes
+    at once: consecutive stacks of one Gram family, adjacent in its workspace, with the same steps and
+    coefficients (a group's own choices split a family)."""
+    families: list = []
+    for run in runs:
+        if families:
+            last, steps, coefficients = families[-1][-1]
+            stack = run[0]
+            if (stack.family_gram is last.family_gram and stack.family_start == last.family_start + last.count
+                    and run[1:] == (steps, coefficients)):
+                families[-1].append(run)
+                continue
+        families.append([run])
+    return families
+
+
+@dataclass
+class Walk:
+    """The chunks one of the persistent passes walks (Celo2Walk rows in celo2.cu): those of some tensors only,
+    numbered in a space of their own that the pass's grid splits evenly."""
+
+    table: torch.Tensor | None  # int64 (first_chunk, tensor) per tensor; None where it walks none
+    rows: int
+    chunks: int
+
+    def arguments(self) -> dict:
+        return dict(walk=self.table, walk_rows=self.rows, walk_chunks=self.chunks)
+
+
+def walk_of(rows: list, chunks: list, device) -> tuple[Walk, dict]:
+    """The walk over tensor rows ``rows`` (ascending; ``chunks[row]`` apply chunks each, a tensor of none
+    left out), and each row's first chunk in it."""
+    entries, firsts, total = [], {}, 0
+    for row in rows:
+        if chunks[row] > 0:
+            entries.append((total, row))
+            firsts[row] = total
+            total += chunks[row]
+    if not entries:
+        return Walk(None, 0, 0), firsts
+    table = empty_rows("Celo2Walk", len(entries))
+    table[:, WALK_FIELD["first_chunk"]] = [first for first, _ in entries]
+    table[:, WALK_FIELD["tensor"]] = [row for _, row in entries]
+    return Walk(torch.from_numpy(table).to(device), len(entries), total), firsts
 
 
 @dataclass
@@ -246,6 +314,8 @@ class Celo2Work:
     step_scales: torch.Tensor
     adam_corrections: torch.Tensor
     elsewhere_rows: list
+    learned_walk: Walk  # the learned tensors' chunks (celo2_mlp, celo2_apply)
+    adamw_walk: Walk  # the AdamW tensors' (celo2_adamw)
 
 
 class CELO2Fused(FusedEngine):
@@ -253,7 +323,7 @@ class CELO2Fused(FusedEngine):
 
     SOURCE = "celo2.cu"
     KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_table_features", "celo2_mlp",
-               "celo2_matrix_sums", "celo2_normalise", "celo2_apply")
+               "celo2_matrix_sums", "celo2_normalise", "celo2_adamw", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
@@ -273,6 +343,7 @@ class CELO2Fused(FusedEngine):
         self.work_dtype = torch.bfloat16 if optimizer.precision == "fast" else torch.float32
         self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)
         self.apply_grid = self.persistent_grid("celo2_apply", self.APPLY_THREADS)
+        self.adamw_grid = self.persistent_grid("celo2_adamw", self.APPLY_THREADS)
         self._kinds: dict = {}
 
     @property
@@ -345,18 +416,35 @@ class CELO2Fused(FusedEngine):
                 rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS if matrix else reference.UNFACTORED_INPUTS
         stack_list, offset = [], 0
         # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end)
-        for (group, m, cols, matrices), members in sorted(stacks.items(), key=lambda item: not item[0][3]):
+        # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end; those of
+        # one smaller side k next to each other, sharing one Gram workspace: newton_schulz_family)
+        for (group, m, cols, matrices), members in sorted(stacks.items(),
+                                                          key=lambda item: (not item[0][3], min(item[0][1:3]))):
             stack = Stack(group=group, rows_per_matrix=m, cols=cols, offset=offset, tensor_rows=members,
                           matrices=matrices)
             for index, row in enumerate(members):
                 rows[row, CELO2_FIELD["step_offset"]] = offset + index * m * cols
-            if matrices:
-                k = min(m, cols)
-                stack.gram = plan.workspace(stack.count * k * k, self.work_dtype).view(stack.count, k, k)
-                stack.polynomial = plan.workspace(stack.count * k * k, self.work_dtype).view(stack.count, k, k)
             offset += stack.count * m * cols
             stack_list.append(stack)
+        families: dict = {}
+        for stack in stack_list:
+            if stack.matrices:
+                families.setdefault(min(stack.rows_per_matrix, stack.cols), []).append(stack)
+        for k, members in families.items():
+            count = sum(stack.count for stack in members)
+            gram = plan.workspace(count * k * k, self.work_dtype).view(count, k, k)
+            polynomial = plan.workspace(count * k * k, self.work_dtype).view(count, k, k)
+            start = 0
+            for stack in members:
+                stack.family_gram, stack.family_polynomial, stack.family_start = gram, polynomial, start
+                stack.gram, stack.polynomial = gram[start:start + stack.count], polynomial[start:start + stack.count]
+                start += stack.count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
+        chunks = [-(-math.prod(shape) // self.APPLY_CHUNK) for shape in layout.shapes]
+        learned_walk, firsts = walk_of([row for row in range(n) if kinds[row] == LEARNED], chunks, device)
+        for row, first in firsts.items():
+            rows[row, CELO2_FIELD["mlp_chunk"]] = first
+        adamw_walk, _ = walk_of([row for row in range(n) if kinds[row] in (ADAM_OWN, ADAM_SHARED)], chunks, device)
         table = launcher.MetadataTable(device)
         table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
         clipping = any(plan.key[2])
@@ -383,7 +471,7 @@ class CELO2Fused(FusedEngine):
             param_scales=plan.workspace(n, torch.float32),
             step_scales=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             adam_corrections=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
-            elsewhere_rows=elsewhere)
+            elsewhere_rows=elsewhere, learned_walk=learned_walk, adamw_walk=adamw_walk)
 
     def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
         """The fast check's early accumulate phase where no group clips. Where one does, the axis pass clamps
@@ -484,10 +572,9 @@ class CELO2Fused(FusedEngine):
 
     def _apply(self, plan: Plan, flags: dict, inputs=None) -> None:
         layout, work = plan.layout, plan.work
-        chunks = layout.total_apply_chunks
-        tables = dict(tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
-                      groups=plan.group_table.table, total_chunks=chunks, celo2_tensors=work.table.table,
-                      celo2_groups=work.groups.table, gradient_transforms=work.transforms)
+        tables = dict(tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
+                      celo2_tensors=work.table.table, celo2_groups=work.groups.table,
+                      gradient_transforms=work.transforms)
         if work.stacks:
             self._refresh_results(plan)
             entries = layout.total_row_entries + layout.total_col_entries
@@ -498,17 +585,30 @@ class CELO2Fused(FusedEngine):
                             total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
                             feature_scales=work.feature_scales, network=self.network, row_entries=work.row_entries,
                             col_entries=work.col_entries)
-            self.launch("celo2_mlp", self._mlp_blocks(chunks), self.APPLY_THREADS, **tables,
+            self.launch("celo2_mlp", self._mlp_blocks(work.learned_walk), self.APPLY_THREADS, **tables,
+                        **work.learned_walk.arguments(),
                         row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps,
                         segment_sums=work.segment_sums)
+        self._adamw(plan, flags, tables)
+        if work.stacks:
             self._finish_steps(plan)
-        self.launch("celo2_apply", max(1, min(self.apply_grid, chunks)), self.APPLY_THREADS, **tables,
+        # (one block at least: block 0 advances the step counters)
+        self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)), self.APPLY_THREADS,
+                    **tables, **work.learned_walk.arguments(), num_tensors=layout.num_tensors,
                     num_groups=len(self.optimizer.param_groups), steps=work.steps,
                     proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
                     adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
         if work.elsewhere_rows:
             self._step_elsewhere(plan, inputs)
+
+    def _adamw(self, plan: Plan, flags: dict, tables: dict) -> None:
+        """The AdamW tensors' pass (celo2_adamw) over their walk, on a persistent grid. (On a stream of its own
+        beside Newton–Schulz's products, in short blocks, it measured no faster: docs/performance.md §8.)"""
+        walk = plan.work.adamw_walk
+        if walk.chunks:
+            self.launch("celo2_adamw", min(self.adamw_grid, walk.chunks), self.APPLY_THREADS, **tables,
+                        **walk.arguments(), adam_corrections=plan.work.adam_corrections, **flags)
 
     def _orthogonalised(self, plan: Plan) -> tuple:
         """Per stack, the Newton–Schulz steps it takes this step (-1 where its group does not orthogonalise, or
@@ -542,10 +642,10 @@ class CELO2Fused(FusedEngine):
         work.ns_rows = torch.tensor(ns_rows, dtype=torch.int32, device=plan.device) if ns_rows else None
         work.orthogonalised = choices
 
-    def _mlp_blocks(self, chunks: int) -> int:
-        """celo2_mlp's grid for ``chunks`` apply chunks: persistent, and never more blocks than chunks (so that every
-        block walks one at least, and celo2_normalise finds a matrix's segment sums from its chunks alone)."""
-        return max(1, min(self.mlp_grid, chunks))
+    def _mlp_blocks(self, walk: Walk) -> int:
+        """celo2_mlp's grid for its walk: persistent, and never more blocks than chunks (so that every block walks
+        one at least, and celo2_normalise finds a matrix's segment sums from its chunks alone)."""
+        return max(1, min(self.mlp_grid, walk.chunks))
 
     def _finish_steps(self, plan: Plan) -> None:
         """Newton–Schulz on each stack of matrices whose group orthogonalises: their divisors and the divided
@@ -557,8 +657,8 @@ class CELO2Fused(FusedEngine):
         if work.ns_rows is not None:
             self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), self.APPLY_THREADS, **tables,
                         celo2_groups=work.groups.table, rows=work.ns_rows, segment_sums=work.segment_sums,
-                        mlp_blocks=self._mlp_blocks(plan.layout.total_apply_chunks),
-                        total_chunks=plan.layout.total_apply_chunks, steps=work.steps,
+                        mlp_blocks=self._mlp_blocks(work.learned_walk), mlp_chunks=work.learned_walk.chunks,
+                        steps=work.steps,
                         proposed_nonfinite=work.proposed_nonfinite, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
             runs = [(stack, steps, tuple(float(c) for c in groups[stack.group]["ns_coefficients"]))
@@ -609,9 +709,12 @@ class CELO2Fused(FusedEngine):
         first, second = work.work[:size], work.work[size:]
         exact = self.work_dtype == torch.float32
         with float32_products() if exact else contextlib.nullcontext():
-            for stack, steps, coefficients in runs:
-                newton_schulz_products(stack.view(first), stack.view(second), stack.gram, stack.polynomial,
-                                       coefficients, steps, exact=exact)
+            for family in families_of(runs):
+                stack, steps, coefficients = family[0]
+                start, end = stack.family_start, family[-1][0].family_start + family[-1][0].count
+                newton_schulz_family([(member.view(first), member.view(second)) for member, _, _ in family],
+                                     stack.family_gram[start:end], stack.family_polynomial[start:end],
+                                     coefficients, steps, exact=exact)
 
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
         """The learned tensors of several slices (not :func:`one_matrix`): the reference's learned_step on the
