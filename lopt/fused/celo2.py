@@ -25,8 +25,12 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
                              from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
-7. ``celo2_apply``           ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the AdamW branch (CELO2's own moments
-                             with its own step counts; ELO-CELO2's shared accumulators); the step counters
+7. ``celo2_adamw``           (after the MLP pass) the AdamW branch: CELO2's own moments with their own step
+                             counts, ELO-CELO2's shared accumulators
+   ``celo2_apply``           the learned tensors' ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the step counters
+
+The MLP and apply passes walk the learned tensors' chunks alone, the AdamW pass the AdamW tensors' (:class:`Walk`),
+each split evenly over its persistent grid.
 8. torch, "elsewhere"        learned tensors of rank >= 3 of several slices (conv kernels), whose normalisation
                              and Newton–Schulz run per slice of their last two axes: the reference functions,
                              written where the step is kept (no host synchronisation)
