@@ -632,6 +632,29 @@ LOPT_DEVICE void walk_apply_chunks(const TensorMeta* tensors, const i64* gradien
   }
 }
 
+// walk_apply_chunks over the chunks of some of the tensors only (`walk`: a ChunkWalk row per tensor, `rows` of
+// them, in row order, numbered from 0 to `total_chunks` in the walk's own space): block b takes its contiguous
+// range of that space, so that a pass that steps some kinds of tensor only shares their work among all its
+// blocks (over every tensor's chunks, the blocks whose range another kind's tensors held would idle while the
+// others ran late). visit.chunks gets the chunks in the tensor table's numbering.
+template <typename Visit>
+LOPT_DEVICE void walk_chunks_of(const TensorMeta* tensors, const i64* gradients, const GroupMeta* groups,
+                                const ChunkWalk* walk, int rows, i64 total_chunks, float inverse_scale,
+                                const Visit& visit) {
+  const i64 stop = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < stop;) {
+    const ChunkWalk w = walk[find_row<LOPT_CHUNKWALK_FIRST_CHUNK>(walk, rows, chunk)];
+    const int tensor = static_cast<int>(w.tensor);
+    visit.begin_tensor(tensor);
+    const TensorMeta t = tensor_row(tensors, gradients, tensor);
+    const ApplyScalars a = read_apply_scalars(groups[t.group]);
+    const i64 end = min(stop, w.first_chunk + t.num_apply_chunks);
+    const i64 first = t.first_apply_chunk + (chunk - w.first_chunk);
+    visit.chunks(t, a, tensor, first, first + (end - chunk), inverse_scale);
+    chunk = end;
+  }
+}
+
 // The apply pass of the engines whose MLP runs one element per thread (VeLO's, small_fc_lopt's for any
 // geometry but the tensor cores'), written once: the step's skip decision (nothing is written when it
 // skips), the step counters (finish_step, by one thread), and the block's contiguous range of chunks on a

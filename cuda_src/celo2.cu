@@ -24,7 +24,7 @@
 //   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
 //   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the step counters
 //
-// The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_celo2_chunks), so that
+// The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_chunks_of), so that
 // their persistent grids share that work evenly.
 //
 // Learned tensors of rank >= 3 (normalised per slice of their last two axes) are stepped by the
@@ -585,32 +585,9 @@ LOPT_DEVICE void load_entry(const float* entries, i64 entry, float (&share)[C2_H
   for (int k = 0; k < 3; ++k) factor[k] = v[C2_HIDDEN + k];
 }
 
-// A persistent grid's walk over the apply chunks of the tensors of one walk (Celo2Walk rows, `rows` of them, in
-// row order, numbered from 0 to `total_chunks` in the walk's own space): block b takes its contiguous range of
-// that space, tensor by tensor, as walk_apply_chunks does over every tensor's. The passes that step some kinds
-// only share their work among all their blocks so: over every tensor's chunks, GPT-2 medium's embeddings (15% of
-// its elements, AdamW's) left 15% of the MLP pass's blocks without work, the others with all of it.
-template <typename Visit>
-LOPT_DEVICE void walk_celo2_chunks(const TensorMeta* tensors, const i64* gradients, const GroupMeta* groups,
-                                   const Celo2Walk* walk, int rows, i64 total_chunks, float inverse_scale,
-                                   const Visit& visit) {
-  const i64 stop = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < stop;) {
-    const Celo2Walk w = walk[find_row<LOPT_CELO2WALK_FIRST_CHUNK>(walk, rows, chunk)];
-    const int tensor = static_cast<int>(w.tensor);
-    visit.begin_tensor(tensor);
-    const TensorMeta t = tensor_row(tensors, gradients, tensor);
-    const ApplyScalars a = read_apply_scalars(groups[t.group]);
-    const i64 end = min(stop, w.first_chunk + t.num_apply_chunks);
-    const i64 first = t.first_apply_chunk + (chunk - w.first_chunk);  // (in the tensor table's numbering)
-    visit.chunks(t, a, tensor, first, first + (end - chunk), inverse_scale);
-    chunk = end;
-  }
-}
-
-// walk_celo2_chunks' visitor (the learned tensors' walk): each learned element's features (its accumulators updated and, for a kept
-// step, stored), normalised, the MLP, and proposed_step: direction · exp(magnitude · exp_mult), times
-// param_scale where the group asks (param_scale_mult), at its element's index in its stack.
+// walk_chunks_of's visitor (the learned tensors' walk): each learned element's features (its accumulators updated
+// and, for a kept step, stored), normalised, the MLP, and proposed_step: direction · exp(magnitude · exp_mult),
+// times param_scale where the group asks (param_scale_mult), at its element's index in its stack.
 struct Celo2MLP {
   const Celo2Tensor* celo2_tensors;
   const double* celo2_groups;
@@ -750,7 +727,7 @@ struct Celo2MLP {
 // (ten blocks measured slower; docs/performance.md §8); the arithmetic, and so the result, is the same.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, 8)
 celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, const GroupMeta* __restrict__ groups,
-          const Celo2Walk* __restrict__ walk, int walk_rows, i64 walk_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
+          const ChunkWalk* __restrict__ walk, int walk_rows, i64 walk_chunks, const Celo2Tensor* __restrict__ celo2_tensors,
           const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,
           const float* __restrict__ row_entries, const float* __restrict__ col_entries,
           const float* __restrict__ feature_scales, const float* __restrict__ param_scales,
@@ -767,7 +744,7 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
   const Celo2MLP visit{celo2_tensors, celo2_groups, gradient_transforms, row_entries, col_entries, feature_scales,
                        param_scales, network, steps, segment_sums, !step_is_skipped(flags)};
 #endif
-  walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
+  walk_chunks_of(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -831,7 +808,7 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   step_scales[tensor] = make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
 }
 
-// The MLP pass's block that walks chunk `chunk` of its walk (walk_celo2_chunks' split of `total_chunks` over `blocks`,
+// The MLP pass's block that walks chunk `chunk` of its walk (walk_chunks_of's split of `total_chunks` over `blocks`,
 // at most one block per chunk: block b takes [total·b/blocks, total·(b+1)/blocks)), the last b whose range
 // starts at or before it.
 LOPT_DEVICE i64 mlp_block_of(i64 chunk, int blocks, i64 total_chunks) {
@@ -947,20 +924,17 @@ LOPT_DEVICE Celo2AdamScalars celo2_adam_scalars(const Celo2Tensor& c, const doub
   return adam;
 }
 
-// apply_pass' functor: a learned element's u = rms_mult · normalised s (its final step, times its matrix's
-// two factors), an AdamW element's direction (its moments updated and
-// stored), then apply_update (p − lr·(u + weight_decay·p); the AdamW branch with adam_lr_mult · lr and
-// adam_weight_decay). Its finish advances the CELO2 AdamW tensors' own step counts.
+// celo2_apply's functor (apply_pass_goes_on, then walk_chunks_of over the learned tensors' walk): a learned
+// element's u = rms_mult · normalised s (its final step, times its matrix's two factors), applied
+// (p − lr·(u + weight_decay·p)). Its finish advances the CELO2 AdamW tensors' own step counts (celo2_adamw, before
+// it, read their bias corrections from celo2_control).
 struct Celo2Apply {
-  const TensorMeta* tensors;
   const Celo2Tensor* celo2_tensors;
   int num_tensors;
   const double* celo2_groups;
-  const float2* gradient_transforms;
   const float* steps;
   const int* proposed_nonfinite;  // (celo2_normalise's flags, final_step)
   const float2* step_scales;
-  const float2* adam_corrections;
 
   LOPT_DEVICE bool skipped(const StepFlags& flags) const { return step_is_skipped(flags); }
   LOPT_DEVICE void finish(bool skipped) const {
@@ -1049,7 +1023,7 @@ struct Celo2Apply {
   }
 };
 
-// The AdamW branch, walk_celo2_chunks' visitor over the AdamW tensors' walk: CELO2's on each tensor's own moments
+// The AdamW branch, walk_chunks_of's visitor over the AdamW tensors' walk: CELO2's on each tensor's own moments
 // (reference: update_adam_moments, adam_direction), ELO-CELO2's on the shared accumulators, updated as the learned
 // tensors' are (reference: adamw_shared_step). A quad of four consecutive elements per thread at a time where
 // every array allows (each array's values in one or three 16-byte loads, all issued before any is used), else
@@ -1205,29 +1179,27 @@ struct Celo2AdamW {
 // where its walk is empty.
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_APPLY_BLOCKS)
 celo2_apply(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-            const GroupMeta* __restrict__ groups, int num_groups, const Celo2Walk* __restrict__ walk, int walk_rows,
+            const GroupMeta* __restrict__ groups, int num_groups, const ChunkWalk* __restrict__ walk, int walk_rows,
             i64 walk_chunks, const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
-            const float2* __restrict__ gradient_transforms, const float* __restrict__ steps,
-            const int* __restrict__ proposed_nonfinite, const float2* __restrict__ step_scales,
-            const float2* __restrict__ adam_corrections, const float* grad_scale, const float* found_inf, int* status,
+            const float* __restrict__ steps, const int* __restrict__ proposed_nonfinite,
+            const float2* __restrict__ step_scales, const float* grad_scale, const float* found_inf, int* status,
             i64* skipped_steps) {
-  const Celo2Apply apply{tensors,     celo2_tensors,      num_tensors, celo2_groups, gradient_transforms,
-                         steps,       proposed_nonfinite, step_scales, adam_corrections};
+  const Celo2Apply apply{celo2_tensors, num_tensors, celo2_groups, steps, proposed_nonfinite, step_scales};
   const StepFlags flags{grad_scale, found_inf, status};
   if (apply_pass_goes_on(groups, num_groups, flags, skipped_steps, apply))
-    walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), apply);
+    walk_chunks_of(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), apply);
 }
 
 // The AdamW tensors (Celo2AdamW), before celo2_apply, which advances the step counters (this pass's bias
 // corrections come from celo2_control).
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS, C2_ADAMW_BLOCKS)
 celo2_adamw(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
-            const GroupMeta* __restrict__ groups, const Celo2Walk* __restrict__ walk, int walk_rows, i64 walk_chunks,
+            const GroupMeta* __restrict__ groups, const ChunkWalk* __restrict__ walk, int walk_rows, i64 walk_chunks,
             const Celo2Tensor* __restrict__ celo2_tensors, const double* __restrict__ celo2_groups,
             const float2* __restrict__ gradient_transforms, const float2* __restrict__ adam_corrections,
             const float* grad_scale, const float* found_inf, int* status) {
   const StepFlags flags{grad_scale, found_inf, status};
   if (step_is_skipped(flags)) return;  // (celo2_apply's decision: nothing is written)
   const Celo2AdamW visit{celo2_tensors, celo2_groups, gradient_transforms, adam_corrections};
-  walk_celo2_chunks(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
+  walk_chunks_of(tensors, gradients, groups, walk, walk_rows, walk_chunks, inverse_grad_scale(flags), visit);
 }

@@ -373,7 +373,7 @@ def test_global_norm_pass_sums_every_gradient_element_once():
 @pytest.mark.parametrize("cls", [lopt.CELO2, lopt.ELO_CELO2])
 def test_each_pass_walks_its_own_tensors_chunks_across_its_grid(cls):
     """The MLP and apply passes walk the learned tensors' chunks, the AdamW pass the AdamW tensors' (CELO2's own
-    moments, ELO-CELO2's shared accumulators), each split over its whole grid (celo2.cu, walk_celo2_chunks). Here
+    moments, ELO-CELO2's shared accumulators), each split over its whole grid (accumulators.cuh, walk_chunks_of). Here
     embeddings of ~2,300 chunks
     come first (a walk over every tensor's chunks would number the learned ones after them, as celo2_normalise's
     segment lookup must not), a bfloat16 embedding, a vector with a partial quad, and a parameter and gradient one

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from lopt.fused.celo2 import (Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix,
-                              stored_matrix, walk_of)
+from lopt.fused.celo2 import Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix, stored_matrix
+from lopt.fused.engine import walk_of
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
@@ -114,7 +114,7 @@ def test_families_are_adjacent_stacks_of_one_workspace_and_one_iteration():
 
 
 def test_a_walk_numbers_its_tensors_chunks_from_zero_leaving_out_the_empty():
-    """walk_of: the Celo2Walk rows of a pass that steps some tensors only (celo2.cu, walk_celo2_chunks): each
+    """walk_of: the ChunkWalk rows of a pass that steps some tensors only (accumulators.cuh, walk_chunks_of): each
     tensor's first chunk in the walk's own space, in row order, a tensor of no chunks left out."""
     walk, firsts = walk_of([1, 3, 4, 6], [5, 2, 9, 0, 3, 7, 1], "cpu")
     assert (walk.rows, walk.chunks) == (3, 2 + 3 + 1) and firsts == {1: 0, 4: 2, 6: 5}

@@ -28,12 +28,12 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 7. ``celo2_adamw``           (after the MLP pass) the AdamW branch: CELO2's own moments with their own step
                              counts, ELO-CELO2's shared accumulators
    ``celo2_apply``           the learned tensors' ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the step counters
-
-The MLP and apply passes walk the learned tensors' chunks alone, the AdamW pass the AdamW tensors' (:class:`Walk`),
-each split evenly over its persistent grid.
 8. torch, "elsewhere"        learned tensors of rank >= 3 of several slices (conv kernels), whose normalisation
                              and Newton–Schulz run per slice of their last two axes: the reference functions,
                              written where the step is kept (no host synchronisation)
+
+The MLP and apply passes walk the learned tensors' chunks alone, the AdamW pass the AdamW tensors'
+(:class:`lopt.fused.engine.Walk`), each split evenly over its persistent grid.
 
 Everything stays on the device (a step is capturable in a CUDA graph). The fused backend refuses
 sharded parameters (FSDP2): ``backend="auto"`` then takes the naive one.
@@ -50,7 +50,7 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import CELO2_GROUP_DOUBLES, CELO2_GROUP_VALUES, CONSTANTS, FIELD, empty_rows
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, arranged, commit_blocks
+from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, Walk, arranged, commit_blocks, walk_of
 from lopt.network import PREFIX, MLPGeometry
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
@@ -64,7 +64,6 @@ SUMS_SPLITS = 16  # blocks per matrix of celo2_matrix_sums (C2_SUMS_SPLITS)
 NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
-WALK_FIELD = FIELD["Celo2Walk"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
 # A factored tensor's table features (R, C and their rsqrt: C2_TABLE_FIRST ... C2_TABLE_END in celo2.cu), which
 # enter the MLP through its R and C entries' shares (celo2_table_features); an element forms the rest itself
@@ -254,36 +253,6 @@ def families_of(runs: list) -> list:
 
 
 @dataclass
-class Walk:
-    """The chunks one of the persistent passes walks (Celo2Walk rows in celo2.cu): those of some tensors only,
-    numbered in a space of their own that the pass's grid splits evenly."""
-
-    table: torch.Tensor | None  # int64 (first_chunk, tensor) per tensor; None where it walks none
-    rows: int
-    chunks: int
-
-    def arguments(self) -> dict:
-        return dict(walk=self.table, walk_rows=self.rows, walk_chunks=self.chunks)
-
-
-def walk_of(rows: list, chunks: list, device) -> tuple[Walk, dict]:
-    """The walk over tensor rows ``rows`` (ascending; ``chunks[row]`` apply chunks each, a tensor of none
-    left out), and each row's first chunk in it."""
-    entries, firsts, total = [], {}, 0
-    for row in rows:
-        if chunks[row] > 0:
-            entries.append((total, row))
-            firsts[row] = total
-            total += chunks[row]
-    if not entries:
-        return Walk(None, 0, 0), firsts
-    table = empty_rows("Celo2Walk", len(entries))
-    table[:, WALK_FIELD["first_chunk"]] = [first for first, _ in entries]
-    table[:, WALK_FIELD["tensor"]] = [row for _, row in entries]
-    return Walk(torch.from_numpy(table).to(device), len(entries), total), firsts
-
-
-@dataclass
 class Celo2Work:
     """A CELO2 plan's own tables and workspaces."""
 
@@ -419,7 +388,6 @@ class CELO2Fused(FusedEngine):
                 stacks.setdefault((plan.groups[row], m, cols, matrix), []).append(row)
                 rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS if matrix else reference.UNFACTORED_INPUTS
         stack_list, offset = [], 0
-        # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end)
         # (the matrices' stacks first: Newton–Schulz's workspace covers the step buffer up to their end; those of
         # one smaller side k next to each other, sharing one Gram workspace: newton_schulz_family)
         for (group, m, cols, matrices), members in sorted(stacks.items(),
@@ -599,10 +567,11 @@ class CELO2Fused(FusedEngine):
             self._finish_steps(plan)
         # (one block at least: block 0 advances the step counters)
         self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)), self.APPLY_THREADS,
-                    **tables, **work.learned_walk.arguments(), num_tensors=layout.num_tensors,
-                    num_groups=len(self.optimizer.param_groups), steps=work.steps,
-                    proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales,
-                    adam_corrections=work.adam_corrections, **flags, skipped_steps=self.skipped_counter())
+                    tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
+                    celo2_tensors=work.table.table, celo2_groups=work.groups.table, **work.learned_walk.arguments(),
+                    num_tensors=layout.num_tensors, num_groups=len(self.optimizer.param_groups), steps=work.steps,
+                    proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales, **flags,
+                    skipped_steps=self.skipped_counter())
         if work.elsewhere_rows:
             self._step_elsewhere(plan, inputs)
 

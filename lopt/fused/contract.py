@@ -69,14 +69,14 @@ STRUCTS: dict = {
     # in memory), and its final step (after Newton–Schulz: the orthogonalised stack; else the step itself)
     # is read at `result` + e, of dtype `result_dtype` (float32, or bfloat16 for precision="fast").
     # `inputs`: 30, or 15 without the factored groups. `mlp_chunk`: a learned tensor's first chunk in the MLP
-    # pass's walk (Celo2Walk), where celo2_normalise finds the blocks that walked it.
+    # pass's walk (ChunkWalk), where celo2_normalise finds the blocks that walked it.
     "Celo2Tensor": ("kind", "exp_avg", "exp_avg_sq", "adam_step", "step_offset", "result", "result_dtype", "inputs",
                     "mlp_chunk"),
-    # A walk of CELO2's persistent passes over the apply chunks of some of the tensors only (the learned ones for
-    # celo2_mlp; the learned and own-moment AdamW ones for celo2_apply; ELO-CELO2's shared AdamW tensors for
-    # celo2_shared_adamw): a row per tensor, in row order, its chunks numbered from `first_chunk` in the walk's
-    # own space, which the grid splits evenly.
-    "Celo2Walk": ("first_chunk", "tensor"),
+    # A persistent pass's walk over the apply chunks of some of the tensors only (walk_chunks_of in
+    # accumulators.cuh; lopt.fused.plan.Walk): a row per tensor, in row order, its chunks numbered from
+    # `first_chunk` in the walk's own space, which the grid splits evenly. (CELO2's MLP and apply passes walk its
+    # learned tensors, its AdamW pass its AdamW ones.)
+    "ChunkWalk": ("first_chunk", "tensor"),
     # One row per parameter group (also groups without a tensor in this step: their counters advance).
     "GroupMeta": (
         "values",  # float block of GROUP_VALUE_FLOATS (decays, exp_mult, step_mult, host lr/weight decay)

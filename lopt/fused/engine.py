@@ -45,6 +45,7 @@ FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
 STATS_THREADS = CONSTANTS["STATS_THREADS"]
 GROUP_FIELD = FIELD["GroupMeta"]
 AXIS_JOB_FIELD = FIELD["AxisJob"]
+WALK_FIELD = FIELD["ChunkWalk"]
 STATE_POINTER_FIELDS = ("mom", "rms", "fac_vec_row", "fac_vec_col", "fac_vec_v")  # TENSOR_POINTER_FIELDS[1:6]
 assert TENSOR_POINTER_FIELDS[1:6] == ("mom", "rms", "fac_row", "fac_col", "fac_full")
 assert TENSOR_POINTER_FIELDS[0] == "param" and TENSOR_POINTER_FIELDS[-2:] == ("param_dtype", "grad_dtype")
@@ -782,6 +783,36 @@ class FusedEngine:
 
     def skipped_counter(self) -> torch.Tensor:
         return self.optimizer.param_groups[0]["skipped_steps"]
+
+
+@dataclass
+class Walk:
+    """The chunks a persistent pass walks where it steps some of the tensors only (ChunkWalk rows; walk_chunks_of in
+    accumulators.cuh): theirs, numbered in a space of their own that the pass's grid splits evenly."""
+
+    table: torch.Tensor | None  # int64 (first_chunk, tensor) per tensor; None where it walks none
+    rows: int
+    chunks: int
+
+    def arguments(self) -> dict:
+        return dict(walk=self.table, walk_rows=self.rows, walk_chunks=self.chunks)
+
+
+def walk_of(rows: list, chunks: list, device) -> tuple[Walk, dict]:
+    """The walk over tensor rows ``rows`` (ascending; ``chunks[row]`` apply chunks each, a tensor of none
+    left out), and each row's first chunk in it."""
+    entries, firsts, total = [], {}, 0
+    for row in rows:
+        if chunks[row] > 0:
+            entries.append((total, row))
+            firsts[row] = total
+            total += chunks[row]
+    if not entries:
+        return Walk(None, 0, 0), firsts
+    table = empty_rows("ChunkWalk", len(entries))
+    table[:, WALK_FIELD["first_chunk"]] = [first for first, _ in entries]
+    table[:, WALK_FIELD["tensor"]] = [row for _, row in entries]
+    return Walk(torch.from_numpy(table).to(device), len(entries), total), firsts
 
 
 def commit_blocks(layout) -> int:
