@@ -612,47 +612,55 @@ LOPT_DEVICE void apply_update(const TensorMeta& t, i64 e, float param, float upd
   store_from_float<Streamed>(pointer<void>(t.param), e, static_cast<int>(t.param_dtype), updated_param(param, update, a));
 }
 
-// A persistent grid's walk over the apply chunks of every tensor: block b takes its contiguous range of
-// [0, total_chunks), tensor by tensor — the tensor lookup, its table row and its group's scalars once per
-// tensor it reaches — and hands each tensor's share to visit.begin_tensor(tensor) and
-// visit.chunks(t, scalars, tensor, chunk, end, inverse_scale) (apply_pass; CELO2's MLP pass).
-template <typename Visit>
-LOPT_DEVICE void walk_apply_chunks(const TensorMeta* tensors, const i64* gradients, int num_tensors,
-                                   const GroupMeta* groups, i64 total_chunks, float inverse_scale, const Visit& visit) {
-  const i64 chunk_end = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  // Chunks ascend, so a block meets its tensors one after the other.
-  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < chunk_end;) {
-    const int tensor = find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+// A persistent grid's walk over apply chunks, numbered 0 ... total_chunks − 1 in its own space: block b takes its
+// contiguous range of them, tensor by tensor — the tensor lookup, its table row and its group's scalars once
+// per tensor it reaches — and hands each tensor's share to visit.begin_tensor(tensor) and
+// visit.chunks(t, scalars, tensor, chunk, end, inverse_scale), chunk and end in the tensor table's numbering.
+// `find(chunk, first)` names the tensor whose chunks hold `chunk` and, where `OwnNumbering`, sets `first` to its
+// first chunk in the walk's numbering (else the walk numbers every tensor's chunks as the tensor table does).
+// Chunks ascend, so a block meets its tensors one after the other.
+template <bool OwnNumbering, typename Find, typename Visit>
+LOPT_DEVICE void walk_chunks(const TensorMeta* tensors, const i64* gradients, const GroupMeta* groups,
+                             i64 total_chunks, float inverse_scale, const Find& find, const Visit& visit) {
+  const i64 stop = total_chunks * (blockIdx.x + 1) / gridDim.x;
+  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < stop;) {
+    i64 walk_first = 0;
+    const int tensor = find(chunk, walk_first);
     visit.begin_tensor(tensor);
     const TensorMeta t = tensor_row(tensors, gradients, tensor);
     const ApplyScalars a = read_apply_scalars(groups[t.group]);
-    const i64 end = min(chunk_end, t.first_apply_chunk + t.num_apply_chunks);
-    visit.chunks(t, a, tensor, chunk, end, inverse_scale);
+    const i64 base = OwnNumbering ? walk_first : t.first_apply_chunk;
+    const i64 end = min(stop, base + t.num_apply_chunks);
+    const i64 first = t.first_apply_chunk + (chunk - base);
+    visit.chunks(t, a, tensor, first, first + (end - chunk), inverse_scale);
     chunk = end;
   }
 }
 
-// walk_apply_chunks over the chunks of some of the tensors only (`walk`: a ChunkWalk row per tensor, `rows` of
-// them, in row order, numbered from 0 to `total_chunks` in the walk's own space): block b takes its contiguous
-// range of that space, so that a pass that steps some kinds of tensor only shares their work among all its
-// blocks (over every tensor's chunks, the blocks whose range another kind's tensors held would idle while the
-// others ran late). visit.chunks gets the chunks in the tensor table's numbering.
+// walk_chunks over every tensor's apply chunks (apply_pass).
+template <typename Visit>
+LOPT_DEVICE void walk_apply_chunks(const TensorMeta* tensors, const i64* gradients, int num_tensors,
+                                   const GroupMeta* groups, i64 total_chunks, float inverse_scale, const Visit& visit) {
+  const auto find = [&](i64 chunk, i64&) {
+    return find_row<LOPT_TENSORMETA_FIRST_APPLY_CHUNK>(tensors, num_tensors, chunk);
+  };
+  walk_chunks<false>(tensors, gradients, groups, total_chunks, inverse_scale, find, visit);
+}
+
+// walk_chunks over the chunks of some of the tensors only (`walk`: a ChunkWalk row per tensor, `rows` of them,
+// in row order, numbered from 0 to `total_chunks`), so that a pass that steps some kinds of tensor only shares
+// their work among all its blocks (over every tensor's chunks, the blocks whose range another kind's tensors
+// held would idle while the others ran late).
 template <typename Visit>
 LOPT_DEVICE void walk_chunks_of(const TensorMeta* tensors, const i64* gradients, const GroupMeta* groups,
                                 const ChunkWalk* walk, int rows, i64 total_chunks, float inverse_scale,
                                 const Visit& visit) {
-  const i64 stop = total_chunks * (blockIdx.x + 1) / gridDim.x;
-  for (i64 chunk = total_chunks * blockIdx.x / gridDim.x; chunk < stop;) {
+  const auto find = [&](i64 chunk, i64& first) {
     const ChunkWalk w = walk[find_row<LOPT_CHUNKWALK_FIRST_CHUNK>(walk, rows, chunk)];
-    const int tensor = static_cast<int>(w.tensor);
-    visit.begin_tensor(tensor);
-    const TensorMeta t = tensor_row(tensors, gradients, tensor);
-    const ApplyScalars a = read_apply_scalars(groups[t.group]);
-    const i64 end = min(stop, w.first_chunk + t.num_apply_chunks);
-    const i64 first = t.first_apply_chunk + (chunk - w.first_chunk);
-    visit.chunks(t, a, tensor, first, first + (end - chunk), inverse_scale);
-    chunk = end;
-  }
+    first = w.first_chunk;
+    return static_cast<int>(w.tensor);
+  };
+  walk_chunks<true>(tensors, gradients, groups, total_chunks, inverse_scale, find, visit);
 }
 
 // The apply pass of the engines whose MLP runs one element per thread (VeLO's, small_fc_lopt's for any

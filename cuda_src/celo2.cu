@@ -961,64 +961,61 @@ struct Celo2Apply {
     const i64 begin = (chunk - t.first_apply_chunk) * C2_APPLY_CHUNK;
     const i64 stop = min((end - t.first_apply_chunk) * C2_APPLY_CHUNK, t.numel);
     const int param_dtype = static_cast<int>(t.param_dtype);
-    if (c.kind == LOPT_CELO2_LEARNED) {
-      const float2 scale = step_scales[tensor];
-      const int flag = proposed_nonfinite[tensor];
-      const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
-      const int result_dtype = static_cast<int>(c.result_dtype);
-      if (flag == 0 && quad_aligned(t.param, param_dtype) && quad_aligned(c.result, result_dtype)) {
-        // C2_APPLY_QUADS quads of four consecutive elements per thread at a time, every load issued before any
-        // value is used: with an element per load the pass waited on DRAM latency (docs/performance.md §8).
-        for (i64 first = begin; first < stop; first += 4 * C2_APPLY_THREADS * C2_APPLY_QUADS) {
-          float4 param[C2_APPLY_QUADS], s[C2_APPLY_QUADS];
+    const float2 scale = step_scales[tensor];
+    const int flag = proposed_nonfinite[tensor];
+    const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
+    const int result_dtype = static_cast<int>(c.result_dtype);
+    if (flag == 0 && quad_aligned(t.param, param_dtype) && quad_aligned(c.result, result_dtype)) {
+      // C2_APPLY_QUADS quads of four consecutive elements per thread at a time, every load issued before any
+      // value is used: with an element per load the pass waited on DRAM latency (docs/performance.md §8).
+      for (i64 first = begin; first < stop; first += 4 * C2_APPLY_THREADS * C2_APPLY_QUADS) {
+        float4 param[C2_APPLY_QUADS], s[C2_APPLY_QUADS];
 #pragma unroll
-          for (int q = 0; q < C2_APPLY_QUADS; ++q) {
-            const i64 e = first + 4 * (q * C2_APPLY_THREADS + threadIdx.x);
-            if (e + 4 <= stop) {
-              param[q] = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
-              s[q] = load_quad_as_float(pointer<const void>(c.result), e, result_dtype);  // (final_step: flag 0)
-            }
-          }
-#pragma unroll
-          for (int q = 0; q < C2_APPLY_QUADS; ++q) {
-            const i64 e = first + 4 * (q * C2_APPLY_THREADS + threadIdx.x);
-            if (e + 4 <= stop) {
-              float4 updated;
-#pragma unroll
-              for (int k = 0; k < 4; ++k)
-                quad_value(updated, k) = learned_param(quad_value(param[q], k), quad_value(s[q], k), scale, rms_mult, group);
-              store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
-            } else {
-              for (i64 i = e; i < stop; ++i)  // (the tensor's last, partial quad)
-                store_from_float(pointer<void>(t.param), i, param_dtype,
-                                 learned_param(load_as_float(pointer<const void>(t.param), i, param_dtype),
-                                               load_as_float(pointer<const void>(c.result), i, result_dtype), scale,
-                                               rms_mult, group));
-            }
-          }
-        }
-        return;
-      }
-      // Element by element (a parameter or step not aligned for quads, or a proposed step with a non-finite
-      // element): C2_APPLY_ELEMENTS chunks at a time, every element's loads issued before any is used.
-      for (; chunk < end; chunk += C2_APPLY_ELEMENTS) {
-        float param[C2_APPLY_ELEMENTS], s[C2_APPLY_ELEMENTS];
-#pragma unroll
-        for (int k = 0; k < C2_APPLY_ELEMENTS; ++k) {
-          const i64 e = (chunk + k - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
-          if (chunk + k < end && e < t.numel) {
-            param[k] = load_as_float(pointer<const void>(t.param), e, param_dtype);
-            s[k] = final_step(steps + c.step_offset, c, e, flag);
+        for (int q = 0; q < C2_APPLY_QUADS; ++q) {
+          const i64 e = first + 4 * (q * C2_APPLY_THREADS + threadIdx.x);
+          if (e + 4 <= stop) {
+            param[q] = load_quad_as_float(pointer<const void>(t.param), e, param_dtype);
+            s[q] = load_quad_as_float(pointer<const void>(c.result), e, result_dtype);  // (final_step: flag 0)
           }
         }
 #pragma unroll
-        for (int k = 0; k < C2_APPLY_ELEMENTS; ++k) {
-          const i64 e = (chunk + k - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
-          if (chunk + k < end && e < t.numel)
-            store_from_float(pointer<void>(t.param), e, param_dtype, learned_param(param[k], s[k], scale, rms_mult, group));
+        for (int q = 0; q < C2_APPLY_QUADS; ++q) {
+          const i64 e = first + 4 * (q * C2_APPLY_THREADS + threadIdx.x);
+          if (e + 4 <= stop) {
+            float4 updated;
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+              quad_value(updated, k) = learned_param(quad_value(param[q], k), quad_value(s[q], k), scale, rms_mult, group);
+            store_quad_from_float(pointer<void>(t.param), e, param_dtype, updated);
+          } else {
+            for (i64 i = e; i < stop; ++i)  // (the tensor's last, partial quad)
+              store_from_float(pointer<void>(t.param), i, param_dtype,
+                               learned_param(load_as_float(pointer<const void>(t.param), i, param_dtype),
+                                             load_as_float(pointer<const void>(c.result), i, result_dtype), scale,
+                                             rms_mult, group));
+          }
         }
       }
       return;
+    }
+    // Element by element (a parameter or step not aligned for quads, or a proposed step with a non-finite
+    // element): C2_APPLY_ELEMENTS chunks at a time, every element's loads issued before any is used.
+    for (; chunk < end; chunk += C2_APPLY_ELEMENTS) {
+      float param[C2_APPLY_ELEMENTS], s[C2_APPLY_ELEMENTS];
+#pragma unroll
+      for (int k = 0; k < C2_APPLY_ELEMENTS; ++k) {
+        const i64 e = (chunk + k - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
+        if (chunk + k < end && e < t.numel) {
+          param[k] = load_as_float(pointer<const void>(t.param), e, param_dtype);
+          s[k] = final_step(steps + c.step_offset, c, e, flag);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < C2_APPLY_ELEMENTS; ++k) {
+        const i64 e = (chunk + k - t.first_apply_chunk) * C2_APPLY_CHUNK + threadIdx.x;
+        if (chunk + k < end && e < t.numel)
+          store_from_float(pointer<void>(t.param), e, param_dtype, learned_param(param[k], s[k], scale, rms_mult, group));
+      }
     }
   }
 };

@@ -201,11 +201,11 @@ class Stack:
     offset: int
     tensor_rows: list
     matrices: bool
-    gram: torch.Tensor | None = None  # (count, k, k), k = min(rows, cols): Newton–Schulz's workspaces, this
-    polynomial: torch.Tensor | None = None  # stack's part of its family's (every stack of matrices with this k)
-    family_gram: torch.Tensor | None = None  # the family's, ``(Σ count, k, k)``: newton_schulz_family
+    # Newton–Schulz's workspaces, ``(Σ count, k, k)``, k = min(rows, cols), shared by every stack of matrices with
+    # this k (its family: newton_schulz_family), this stack's matrices from family_start
+    family_gram: torch.Tensor | None = None
     family_polynomial: torch.Tensor | None = None
-    family_start: int = 0  # where this stack's matrices begin in them
+    family_start: int = 0
 
     @property
     def count(self) -> int:
@@ -409,7 +409,6 @@ class CELO2Fused(FusedEngine):
             start = 0
             for stack in members:
                 stack.family_gram, stack.family_polynomial, stack.family_start = gram, polynomial, start
-                stack.gram, stack.polynomial = gram[start:start + stack.count], polynomial[start:start + stack.count]
                 start += stack.count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
         chunks = [-(-math.prod(shape) // self.APPLY_CHUNK) for shape in layout.shapes]

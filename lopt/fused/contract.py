@@ -73,7 +73,7 @@ STRUCTS: dict = {
     "Celo2Tensor": ("kind", "exp_avg", "exp_avg_sq", "adam_step", "step_offset", "result", "result_dtype", "inputs",
                     "mlp_chunk"),
     # A persistent pass's walk over the apply chunks of some of the tensors only (walk_chunks_of in
-    # accumulators.cuh; lopt.fused.plan.Walk): a row per tensor, in row order, its chunks numbered from
+    # accumulators.cuh; lopt.fused.engine.Walk): a row per tensor, in row order, its chunks numbered from
     # `first_chunk` in the walk's own space, which the grid splits evenly. (CELO2's MLP and apply passes walk its
     # learned tensors, its AdamW pass its AdamW ones.)
     "ChunkWalk": ("first_chunk", "tensor"),
