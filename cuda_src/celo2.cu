@@ -149,10 +149,17 @@ LOPT_DEVICE float chunk_square_sum(const void* grad, i64 first, i64 numel, float
 
 // Block b: stats chunk b of every tensor (all kinds): Σ g² of the unscaled gradient, float32 per thread,
 // float64 per block in a fixed order; and the check phase's test of each element, reported as the axis
-// pass reports it (adafactor_finalize, which runs after this, makes it the step's flag).
+// pass reports it (adafactor_finalize, which runs after this, makes it the step's flag). The last block to
+// finish (a ticket, as celo2_matrix_sums') adds every block's partial in a fixed order (the same sum every run)
+// and forms the clip (reference global_norm, clip_scale): ‖g‖ = float32(√Σ), and for each tensor row whose
+// group clips, max_norm / max(‖g‖, max_norm) (NaN where ‖g‖ is, as torch.maximum), else 1, into its gradient
+// transform's factor. (In torch after this pass, the sum, the square root, the maximum, the division and the
+// choice were seven more launches, ahead of the accumulate phase.)
 extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS)
 celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
-                    const float* grad_scale, int* status, double* __restrict__ norm_partials) {
+                    const float* grad_scale, int* status, double* __restrict__ norm_partials,
+                    unsigned int* __restrict__ norm_ticket, const bool* __restrict__ clips,
+                    const float* __restrict__ max_norms, float2* __restrict__ gradient_transforms) {
   const i64 block_chunk = blockIdx.x;
   const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
@@ -180,8 +187,26 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
   double values[1] = {static_cast<double>(sum)};
   __shared__ double scratch[LOPT_STATS_THREADS / 32][1];
   __shared__ double total[1];
+  __shared__ bool last;
   block_sums<1, LOPT_STATS_THREADS>(values, scratch, total);
-  if (threadIdx.x == 0) norm_partials[block_chunk] = total[0];
+  if (threadIdx.x == 0) {
+    norm_partials[block_chunk] = total[0];
+    __threadfence();  // (the partial is visible before the ticket counts this block)
+    last = atomicAdd(norm_ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  double partial = 0.0;
+  for (i64 k = threadIdx.x; k < gridDim.x; k += LOPT_STATS_THREADS) partial += __ldcg(norm_partials + k);
+  values[0] = partial;
+  block_sums<1, LOPT_STATS_THREADS>(values, scratch, total);
+  const float norm = static_cast<float>(sqrt(total[0]));
+  for (int row = threadIdx.x; row < num_tensors; row += LOPT_STATS_THREADS) {
+    const float limit = max_norms[row];
+    gradient_transforms[row].x = clips[row] ? __fdiv_rn(limit, isnan(norm) || norm > limit ? norm : limit) : 1.0f;
+  }
+  if (threadIdx.x == 0) *norm_ticket = 0u;
 }
 
 // ------------------------------------------------------------------------------------------

@@ -342,7 +342,9 @@ def test_global_norm_pass_sums_every_gradient_element_once():
     """celo2_gradient_norm (ELO-CELO2's global clipping): its per-chunk sums add up to the float64 Σ g² of every
     gradient of every group, each element once: quads over whole chunks and a tensor's partial last quad
     (21,007 elements: three chunks), a bfloat16 gradient (quads of 8 bytes, a partial quad), a gradient view
-    one element off a quad's alignment (element by element), vectors, the embedding group's."""
+    one element off a quad's alignment (element by element), vectors, the embedding group's (which does not clip
+    itself: its gradients count in the norm, and its factor is 1). Its last block's clip factors: the clipping
+    group's tensors' max_norm / max(‖g‖, max_norm), ‖g‖ the float32 square root of that sum."""
     from lopt.fused import launcher
 
     if launcher.fused_unavailable_reason("celo2", [torch.device("cuda")]) is not None:
@@ -351,7 +353,8 @@ def test_global_norm_pass_sums_every_gradient_element_once():
     params = [torch.nn.Parameter(random_like(shape, 60 + i).cuda()) for i, shape in enumerate(shapes)]
     low = torch.nn.Parameter(random_like((50, 33), 70).cuda().to(torch.bfloat16))
     embedding = torch.nn.Parameter(random_like((30, 8), 71).cuda())
-    opt = lopt.ELO_CELO2([{"params": params + [low]}, {"params": [embedding], "is_embedding": True}], lr=1e-3,
+    opt = lopt.ELO_CELO2([{"params": params + [low], "max_grad_norm": 0.7},
+                          {"params": [embedding], "is_embedding": True, "max_grad_norm": None}], lr=1e-3,
                          weights=WEIGHTS, backend="fused", precision="fast")
     for step in range(2):  # (the second: the plan's fast check)
         grads = [random_like(p.shape, 80 + 10 * step + i).cuda().to(p.dtype) * 1e-2
@@ -367,6 +370,11 @@ def test_global_norm_pass_sums_every_gradient_element_once():
         want = sum(g.double().square().sum() for g in grads)
         assert torch.isclose(sums.sum(), want, rtol=1e-6, atol=0), (step, sums.sum().item(), want.item())
         assert (sums > 0).all()
+        norm = torch.sqrt(want).float()
+        factors = engine.plan.work.transforms[:engine.plan.layout.num_tensors, 0].cpu()
+        clipping = torch.tensor([0.7 / max(norm.item(), 0.7)] * 5 + [1.0], dtype=torch.float32)
+        assert torch.allclose(factors, clipping, rtol=1e-6, atol=0), (step, factors, clipping)
+        assert factors[0] < 1 and int(engine.plan.work.norm_ticket.item()) == 0  # (clipped; the ticket reset)
 
 
 @pytest.mark.cuda

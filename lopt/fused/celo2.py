@@ -3,10 +3,10 @@ Newton–Schulz on stacks of same-shaped matrices in torch.
 
 Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions: §8). One step:
 
-1. ``celo2_gradient_norm``   (where a group clips) Σ g² per chunk of every gradient; the global norm and each
-                             clipping tensor's factor ``max_norm / max(‖g‖, max_norm)`` are formed on the
-                             device (reference ``clip_scale``), before the accumulate phase, which clamps
-                             ``f·g`` (clip before clamp)
+1. ``celo2_gradient_norm``   (where a group clips) Σ g² per chunk of every gradient; its last block forms the
+                             global norm and each clipping tensor's factor ``max_norm / max(‖g‖, max_norm)``
+                             (reference ``clip_scale``), before the accumulate phase, which clamps ``f·g``
+                             (clip before clamp)
 2. the shared accumulate phase (``adafactor_axis_partials`` with each tensor's gradient transform
    ``clamp(f·g, ±grad_clip_value)``, ``adafactor_finalize``, ``adafactor_factor_tables``)
 3. ``celo2_statistics``      the learned tensors' features' Σ x² (but a factored tensor's 12 table features')
@@ -275,6 +275,7 @@ class Celo2Work:
     ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step
     stats_partials: torch.Tensor
     norm_partials: torch.Tensor | None  # (where a group clips) Σ g² per statistics chunk
+    norm_ticket: torch.Tensor | None  # int32, 0 between launches (celo2_gradient_norm's last block resets it)
     transforms: torch.Tensor  # (factor, clamp) per tensor row
     clamps: list | None  # the clamp column as last uploaded
     clips: torch.Tensor | None  # per row: its group clips (global norm)
@@ -433,6 +434,7 @@ class CELO2Fused(FusedEngine):
             orthogonalised=None, ns_rows=None, products_graph=None,
             stats_partials=plan.workspace(layout.total_stats_chunks * SUMS, torch.float64),
             norm_partials=plan.workspace(layout.total_stats_chunks, torch.float64) if clipping else None,
+            norm_ticket=torch.zeros(1, dtype=torch.int32, device=device) if clipping else None,
             transforms=transforms, clamps=None,
             clips=torch.tensor([plan.key[2][g] for g in plan.groups], dtype=torch.bool, device=device) if clipping else None,
             max_norms=plan.workspace(n, torch.float32) if clipping else None, limits=None,
@@ -493,16 +495,15 @@ class CELO2Fused(FusedEngine):
                 work.limits = limits
 
     def _clip_factors(self, plan: Plan, grad_scale) -> None:
-        """The global clip: Σ g² of every gradient (float64, fixed order), ‖g‖ rounded to float32, and each
-        clipping tensor's factor ``max_norm / max(‖g‖, max_norm)`` (reference ``global_norm``, ``clip_scale``),
-        into the transforms' factor column; on the device."""
+        """The global clip, in one launch: Σ g² of every gradient (float64, fixed order), ‖g‖ rounded to float32,
+        and each clipping tensor's factor ``max_norm / max(‖g‖, max_norm)`` (reference ``global_norm``,
+        ``clip_scale``) into the transforms' factor column (celo2_gradient_norm's last block)."""
         layout, work = plan.layout, plan.work
         self.launch("celo2_gradient_norm", layout.total_stats_chunks, STATS_THREADS, tensors=plan.tensor_table.table,
                     gradients=plan.gradients.table, num_tensors=layout.num_tensors,
-                    grad_scale=self._on_device(grad_scale), status=plan.status, norm_partials=work.norm_partials)
-        norm = reference.global_norm(work.norm_partials[:layout.total_stats_chunks].sum())
-        factors = work.max_norms / torch.maximum(norm, work.max_norms)
-        work.transforms[:layout.num_tensors, 0].copy_(torch.where(work.clips, factors, 1.0))
+                    grad_scale=self._on_device(grad_scale), status=plan.status, norm_partials=work.norm_partials,
+                    norm_ticket=work.norm_ticket, clips=work.clips, max_norms=work.max_norms,
+                    gradient_transforms=work.transforms)
 
     def step(self, inputs, *args) -> None:
         """One step (the module's docstring): check, clip, accumulate, statistics, control, MLP, Newton–Schulz,
