@@ -20,7 +20,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              and tensor the float64 Σ s² of those values; the accumulators stored
 6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
                              its proposed step has a non-finite element, and the matrix divided by the former (a
-                             non-finite element as 0) into the workspace
+                             non-finite element as 0) into the workspace; a matrix of one row or column
+                             (:attr:`Stack.scalar`) its whole iteration, a scalar recurrence, into its result
    torch, per family         Newton–Schulz's products (:func:`newton_schulz_family`: float32 with TF32 off,
                              or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
                              from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
@@ -152,8 +153,9 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
     divided by its norms), ping-ponging between ``x`` and ``y``; returns the one holding the result. The
     iteration on the smaller Gram matrix: for ``rows <= cols`` ``A = X Xᵀ``, ``P = b·A + c·A A`` and
     ``X ← a·X + P X``; for ``rows > cols`` the same on ``Xᵀ``, written as ``A = XᵀX`` and ``X ← a·X + X Pᵀ``
-    (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (the GEMM's
-    epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference).
+    (cuBLAS reads the transposes in place). ``P`` is one product whose epilogue adds ``b·A``. ``exact``:
+    ``a·X + P X`` in the reference's form (the product's epilogue adds ``a·X``); else as ``(a·I + P) X``
+    (bfloat16's rounding dwarfs the difference).
     ``gram`` and ``polynomial``: ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
     return newton_schulz_family([(x, y)], gram, polynomial, coefficients, steps, exact)[0]
 
@@ -163,7 +165,7 @@ def newton_schulz_family(stacks: list, gram: torch.Tensor, polynomial: torch.Ten
     """:func:`newton_schulz_products` for several stacks at once whose Gram matrices are of one size ``k``
     (``stacks``: their ``(x, y)`` pairs, each of its own shape): each iteration forms every stack's Gram matrices
     into its part of ``gram`` (``(Σ count, k, k)``, the stacks' in order), then the polynomial of all of them in
-    three launches, then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
+    one launch (fast: two), then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
     another shape costs its two products an iteration and no more of the polynomial's launches (ViT-B/16's and
     GPT-2 medium's matrices all have one smaller side). Returns each stack's result buffer."""
     a, b, c = coefficients
