@@ -41,14 +41,16 @@ for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small
     assert all(torch.isfinite(p).all() for p in params), name
 
 # CELO2 and ELO-CELO2: learned matrices (two of one shape: a Newton–Schulz stack of two), a transposed one, vectors
-# and a 4-d kernel (stepped elsewhere), an embedding group on the AdamW branch; ELO-CELO2 clips globally. CELO2's
-# run has a NaN in one matrix: its proposed step is not all finite, so the final step's other path (the proposed
-# step read first, the matrix flagged by celo2_normalise) runs too.
+# and a 4-d kernel (stepped elsewhere), a class token and a column (scalar matrices), an embedding group on the
+# AdamW branch; ELO-CELO2 clips globally. CELO2's run has a NaN in one matrix: its proposed step is not all finite,
+# so the final step's other path (the proposed step read first, the matrix flagged by celo2_normalise) runs too.
 for cls, precision in ((lopt.CELO2, "exact"), (lopt.ELO_CELO2, "fast")):
     if ONLY and ONLY != "celo2":
         continue
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(33, 17, device="cuda")))
+    # (scalar matrices, whose whole Newton–Schulz celo2_normalise runs: a class token and a column)
+    params += [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((1, 1, 301), (77, 1))]
     embedding = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
     groups = [{"params": params[:6]}, {"params": params[6:], "weight_decay": 0.01},
               {"params": [embedding], "is_embedding": True}]

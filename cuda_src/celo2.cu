@@ -849,16 +849,38 @@ LOPT_DEVICE i64 mlp_block_of(i64 chunk, int blocks, i64 total_chunks) {
 // flag (final_step): 1 where a segment met a non-finite value. A tensor no launch takes keeps its flag: 0 as
 // allocated (its result is its proposed step), or, had it been taken before, the last value, which final_step
 // reads correctly either way.
+// The first `scalar_rows` rows are matrices of one row or one column (a class token (1, 1, d)), whose Gram
+// matrix is 1 × 1: Newton–Schulz is then a scalar recurrence on the squared norm s of x = s_proposed / divisor,
+// each step X ← f·X with f = a + b·s + c·s², s ← f²·s (s from the segments' float64 sum: Σs²/divisor²;
+// f and the product of the f in float64 from the coefficients in float32). Such a matrix is written as
+// x · Πf into the buffer its steps end in (its `result`), and no product runs for it.
+LOPT_DEVICE double scalar_newton_schulz(const double* values, double s) {
+  const double a = values[LOPT_CELO2_GROUP_NS_A], b = values[LOPT_CELO2_GROUP_NS_B];
+  const double c = values[LOPT_CELO2_GROUP_NS_C];
+  const int steps = static_cast<int>(values[LOPT_CELO2_GROUP_NS_STEPS]);
+  double product = 1.0;
+  for (int k = 0; k < steps; ++k) {
+    const double f = a + s * (b + c * s);
+    product *= f;
+    s *= f * f;
+  }
+  return product;
+}
+
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
 celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
-                const double* __restrict__ celo2_groups, const int* __restrict__ rows,
+                const double* __restrict__ celo2_groups, const int* __restrict__ rows, int scalar_rows,
                 const double* __restrict__ segment_sums, int mlp_blocks, i64 mlp_chunks,
                 const float* __restrict__ steps, int* __restrict__ proposed_nonfinite, void* __restrict__ work,
                 int work_dtype) {
   const int tensor = rows[blockIdx.y];
   const TensorMeta t = tensors[tensor];
   const i64 offset = celo2_tensors[tensor].step_offset;
-  __shared__ float shared_divisor;
+  const bool scalar = static_cast<int>(blockIdx.y) < scalar_rows;
+  // (where x goes: the workspace at the step's own index, or a scalar matrix's result, already at that index)
+  void* const out = scalar ? pointer<void>(celo2_tensors[tensor].result) : work;
+  const i64 out_offset = scalar ? 0 : offset;
+  __shared__ float shared_divisor, shared_factor;
   if (threadIdx.x == 0) {
     const i64 mlp_chunk = celo2_tensors[tensor].mlp_chunk;  // (its first chunk in the MLP pass's walk)
     const i64 first = mlp_block_of(mlp_chunk, mlp_blocks, mlp_chunks);
@@ -870,16 +892,20 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
       nonfinite |= signbit(segment) != 0;
       sum += fabs(segment);
     }
-    const float eps = static_cast<float>(group_values(celo2_groups, t.group)[LOPT_CELO2_GROUP_NS_EPS]);
-    shared_divisor = __fadd_rn(static_cast<float>(sqrt(sum)), eps);
+    const double* values = group_values(celo2_groups, t.group);
+    const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
+    shared_divisor = divisor;
+    shared_factor = scalar ? static_cast<float>(scalar_newton_schulz(
+                                 values, sum / (static_cast<double>(divisor) * static_cast<double>(divisor))))
+                           : 1.0f;
     if (blockIdx.x == 0) proposed_nonfinite[tensor] = nonfinite ? 1 : 0;
   }
   __syncthreads();
-  const float divisor = shared_divisor;
+  const float divisor = shared_divisor, factor = shared_factor;  // (factor 1: exact, x itself)
   const i64 threads = static_cast<i64>(gridDim.x) * C2_APPLY_THREADS;
   const i64 thread = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x;
   i64 begin = 0;  // (the first element left to the element-by-element loop)
-  const i64 address = reinterpret_cast<i64>(work) + offset * dtype_bytes(work_dtype);
+  const i64 address = reinterpret_cast<i64>(out) + out_offset * dtype_bytes(work_dtype);
   if (quad_aligned(reinterpret_cast<i64>(steps + offset), LOPT_F32) && quad_aligned(address, work_dtype)) {
     // C2_NORMALISE_QUADS quads of four consecutive elements per thread at a time, every load issued before any
     // value is used: one 4-byte load per thread in flight left the pass waiting on DRAM latency, as celo2_apply
@@ -898,16 +924,16 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const float value = quad_value(s[q], k);
-          quad_value(x, k) = is_finite(value) ? __fdiv_rn(value, divisor) : 0.f;
+          quad_value(x, k) = is_finite(value) ? __fmul_rn(__fdiv_rn(value, divisor), factor) : 0.f;
         }
-        store_quad_from_float(work, offset + 4 * (first + q * threads), work_dtype, x);
+        store_quad_from_float(out, out_offset + 4 * (first + q * threads), work_dtype, x);
       }
     }
     begin = 4 * quads;  // (the matrix's last, partial quad)
   }
   for (i64 e = begin + thread; e < t.numel; e += threads) {
     const float s = steps[offset + e];
-    store_from_float(work, offset + e, work_dtype, is_finite(s) ? __fdiv_rn(s, divisor) : 0.f);
+    store_from_float(out, out_offset + e, work_dtype, is_finite(s) ? __fmul_rn(__fdiv_rn(s, divisor), factor) : 0.f);
   }
 }
 

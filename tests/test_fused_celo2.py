@@ -60,11 +60,37 @@ def test_exact_products_are_the_references_newton_schulz(shape, steps):
 def test_fast_form_is_the_same_iteration(shape):
     """The fast mode's (a·I + P) X is a·X + P X: in float32 within rounding of the reference, in bfloat16
     within bfloat16's (the fused fast mode's per-matrix error; docs/celo2.md §8.1)."""
-    x = stack_of(shape, 3, seed=7)
-    want = reference.newton_schulz(x)
-    assert relative(run_products(x, 5, exact=False), want) < 2e-6
-    error = relative(run_products(x, 5, exact=False, dtype=torch.bfloat16), want)
-    assert 1e-4 < error < 5e-2  # (bfloat16 ran, and stays within its bound)
+    errors = []
+    for seed in range(7, 11):
+        x = stack_of(shape, 3, seed=seed)
+        want = reference.newton_schulz(x)
+        assert relative(run_products(x, 5, exact=False), want) < 2e-6
+        errors.append(relative(run_products(x, 5, exact=False, dtype=torch.bfloat16), want))
+    # bfloat16 ran (1e-4), and stays within its bound: on small matrices one draw reaches ~6e-2 (docs/celo2.md
+    # §8.1: 6.4e-2 at worst, the 6 × 4 matrix), so each within 8e-2 and their mean within 6e-2 (4 × 9: ~3e-2)
+    assert min(errors) > 1e-4 and max(errors) < 8e-2 and sum(errors) / len(errors) < 6e-2, errors
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (7, 1), (1, 768)])
+def test_a_matrix_of_one_row_is_a_scalar_recurrence(shape):
+    """What celo2_normalise computes for a scalar matrix (Stack.scalar: one row or column, a class token): its
+    Gram matrix is the 1 × 1 s = ‖x‖², so each step is X ← f·X with f = a + b·s + c·s², and s ← f²·s. In float64
+    (the coefficients rounded to float32, as the kernel and the products take them) the recurrence from the
+    segments' sum is the reference's iteration to float64's rounding."""
+    coefficients = tuple(float(torch.tensor(c, dtype=torch.float32)) for c in reference.NS_COEFFICIENTS)
+    x = stack_of(shape, 3, seed=sum(shape)).double()
+    want = reference.newton_schulz(x, coefficients=coefficients)
+    total = x.square().sum(dim=(-2, -1), keepdim=True)  # (the segments' float64 sum)
+    divisor = torch.sqrt(total).float() + reference.NS_EPSILON  # (rounded to float32, plus eps in float32)
+    s = total / divisor.double() ** 2
+    a, b, c = coefficients
+    factor = torch.ones_like(s)
+    for _ in range(reference.NS_STEPS):
+        f = a + s * (b + c * s)
+        factor, s = factor * f, s * f * f
+    got = x / divisor.double() * factor
+    assert relative(got, want) < 1e-13
+    assert relative(got, x / x.norm(dim=(-2, -1), keepdim=True)) > 1e-3  # (five steps do not reach the unit norm)
 
 
 def test_the_transpose_of_a_stack_orthogonalises_to_the_transpose():

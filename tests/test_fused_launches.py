@@ -765,10 +765,19 @@ def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
     assert (a.split_outputs, a.split_slab_sums, a.num_norm_jobs) == (b.split_outputs, b.split_slab_sums, b.num_norm_jobs)
 
 
-def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded):
+def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     """A learned tensor of rank >= 3 whose leading axes are all of size 1 (a class token) is the matrix of its
     last two axes: it joins the stack of that matrix's shape, and Newton–Schulz's launches take it; a conv
-    kernel (several slices) is stepped elsewhere, by the reference functions."""
+    kernel (several slices) is stepped elsewhere, by the reference functions. A matrix of one row (or column)
+    is scalar: celo2_normalise takes its rows first and runs its whole iteration (scalar_rows), with no
+    workspace of Gram matrices and no product."""
+    import lopt.fused.celo2 as fused_celo2
+
+    products = []
+    family = fused_celo2.newton_schulz_family
+    monkeypatch.setattr(fused_celo2, "newton_schulz_family",
+                        lambda stacks, *args, **kwargs: products.append([x.shape for x, _ in stacks])
+                        or family(stacks, *args, **kwargs))
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(1, 1, 9), (1, 9), (1, 6, 4), (2, 3, 3, 3)]]
     opt = engine_for("celo2", params)
@@ -780,7 +789,15 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded):
     stacks = {(s.rows_per_matrix, s.cols): sorted(s.tensor_rows) for s in engine.plan.work.stacks if s.matrices}
     assert stacks == {(1, 9): sorted([row[(1, 1, 9)], row[(1, 9)]]), (6, 4): [row[(1, 6, 4)]]}
     assert engine.plan.work.elsewhere_rows == [row[(2, 3, 3, 3)]]
-    assert [grid[1] for name, grid, _, _ in recorded if name == "celo2_normalise"] == [3]
+    [(grid, args)] = [(grid, args) for name, grid, _, args in recorded if name == "celo2_normalise"]
+    names = declared_parameter_names("celo2.cu")["celo2_normalise"]
+    assert grid[1] == 3 and args[names.index("scalar_rows")] == 2
+    work = engine.plan.work
+    assert sorted(work.ns_rows[:2].tolist()) == sorted([row[(1, 1, 9)], row[(1, 9)]])
+    assert work.ns_rows[2].item() == row[(1, 6, 4)]
+    scalar = [s for s in work.stacks if s.matrices and s.scalar]
+    assert [s.tensor_rows for s in scalar] == [stacks[(1, 9)]] and scalar[0].family_gram is None
+    assert products == [[(1, 6, 4)]]  # (one family: the (6, 4) matrix's products alone)
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])

@@ -20,7 +20,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              and tensor the float64 Σ s² of those values; the accumulators stored
 6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
                              its proposed step has a non-finite element, and the matrix divided by the former (a
-                             non-finite element as 0) into the workspace
+                             non-finite element as 0) into the workspace; a matrix of one row or column
+                             (:attr:`Stack.scalar`) its whole iteration, a scalar recurrence, into its result
    torch, per family         Newton–Schulz's products (:func:`newton_schulz_family`: float32 with TF32 off,
                              or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
                              from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
@@ -152,8 +153,9 @@ def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor,
     divided by its norms), ping-ponging between ``x`` and ``y``; returns the one holding the result. The
     iteration on the smaller Gram matrix: for ``rows <= cols`` ``A = X Xᵀ``, ``P = b·A + c·A A`` and
     ``X ← a·X + P X``; for ``rows > cols`` the same on ``Xᵀ``, written as ``A = XᵀX`` and ``X ← a·X + X Pᵀ``
-    (cuBLAS reads the transposes in place). ``exact``: ``a·X + P X`` in the reference's order (the GEMM's
-    epilogue adds ``a·X``); else as ``(a·I + P) X`` (bfloat16's rounding dwarfs the difference).
+    (cuBLAS reads the transposes in place). ``P`` is one product whose epilogue adds ``b·A``. ``exact``:
+    ``a·X + P X`` in the reference's form (the product's epilogue adds ``a·X``); else as ``(a·I + P) X``
+    (bfloat16's rounding dwarfs the difference).
     ``gram`` and ``polynomial``: ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
     return newton_schulz_family([(x, y)], gram, polynomial, coefficients, steps, exact)[0]
 
@@ -163,7 +165,7 @@ def newton_schulz_family(stacks: list, gram: torch.Tensor, polynomial: torch.Ten
     """:func:`newton_schulz_products` for several stacks at once whose Gram matrices are of one size ``k``
     (``stacks``: their ``(x, y)`` pairs, each of its own shape): each iteration forms every stack's Gram matrices
     into its part of ``gram`` (``(Σ count, k, k)``, the stacks' in order), then the polynomial of all of them in
-    three launches, then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
+    one launch (fast: two), then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
     another shape costs its two products an iteration and no more of the polynomial's launches (ViT-B/16's and
     GPT-2 medium's matrices all have one smaller side). Returns each stack's result buffer."""
     a, b, c = coefficients
@@ -173,10 +175,10 @@ def newton_schulz_family(stacks: list, gram: torch.Tensor, polynomial: torch.Ten
         for (x, _), start, end in zip(pairs, bounds[:-1], bounds[1:]):
             out = gram[start:end]
             torch.bmm(x.mT, x, out=out) if x.shape[-2] > x.shape[-1] else torch.bmm(x, x.mT, out=out)
-        torch.mul(gram, b, out=polynomial)
+        # P = b·A + c·A A in one product (the GEMM's epilogue forms b·A: no pass of its own over the Gram matrices)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=polynomial)
         if not exact:
             polynomial.diagonal(dim1=-2, dim2=-1).add_(a)
-        polynomial.baddbmm_(gram, gram, alpha=c)
         for (x, y), start, end in zip(pairs, bounds[:-1], bounds[1:]):
             p = polynomial[start:end]
             tall = x.shape[-2] > x.shape[-1]
@@ -210,6 +212,12 @@ class Stack:
     @property
     def count(self) -> int:
         return len(self.tensor_rows)
+
+    @property
+    def scalar(self) -> bool:
+        """Matrices of one row or one column (a class token): their Gram matrices are 1 × 1, Newton–Schulz a
+        scalar recurrence on each one's norm, which ``celo2_normalise`` runs whole; no product, no workspace."""
+        return self.matrices and min(self.rows_per_matrix, self.cols) == 1
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         size = self.count * self.rows_per_matrix * self.cols
@@ -272,7 +280,8 @@ class Celo2Work:
     learned_rows: torch.Tensor  # int32, the learned tensors' rows
     orthogonalised: tuple | None  # per stack, the Newton–Schulz steps the result pointers were last written for
     products_graph: tuple | None  # (its runs' key, the CUDA graph of Newton–Schulz's products: _newton_schulz)
-    ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step
+    ns_rows: torch.Tensor | None  # int32, the rows of the matrices Newton–Schulz takes this step (scalar ones first)
+    scalar_rows: int  # how many of ns_rows are scalar matrices' (Stack.scalar)
     stats_partials: torch.Tensor
     norm_partials: torch.Tensor | None  # (where a group clips) Σ g² per statistics chunk
     norm_ticket: torch.Tensor | None  # int32, 0 between launches (celo2_gradient_norm's last block resets it)
@@ -401,7 +410,7 @@ class CELO2Fused(FusedEngine):
             stack_list.append(stack)
         families: dict = {}
         for stack in stack_list:
-            if stack.matrices:
+            if stack.matrices and not stack.scalar:
                 families.setdefault(min(stack.rows_per_matrix, stack.cols), []).append(stack)
         for k, members in families.items():
             count = sum(stack.count for stack in members)
@@ -431,7 +440,7 @@ class CELO2Fused(FusedEngine):
             proposed_nonfinite=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             learned_rows=torch.tensor([row for stack in stack_list for row in stack.tensor_rows], dtype=torch.int32,
                                       device=device),
-            orthogonalised=None, ns_rows=None, products_graph=None,
+            orthogonalised=None, ns_rows=None, scalar_rows=0, products_graph=None,
             stats_partials=plan.workspace(layout.total_stats_chunks * SUMS, torch.float64),
             norm_partials=plan.workspace(layout.total_stats_chunks, torch.float64) if clipping else None,
             norm_ticket=torch.zeros(1, dtype=torch.int32, device=device) if clipping else None,
@@ -481,6 +490,10 @@ class CELO2Fused(FusedEngine):
             row[slot["adam_beta1"]], row[slot["adam_beta2"]] = float(betas[0]), float(betas[1])
             row[slot["adam_eps"]] = float(group.get("adam_eps", 0.0))
             row[slot["ns_eps"]] = float(group["ns_eps"])
+            # (celo2_normalise's scalar Newton–Schulz: the coefficients as the products take them, in float32)
+            for name, value in zip(("ns_a", "ns_b", "ns_c"), group["ns_coefficients"]):
+                row[slot[name]] = float(np.float32(value))
+            row[slot["ns_steps"]] = float(group["ns_steps"])
         if work.group_rows is None or not np.array_equal(values, work.group_rows):
             work.groups.update(values)
             work.group_rows = values
@@ -600,19 +613,21 @@ class CELO2Fused(FusedEngine):
             return
         rows = work.table.host.copy()
         size = work.work.numel() // 2
-        ns_rows = []
+        scalar_rows, product_rows = [], []  # (celo2_normalise takes the scalar matrices' rows first)
         for stack, steps in zip(work.stacks, choices):
             if steps < 0:
                 base, dtype = work.steps, torch.float32
             else:
                 base, dtype = work.work[(steps % 2) * size:(steps % 2 + 1) * size], self.work_dtype
-                ns_rows += stack.tensor_rows
+                (scalar_rows if stack.scalar else product_rows).extend(stack.tensor_rows)
             for row in stack.tensor_rows:
                 offset = int(rows[row, CELO2_FIELD["step_offset"]])
                 rows[row, CELO2_FIELD["result"]] = base.data_ptr() + offset * base.element_size()
                 rows[row, CELO2_FIELD["result_dtype"]] = launcher.DTYPE_CODES[dtype]
         work.table.update(rows)
+        ns_rows = scalar_rows + product_rows
         work.ns_rows = torch.tensor(ns_rows, dtype=torch.int32, device=plan.device) if ns_rows else None
+        work.scalar_rows = len(scalar_rows)
         work.orthogonalised = choices
 
     def _mlp_blocks(self, walk: Walk) -> int:
@@ -629,14 +644,16 @@ class CELO2Fused(FusedEngine):
         tables = dict(tensors=plan.tensor_table.table, celo2_tensors=work.table.table)
         if work.ns_rows is not None:
             self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), self.APPLY_THREADS, **tables,
-                        celo2_groups=work.groups.table, rows=work.ns_rows, segment_sums=work.segment_sums,
+                        celo2_groups=work.groups.table, rows=work.ns_rows, scalar_rows=work.scalar_rows,
+                        segment_sums=work.segment_sums,
                         mlp_blocks=self._mlp_blocks(work.learned_walk), mlp_chunks=work.learned_walk.chunks,
                         steps=work.steps,
                         proposed_nonfinite=work.proposed_nonfinite, work=work.work,
                         work_dtype=launcher.DTYPE_CODES[self.work_dtype])
             runs = [(stack, steps, tuple(float(c) for c in groups[stack.group]["ns_coefficients"]))
-                    for stack, steps in zip(work.stacks, work.orthogonalised) if steps > 0]
-            self._newton_schulz(plan, runs)
+                    for stack, steps in zip(work.stacks, work.orthogonalised) if steps > 0 and not stack.scalar]
+            if runs:
+                self._newton_schulz(plan, runs)
         self.launch("celo2_matrix_sums", (SUMS_SPLITS, work.learned_rows.numel()), SUMS_THREADS, **tables,
                     rows=work.learned_rows, steps=work.steps, partials=work.sum_partials, tickets=work.sum_tickets,
                     proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales)

@@ -96,9 +96,9 @@ GROUP_VALUE_FLOATS = 24
 CELO2_GROUP_VALUES = {
     "grad_clip_value": 0, "rms_mult": 1, "param_scale_mult": 2, "adam_lr": 3, "adam_lr_mult": 4,
     "adam_lr_on_device": 5, "adam_weight_decay": 6, "adam_beta1": 7, "adam_beta2": 8, "adam_eps": 9,
-    "ns_eps": 10,
+    "ns_eps": 10, "ns_a": 11, "ns_b": 12, "ns_c": 13, "ns_steps": 14,
 }
-CELO2_GROUP_DOUBLES = 12
+CELO2_GROUP_DOUBLES = 16
 
 CONSTANTS: dict = {
     "STATS_THREADS": 256,
