@@ -3,7 +3,8 @@
 Each entry of :data:`MODELS` describes one model. ``lopt bench --mode step`` needs only its
 parameter shapes, listed here as ``(name, shape)`` in the model's own parameter order and derived
 from its config: GPT-2 as ``transformers.GPT2LMHeadModel`` builds it (Conv1D weights are
-``(in, out)``; the LM head is tied to ``wte``), ViT-B/16 as ``timm``'s ``vit_base_patch16_224``.
+``(in, out)``; the LM head is tied to ``wte``), ViT-B/16 as ``timm``'s ``vit_base_patch16_224``, ResNet-50 as
+``timm``'s ``resnet50`` (conv kernels: CELO2's sliced tensors).
 ``lopt bench --mode iteration`` and ``--curves`` build the model itself (``lopt.bench.models``).
 
 :func:`embedding_flags` marks the tensors ``lopt.param_groups_for`` routes to CELO2's AdamW branch on the
@@ -20,7 +21,8 @@ import torch
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A benchmark model: its family (``gpt2``, ``vit`` or ``toy-lm``), hyperparameters and default batch."""
+    """A benchmark model: its family (``gpt2``, ``vit``, ``resnet`` or ``toy-lm``), hyperparameters and default
+    batch."""
 
     family: str
     config: dict = field(default_factory=dict)
@@ -32,6 +34,11 @@ class ModelSpec:
     def is_language_model(self) -> bool:
         return self.family in ("gpt2", "toy-lm")
 
+    @property
+    def is_image_model(self) -> bool:
+        """An image classifier built by timm (``config["timm_name"]``), trained on random images."""
+        return self.family in ("vit", "resnet")
+
 
 def gpt2_config(n_embd: int, n_layer: int, n_head: int, vocab_size: int = 50257, n_positions: int = 1024) -> dict:
     return dict(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size, n_positions=n_positions)
@@ -42,6 +49,8 @@ MODELS = {
     "gpt2-medium": ModelSpec("gpt2", gpt2_config(1024, 24, 16), 8, 1024, "GPT-2 medium (355 M)"),
     "vit-b16": ModelSpec("vit", dict(timm_name="vit_base_patch16_224", embed_dim=768, depth=12, patch=16, image=224,
                                      num_classes=1000), 64, None, "ViT-B/16 at 224x224 (86.6 M)"),
+    "resnet50": ModelSpec("resnet", dict(timm_name="resnet50", image=224, num_classes=1000), 64, None,
+                          "ResNet-50 at 224x224 (25.6 M)"),
     # GPT-2's layout at a size a 2-core CPU steps in well under a second (the CPU default).
     "tiny-lm": ModelSpec("gpt2", gpt2_config(128, 2, 4, vocab_size=1024, n_positions=256), 8, 128,
                          "2-layer 128-wide GPT-2 (0.6 M)"),
@@ -91,12 +100,34 @@ def vit_shapes(embed_dim: int = 768, depth: int = 12, patch: int = 16, image: in
                      ("head.weight", (num_classes, embed_dim)), ("head.bias", (num_classes,))]
 
 
+def resnet_shapes(layers=(3, 4, 6, 3), widths=(64, 128, 256, 512), expansion: int = 4, stem: int = 64,
+                  num_classes: int = 1000, **_) -> list:
+    """timm's bottleneck ResNet (``resnet50``): a 7 x 7 stem, stages of 1 x 1, 3 x 3, 1 x 1 convolutions with
+    batch norms, a 1 x 1 downsample at each stage's first block, the classifier."""
+    shapes = [("conv1.weight", (stem, 3, 7, 7)), ("bn1.weight", (stem,)), ("bn1.bias", (stem,))]
+    inplanes = stem
+    for stage, (blocks, width) in enumerate(zip(layers, widths), start=1):
+        out = width * expansion
+        for block in range(blocks):
+            prefix = f"layer{stage}.{block}."
+            for index, (conv, channels_in, kernel) in enumerate([("conv1", inplanes, 1), ("conv2", width, 3),
+                                                                 ("conv3", width, 1)], start=1):
+                channels_out = out if conv == "conv3" else width
+                shapes += [(prefix + f"{conv}.weight", (channels_out, channels_in, kernel, kernel)),
+                           (prefix + f"bn{index}.weight", (channels_out,)), (prefix + f"bn{index}.bias", (channels_out,))]
+            if block == 0:
+                shapes += [(prefix + "downsample.0.weight", (out, inplanes, 1, 1)),
+                           (prefix + "downsample.1.weight", (out,)), (prefix + "downsample.1.bias", (out,))]
+            inplanes = out
+    return shapes + [("fc.weight", (num_classes, inplanes)), ("fc.bias", (num_classes,))]
+
+
 def toy_lm_shapes(vocab_size: int, width: int) -> list:
     return [("embedding.weight", (vocab_size, width)), ("head.weight", (vocab_size, width)),
             ("head.bias", (vocab_size,))]
 
 
-_SHAPES_BY_FAMILY = {"gpt2": gpt2_shapes, "vit": vit_shapes, "toy-lm": toy_lm_shapes}
+_SHAPES_BY_FAMILY = {"gpt2": gpt2_shapes, "vit": vit_shapes, "resnet": resnet_shapes, "toy-lm": toy_lm_shapes}
 
 # Parameter sets by name (a callable returning the shapes, as before ModelSpec existed).
 PARAM_SETS = {name: (lambda spec=spec: _SHAPES_BY_FAMILY[spec.family](**spec.config)) for name, spec in MODELS.items()}

@@ -489,6 +489,26 @@ def test_vit_parameter_set_matches_timm():
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_set_shapes("vit-b16")
 
 
+def test_resnet_parameter_set_matches_timm():
+    """resnet50's step-mode shapes (CELO2's sliced conv kernels: 36 of 1 x 1, 16 of 3 x 3, the 7 x 7 stem) are the
+    parameters of timm's resnet50, which iteration mode builds."""
+    try:
+        import timm
+    except Exception as err:  # CPU CI: timm needs a torchvision that matches torch
+        pytest.skip(f"timm cannot be imported here: {err}")
+    with torch.device("meta"):
+        model = timm.create_model("resnet50", pretrained=False)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_set_shapes("resnet50")
+
+
+def test_resnet_parameter_set_counts():
+    """The set without timm: ResNet-50's 25,557,032 parameters in 161 tensors, 53 of them conv kernels."""
+    shapes = param_set_shapes("resnet50")
+    assert len(shapes) == 161 and sum(math.prod(s) for _, s in shapes) == 25_557_032
+    kernels = sorted(s[-2:] for _, s in shapes if len(s) == 4)
+    assert len(kernels) == 53 and kernels.count((1, 1)) == 36 and kernels.count((3, 3)) == 16 and kernels[-1] == (7, 7)
+
+
 def test_toy_lm_model_matches_its_parameter_set_and_learns():
     model = build_model("toy-lm", "cpu")
     assert [tuple(p.shape) for p in model.parameters()] == [s for _, s in param_set_shapes("toy-lm")]

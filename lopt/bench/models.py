@@ -27,6 +27,7 @@ _LIBRARIES = {
     "gpt2": ("transformers", "pip install -e '.[bench]' in the lopt checkout (or pip install transformers)"),
     "vit": ("timm", "pip install timm (it needs a torchvision built for your torch: install both from the same index)"),
 }
+_LIBRARIES["resnet"] = _LIBRARIES["vit"]
 
 
 def _import_problem(module: str) -> str | None:
@@ -76,7 +77,7 @@ class BenchModel:
         """One batch of random inputs (token ids, or images and labels), made on the CPU, on the model's device."""
         generator = torch.Generator().manual_seed(seed)
         device = next(self.module.parameters()).device
-        if self.spec.family == "vit":
+        if self.spec.is_image_model:
             image = self.spec.config["image"]
             images = torch.randn((self.batch_size, 3, image, image), generator=generator)
             labels = torch.randint(self.spec.config["num_classes"], (self.batch_size,), generator=generator)
@@ -130,7 +131,7 @@ def _build_module(spec: ModelSpec, attention: str | None) -> tuple[torch.nn.Modu
                 config._attn_implementation = attention
             module = GPT2LMHeadModel(config)
         return module, lambda model, tokens: _next_token_loss(model(input_ids=tokens).logits, tokens)
-    if spec.family == "vit":
+    if spec.is_image_model:
         import timm
 
         module = timm.create_model(spec.config["timm_name"], pretrained=False, num_classes=spec.config["num_classes"])
