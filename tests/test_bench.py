@@ -479,26 +479,17 @@ def test_gpt2_parameter_sets_match_transformers(name):
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_set_shapes(name)
 
 
-def test_vit_parameter_set_matches_timm():
+@pytest.mark.parametrize("name", ["vit-b16", "resnet50"])
+def test_image_parameter_sets_match_timm(name):
+    """Step mode's shapes are exactly the parameters of the timm model iteration mode builds (ResNet-50's conv
+    kernels: CELO2's sliced tensors)."""
     try:
         import timm
     except Exception as err:  # CPU CI: timm needs a torchvision that matches torch
         pytest.skip(f"timm cannot be imported here: {err}")
     with torch.device("meta"):
-        model = timm.create_model("vit_base_patch16_224", pretrained=False)
-    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_set_shapes("vit-b16")
-
-
-def test_resnet_parameter_set_matches_timm():
-    """resnet50's step-mode shapes (CELO2's sliced conv kernels: 36 of 1 x 1, 16 of 3 x 3, the 7 x 7 stem) are the
-    parameters of timm's resnet50, which iteration mode builds."""
-    try:
-        import timm
-    except Exception as err:  # CPU CI: timm needs a torchvision that matches torch
-        pytest.skip(f"timm cannot be imported here: {err}")
-    with torch.device("meta"):
-        model = timm.create_model("resnet50", pretrained=False)
-    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_set_shapes("resnet50")
+        model = timm.create_model(MODELS[name].config["timm_name"], pretrained=False)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == param_set_shapes(name)
 
 
 def test_resnet_parameter_set_counts():
