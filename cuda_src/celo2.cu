@@ -11,6 +11,8 @@
 //   celo2_control        per learned tensor the features' normaliser scales (the table features' sums over
 //                        the R and C entries) and param_scale; per AdamW tensor
 //                        its bias corrections; a kept step's new R and C written to the state
+//   celo2_slices         the sliced tensors (conv kernels): each small slice of their last two axes stepped
+//                        whole by one thread, features to the parameter's update
 //   celo2_table_features per R and C entry of a learned matrix, its table features' share of the first layer
 //                        (normalised, times their first-layer weights; R's with the first layer's bias)
 //   celo2_mlp            features, normalisation, the MLP, the proposed step (direction · exp(exp_mult ·
@@ -18,7 +20,8 @@
 //                        tensor's matrix as it lies in memory), and per block and tensor Σ s² of them; the
 //                        learned tensors' accumulators stored
 //   celo2_normalise      per matrix to orthogonalise: its norm plus ns_eps from the MLP pass's segment sums, and
-//                        the matrix divided by it, into Newton–Schulz's workspace
+//                        the matrix divided by it, into Newton–Schulz's workspace (a matrix of one row or
+//                        column: its whole iteration, a scalar recurrence)
 //   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
 //   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
@@ -27,9 +30,10 @@
 // The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_chunks_of), so that
 // their persistent grids share that work evenly.
 //
-// Learned tensors of rank >= 3 (normalised per slice of their last two axes) are stepped by the
-// reference functions on the device (lopt.fused.celo2, "elsewhere"): the kernels only check their
-// gradients. Nothing is written to parameters or state before the step is known to be kept.
+// Learned tensors of rank >= 3 with several slices of their last two axes (normalised per slice): where the
+// slices are small and contiguous (a conv kernel's kh x kw), celo2_slices steps each slice whole, after the
+// control phase; the others are stepped by the reference functions on the device (lopt.fused.celo2,
+// "elsewhere"): the kernels only check their gradients. Nothing is written to parameters or state before the step is known to be kept.
 #include "common.cuh"
 #include "accumulators.cuh"
 #include "split_mma.cuh"
@@ -228,7 +232,7 @@ celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__
   const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
   const Celo2Tensor c = celo2_tensors[tensor];
-  const bool learned = c.kind == LOPT_CELO2_LEARNED;
+  const bool learned = c.kind == LOPT_CELO2_LEARNED, sliced = c.kind == LOPT_CELO2_SLICED;
   const StepFlags flags{grad_scale, found_inf, status};
   const float inverse_scale = inverse_grad_scale(flags);
   const float2 transform = gradient_transforms[tensor];
@@ -245,6 +249,10 @@ celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__
     if (!learned) {
       unusable |= gradient_unusable(unscale_gradient(
           load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale));
+      if (sliced) {  // (its features' sums are per slice, celo2_slices'; param_scale's Σp² is the tensor's)
+        const float param = load_as_float<true>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
+        if (is_finite(param)) sums[C2_ELEMENT_FEATURES] = fmaf(param, param, sums[C2_ELEMENT_FEATURES]);
+      }
       continue;
     }
     float param;
@@ -326,7 +334,7 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
     }
     return;
   }
-  if (c.kind != LOPT_CELO2_LEARNED) return;
+  if (c.kind != LOPT_CELO2_LEARNED && c.kind != LOPT_CELO2_SLICED) return;  // (a sliced tensor's: param_scale)
   __shared__ double lane_sums[LOPT_CELO2_SUMS][C2_CONTROL_LANES];
   __shared__ double table_scratch[C2_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
   __shared__ double table_sums[LOPT_TABLE_FEATURES];
@@ -1222,6 +1230,195 @@ struct Celo2AdamW {
     }
   }
 };
+
+// ------------------------------------------------------------------------------------------
+// Sliced tensors
+// ------------------------------------------------------------------------------------------
+
+#define C2_SLICE_THREADS 128
+#define C2_SLICE_MAX LOPT_CELO2_SLICE_MAX
+
+// The SliceWalk row whose slices include `slice`: the last with first_slice <= slice (rows ascend).
+LOPT_DEVICE int slice_row(const SliceWalk* walk, int rows, i64 slice) {
+  int low = 0, high = rows - 1;
+  while (low < high) {
+    const int mid = (low + high + 1) / 2;
+    if (walk[mid].first_slice <= slice) low = mid;
+    else high = mid - 1;
+  }
+  return low;
+}
+
+// reference: per_element_features of a sliced tensor's element, all 30 inputs in input order: the element's own
+// (element_features) and its R and C entries' table features (R_k, C_k, rsqrt(R_k + 1e-8), rsqrt(C_k + 1e-8)).
+LOPT_DEVICE void slice_element_features(const TensorMeta& t, i64 e, float grad, float param, const ElementState& s,
+                                        const float* row_table, const float* col_table, float (&x)[C2_FEATURES]) {
+  const FactorIndex f = factor_index(t, e);
+  const FactorEntry row = read_factor_entry(row_table, t.row_table + f.row);
+  const FactorEntry col = read_factor_entry(col_table, t.col_table + f.col);
+  float own[C2_ELEMENT_FEATURES];
+  element_features(grad, param, s, true, row, col, own);
+#pragma unroll
+  for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[element_input(i)] = own[i];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    x[C2_TABLE_FIRST + k] = row.acc[k];
+    x[C2_TABLE_FIRST + 3 + k] = col.acc[k];
+    x[C2_TABLE_FIRST + 6 + k] = row.rsqrt_acc[k];
+    x[C2_TABLE_FIRST + 9 + k] = col.rsqrt_acc[k];
+  }
+}
+
+// One element of a sliced tensor: its gradient (clipped, clamped), its updated accumulators and its 30 features.
+LOPT_DEVICE float slice_element(const TensorMeta& t, i64 e, float inverse_scale, float2 transform, const Decays& d,
+                                const float* row_table, const float* col_table, float& param, ElementState& s,
+                                float (&x)[C2_FEATURES]) {
+  const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
+  update_accumulators(s, grad, d, true);
+  slice_element_features(t, e, grad, param, s, row_table, col_table, x);
+  return grad;
+}
+
+// reference: normalise_by_square_sums' factors for `count` values whose finite ones' squares sum to `sum`
+// (celo2_control's arithmetic): scale = 1/sqrt(1e-9 + sum/count) in float64, as float(scale·shift), float(1/shift).
+LOPT_DEVICE float2 square_sum_factors(double sum, int count) {
+  const double scale = 1.0 / sqrt(1e-9 + sum / static_cast<double>(count));
+  const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
+  return make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
+}
+
+// reference: newton_schulz of one matrix, `x` its rows x cols values in row-major order (at most C2_SLICE_MAX,
+// already divided by its norm plus eps, a non-finite value as 0), in float32 as the reference's products round:
+// a matrix with more rows than columns is iterated as its transpose; A = X Xᵀ, P = b·A + c·(A A), X ← a·X + P X,
+// each product's sum in index order.
+LOPT_DEVICE void slice_newton_schulz(float (&x)[C2_SLICE_MAX], int rows, int cols, const double* values) {
+  const bool transposed = rows > cols;
+  const int m = transposed ? cols : rows, n = transposed ? rows : cols;  // (the wide orientation: m <= n)
+  const float a = static_cast<float>(values[LOPT_CELO2_GROUP_NS_A]), b = static_cast<float>(values[LOPT_CELO2_GROUP_NS_B]);
+  const float c = static_cast<float>(values[LOPT_CELO2_GROUP_NS_C]);
+  const int steps = static_cast<int>(values[LOPT_CELO2_GROUP_NS_STEPS]);
+  // X[i][j] of the wide orientation lies at x[i·cols + j], or at x[j·cols + i] for a transposed one
+  auto at = [&](int i, int j) { return transposed ? j * cols + i : i * cols + j; };
+  float gram[C2_SLICE_MAX], poly[C2_SLICE_MAX], next[C2_SLICE_MAX];  // (m x m <= C2_SLICE_MAX: m² <= m·n)
+  for (int step = 0; step < steps; ++step) {
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < m; ++l) {
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) sum = fmaf(x[at(i, j)], x[at(l, j)], sum);
+        gram[i * m + l] = sum;
+      }
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < m; ++l) {
+        float sum = 0.f;
+        for (int k = 0; k < m; ++k) sum = fmaf(gram[i * m + k], gram[k * m + l], sum);
+        poly[i * m + l] = __fadd_rn(__fmul_rn(b, gram[i * m + l]), __fmul_rn(c, sum));
+      }
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        float sum = 0.f;
+        for (int k = 0; k < m; ++k) sum = fmaf(poly[i * m + k], x[at(k, j)], sum);
+        next[at(i, j)] = __fadd_rn(__fmul_rn(a, x[at(i, j)]), sum);
+      }
+    for (int e = 0; e < m * n; ++e) x[e] = next[e];
+  }
+}
+
+// Threads: one slice each of CELO2's sliced tensors (SliceWalk), a tensor of rank >= 3 whose slices of its last two
+// axes (a conv kernel's kh x kw) are small and contiguous: every normalisation and Newton–Schulz runs per slice
+// (reference learned_update over the last two axes), so a thread steps its slice whole, after the control phase
+// (the factor tables, param_scale). Three walks over the slice's elements: the features' per-slice sums of
+// squares (float64, finite values); the normalised features, the MLP (float32, inputs in input order) and the
+// proposed step, the accumulators stored for a kept step; then Newton–Schulz (where the group orthogonalises: the
+// slice divided by its norm plus ns_eps, non-finite values as 0 and keeping their own value), finish_step's
+// normalisation, · rms_mult, and p ← p − lr·(u + weight_decay·p). R and C are committed by celo2_control.
+extern "C" __global__ void __launch_bounds__(C2_SLICE_THREADS)
+celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
+             const GroupMeta* __restrict__ groups, const double* __restrict__ celo2_groups,
+             const float2* __restrict__ gradient_transforms, const float* __restrict__ row_table,
+             const float* __restrict__ col_table, const float* __restrict__ param_scales, const Celo2Network network,
+             const SliceWalk* __restrict__ walk, int walk_rows, i64 total_slices, const float* grad_scale,
+             const float* found_inf, int* status) {
+  const i64 slice = static_cast<i64>(blockIdx.x) * C2_SLICE_THREADS + threadIdx.x;
+  if (slice >= total_slices) return;
+  const SliceWalk w = walk[slice_row(walk, walk_rows, slice)];
+  const int tensor = static_cast<int>(w.tensor), rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols);
+  const int count = rows * cols;
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
+  const i64 first = (slice - w.first_slice) * count;
+  const StepFlags flags{grad_scale, found_inf, status};
+  const bool keep = !step_is_skipped(flags);
+  const float inverse_scale = inverse_grad_scale(flags);
+  const float2 transform = gradient_transforms[tensor];
+  const ApplyScalars group = read_apply_scalars(groups[t.group]);
+  const double* values = group_values(celo2_groups, t.group);
+  // 1. the features' sums of squares over the slice
+  double sums[C2_FEATURES];
+#pragma unroll
+  for (int j = 0; j < C2_FEATURES; ++j) sums[j] = 0.0;
+  for (int i = 0; i < count; ++i) {
+    float param, x[C2_FEATURES];
+    ElementState s;
+    slice_element(t, first + i, inverse_scale, transform, group.decays, row_table, col_table, param, s, x);
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j)
+      if (is_finite(x[j])) sums[j] = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), sums[j]);
+  }
+  float2 factors[C2_FEATURES];
+#pragma unroll
+  for (int j = 0; j < C2_FEATURES; ++j) factors[j] = square_sum_factors(sums[j], count);
+  // 2. the MLP and the proposed step
+  const bool param_scale_mult = values[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
+  const float param_scale = param_scales[tensor];
+  float step[C2_SLICE_MAX];
+  for (int i = 0; i < count; ++i) {
+    float param, x[C2_FEATURES];
+    ElementState s;
+    slice_element(t, first + i, inverse_scale, transform, group.decays, row_table, col_table, param, s, x);
+    if (keep) store_element_state(t, first + i, s);
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j) x[j] = normalised(x[j], factors[j]);
+    float h[C2_HIDDEN];
+    dense_layer<C2_FEATURES, C2_HIDDEN, true>(network.w, C2_MLP_W0, C2_MLP_B0, x, h);
+#pragma unroll
+    for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
+      float next[C2_HIDDEN];
+      dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
+                                               C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
+#pragma unroll
+      for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
+    }
+    float out[2];
+    dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
+    float factor = expf(__fmul_rn(out[1], group.exp_mult));
+    if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
+    step[i] = __fmul_rn(out[0], factor);
+  }
+  // 3. Newton–Schulz, finish_step, apply
+  float u[C2_SLICE_MAX];
+  for (int i = 0; i < count; ++i) u[i] = step[i];
+  if (values[LOPT_CELO2_GROUP_ORTHOGONALIZE] != 0.0) {
+    double sum = 0.0;
+    for (int i = 0; i < count; ++i)
+      if (is_finite(step[i])) sum = fma(static_cast<double>(step[i]), static_cast<double>(step[i]), sum);
+    const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
+    for (int i = 0; i < count; ++i) u[i] = is_finite(step[i]) ? __fdiv_rn(step[i], divisor) : 0.f;
+    slice_newton_schulz(u, rows, cols, values);
+    for (int i = 0; i < count; ++i)
+      if (!is_finite(step[i])) u[i] = step[i];
+  }
+  double sum = 0.0;
+  for (int i = 0; i < count; ++i)
+    if (is_finite(u[i])) sum = fma(static_cast<double>(u[i]), static_cast<double>(u[i]), sum);
+  const float2 scale = square_sum_factors(sum, count);
+  const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
+  if (!keep) return;
+  const int param_dtype = static_cast<int>(t.param_dtype);
+  for (int i = 0; i < count; ++i) {
+    const float param = load_as_float(pointer<const void>(t.param), first + i, param_dtype);
+    store_from_float(pointer<void>(t.param), first + i, param_dtype,
+                     updated_param(param, __fmul_rn(normalised(u[i], scale), rms_mult), group));
+  }
+}
 
 // Block 0 advances the step counters (apply_pass_goes_on), so the pass launches with one block at least, also
 // where its walk is empty.
