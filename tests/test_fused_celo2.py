@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lopt.fused.celo2 import Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix, stored_matrix
+from lopt.fused.celo2 import (SLICE_MAX, Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix,
+                              sliced, stored_matrix)
 from lopt.fused.engine import walk_of
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
@@ -173,6 +174,19 @@ def test_a_tensor_of_one_slice_is_stepped_as_a_matrix(shape, fused):
     """The fused passes take a learned tensor whose normalisations and Newton–Schulz run over all of it (its
     leading axes of size 1); one of several slices is stepped elsewhere."""
     assert one_matrix(shape) is fused
+
+
+@pytest.mark.parametrize("shape, channels_last, expected", [
+    ((8, 3, 3, 3), False, True), ((2, 5, 3), False, True), ((3, 4, 4), False, True), ((6, 2, 1, 1), False, True),
+    ((3, 4, 5), False, False), ((2, 3, 5, 5), False, False), ((8, 3, 3, 3), True, False), ((5, 3), False, False)])
+def test_small_contiguous_slices_are_stepped_by_celo2_slices(shape, channels_last, expected):
+    """celo2_slices takes a tensor of rank >= 3 whose slices of its last two axes hold at most SLICE_MAX (16)
+    elements and lie contiguous (the tensor in row-major order): a thread walks its slice's elements in a row.
+    A larger slice, or a conv kernel in channels-last order, is stepped elsewhere; a matrix is not sliced."""
+    p = torch.randn(shape)
+    if channels_last:
+        p = p.to(memory_format=torch.channels_last)
+    assert SLICE_MAX == 16 and sliced(p) is expected
 
 
 @pytest.mark.parametrize("orthogonalize", [False, True])
