@@ -177,16 +177,16 @@ def test_a_tensor_of_one_slice_is_stepped_as_a_matrix(shape, fused):
 
 
 @pytest.mark.parametrize("shape, channels_last, expected", [
-    ((8, 3, 3, 3), False, True), ((2, 5, 3), False, True), ((3, 4, 4), False, True), ((6, 2, 1, 1), False, True),
-    ((3, 4, 5), False, False), ((2, 3, 5, 5), False, False), ((8, 3, 3, 3), True, False), ((5, 3), False, False)])
+    ((8, 3, 3, 3), False, True), ((2, 5, 3), False, True), ((64, 3, 7, 7), False, True), ((6, 2, 1, 1), False, True),
+    ((3, 8, 8), False, False), ((2, 3, 10, 5), False, False), ((8, 3, 3, 3), True, False), ((5, 3), False, False)])
 def test_small_contiguous_slices_are_stepped_by_celo2_slices(shape, channels_last, expected):
-    """celo2_slices takes a tensor of rank >= 3 whose slices of its last two axes hold at most SLICE_MAX (16)
-    elements and lie contiguous (the tensor in row-major order): a thread walks its slice's elements in a row.
+    """celo2_slices takes a tensor of rank >= 3 whose slices of its last two axes hold at most SLICE_MAX (49, a
+    7 x 7 kernel's) elements and lie contiguous (the tensor in row-major order): a thread walks its slice's elements in a row.
     A larger slice, or a conv kernel in channels-last order, is stepped elsewhere; a matrix is not sliced."""
     p = torch.randn(shape)
     if channels_last:
         p = p.to(memory_format=torch.channels_last)
-    assert SLICE_MAX == 16 and sliced(p) is expected
+    assert SLICE_MAX == 49 and sliced(p) is expected
 
 
 @pytest.mark.parametrize("orthogonalize", [False, True])

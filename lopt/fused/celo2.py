@@ -239,7 +239,7 @@ def one_matrix(shape) -> bool:
 
 def sliced(p: torch.Tensor) -> bool:
     """Whether ``celo2_slices`` steps a learned tensor that is not :func:`one_matrix`: its slices of its last two
-    axes (a conv kernel's ``kh × kw``) of at most ``SLICE_MAX`` elements each, and contiguous (the tensor in
+    axes (a conv kernel's ``kh × kw``) of at most ``SLICE_MAX`` (49: 7 × 7) elements each, and contiguous (the tensor in
     row-major order), so that a thread walks a slice's elements in a row. The others (larger slices, a conv
     kernel in channels-last order) are stepped elsewhere."""
     return p.dim() >= 3 and math.prod(p.shape[-2:]) <= SLICE_MAX and p.is_contiguous()

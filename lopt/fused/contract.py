@@ -135,7 +135,7 @@ CONSTANTS: dict = {
     "CELO2_ADAM_SHARED": 2,
     "CELO2_ELSEWHERE": 3,
     "CELO2_SLICED": 4,
-    "CELO2_SLICE_MAX": 16,  # elements of a slice celo2_slices takes (larger ones are stepped elsewhere)
+    "CELO2_SLICE_MAX": 49,  # elements of a slice celo2_slices takes, 7 x 7 (larger ones are stepped elsewhere)
 }
 CONSTANTS["STATS_CHUNK"] = CONSTANTS["STATS_THREADS"] * CONSTANTS["STATS_PER_THREAD"]
 
