@@ -1344,7 +1344,10 @@ celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gra
   const int tensor = static_cast<int>(w.tensor), rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols);
   const int count = rows * cols;
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
-  const i64 first = (slice - w.first_slice) * count;
+  const i64 s = slice - w.first_slice;
+  const i64 base = (s / w.inner) * w.outer_stride + (s % w.inner) * w.inner_stride;
+  // (element i = r·cols + c of the slice, at its memory index)
+  auto element = [&](int i) { return base + (i / cols) * w.row_stride + (i % cols) * w.col_stride; };
   const StepFlags flags{grad_scale, found_inf, status};
   const bool keep = !step_is_skipped(flags);
   const float inverse_scale = inverse_grad_scale(flags);
@@ -1357,8 +1360,8 @@ celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gra
   for (int j = 0; j < C2_FEATURES; ++j) sums[j] = 0.0;
   for (int i = 0; i < count; ++i) {
     float param, x[C2_FEATURES];
-    ElementState s;
-    slice_element(t, first + i, inverse_scale, transform, group.decays, row_table, col_table, param, s, x);
+    ElementState state;
+    slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
 #pragma unroll
     for (int j = 0; j < C2_FEATURES; ++j)
       if (is_finite(x[j])) sums[j] = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), sums[j]);
@@ -1372,9 +1375,9 @@ celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gra
   float step[C2_SLICE_MAX];
   for (int i = 0; i < count; ++i) {
     float param, x[C2_FEATURES];
-    ElementState s;
-    slice_element(t, first + i, inverse_scale, transform, group.decays, row_table, col_table, param, s, x);
-    if (keep) store_element_state(t, first + i, s);
+    ElementState state;
+    slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
+    if (keep) store_element_state(t, element(i), state);
 #pragma unroll
     for (int j = 0; j < C2_FEATURES; ++j) x[j] = normalised(x[j], factors[j]);
     float h[C2_HIDDEN];
@@ -1414,8 +1417,8 @@ celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gra
   if (!keep) return;
   const int param_dtype = static_cast<int>(t.param_dtype);
   for (int i = 0; i < count; ++i) {
-    const float param = load_as_float(pointer<const void>(t.param), first + i, param_dtype);
-    store_from_float(pointer<void>(t.param), first + i, param_dtype,
+    const float param = load_as_float(pointer<const void>(t.param), element(i), param_dtype);
+    store_from_float(pointer<void>(t.param), element(i), param_dtype,
                      updated_param(param, __fmul_rn(normalised(u[i], scale), rms_mult), group));
   }
 }

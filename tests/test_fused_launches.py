@@ -168,7 +168,8 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
         slices = next(launch for launch in recorded if launch[0] == "celo2_slices")
         parameters = declared_parameter_names(source)["celo2_slices"]
         assert slices[1] == 1 and slices[3][parameters.index("total_slices")] == 2 + 24
-        assert work.slice_walk.tolist() == [[0, 3, 3, 4], [2, 4, 3, 3]]  # (first_slice, tensor, rows, cols)
+        # (first_slice, tensor, rows, cols, inner, outer_stride, inner_stride, row_stride, col_stride)
+        assert work.slice_walk.tolist() == [[0, 3, 3, 4, 1, 12, 0, 4, 1], [2, 4, 3, 3, 1, 9, 0, 3, 1]]
         assert {work.kinds[row] for row in adam} == {ADAM_OWN if name == "celo2" else ADAM_SHARED}
         walked = {launch[0]: launch for launch in recorded[:per_step]}
         for kernel, rows in [("celo2_mlp", learned), ("celo2_apply", learned), ("celo2_adamw", adam)]:
@@ -774,8 +775,8 @@ def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
 def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     """A learned tensor of rank >= 3 whose leading axes are all of size 1 (a class token) is the matrix of its
     last two axes: it joins the stack of that matrix's shape, and Newton–Schulz's launches take it. A conv
-    kernel (several slices) of small contiguous slices is sliced (celo2_slices); one of slices larger than
-    SLICE_MAX, or in channels-last order, is stepped elsewhere, by the reference functions. A matrix of one
+    kernel (several slices) of small slices is sliced (celo2_slices), in either memory order; one of slices larger
+    than SLICE_MAX, or of rank 5 in another order, is stepped elsewhere, by the reference functions. A matrix of one
     row (or column) is scalar: celo2_normalise takes its rows first and runs its whole iteration
     (scalar_rows), with no workspace of Gram matrices and no product."""
     import lopt.fused.celo2 as fused_celo2
@@ -789,6 +790,7 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     params = [torch.nn.Parameter(torch.randn(s, generator=g))
               for s in [(1, 1, 9), (1, 9), (1, 6, 4), (2, 3, 3, 3), (2, 3, 8, 8)]]
     params.append(torch.nn.Parameter(torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)))
+    params.append(torch.nn.Parameter(torch.randn(2, 3, 2, 3, 3, generator=g).to(memory_format=torch.channels_last_3d)))
     opt = engine_for("celo2", params)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-2
@@ -797,8 +799,11 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     row = {tuple(p.shape): next(i for i, q in enumerate(engine.plan.params) if q is p) for p in params}
     stacks = {(s.rows_per_matrix, s.cols): sorted(s.tensor_rows) for s in engine.plan.work.stacks if s.matrices}
     assert stacks == {(1, 9): sorted([row[(1, 1, 9)], row[(1, 9)]]), (6, 4): [row[(1, 6, 4)]]}
-    assert sorted(engine.plan.work.elsewhere_rows) == sorted([row[(2, 3, 8, 8)], row[(4, 3, 3, 3)]])
-    assert engine.plan.work.slice_walk.tolist() == [[0, row[(2, 3, 3, 3)], 3, 3]]
+    assert sorted(engine.plan.work.elsewhere_rows) == sorted([row[(2, 3, 8, 8)], row[(2, 3, 2, 3, 3)]])
+    # (first_slice, tensor, rows, cols, inner, outer_stride, inner_stride, row_stride, col_stride): the row-major
+    # kernel's slices one after the other, the channels-last one's strided (slice_walk_row)
+    assert engine.plan.work.slice_walk.tolist() == [[0, row[(2, 3, 3, 3)], 3, 3, 1, 9, 0, 3, 1],
+                                                    [6, row[(4, 3, 3, 3)], 3, 3, 3, 27, 1, 9, 3]]
     [(grid, args)] = [(grid, args) for name, grid, _, args in recorded if name == "celo2_normalise"]
     names = declared_parameter_names("celo2.cu")["celo2_normalise"]
     assert grid[1] == 3 and args[names.index("scalar_rows")] == 2

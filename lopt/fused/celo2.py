@@ -13,8 +13,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              and Σ p²; every gradient element checked
 4. ``celo2_control``         normaliser scales (the table features' sums over the R and C entries) and
                              ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
-   ``celo2_slices``          the sliced tensors (:func:`sliced`: conv kernels of small contiguous ``kh × kw``
-                             slices), a thread per slice: its features, per-slice normalisation, the MLP (float32),
+   ``celo2_slices``          the sliced tensors (:func:`sliced`: conv kernels of small ``kh × kw`` slices, in
+                             either memory layout), a thread per slice: its features, per-slice normalisation, the MLP (float32),
                              Newton–Schulz of the slice, finish_step and the update, whole
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
@@ -32,8 +32,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 7. ``celo2_adamw``           (after the MLP pass) the AdamW branch: CELO2's own moments with their own step
                              counts, ELO-CELO2's shared accumulators
    ``celo2_apply``           the learned tensors' ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the step counters
-8. torch, "elsewhere"        the other learned tensors of several slices (larger slices, channels-last conv
-                             kernels), whose normalisation and Newton–Schulz run per slice of their last two axes:
+8. torch, "elsewhere"        the other learned tensors of several slices (larger slices, rank >= 5 in another
+                             memory order), whose normalisation and Newton–Schulz run per slice of their last two axes:
                              the reference functions, written where the step is kept (no host synchronisation)
 
 The MLP and apply passes walk the learned tensors' chunks alone, the AdamW pass the AdamW tensors'
@@ -54,7 +54,7 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import CELO2_GROUP_DOUBLES, CELO2_GROUP_VALUES, CONSTANTS, FIELD, empty_rows
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, Walk, arranged, commit_blocks, walk_of
+from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, Walk, arranged, commit_blocks, memory_order, walk_of
 from lopt.network import PREFIX, MLPGeometry
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
@@ -239,10 +239,22 @@ def one_matrix(shape) -> bool:
 
 def sliced(p: torch.Tensor) -> bool:
     """Whether ``celo2_slices`` steps a learned tensor that is not :func:`one_matrix`: its slices of its last two
-    axes (a conv kernel's ``kh × kw``) of at most ``SLICE_MAX`` (49: 7 × 7) elements each, and contiguous (the tensor in
-    row-major order), so that a thread walks a slice's elements in a row. The others (larger slices, a conv
-    kernel in channels-last order) are stepped elsewhere."""
-    return p.dim() >= 3 and math.prod(p.shape[-2:]) <= SLICE_MAX and p.is_contiguous()
+    axes (a conv kernel's ``kh × kw``) of at most ``SLICE_MAX`` (49: 7 × 7) elements each, the tensor dense and
+    in row-major order or of rank 4 in any order (a conv kernel in channels-last order), so that
+    :func:`slice_walk_row` locates every slice's elements. The others (larger slices, rank 5 or more in another
+    order) are stepped elsewhere."""
+    return (p.dim() >= 3 and math.prod(p.shape[-2:]) <= SLICE_MAX and memory_order(p) is not None
+            and (p.is_contiguous() or p.dim() == 4))
+
+
+def slice_walk_row(p: torch.Tensor, first_slice: int, row: int) -> tuple:
+    """A sliced tensor's SliceWalk row: slice s (its leading axes' index in row-major order) has its element
+    (r, c) at memory index ``(s // inner)·outer_stride + (s % inner)·inner_stride + r·row_stride + c·col_stride``
+    (the tensor's strides: a row-major tensor's slices one after the other, a channels-last kernel's strided)."""
+    rows, cols = p.shape[-2:]
+    if p.is_contiguous():
+        return first_slice, row, rows, cols, 1, rows * cols, 0, cols, 1
+    return first_slice, row, rows, cols, p.shape[1], p.stride(0), p.stride(1), p.stride(2), p.stride(3)
 
 
 def stored_matrix(shape, order) -> tuple[int, int]:
@@ -451,9 +463,9 @@ class CELO2Fused(FusedEngine):
         slice_walk = empty_rows("SliceWalk", len(slices))
         total_slices = 0
         for index, row in enumerate(slices):
-            shape = layout.shapes[row]
-            slice_walk[index] = (total_slices, row, shape[-2], shape[-1])
-            total_slices += math.prod(shape) // math.prod(shape[-2:])
+            p = plan.params[row]
+            slice_walk[index] = slice_walk_row(p, total_slices, row)
+            total_slices += p.numel() // math.prod(p.shape[-2:])
         clipping = any(plan.key[2])
         transforms = torch.ones(max(n, 1), 2, dtype=torch.float32, device=device)
         return Celo2Work(

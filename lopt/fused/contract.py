@@ -79,8 +79,10 @@ STRUCTS: dict = {
     # learned tensors, its AdamW pass its AdamW ones.)
     "ChunkWalk": ("first_chunk", "tensor"),
     # CELO2's sliced tensors (celo2_slices), in row order: each one's slices (of `rows` x `cols` elements, its last
-    # two axes; contiguous, slice s at elements [s·rows·cols, (s + 1)·rows·cols)) numbered from `first_slice`.
-    "SliceWalk": ("first_slice", "tensor", "rows", "cols"),
+    # two axes) numbered from `first_slice`; slice s's element (r, c) lies at memory index
+    # (s / inner)·outer_stride + (s % inner)·inner_stride + r·row_stride + c·col_stride (lopt.fused.celo2.slice_walk_row).
+    "SliceWalk": ("first_slice", "tensor", "rows", "cols", "inner", "outer_stride", "inner_stride", "row_stride",
+                  "col_stride"),
     # One row per parameter group (also groups without a tensor in this step: their counters advance).
     "GroupMeta": (
         "values",  # float block of GROUP_VALUE_FLOATS (decays, exp_mult, step_mult, host lr/weight decay)
