@@ -217,68 +217,74 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
 // Statistics
 // ------------------------------------------------------------------------------------------
 
-// Block b: stats chunk b. A learned tensor's elements: the accumulators updated (not stored), the
-// features, and the sums of their squares (non-finite values, of a non-finite parameter or state
-// element, left out: finite_part) and of the parameter's; every tensor's elements: the check phase's test.
-// Four blocks per SM (64 registers; at its natural 114 only two fit): the pass waits on its loads, and twice the
+// The statistics pass (statistics_pass in accumulators.cuh), block b: stats chunk b. A learned tensor's elements:
+// the accumulators updated (not stored), the features, and the sums of their squares (non-finite values, of a
+// non-finite parameter or state element, left out: finite_part) and of the parameter's; a sliced tensor's: only
+// Σ p² (param_scale's: its features' sums are per slice, celo2_slices'); an AdamW tensor's: only the check
+// phase's test (checked_only). The table features' sums stay 0: celo2_control sums them over the
+// tables. Each thread takes its elements in pairs and asks L2 for its next pair ahead of use (the shared walk,
+// for_each_chunk_element), as small_fc_lopt's and VeLO's statistics passes do.
+// Four blocks per SM (64 registers; at its natural ~114 only two fit): the pass waits on its loads, and twice the
 // warps hide that latency better than the registers saved spills cost (docs/performance.md §8).
-extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, 4)
+#define C2_STATS_BLOCKS 4
+struct Celo2Statistics {
+  static constexpr int kSums = LOPT_CELO2_SUMS;  // (feature j's Σ x² at j, then Σ p²)
+  static constexpr int kUnroll = 1;              // pairs of elements per iteration
+  static constexpr int kPrefetch = 1;            // pairs requested into L2 ahead
+  static constexpr bool kSomeOnlyChecked = true;
+  struct Inputs {
+    const Celo2Tensor* celo2_tensors;
+    const float2* gradient_transforms;
+    const float4* row_factors;
+    const float4* col_factors;
+  };
+  const TensorMeta& t;
+  Decays decays;
+  float2 transform;
+  bool learned, sliced;
+  int inputs;
+  const float4* row_factors;
+  const float4* col_factors;
+
+  LOPT_DEVICE Celo2Statistics(const TensorMeta& tensor_meta, int tensor, const Decays& group_decays,
+                              const Inputs& in)
+      : t(tensor_meta), decays(group_decays), transform(in.gradient_transforms[tensor]),
+        learned(in.celo2_tensors[tensor].kind == LOPT_CELO2_LEARNED),
+        sliced(in.celo2_tensors[tensor].kind == LOPT_CELO2_SLICED),
+        inputs(static_cast<int>(in.celo2_tensors[tensor].inputs)), row_factors(in.row_factors),
+        col_factors(in.col_factors) {}
+
+  LOPT_DEVICE bool checked_only() const { return !learned && !sliced; }
+
+  template <bool Factored>
+  LOPT_DEVICE void add(float raw_grad, float param, ElementState& s, const FactorIndex& f,
+                       float (&sums)[kSums]) const {
+    if (sliced) {
+      if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+      return;
+    }
+    const float grad = step_gradient(raw_grad, transform);
+    update_accumulators(s, grad, decays, Factored);
+    FactorEntry row = {}, col = {};
+    if (Factored) load_factors(t, f, row_factors, col_factors, row, col);
+    float x[C2_ELEMENT_FEATURES];
+    element_features(grad, param, s, Factored, row, col, x);
+#pragma unroll
+    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
+      if (element_input(i) < inputs && is_finite(x[i])) sums[element_input(i)] = fmaf(x[i], x[i], sums[element_input(i)]);
+    if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, C2_STATS_BLOCKS)
 celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                  const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
                  const float2* __restrict__ gradient_transforms, const float4* __restrict__ row_factors,
                  const float4* __restrict__ col_factors, const float* grad_scale, const float* found_inf, int* status,
                  double* __restrict__ stats_partials) {
-  const i64 block_chunk = blockIdx.x;
-  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
-  const TensorMeta t = tensor_row(tensors, gradients, tensor);
-  const Celo2Tensor c = celo2_tensors[tensor];
-  const bool learned = c.kind == LOPT_CELO2_LEARNED, sliced = c.kind == LOPT_CELO2_SLICED;
-  const StepFlags flags{grad_scale, found_inf, status};
-  const float inverse_scale = inverse_grad_scale(flags);
-  const float2 transform = gradient_transforms[tensor];
-  const Decays decays = group_decays(groups, t);
-  const i64 chunk = block_chunk - t.first_stats_chunk;
-  const int inputs = static_cast<int>(c.inputs);
-  float sums[C2_ELEMENT_FEATURES + 1];  // (element feature i's Σ x² at i, then Σ p²)
-#pragma unroll
-  for (int i = 0; i <= C2_ELEMENT_FEATURES; ++i) sums[i] = 0.f;
-  bool unusable = false;
-  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
-    if (e >= t.numel) break;
-    if (!learned) {
-      unusable |= gradient_unusable(unscale_gradient(
-          load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale));
-      if (sliced) {  // (its features' sums are per slice, celo2_slices'; param_scale's Σp² is the tensor's)
-        const float param = load_as_float<true>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype));
-        if (is_finite(param)) sums[C2_ELEMENT_FEATURES] = fmaf(param, param, sums[C2_ELEMENT_FEATURES]);
-      }
-      continue;
-    }
-    float param;
-    ElementState s;
-    const float raw_grad = load_element<true>(t, e, inverse_scale, param, s);
-    unusable |= gradient_unusable(raw_grad);
-    const float grad = step_gradient(raw_grad, transform);
-    update_accumulators(s, grad, decays, t.factored);
-    FactorEntry row = {}, col = {};
-    if (t.factored) load_factors(t, factor_index(t, e), row_factors, col_factors, row, col);
-    float x[C2_ELEMENT_FEATURES];
-    element_features(grad, param, s, t.factored, row, col, x);
-#pragma unroll
-    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
-      if (element_input(i) < inputs && is_finite(x[i])) sums[i] = fmaf(x[i], x[i], sums[i]);
-    if (is_finite(param)) sums[C2_ELEMENT_FEATURES] = fmaf(param, param, sums[C2_ELEMENT_FEATURES]);
-  }
-  report_unusable_gradients(unusable, status);
-  double values[LOPT_CELO2_SUMS] = {};  // (the table features' stay 0: celo2_control sums them over the tables)
-#pragma unroll
-  for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) values[element_input(i)] = sums[i];
-  values[C2_FEATURES] = sums[C2_ELEMENT_FEATURES];
-  __shared__ double scratch[LOPT_STATS_THREADS / 32][LOPT_CELO2_SUMS];
-  __shared__ double block[LOPT_CELO2_SUMS];
-  block_sums<LOPT_CELO2_SUMS, LOPT_STATS_THREADS>(values, scratch, block);
-  if (threadIdx.x < LOPT_CELO2_SUMS) stats_partials[block_chunk * LOPT_CELO2_SUMS + threadIdx.x] = block[threadIdx.x];
+  statistics_pass<Celo2Statistics>(tensors, gradients, num_tensors, groups, StepFlags{grad_scale, found_inf, status},
+                                   Celo2Statistics::Inputs{celo2_tensors, gradient_transforms, row_factors, col_factors},
+                                   stats_partials);
 }
 
 // ------------------------------------------------------------------------------------------
