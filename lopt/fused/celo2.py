@@ -14,8 +14,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 4. ``celo2_control``         normaliser scales (the table features' sums over the R and C entries) and
                              ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
    ``celo2_slices``          the sliced tensors (:func:`sliced`: conv kernels of small ``kh × kw`` slices, in
-                             either memory layout), a thread per slice: its features, per-slice normalisation, the MLP (float32),
-                             Newton–Schulz of the slice, finish_step and the update, whole
+                             either memory layout), a thread per slice: its features, per-slice normalisation,
+                             the MLP (float32), Newton–Schulz of the slice, finish_step and the update, whole
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
@@ -33,8 +33,9 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              counts, ELO-CELO2's shared accumulators
    ``celo2_apply``           the learned tensors' ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the step counters
 8. torch, "elsewhere"        the other learned tensors of several slices (larger slices, rank >= 5 in another
-                             memory order), whose normalisation and Newton–Schulz run per slice of their last two axes:
-                             the reference functions, written where the step is kept (no host synchronisation)
+                             memory order), whose normalisation and Newton–Schulz run per slice of their last two
+                             axes: the reference functions, written where the step is kept (no host
+                             synchronisation)
 
 The MLP and apply passes walk the learned tensors' chunks alone, the AdamW pass the AdamW tensors'
 (:class:`lopt.fused.engine.Walk`), each split evenly over its persistent grid.
