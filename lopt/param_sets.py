@@ -110,10 +110,9 @@ def resnet_shapes(layers=(3, 4, 6, 3), widths=(64, 128, 256, 512), expansion: in
         out = width * expansion
         for block in range(blocks):
             prefix = f"layer{stage}.{block}."
-            for index, (conv, channels_in, kernel) in enumerate([("conv1", inplanes, 1), ("conv2", width, 3),
-                                                                 ("conv3", width, 1)], start=1):
-                channels_out = out if conv == "conv3" else width
-                shapes += [(prefix + f"{conv}.weight", (channels_out, channels_in, kernel, kernel)),
+            for index, (channels_in, channels_out, kernel) in enumerate([(inplanes, width, 1), (width, width, 3),
+                                                                         (width, out, 1)], start=1):
+                shapes += [(prefix + f"conv{index}.weight", (channels_out, channels_in, kernel, kernel)),
                            (prefix + f"bn{index}.weight", (channels_out,)), (prefix + f"bn{index}.bias", (channels_out,))]
             if block == 0:
                 shapes += [(prefix + "downsample.0.weight", (out, inplanes, 1, 1)),
