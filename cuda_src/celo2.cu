@@ -191,16 +191,8 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
   double values[1] = {static_cast<double>(sum)};
   __shared__ double scratch[LOPT_STATS_THREADS / 32][1];
   __shared__ double total[1];
-  __shared__ bool last;
   block_sums<1, LOPT_STATS_THREADS>(values, scratch, total);
-  if (threadIdx.x == 0) {
-    norm_partials[block_chunk] = total[0];
-    __threadfence();  // (the partial is visible before the ticket counts this block)
-    last = atomicAdd(norm_ticket, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!store_partial_and_finish_last(norm_partials + block_chunk, total[0], norm_ticket, gridDim.x)) return;
   double partial = 0.0;
   for (i64 k = threadIdx.x; k < gridDim.x; k += LOPT_STATS_THREADS) partial += __ldcg(norm_partials + k);
   values[0] = partial;
@@ -829,16 +821,10 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   const double values[1] = {sum};
   __shared__ double scratch[C2_SUMS_THREADS / 32][1];
   __shared__ double total[1];
-  __shared__ bool last;
   block_sums<1, C2_SUMS_THREADS>(values, scratch, total);
-  if (threadIdx.x == 0) {
-    partials[blockIdx.y * C2_SUMS_SPLITS + blockIdx.x] = total[0];
-    __threadfence();  // (the partial is visible before the ticket counts this block)
-    last = atomicAdd(tickets + blockIdx.y, 1u) == C2_SUMS_SPLITS - 1;
-  }
-  __syncthreads();
-  if (!last || threadIdx.x != 0) return;
-  __threadfence();
+  if (!store_partial_and_finish_last(partials + blockIdx.y * C2_SUMS_SPLITS + blockIdx.x, total[0],
+                                     tickets + blockIdx.y, C2_SUMS_SPLITS) || threadIdx.x != 0)
+    return;
   double tensor_sum = 0.0;
   for (int k = 0; k < C2_SUMS_SPLITS; ++k) tensor_sum += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
   tickets[blockIdx.y] = 0u;
