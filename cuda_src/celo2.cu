@@ -423,6 +423,22 @@ LOPT_DEVICE void dense_layer(const float* w, int weights, int biases, const floa
   }
 }
 
+// The MLP from its first layer's activations `h` on: the hidden layers (ReLU'd), then outputs 0 and 1 (direction,
+// magnitude; the third output no update reads is not computed).
+LOPT_DEVICE float2 mlp_after_first_layer(float (&h)[C2_HIDDEN], const Celo2Network& network) {
+#pragma unroll
+  for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
+    float next[C2_HIDDEN];
+    dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
+                                             C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
+#pragma unroll
+    for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
+  }
+  float out[2];
+  dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
+  return make_float2(out[0], out[1]);
+}
+
 // reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
 // (direction, magnitude; the third output no update reads is not computed). The first layer's pre-activations
 // start from `start` (b0 plus the table features' share, celo2_table_features, or b0 alone for a tensor without
@@ -441,17 +457,7 @@ LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_ELEMENT_FEATURES], cons
   }
 #pragma unroll
   for (int n = 0; n < C2_HIDDEN; ++n) h[n] = relu(h[n]);
-#pragma unroll
-  for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
-    float next[C2_HIDDEN];
-    dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
-                                             C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
-#pragma unroll
-    for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
-  }
-  float out[2];
-  dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
-  return make_float2(out[0], out[1]);
+  return mlp_after_first_layer(h, network);
 }
 
 // precision="fast" (C2_FAST_MLP, lopt.fused.celo2.kernel_defines): the same MLP on tensor cores, BF16 operands
@@ -1374,19 +1380,10 @@ celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gra
     for (int j = 0; j < C2_FEATURES; ++j) x[j] = normalised(x[j], factors[j]);
     float h[C2_HIDDEN];
     dense_layer<C2_FEATURES, C2_HIDDEN, true>(network.w, C2_MLP_W0, C2_MLP_B0, x, h);
-#pragma unroll
-    for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
-      float next[C2_HIDDEN];
-      dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
-                                               C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
-#pragma unroll
-      for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
-    }
-    float out[2];
-    dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
-    float factor = expf(__fmul_rn(out[1], group.exp_mult));
+    const float2 out = mlp_after_first_layer(h, network);
+    float factor = expf(__fmul_rn(out.y, group.exp_mult));
     if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
-    step[i] = __fmul_rn(out[0], factor);
+    step[i] = __fmul_rn(out.x, factor);
   }
   // 3. Newton–Schulz, finish_step, apply
   float u[C2_SLICE_MAX];
