@@ -237,6 +237,7 @@ LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float in
 //
 //   struct Stats {
 //     static constexpr int kSums, kUnroll, kPrefetch;  // sums per element; for_each_chunk_element's tuning
+//     static constexpr bool kSomeOnlyChecked;           // true: it has bool checked_only() (below)
 //     struct Inputs { ... };                            // what its kernel passes through (tables, factors)
 //     LOPT_DEVICE Stats(const TensorMeta& t, int tensor, const Decays& decays, const Inputs& inputs);
 //     template <bool Factored>                          // one element (gradient unscaled, old state)
@@ -255,6 +256,21 @@ LOPT_DEVICE bool add_chunk_statistics(const Stats& stats, const TensorMeta& t, i
   return unusable;
 }
 
+// A chunk of a tensor whose elements the pass only checks (Stats::kSomeOnlyChecked): whether any of its
+// gradient elements is unusable, from the gradient alone (its other arrays may not exist).
+LOPT_DEVICE bool chunk_gradients_unusable(const TensorMeta& t, i64 chunk, float inverse_scale) {
+  bool unusable = false;
+  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
+    if (e >= t.numel) break;
+    unusable |= gradient_unusable(unscale_gradient(
+        load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale));
+  }
+  return unusable;
+}
+
+// Stats::kSomeOnlyChecked: the optimizer steps some tensors without statistics (CELO2's AdamW branch), whose
+// chunks are only checked where stats.checked_only() says so; their sums stay 0.
 template <typename Stats>
 LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients, int num_tensors,
                                  const GroupMeta* groups, const StepFlags& flags, const typename Stats::Inputs& inputs,
@@ -268,8 +284,18 @@ LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients
   float sums[Stats::kSums];
 #pragma unroll
   for (int j = 0; j < Stats::kSums; ++j) sums[j] = 0.f;
-  const bool unusable = t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
-                                   : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  bool unusable;
+  if constexpr (Stats::kSomeOnlyChecked) {
+    if (stats.checked_only()) {
+      unusable = chunk_gradients_unusable(t, chunk, inverse_scale);
+    } else {
+      unusable = t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
+                            : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+    }
+  } else {
+    unusable = t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
+                          : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  }
   report_unusable_gradients(unusable, flags.status);
   double values[Stats::kSums];
 #pragma unroll

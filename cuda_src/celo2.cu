@@ -11,6 +11,8 @@
 //   celo2_control        per learned tensor the features' normaliser scales (the table features' sums over
 //                        the R and C entries) and param_scale; per AdamW tensor
 //                        its bias corrections; a kept step's new R and C written to the state
+//   celo2_slices         the sliced tensors (conv kernels): each small slice of their last two axes stepped
+//                        whole by one thread, features to the parameter's update
 //   celo2_table_features per R and C entry of a learned matrix, its table features' share of the first layer
 //                        (normalised, times their first-layer weights; R's with the first layer's bias)
 //   celo2_mlp            features, normalisation, the MLP, the proposed step (direction · exp(exp_mult ·
@@ -18,7 +20,8 @@
 //                        tensor's matrix as it lies in memory), and per block and tensor Σ s² of them; the
 //                        learned tensors' accumulators stored
 //   celo2_normalise      per matrix to orthogonalise: its norm plus ns_eps from the MLP pass's segment sums, and
-//                        the matrix divided by it, into Newton–Schulz's workspace
+//                        the matrix divided by it, into Newton–Schulz's workspace (a matrix of one row or
+//                        column: its whole iteration, a scalar recurrence)
 //   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
 //   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
@@ -27,9 +30,10 @@
 // The MLP, AdamW and apply passes each walk the chunks of the tensors they step only (walk_chunks_of), so that
 // their persistent grids share that work evenly.
 //
-// Learned tensors of rank >= 3 (normalised per slice of their last two axes) are stepped by the
-// reference functions on the device (lopt.fused.celo2, "elsewhere"): the kernels only check their
-// gradients. Nothing is written to parameters or state before the step is known to be kept.
+// Learned tensors of rank >= 3 with several slices of their last two axes (normalised per slice): where the
+// slices are small and contiguous (a conv kernel's kh x kw), celo2_slices steps each slice whole, after the
+// control phase; the others are stepped by the reference functions on the device (lopt.fused.celo2,
+// "elsewhere"): the kernels only check their gradients. Nothing is written to parameters or state before the step is known to be kept.
 #include "common.cuh"
 #include "accumulators.cuh"
 #include "split_mma.cuh"
@@ -187,16 +191,8 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
   double values[1] = {static_cast<double>(sum)};
   __shared__ double scratch[LOPT_STATS_THREADS / 32][1];
   __shared__ double total[1];
-  __shared__ bool last;
   block_sums<1, LOPT_STATS_THREADS>(values, scratch, total);
-  if (threadIdx.x == 0) {
-    norm_partials[block_chunk] = total[0];
-    __threadfence();  // (the partial is visible before the ticket counts this block)
-    last = atomicAdd(norm_ticket, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!store_partial_and_finish_last(norm_partials + block_chunk, total[0], norm_ticket, gridDim.x)) return;
   double partial = 0.0;
   for (i64 k = threadIdx.x; k < gridDim.x; k += LOPT_STATS_THREADS) partial += __ldcg(norm_partials + k);
   values[0] = partial;
@@ -213,64 +209,74 @@ celo2_gradient_norm(const TensorMeta* __restrict__ tensors, const i64* __restric
 // Statistics
 // ------------------------------------------------------------------------------------------
 
-// Block b: stats chunk b. A learned tensor's elements: the accumulators updated (not stored), the
-// features, and the sums of their squares (non-finite values, of a non-finite parameter or state
-// element, left out: finite_part) and of the parameter's; every tensor's elements: the check phase's test.
-// Four blocks per SM (64 registers; at its natural 114 only two fit): the pass waits on its loads, and twice the
+// The statistics pass (statistics_pass in accumulators.cuh), block b: stats chunk b. A learned tensor's elements:
+// the accumulators updated (not stored), the features, and the sums of their squares (non-finite values, of a
+// non-finite parameter or state element, left out: finite_part) and of the parameter's; a sliced tensor's: only
+// Σ p² (param_scale's: its features' sums are per slice, celo2_slices'); an AdamW tensor's: only the check
+// phase's test (checked_only). The table features' sums stay 0: celo2_control sums them over the
+// tables. Each thread takes its elements in pairs and asks L2 for its next pair ahead of use (the shared walk,
+// for_each_chunk_element), as small_fc_lopt's and VeLO's statistics passes do.
+// Four blocks per SM (64 registers; at its natural ~114 only two fit): the pass waits on its loads, and twice the
 // warps hide that latency better than the registers saved spills cost (docs/performance.md §8).
-extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, 4)
+#define C2_STATS_BLOCKS 4
+struct Celo2Statistics {
+  static constexpr int kSums = LOPT_CELO2_SUMS;  // (feature j's Σ x² at j, then Σ p²)
+  static constexpr int kUnroll = 1;              // pairs of elements per iteration
+  static constexpr int kPrefetch = 1;            // pairs requested into L2 ahead
+  static constexpr bool kSomeOnlyChecked = true;
+  struct Inputs {
+    const Celo2Tensor* celo2_tensors;
+    const float2* gradient_transforms;
+    const float4* row_factors;
+    const float4* col_factors;
+  };
+  const TensorMeta& t;
+  Decays decays;
+  float2 transform;
+  bool learned, sliced;
+  int inputs;
+  const float4* row_factors;
+  const float4* col_factors;
+
+  LOPT_DEVICE Celo2Statistics(const TensorMeta& tensor_meta, int tensor, const Decays& group_decays,
+                              const Inputs& in)
+      : t(tensor_meta), decays(group_decays), transform(in.gradient_transforms[tensor]),
+        learned(in.celo2_tensors[tensor].kind == LOPT_CELO2_LEARNED),
+        sliced(in.celo2_tensors[tensor].kind == LOPT_CELO2_SLICED),
+        inputs(static_cast<int>(in.celo2_tensors[tensor].inputs)), row_factors(in.row_factors),
+        col_factors(in.col_factors) {}
+
+  LOPT_DEVICE bool checked_only() const { return !learned && !sliced; }
+
+  template <bool Factored>
+  LOPT_DEVICE void add(float raw_grad, float param, ElementState& s, const FactorIndex& f,
+                       float (&sums)[kSums]) const {
+    if (sliced) {
+      if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+      return;
+    }
+    const float grad = step_gradient(raw_grad, transform);
+    update_accumulators(s, grad, decays, Factored);
+    FactorEntry row = {}, col = {};
+    if (Factored) load_factors(t, f, row_factors, col_factors, row, col);
+    float x[C2_ELEMENT_FEATURES];
+    element_features(grad, param, s, Factored, row, col, x);
+#pragma unroll
+    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
+      if (element_input(i) < inputs && is_finite(x[i])) sums[element_input(i)] = fmaf(x[i], x[i], sums[element_input(i)]);
+    if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(LOPT_STATS_THREADS, C2_STATS_BLOCKS)
 celo2_statistics(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, int num_tensors,
                  const GroupMeta* __restrict__ groups, const Celo2Tensor* __restrict__ celo2_tensors,
                  const float2* __restrict__ gradient_transforms, const float4* __restrict__ row_factors,
                  const float4* __restrict__ col_factors, const float* grad_scale, const float* found_inf, int* status,
                  double* __restrict__ stats_partials) {
-  const i64 block_chunk = blockIdx.x;
-  const int tensor = find_row<LOPT_TENSORMETA_FIRST_STATS_CHUNK>(tensors, num_tensors, block_chunk);
-  const TensorMeta t = tensor_row(tensors, gradients, tensor);
-  const Celo2Tensor c = celo2_tensors[tensor];
-  const bool learned = c.kind == LOPT_CELO2_LEARNED;
-  const StepFlags flags{grad_scale, found_inf, status};
-  const float inverse_scale = inverse_grad_scale(flags);
-  const float2 transform = gradient_transforms[tensor];
-  const Decays decays = group_decays(groups, t);
-  const i64 chunk = block_chunk - t.first_stats_chunk;
-  const int inputs = static_cast<int>(c.inputs);
-  float sums[C2_ELEMENT_FEATURES + 1];  // (element feature i's Σ x² at i, then Σ p²)
-#pragma unroll
-  for (int i = 0; i <= C2_ELEMENT_FEATURES; ++i) sums[i] = 0.f;
-  bool unusable = false;
-  for (int r = 0; r < LOPT_STATS_PER_THREAD; ++r) {
-    const i64 e = chunk * LOPT_STATS_CHUNK + r * LOPT_STATS_THREADS + threadIdx.x;
-    if (e >= t.numel) break;
-    if (!learned) {
-      unusable |= gradient_unusable(unscale_gradient(
-          load_as_float<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype)), inverse_scale));
-      continue;
-    }
-    float param;
-    ElementState s;
-    const float raw_grad = load_element<true>(t, e, inverse_scale, param, s);
-    unusable |= gradient_unusable(raw_grad);
-    const float grad = step_gradient(raw_grad, transform);
-    update_accumulators(s, grad, decays, t.factored);
-    FactorEntry row = {}, col = {};
-    if (t.factored) load_factors(t, factor_index(t, e), row_factors, col_factors, row, col);
-    float x[C2_ELEMENT_FEATURES];
-    element_features(grad, param, s, t.factored, row, col, x);
-#pragma unroll
-    for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
-      if (element_input(i) < inputs && is_finite(x[i])) sums[i] = fmaf(x[i], x[i], sums[i]);
-    if (is_finite(param)) sums[C2_ELEMENT_FEATURES] = fmaf(param, param, sums[C2_ELEMENT_FEATURES]);
-  }
-  report_unusable_gradients(unusable, status);
-  double values[LOPT_CELO2_SUMS] = {};  // (the table features' stay 0: celo2_control sums them over the tables)
-#pragma unroll
-  for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) values[element_input(i)] = sums[i];
-  values[C2_FEATURES] = sums[C2_ELEMENT_FEATURES];
-  __shared__ double scratch[LOPT_STATS_THREADS / 32][LOPT_CELO2_SUMS];
-  __shared__ double block[LOPT_CELO2_SUMS];
-  block_sums<LOPT_CELO2_SUMS, LOPT_STATS_THREADS>(values, scratch, block);
-  if (threadIdx.x < LOPT_CELO2_SUMS) stats_partials[block_chunk * LOPT_CELO2_SUMS + threadIdx.x] = block[threadIdx.x];
+  statistics_pass<Celo2Statistics>(tensors, gradients, num_tensors, groups, StepFlags{grad_scale, found_inf, status},
+                                   Celo2Statistics::Inputs{celo2_tensors, gradient_transforms, row_factors, col_factors},
+                                   stats_partials);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -326,7 +332,7 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
     }
     return;
   }
-  if (c.kind != LOPT_CELO2_LEARNED) return;
+  if (c.kind != LOPT_CELO2_LEARNED && c.kind != LOPT_CELO2_SLICED) return;  // (a sliced tensor's: param_scale)
   __shared__ double lane_sums[LOPT_CELO2_SUMS][C2_CONTROL_LANES];
   __shared__ double table_scratch[C2_CONTROL_THREADS / 32][LOPT_TABLE_FEATURES];
   __shared__ double table_sums[LOPT_TABLE_FEATURES];
@@ -417,6 +423,22 @@ LOPT_DEVICE void dense_layer(const float* w, int weights, int biases, const floa
   }
 }
 
+// The MLP from its first layer's activations `h` on: the hidden layers (ReLU'd), then outputs 0 and 1 (direction,
+// magnitude; the third output no update reads is not computed).
+LOPT_DEVICE float2 mlp_after_first_layer(float (&h)[C2_HIDDEN], const Celo2Network& network) {
+#pragma unroll
+  for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
+    float next[C2_HIDDEN];
+    dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
+                                             C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
+#pragma unroll
+    for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
+  }
+  float out[2];
+  dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
+  return make_float2(out[0], out[1]);
+}
+
 // reference: mlp — relu(x W0 + b0), the dense layers with ReLU between them; returns outputs 0 and 1
 // (direction, magnitude; the third output no update reads is not computed). The first layer's pre-activations
 // start from `start` (b0 plus the table features' share, celo2_table_features, or b0 alone for a tensor without
@@ -435,17 +457,7 @@ LOPT_DEVICE float2 celo2_mlp_outputs(const float (&x)[C2_ELEMENT_FEATURES], cons
   }
 #pragma unroll
   for (int n = 0; n < C2_HIDDEN; ++n) h[n] = relu(h[n]);
-#pragma unroll
-  for (int layer = 0; layer < C2_MLP_HIDDEN_LAYERS; ++layer) {
-    float next[C2_HIDDEN];
-    dense_layer<C2_HIDDEN, C2_HIDDEN, true>(network.w, C2_MLP_LINEAR_W + layer * C2_MLP_LINEAR_STRIDE,
-                                             C2_MLP_LINEAR_B + layer * C2_MLP_LINEAR_STRIDE, h, next);
-#pragma unroll
-    for (int n = 0; n < C2_HIDDEN; ++n) h[n] = next[n];
-  }
-  float out[2];
-  dense_layer<C2_HIDDEN, 2, false>(network.w, C2_MLP_OUTPUT_W, C2_MLP_OUTPUT_B, h, out);
-  return make_float2(out[0], out[1]);
+  return mlp_after_first_layer(h, network);
 }
 
 // precision="fast" (C2_FAST_MLP, lopt.fused.celo2.kernel_defines): the same MLP on tensor cores, BF16 operands
@@ -815,16 +827,10 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   const double values[1] = {sum};
   __shared__ double scratch[C2_SUMS_THREADS / 32][1];
   __shared__ double total[1];
-  __shared__ bool last;
   block_sums<1, C2_SUMS_THREADS>(values, scratch, total);
-  if (threadIdx.x == 0) {
-    partials[blockIdx.y * C2_SUMS_SPLITS + blockIdx.x] = total[0];
-    __threadfence();  // (the partial is visible before the ticket counts this block)
-    last = atomicAdd(tickets + blockIdx.y, 1u) == C2_SUMS_SPLITS - 1;
-  }
-  __syncthreads();
-  if (!last || threadIdx.x != 0) return;
-  __threadfence();
+  if (!store_partial_and_finish_last(partials + blockIdx.y * C2_SUMS_SPLITS + blockIdx.x, total[0],
+                                     tickets + blockIdx.y, C2_SUMS_SPLITS) || threadIdx.x != 0)
+    return;
   double tensor_sum = 0.0;
   for (int k = 0; k < C2_SUMS_SPLITS; ++k) tensor_sum += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
   tickets[blockIdx.y] = 0u;
@@ -1222,6 +1228,189 @@ struct Celo2AdamW {
     }
   }
 };
+
+// ------------------------------------------------------------------------------------------
+// Sliced tensors
+// ------------------------------------------------------------------------------------------
+
+#define C2_SLICE_THREADS 128
+#define C2_SLICE_MAX LOPT_CELO2_SLICE_MAX
+
+// The SliceWalk row whose slices include `slice`: the last with first_slice <= slice (rows ascend).
+LOPT_DEVICE int slice_row(const SliceWalk* walk, int rows, i64 slice) {
+  int low = 0, high = rows - 1;
+  while (low < high) {
+    const int mid = (low + high + 1) / 2;
+    if (walk[mid].first_slice <= slice) low = mid;
+    else high = mid - 1;
+  }
+  return low;
+}
+
+// reference: per_element_features of a sliced tensor's element, all 30 inputs in input order: the element's own
+// (element_features) and its R and C entries' table features (R_k, C_k, rsqrt(R_k + 1e-8), rsqrt(C_k + 1e-8)).
+LOPT_DEVICE void slice_element_features(const TensorMeta& t, i64 e, float grad, float param, const ElementState& s,
+                                        const float* row_table, const float* col_table, float (&x)[C2_FEATURES]) {
+  const FactorIndex f = factor_index(t, e);
+  const FactorEntry row = read_factor_entry(row_table, t.row_table + f.row);
+  const FactorEntry col = read_factor_entry(col_table, t.col_table + f.col);
+  float own[C2_ELEMENT_FEATURES];
+  element_features(grad, param, s, true, row, col, own);
+#pragma unroll
+  for (int i = 0; i < C2_ELEMENT_FEATURES; ++i) x[element_input(i)] = own[i];
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    x[C2_TABLE_FIRST + k] = row.acc[k];
+    x[C2_TABLE_FIRST + 3 + k] = col.acc[k];
+    x[C2_TABLE_FIRST + 6 + k] = row.rsqrt_acc[k];
+    x[C2_TABLE_FIRST + 9 + k] = col.rsqrt_acc[k];
+  }
+}
+
+// One element of a sliced tensor: its gradient (clipped, clamped), its updated accumulators and its 30 features.
+LOPT_DEVICE float slice_element(const TensorMeta& t, i64 e, float inverse_scale, float2 transform, const Decays& d,
+                                const float* row_table, const float* col_table, float& param, ElementState& s,
+                                float (&x)[C2_FEATURES]) {
+  const float grad = step_gradient(load_element(t, e, inverse_scale, param, s), transform);
+  update_accumulators(s, grad, d, true);
+  slice_element_features(t, e, grad, param, s, row_table, col_table, x);
+  return grad;
+}
+
+// reference: normalise_by_square_sums' factors for `count` values whose finite ones' squares sum to `sum`
+// (celo2_control's arithmetic): scale = 1/sqrt(1e-9 + sum/count) in float64, as float(scale·shift), float(1/shift).
+LOPT_DEVICE float2 square_sum_factors(double sum, int count) {
+  const double scale = 1.0 / sqrt(1e-9 + sum / static_cast<double>(count));
+  const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
+  return make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
+}
+
+// reference: newton_schulz of one matrix, `x` its rows x cols values in row-major order (at most C2_SLICE_MAX,
+// already divided by its norm plus eps, a non-finite value as 0), in float32 as the reference's products round:
+// a matrix with more rows than columns is iterated as its transpose; A = X Xᵀ, P = b·A + c·(A A), X ← a·X + P X,
+// each product's sum in index order.
+LOPT_DEVICE void slice_newton_schulz(float (&x)[C2_SLICE_MAX], int rows, int cols, const double* values) {
+  const bool transposed = rows > cols;
+  const int m = transposed ? cols : rows, n = transposed ? rows : cols;  // (the wide orientation: m <= n)
+  const float a = static_cast<float>(values[LOPT_CELO2_GROUP_NS_A]), b = static_cast<float>(values[LOPT_CELO2_GROUP_NS_B]);
+  const float c = static_cast<float>(values[LOPT_CELO2_GROUP_NS_C]);
+  const int steps = static_cast<int>(values[LOPT_CELO2_GROUP_NS_STEPS]);
+  // X[i][j] of the wide orientation lies at x[i·cols + j], or at x[j·cols + i] for a transposed one
+  auto at = [&](int i, int j) { return transposed ? j * cols + i : i * cols + j; };
+  float gram[C2_SLICE_MAX], poly[C2_SLICE_MAX], next[C2_SLICE_MAX];  // (m x m <= C2_SLICE_MAX: m² <= m·n)
+  for (int step = 0; step < steps; ++step) {
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < m; ++l) {
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) sum = fmaf(x[at(i, j)], x[at(l, j)], sum);
+        gram[i * m + l] = sum;
+      }
+    for (int i = 0; i < m; ++i)
+      for (int l = 0; l < m; ++l) {
+        float sum = 0.f;
+        for (int k = 0; k < m; ++k) sum = fmaf(gram[i * m + k], gram[k * m + l], sum);
+        poly[i * m + l] = __fadd_rn(__fmul_rn(b, gram[i * m + l]), __fmul_rn(c, sum));
+      }
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        float sum = 0.f;
+        for (int k = 0; k < m; ++k) sum = fmaf(poly[i * m + k], x[at(k, j)], sum);
+        next[at(i, j)] = __fadd_rn(__fmul_rn(a, x[at(i, j)]), sum);
+      }
+    for (int e = 0; e < m * n; ++e) x[e] = next[e];
+  }
+}
+
+// Threads: one slice each of CELO2's sliced tensors (SliceWalk), a tensor of rank >= 3 whose slices of its last two
+// axes (a conv kernel's kh x kw) are small and contiguous: every normalisation and Newton–Schulz runs per slice
+// (reference learned_update over the last two axes), so a thread steps its slice whole, after the control phase
+// (the factor tables, param_scale). Three walks over the slice's elements: the features' per-slice sums of
+// squares (float64, finite values); the normalised features, the MLP (float32, inputs in input order) and the
+// proposed step, the accumulators stored for a kept step; then Newton–Schulz (where the group orthogonalises: the
+// slice divided by its norm plus ns_eps, non-finite values as 0 and keeping their own value), finish_step's
+// normalisation, · rms_mult, and p ← p − lr·(u + weight_decay·p). R and C are committed by celo2_control.
+extern "C" __global__ void __launch_bounds__(C2_SLICE_THREADS)
+celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
+             const GroupMeta* __restrict__ groups, const double* __restrict__ celo2_groups,
+             const float2* __restrict__ gradient_transforms, const float* __restrict__ row_table,
+             const float* __restrict__ col_table, const float* __restrict__ param_scales, const Celo2Network network,
+             const SliceWalk* __restrict__ walk, int walk_rows, i64 total_slices, const float* grad_scale,
+             const float* found_inf, int* status) {
+  const i64 slice = static_cast<i64>(blockIdx.x) * C2_SLICE_THREADS + threadIdx.x;
+  if (slice >= total_slices) return;
+  const SliceWalk w = walk[slice_row(walk, walk_rows, slice)];
+  const int tensor = static_cast<int>(w.tensor), rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols);
+  const int count = rows * cols;
+  const TensorMeta t = tensor_row(tensors, gradients, tensor);
+  const i64 s = slice - w.first_slice;
+  const i64 base = (s / w.inner) * w.outer_stride + (s % w.inner) * w.inner_stride;
+  // (element i = r·cols + c of the slice, at its memory index)
+  auto element = [&](int i) { return base + (i / cols) * w.row_stride + (i % cols) * w.col_stride; };
+  const StepFlags flags{grad_scale, found_inf, status};
+  const bool keep = !step_is_skipped(flags);
+  const float inverse_scale = inverse_grad_scale(flags);
+  const float2 transform = gradient_transforms[tensor];
+  const ApplyScalars group = read_apply_scalars(groups[t.group]);
+  const double* values = group_values(celo2_groups, t.group);
+  // 1. the features' sums of squares over the slice
+  double sums[C2_FEATURES];
+#pragma unroll
+  for (int j = 0; j < C2_FEATURES; ++j) sums[j] = 0.0;
+  for (int i = 0; i < count; ++i) {
+    float param, x[C2_FEATURES];
+    ElementState state;
+    slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j)
+      if (is_finite(x[j])) sums[j] = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), sums[j]);
+  }
+  float2 factors[C2_FEATURES];
+#pragma unroll
+  for (int j = 0; j < C2_FEATURES; ++j) factors[j] = square_sum_factors(sums[j], count);
+  // 2. the MLP and the proposed step
+  const bool param_scale_mult = values[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
+  const float param_scale = param_scales[tensor];
+  float step[C2_SLICE_MAX];
+  for (int i = 0; i < count; ++i) {
+    float param, x[C2_FEATURES];
+    ElementState state;
+    slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
+    if (keep) store_element_state(t, element(i), state);
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j) x[j] = normalised(x[j], factors[j]);
+    float h[C2_HIDDEN];
+    dense_layer<C2_FEATURES, C2_HIDDEN, true>(network.w, C2_MLP_W0, C2_MLP_B0, x, h);
+    const float2 out = mlp_after_first_layer(h, network);
+    float factor = expf(__fmul_rn(out.y, group.exp_mult));
+    if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
+    step[i] = __fmul_rn(out.x, factor);
+  }
+  // 3. Newton–Schulz, finish_step, apply
+  float u[C2_SLICE_MAX];
+  for (int i = 0; i < count; ++i) u[i] = step[i];
+  if (values[LOPT_CELO2_GROUP_ORTHOGONALIZE] != 0.0) {
+    double sum = 0.0;
+    for (int i = 0; i < count; ++i)
+      if (is_finite(step[i])) sum = fma(static_cast<double>(step[i]), static_cast<double>(step[i]), sum);
+    const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
+    for (int i = 0; i < count; ++i) u[i] = is_finite(step[i]) ? __fdiv_rn(step[i], divisor) : 0.f;
+    slice_newton_schulz(u, rows, cols, values);
+    for (int i = 0; i < count; ++i)
+      if (!is_finite(step[i])) u[i] = step[i];
+  }
+  double sum = 0.0;
+  for (int i = 0; i < count; ++i)
+    if (is_finite(u[i])) sum = fma(static_cast<double>(u[i]), static_cast<double>(u[i]), sum);
+  const float2 scale = square_sum_factors(sum, count);
+  const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
+  if (!keep) return;
+  const int param_dtype = static_cast<int>(t.param_dtype);
+  for (int i = 0; i < count; ++i) {
+    const float param = load_as_float(pointer<const void>(t.param), element(i), param_dtype);
+    store_from_float(pointer<void>(t.param), element(i), param_dtype,
+                     updated_param(param, __fmul_rn(normalised(u[i], scale), rms_mult), group));
+  }
+}
 
 // Block 0 advances the step counters (apply_pass_goes_on), so the pass launches with one block at least, also
 // where its walk is empty.

@@ -339,3 +339,19 @@ LOPT_DEVICE void block_sums(const double (&values)[Count], double (*scratch)[Cou
   }
   __syncthreads();
 }
+
+// A grid's last block to finish (a ticket): thread 0 stores the block's `partial` at `slot`, makes it visible and
+// counts the block on `ticket`; true in every thread of the last of `blocks` blocks, which then sees every block's
+// partial (read with __ldcg) and resets the ticket for the next launch.
+LOPT_DEVICE bool store_partial_and_finish_last(double* slot, double partial, unsigned int* ticket,
+                                               unsigned int blocks) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    *slot = partial;
+    __threadfence();  // (the partial is visible before the ticket counts this block)
+    last = atomicAdd(ticket, 1u) == blocks - 1;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}

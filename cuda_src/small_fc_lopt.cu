@@ -174,6 +174,7 @@ struct FeatureStatistics {
   static constexpr int kSums = SFC_NUM_FEATURES;
   static constexpr int kUnroll = STATS_UNROLL;
   static constexpr int kPrefetch = STATS_PREFETCH;
+  static constexpr bool kSomeOnlyChecked = false;
   struct Inputs {
     const float4* row_factors;
     const float4* col_factors;

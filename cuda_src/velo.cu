@@ -188,6 +188,7 @@ struct VeloStatistics {
   static constexpr int kSums = VELO_STATS;  // the 30 features' sums of squares, then the LSTM sums
   static constexpr int kUnroll = STATS_UNROLL;
   static constexpr int kPrefetch = STATS_PREFETCH;
+  static constexpr bool kSomeOnlyChecked = false;
   struct Inputs {
     const float4* row_factors;
     const float4* col_factors;

@@ -19,21 +19,12 @@ import torch
 
 import lopt
 import spec_celo2 as spec
+from fused_helpers import update_rtol
 from lopt.reference import accumulators as acc
 from lopt.reference import celo2 as ref
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
-UPDATE_RTOL = 1e-5  # the brief: relative error of one step's update vs the float64 oracle
-# Newton-Schulz is ill-conditioned in float32 for matrices with a tiny singular value: rounding errors (of the
-# MLP's output and of the iteration's products) along it grow by up to p'(0)^5 = 3.4445^5 ~ 486 while the step
-# stays of unit size (docs/celo2.md §3.6). A conv kernel is 72 such 3x3 matrices here, and some are nearly
-# singular (singular values 1 : 0.14 : 0.0013): measured worst 2.0e-5 over 36 random steps (2-d and 3-d: 5.3e-6).
-STACKED_NS_RTOL = 4e-5
-
-
-def update_rtol(shape, orthogonalize=True) -> float:
-    return STACKED_NS_RTOL if orthogonalize and len(shape) >= 4 else UPDATE_RTOL
 WEIGHTS = lopt.random_weights("celo2", seed=5)
 NET = WEIGHTS.tensors["mlp"]
 
@@ -173,7 +164,7 @@ def test_learned_step_function_matches_the_oracle(name, options):
         before = p.detach().clone()
         with torch.no_grad():
             ref.learned_step(p, g, state, NET, decays, lr=1.0, **options)
-        assert rel_err(p.detach() - before, want["p"] - before.double()) < update_rtol(shape, options.get("orthogonalize", True)), s
+        assert rel_err(p.detach() - before, want["p"] - before.double()) < update_rtol("celo2", shape, options.get("orthogonalize", True)), s
 
 
 # ------------------------------------------------------------------------------------------ the optimizers, whole steps
@@ -277,7 +268,7 @@ def _steps_match_the_oracle(variant, backend="naive", device="cpu"):
         want = _oracle_step(opt, params, grads, before_params, before_state, options,
                             own_moments=isinstance(opt, lopt.CELO2))
         for name, p, old, new, yardstick in zip(list(SHAPES) + ["embedding"], params, before_params, want, yardsticks):
-            bound = max(update_rtol(p.shape, options.get("orthogonalize", True)), yardstick)
+            bound = max(update_rtol("celo2", p.shape, options.get("orthogonalize", True)), yardstick)
             assert rel_err(p.detach().cpu() - old, new - old.double()) < bound, (s, name, yardstick)
 
 

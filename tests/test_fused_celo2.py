@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lopt.fused.celo2 import Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix, stored_matrix
+from lopt.fused.celo2 import (SLICE_MAX, Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix,
+                              slice_walk_row, sliced, stored_matrix)
 from lopt.fused.engine import walk_of
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
@@ -173,6 +174,39 @@ def test_a_tensor_of_one_slice_is_stepped_as_a_matrix(shape, fused):
     """The fused passes take a learned tensor whose normalisations and Newton–Schulz run over all of it (its
     leading axes of size 1); one of several slices is stepped elsewhere."""
     assert one_matrix(shape) is fused
+
+
+@pytest.mark.parametrize("shape, channels_last, expected", [
+    ((8, 3, 3, 3), False, True), ((2, 5, 3), False, True), ((64, 3, 7, 7), False, True), ((6, 2, 1, 1), False, True),
+    ((3, 8, 8), False, False), ((2, 3, 10, 5), False, False), ((8, 3, 3, 3), True, True), ((5, 3), False, False),
+    ((2, 3, 2, 3, 3), True, False), ((2, 3, 2, 3, 3), False, True)])
+def test_small_slices_are_stepped_by_celo2_slices(shape, channels_last, expected):
+    """celo2_slices takes a tensor of rank >= 3 whose slices of its last two axes hold at most SLICE_MAX (49, a
+    7 x 7 kernel's) elements, in row-major order or, of rank 4, in any dense order (a channels-last conv
+    kernel). A larger slice, or a tensor of rank 5 in another order, is stepped elsewhere; a matrix is not
+    sliced."""
+    p = torch.randn(shape)
+    if channels_last:
+        p = p.to(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    assert SLICE_MAX == 49 and sliced(p) is expected
+
+
+@pytest.mark.parametrize("shape, channels_last", [((4, 3, 3, 3), False), ((4, 3, 3, 3), True), ((5, 2, 1, 1), True),
+                                                  ((3, 2, 4), False), ((2, 3, 2, 3, 3), False), ((6, 5, 7, 7), True)])
+def test_a_slice_walk_row_locates_every_element(shape, channels_last):
+    """celo2_slices' element (r, c) of slice s (its leading axes' index, row-major) lies at memory index
+    (s // inner)·outer_stride + (s % inner)·inner_stride + r·row_stride + c·col_stride: the row's fields against
+    the tensor's own storage offsets, every element once."""
+    p = torch.randn(shape)
+    if channels_last:
+        p = p.to(memory_format=torch.channels_last)
+    first, row, rows, cols, inner, outer_stride, inner_stride, row_stride, col_stride = slice_walk_row(p, 7, 3)
+    assert (first, row, rows, cols) == (7, 3) + tuple(shape[-2:])
+    offsets = torch.as_strided(torch.arange(p.numel()), p.shape, p.stride()).reshape(-1, rows, cols)
+    s = torch.arange(offsets.shape[0]).view(-1, 1, 1)
+    r, c = torch.arange(rows).view(1, -1, 1), torch.arange(cols).view(1, 1, -1)
+    located = (s // inner) * outer_stride + (s % inner) * inner_stride + r * row_stride + c * col_stride
+    assert torch.equal(located, offsets) and sorted(located.flatten().tolist()) == list(range(p.numel()))
 
 
 @pytest.mark.parametrize("orthogonalize", [False, True])

@@ -13,6 +13,9 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              and Σ p²; every gradient element checked
 4. ``celo2_control``         normaliser scales (the table features' sums over the R and C entries) and
                              ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
+   ``celo2_slices``          the sliced tensors (:func:`sliced`: conv kernels of small ``kh × kw`` slices, in
+                             either memory layout), a thread per slice: its features, per-slice normalisation,
+                             the MLP (float32), Newton–Schulz of the slice, finish_step and the update, whole
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
@@ -29,9 +32,10 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 7. ``celo2_adamw``           (after the MLP pass) the AdamW branch: CELO2's own moments with their own step
                              counts, ELO-CELO2's shared accumulators
    ``celo2_apply``           the learned tensors' ``p ← p − lr·(rms_mult·u + weight_decay·p)``; the step counters
-8. torch, "elsewhere"        learned tensors of rank >= 3 of several slices (conv kernels), whose normalisation
-                             and Newton–Schulz run per slice of their last two axes: the reference functions,
-                             written where the step is kept (no host synchronisation)
+8. torch, "elsewhere"        the other learned tensors of several slices (larger slices, rank >= 5 in another
+                             memory order), whose normalisation and Newton–Schulz run per slice of their last two
+                             axes: the reference functions, written where the step is kept (no host
+                             synchronisation)
 
 The MLP and apply passes walk the learned tensors' chunks alone, the AdamW pass the AdamW tensors'
 (:class:`lopt.fused.engine.Walk`), each split evenly over its persistent grid.
@@ -51,13 +55,15 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import CELO2_GROUP_DOUBLES, CELO2_GROUP_VALUES, CONSTANTS, FIELD, empty_rows
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, Walk, arranged, commit_blocks, walk_of
+from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, Walk, arranged, commit_blocks, memory_order, walk_of
 from lopt.network import PREFIX, MLPGeometry
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
 
-LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE = (CONSTANTS[f"CELO2_{kind}"] for kind in
-                                             ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE"))
+LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE, SLICED = (CONSTANTS[f"CELO2_{kind}"] for kind in
+                                                     ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE", "SLICED"))
+SLICE_MAX = CONSTANTS["CELO2_SLICE_MAX"]
+SLICE_THREADS = 128  # (C2_SLICE_THREADS in celo2.cu)
 SUMS = CONSTANTS["CELO2_SUMS"]
 CONTROL_THREADS = 256
 SUMS_THREADS = 256  # (C2_SUMS_THREADS in celo2.cu)
@@ -232,6 +238,26 @@ def one_matrix(shape) -> bool:
     return math.prod(shape[:-2]) == 1
 
 
+def sliced(p: torch.Tensor) -> bool:
+    """Whether ``celo2_slices`` steps a learned tensor that is not :func:`one_matrix`: its slices of its last two
+    axes (a conv kernel's ``kh × kw``) of at most ``SLICE_MAX`` (49: 7 × 7) elements each, the tensor dense and
+    in row-major order or of rank 4 in any order (a conv kernel in channels-last order), so that
+    :func:`slice_walk_row` locates every slice's elements. The others (larger slices, rank 5 or more in another
+    order) are stepped elsewhere."""
+    return (p.dim() >= 3 and math.prod(p.shape[-2:]) <= SLICE_MAX and memory_order(p) is not None
+            and (p.is_contiguous() or p.dim() == 4))
+
+
+def slice_walk_row(p: torch.Tensor, first_slice: int, row: int) -> tuple:
+    """A sliced tensor's SliceWalk row: slice s (its leading axes' index in row-major order) has its element
+    (r, c) at memory index ``(s // inner)·outer_stride + (s % inner)·inner_stride + r·row_stride + c·col_stride``
+    (the tensor's strides: a row-major tensor's slices one after the other, a channels-last kernel's strided)."""
+    rows, cols = p.shape[-2:]
+    if p.is_contiguous():
+        return first_slice, row, rows, cols, 1, rows * cols, 0, cols, 1
+    return first_slice, row, rows, cols, p.shape[1], p.stride(0), p.stride(1), p.stride(2), p.stride(3)
+
+
 def stored_matrix(shape, order) -> tuple[int, int]:
     """A learned tensor's matrix as it lies in memory: ``(m, n)`` for a matrix in row-major order, ``(n, m)`` for
     one in column-major order (``order``: its axes from outermost to innermost; a tensor of :func:`one_matrix`'s
@@ -299,14 +325,16 @@ class Celo2Work:
     elsewhere_rows: list
     learned_walk: Walk  # the learned tensors' chunks (celo2_mlp, celo2_apply)
     adamw_walk: Walk  # the AdamW tensors' (celo2_adamw)
+    slice_walk: torch.Tensor | None  # int64 SliceWalk rows of the sliced tensors (celo2_slices); None: none
+    total_slices: int
 
 
 class CELO2Fused(FusedEngine):
     """The fused engine behind ``CELO2(backend="fused")`` and ``ELO_CELO2(backend="fused")``."""
 
     SOURCE = "celo2.cu"
-    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_table_features", "celo2_mlp",
-               "celo2_matrix_sums", "celo2_normalise", "celo2_adamw", "celo2_apply")
+    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_slices", "celo2_table_features",
+               "celo2_mlp", "celo2_matrix_sums", "celo2_normalise", "celo2_adamw", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
@@ -341,7 +369,9 @@ class CELO2Fused(FusedEngine):
         optimizer = self.optimizer
         if optimizer.uses_adamw(group, p):
             return ADAM_OWN if optimizer._OWN_ADAM_MOMENTS else ADAM_SHARED
-        return LEARNED if one_matrix(tuple(p.shape)) else ELSEWHERE
+        if one_matrix(tuple(p.shape)):
+            return LEARNED
+        return SLICED if sliced(p) else ELSEWHERE
 
     def _plan_for(self, inputs) -> Plan:
         groups = self.optimizer.param_groups
@@ -381,7 +411,7 @@ class CELO2Fused(FusedEngine):
         kinds = [self._kinds[id(p)] for p in plan.params]
         rows = empty_rows("Celo2Tensor", n)
         stacks: dict = {}
-        elsewhere = []
+        elsewhere, slices = [], []
         for row, (p, kind) in enumerate(zip(plan.params, kinds)):
             rows[row, CELO2_FIELD["kind"]] = kind
             state = self.optimizer.state[p]
@@ -391,6 +421,9 @@ class CELO2Fused(FusedEngine):
                 rows[row, CELO2_FIELD["adam_step"]] = state[reference.ADAM_STEP_KEY].data_ptr()
             elif kind == ELSEWHERE:
                 elsewhere.append(row)
+            elif kind == SLICED:
+                rows[row, CELO2_FIELD["inputs"]] = reference.NUM_INPUTS
+                slices.append(row)
             elif kind == LEARNED:
                 shape = tuple(p.shape)
                 m, cols = stored_matrix(shape, plan.memory_orders[row])
@@ -428,6 +461,12 @@ class CELO2Fused(FusedEngine):
         adamw_walk, _ = walk_of([row for row in range(n) if kinds[row] in (ADAM_OWN, ADAM_SHARED)], chunks, device)
         table = launcher.MetadataTable(device)
         table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
+        slice_walk = empty_rows("SliceWalk", len(slices))
+        total_slices = 0
+        for index, row in enumerate(slices):
+            p = plan.params[row]
+            slice_walk[index] = slice_walk_row(p, total_slices, row)
+            total_slices += p.numel() // math.prod(p.shape[-2:])
         clipping = any(plan.key[2])
         transforms = torch.ones(max(n, 1), 2, dtype=torch.float32, device=device)
         return Celo2Work(
@@ -453,7 +492,8 @@ class CELO2Fused(FusedEngine):
             param_scales=plan.workspace(n, torch.float32),
             step_scales=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             adam_corrections=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
-            elsewhere_rows=elsewhere, learned_walk=learned_walk, adamw_walk=adamw_walk)
+            elsewhere_rows=elsewhere, learned_walk=learned_walk, adamw_walk=adamw_walk,
+            slice_walk=torch.from_numpy(slice_walk).to(device) if slices else None, total_slices=total_slices)
 
     def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
         """The fast check's early accumulate phase where no group clips. Where one does, the axis pass clamps
@@ -494,6 +534,7 @@ class CELO2Fused(FusedEngine):
             for name, value in zip(("ns_a", "ns_b", "ns_c"), group["ns_coefficients"]):
                 row[slot[name]] = float(np.float32(value))
             row[slot["ns_steps"]] = float(group["ns_steps"])
+            row[slot["orthogonalize"]] = float(bool(group["orthogonalize"]))
         if work.group_rows is None or not np.array_equal(values, work.group_rows):
             work.groups.update(values)
             work.group_rows = values
@@ -560,6 +601,13 @@ class CELO2Fused(FusedEngine):
         tables = dict(tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
                       celo2_tensors=work.table.table, celo2_groups=work.groups.table,
                       gradient_transforms=work.transforms)
+        if work.slice_walk is not None:
+            self.launch("celo2_slices", -(-work.total_slices // SLICE_THREADS), SLICE_THREADS,
+                        tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
+                        celo2_groups=work.groups.table, gradient_transforms=work.transforms,
+                        row_table=plan.row_table, col_table=plan.col_table, param_scales=work.param_scales,
+                        network=self.network, walk=work.slice_walk, walk_rows=work.slice_walk.shape[0],
+                        total_slices=work.total_slices, **flags)
         if work.stacks:
             self._refresh_results(plan)
             entries = layout.total_row_entries + layout.total_col_entries

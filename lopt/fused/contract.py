@@ -63,8 +63,9 @@ STRUCTS: dict = {
     "VeloTensor": ("lstm_hidden", "lstm_cell", "rank_class"),
     # CELO2's per-tensor extras, one row per TensorMeta row (lopt.fused.celo2). `kind`: which branch steps
     # the tensor (CELO2_LEARNED: the kernels' learned branch; CELO2_ADAM_OWN / CELO2_ADAM_SHARED: the AdamW
-    # branch on its own moments / on the shared accumulators; CELO2_ELSEWHERE: stepped outside the kernels,
-    # which only check its gradient). A learned tensor's proposed step goes to the step buffer at
+    # branch on its own moments / on the shared accumulators; CELO2_SLICED: a tensor of several small slices
+    # of its last two axes, stepped slice by slice in one pass (celo2_slices); CELO2_ELSEWHERE: stepped outside
+    # the kernels, which only check its gradient). A learned tensor's proposed step goes to the step buffer at
     # step_offset + e for its element e (memory order: its Newton–Schulz stack holds the matrix as it lies
     # in memory), and its final step (after Newton–Schulz: the orthogonalised stack; else the step itself)
     # is read at `result` + e, of dtype `result_dtype` (float32, or bfloat16 for precision="fast").
@@ -77,6 +78,11 @@ STRUCTS: dict = {
     # `first_chunk` in the walk's own space, which the grid splits evenly. (CELO2's MLP and apply passes walk its
     # learned tensors, its AdamW pass its AdamW ones.)
     "ChunkWalk": ("first_chunk", "tensor"),
+    # CELO2's sliced tensors (celo2_slices), in row order: each one's slices (of `rows` x `cols` elements, its last
+    # two axes) numbered from `first_slice`; slice s's element (r, c) lies at memory index
+    # (s / inner)·outer_stride + (s % inner)·inner_stride + r·row_stride + c·col_stride (lopt.fused.celo2.slice_walk_row).
+    "SliceWalk": ("first_slice", "tensor", "rows", "cols", "inner", "outer_stride", "inner_stride", "row_stride",
+                  "col_stride"),
     # One row per parameter group (also groups without a tensor in this step: their counters advance).
     "GroupMeta": (
         "values",  # float block of GROUP_VALUE_FLOATS (decays, exp_mult, step_mult, host lr/weight decay)
@@ -96,7 +102,7 @@ GROUP_VALUE_FLOATS = 24
 CELO2_GROUP_VALUES = {
     "grad_clip_value": 0, "rms_mult": 1, "param_scale_mult": 2, "adam_lr": 3, "adam_lr_mult": 4,
     "adam_lr_on_device": 5, "adam_weight_decay": 6, "adam_beta1": 7, "adam_beta2": 8, "adam_eps": 9,
-    "ns_eps": 10, "ns_a": 11, "ns_b": 12, "ns_c": 13, "ns_steps": 14,
+    "ns_eps": 10, "ns_a": 11, "ns_b": 12, "ns_c": 13, "ns_steps": 14, "orthogonalize": 15,
 }
 CELO2_GROUP_DOUBLES = 16
 
@@ -130,6 +136,8 @@ CONSTANTS: dict = {
     "CELO2_ADAM_OWN": 1,
     "CELO2_ADAM_SHARED": 2,
     "CELO2_ELSEWHERE": 3,
+    "CELO2_SLICED": 4,
+    "CELO2_SLICE_MAX": 49,  # elements of a slice celo2_slices takes, 7 x 7 (larger ones are stepped elsewhere)
 }
 CONSTANTS["STATS_CHUNK"] = CONSTANTS["STATS_THREADS"] * CONSTANTS["STATS_PER_THREAD"]
 
