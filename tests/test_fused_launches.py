@@ -320,6 +320,32 @@ def test_a_kernel_declared_differently_in_two_branches_is_refused(monkeypatch):
         launcher.declared_parameters.cache_clear()
 
 
+def test_kernels_sharing_a_parameter_list_macro_declare_its_parameters(monkeypatch):
+    """Kernels built for several shapes (celo2_slices, _1x1, _3x3) share one parameter list written as an
+    object-like macro: the launcher reads the macro's definition, continuation lines and all; a list that names
+    no macro the source defines is refused, naming it."""
+    slices = launcher.declared_parameters("celo2.cu")
+    assert slices["celo2_slices"] == slices["celo2_slices_1x1"] == slices["celo2_slices_3x3"]
+    assert [p.name for p in slices["celo2_slices"]][-3:] == ["grad_scale", "found_inf", "status"]
+    text = ('#define ARGS const float* __restrict__ x, \\\n    int n, i64 total\n'
+            'extern "C" __global__ void __launch_bounds__(128) a(ARGS) { body<1>(x, n, total); }\n'
+            'extern "C" __global__ void __launch_bounds__(128, 4) b(ARGS) { body<3>(x, n, total); }\n'
+            'extern "C" __global__ void c(int m) {}\n')
+    monkeypatch.setattr(launcher, "kernel_source", lambda filename: text)
+    launcher.declared_parameters.cache_clear()
+    try:
+        kernels = launcher.declared_parameters("fake.cu")
+        assert {name: [(p.name, p.c_type) for p in params] for name, params in kernels.items()} == {
+            "a": [("x", "pointer"), ("n", "int"), ("total", "i64")],
+            "b": [("x", "pointer"), ("n", "int"), ("total", "i64")], "c": [("m", "int")]}
+        monkeypatch.setattr(launcher, "kernel_source", lambda filename: text.replace("b(ARGS)", "b(ARGZ)"))
+        launcher.declared_parameters.cache_clear()
+        with pytest.raises(RuntimeError, match=r"a kernel's parameter list ARGZ is no macro the source defines"):
+            launcher.declared_parameters("fake.cu")
+    finally:
+        launcher.declared_parameters.cache_clear()
+
+
 @pytest.mark.parametrize("name", FUSED)
 def test_an_optimizer_with_a_fused_engine_is_freed_without_the_garbage_collector(name, recorded):
     """The engine refers to its optimizer weakly: `del opt` frees the state and the workspaces at once
