@@ -1278,18 +1278,34 @@ LOPT_DEVICE float slice_element(const TensorMeta& t, i64 e, float inverse_scale,
 }
 
 // reference: normalise_by_square_sums' factors for `count` values whose finite ones' squares sum to `sum`
-// (celo2_control's arithmetic): scale = 1/sqrt(1e-9 + sum/count) in float64, as float(scale·shift), float(1/shift).
+// (celo2_control's arithmetic): scale = 1/sqrt(1e-9 + sum/count) in float64, as float(scale·shift), float(1/shift)
+// (1/shift is 1 or 2^-64 exactly, a choice rather than a division).
 LOPT_DEVICE float2 square_sum_factors(double sum, int count) {
   const double scale = 1.0 / sqrt(1e-9 + sum / static_cast<double>(count));
-  const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
-  return make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
+  const bool shifted = scale < 0x1p-60;
+  return make_float2(static_cast<float>(shifted ? scale * 0x1p64 : scale), shifted ? 0x1p-64f : 1.f);
 }
 
-// reference: newton_schulz of one matrix, `x` its rows x cols values in row-major order (at most C2_SLICE_MAX,
-// already divided by its norm plus eps, a non-finite value as 0), in float32 as the reference's products round:
-// a matrix with more rows than columns is iterated as its transpose; A = X Xᵀ, P = b·A + c·(A A), X ← a·X + P X,
-// each product's sum in index order.
-LOPT_DEVICE void slice_newton_schulz(float (&x)[C2_SLICE_MAX], int rows, int cols, const double* values) {
+// A slice's shape: kRows x kCols where the kernel is built for one (the loops unrolled and the slice's arrays in
+// registers), else (SliceShape<0, 0>) the walk row's, of at most C2_SLICE_MAX elements (the arrays in local memory).
+template <int kRows, int kCols>
+struct SliceShape {
+  static constexpr bool kFixed = kRows > 0;
+  static constexpr int kMax = kFixed ? kRows * kCols : C2_SLICE_MAX;  // (the arrays' length)
+  static constexpr int kUnroll = kFixed ? kMax : 1;
+  int rows, cols;
+  LOPT_DEVICE SliceShape(i64 walk_rows, i64 walk_cols)
+      : rows(kFixed ? kRows : static_cast<int>(walk_rows)), cols(kFixed ? kCols : static_cast<int>(walk_cols)) {}
+  LOPT_DEVICE int count() const { return rows * cols; }
+};
+
+// reference: newton_schulz of one matrix, `x` its rows x cols values in row-major order (already divided by its
+// norm plus eps, a non-finite value as 0), in float32 as the reference's products round: a matrix with more rows
+// than columns is iterated as its transpose; A = X Xᵀ, P = b·A + c·(A A), X ← a·X + P X, each product's sum in
+// index order.
+template <class Shape>
+LOPT_DEVICE void slice_newton_schulz(float (&x)[Shape::kMax], const Shape shape, const double* values) {
+  const int rows = shape.rows, cols = shape.cols;
   const bool transposed = rows > cols;
   const int m = transposed ? cols : rows, n = transposed ? rows : cols;  // (the wide orientation: m <= n)
   const float a = static_cast<float>(values[LOPT_CELO2_GROUP_NS_A]), b = static_cast<float>(values[LOPT_CELO2_GROUP_NS_B]);
@@ -1297,31 +1313,42 @@ LOPT_DEVICE void slice_newton_schulz(float (&x)[C2_SLICE_MAX], int rows, int col
   const int steps = static_cast<int>(values[LOPT_CELO2_GROUP_NS_STEPS]);
   // X[i][j] of the wide orientation lies at x[i·cols + j], or at x[j·cols + i] for a transposed one
   auto at = [&](int i, int j) { return transposed ? j * cols + i : i * cols + j; };
-  float gram[C2_SLICE_MAX], poly[C2_SLICE_MAX], next[C2_SLICE_MAX];  // (m x m <= C2_SLICE_MAX: m² <= m·n)
+  float gram[Shape::kMax], poly[Shape::kMax], next[Shape::kMax];  // (m x m <= kMax: m² <= m·n)
   for (int step = 0; step < steps; ++step) {
+#pragma unroll
     for (int i = 0; i < m; ++i)
+#pragma unroll
       for (int l = 0; l < m; ++l) {
         float sum = 0.f;
+#pragma unroll
         for (int j = 0; j < n; ++j) sum = fmaf(x[at(i, j)], x[at(l, j)], sum);
         gram[i * m + l] = sum;
       }
+#pragma unroll
     for (int i = 0; i < m; ++i)
+#pragma unroll
       for (int l = 0; l < m; ++l) {
         float sum = 0.f;
+#pragma unroll
         for (int k = 0; k < m; ++k) sum = fmaf(gram[i * m + k], gram[k * m + l], sum);
         poly[i * m + l] = __fadd_rn(__fmul_rn(b, gram[i * m + l]), __fmul_rn(c, sum));
       }
+#pragma unroll
     for (int i = 0; i < m; ++i)
+#pragma unroll
       for (int j = 0; j < n; ++j) {
         float sum = 0.f;
+#pragma unroll
         for (int k = 0; k < m; ++k) sum = fmaf(poly[i * m + k], x[at(k, j)], sum);
         next[at(i, j)] = __fadd_rn(__fmul_rn(a, x[at(i, j)]), sum);
       }
-    for (int e = 0; e < m * n; ++e) x[e] = next[e];
+#pragma unroll
+    for (int e = 0; e < Shape::kMax; ++e)
+      if (e < m * n) x[e] = next[e];
   }
 }
 
-// Threads: one slice each of CELO2's sliced tensors (SliceWalk), a tensor of rank >= 3 whose slices of its last two
+// One slice per thread of CELO2's sliced tensors (SliceWalk), a tensor of rank >= 3 whose slices of its last two
 // axes (a conv kernel's kh x kw) are small and contiguous: every normalisation and Newton–Schulz runs per slice
 // (reference learned_update over the last two axes), so a thread steps its slice whole, after the control phase
 // (the factor tables, param_scale). Three walks over the slice's elements: the features' per-slice sums of
@@ -1329,18 +1356,21 @@ LOPT_DEVICE void slice_newton_schulz(float (&x)[C2_SLICE_MAX], int rows, int col
 // proposed step, the accumulators stored for a kept step; then Newton–Schulz (where the group orthogonalises: the
 // slice divided by its norm plus ns_eps, non-finite values as 0 and keeping their own value), finish_step's
 // normalisation, · rms_mult, and p ← p − lr·(u + weight_decay·p). R and C are committed by celo2_control.
-extern "C" __global__ void __launch_bounds__(C2_SLICE_THREADS)
-celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
-             const GroupMeta* __restrict__ groups, const double* __restrict__ celo2_groups,
-             const float2* __restrict__ gradient_transforms, const float* __restrict__ row_table,
-             const float* __restrict__ col_table, const float* __restrict__ param_scales, const Celo2Network network,
-             const SliceWalk* __restrict__ walk, int walk_rows, i64 total_slices, const float* grad_scale,
-             const float* found_inf, int* status) {
+// A slice of one element (a 1 x 1 conv's) is one walk: its features normalised by their own squares.
+template <int kRows, int kCols>
+LOPT_DEVICE void step_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients,
+                             const GroupMeta* __restrict__ groups, const double* __restrict__ celo2_groups,
+                             const float2* __restrict__ gradient_transforms, const float* __restrict__ row_table,
+                             const float* __restrict__ col_table, const float* __restrict__ param_scales,
+                             const Celo2Network& network, const SliceWalk* __restrict__ walk, int walk_rows,
+                             i64 total_slices, const float* grad_scale, const float* found_inf, int* status) {
+  using Shape = SliceShape<kRows, kCols>;
+  constexpr bool kOneElement = Shape::kMax == 1;
   const i64 slice = static_cast<i64>(blockIdx.x) * C2_SLICE_THREADS + threadIdx.x;
   if (slice >= total_slices) return;
   const SliceWalk w = walk[slice_row(walk, walk_rows, slice)];
-  const int tensor = static_cast<int>(w.tensor), rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols);
-  const int count = rows * cols;
+  const Shape shape(w.rows, w.cols);
+  const int tensor = static_cast<int>(w.tensor), cols = shape.cols, count = shape.count();
   const TensorMeta t = tensor_row(tensors, gradients, tensor);
   const i64 s = slice - w.first_slice;
   const i64 base = (s / w.inner) * w.outer_stride + (s % w.inner) * w.inner_stride;
@@ -1352,64 +1382,116 @@ celo2_slices(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gra
   const float2 transform = gradient_transforms[tensor];
   const ApplyScalars group = read_apply_scalars(groups[t.group]);
   const double* values = group_values(celo2_groups, t.group);
-  // 1. the features' sums of squares over the slice
-  double sums[C2_FEATURES];
-#pragma unroll
-  for (int j = 0; j < C2_FEATURES; ++j) sums[j] = 0.0;
-  for (int i = 0; i < count; ++i) {
-    float param, x[C2_FEATURES];
-    ElementState state;
-    slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
-#pragma unroll
-    for (int j = 0; j < C2_FEATURES; ++j)
-      if (is_finite(x[j])) sums[j] = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), sums[j]);
-  }
-  float2 factors[C2_FEATURES];
-#pragma unroll
-  for (int j = 0; j < C2_FEATURES; ++j) factors[j] = square_sum_factors(sums[j], count);
-  // 2. the MLP and the proposed step
   const bool param_scale_mult = values[LOPT_CELO2_GROUP_PARAM_SCALE_MULT] != 0.0;
   const float param_scale = param_scales[tensor];
-  float step[C2_SLICE_MAX];
-  for (int i = 0; i < count; ++i) {
-    float param, x[C2_FEATURES];
-    ElementState state;
-    slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
-    if (keep) store_element_state(t, element(i), state);
-#pragma unroll
-    for (int j = 0; j < C2_FEATURES; ++j) x[j] = normalised(x[j], factors[j]);
+  // the normalised features through the MLP: the proposed step
+  auto proposed_step = [&](float (&x)[C2_FEATURES]) {
     float h[C2_HIDDEN];
     dense_layer<C2_FEATURES, C2_HIDDEN, true>(network.w, C2_MLP_W0, C2_MLP_B0, x, h);
     const float2 out = mlp_after_first_layer(h, network);
     float factor = expf(__fmul_rn(out.y, group.exp_mult));
     if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
-    step[i] = __fmul_rn(out.x, factor);
+    return __fmul_rn(out.x, factor);
+  };
+  float step[Shape::kMax];
+  float first_param;  // (a slice of one element: its parameter, read once)
+  if constexpr (kOneElement) {
+    // 1.–2. in one walk: each feature's sum of squares over the slice is its own square
+    float x[C2_FEATURES];
+    ElementState state;
+    slice_element(t, element(0), inverse_scale, transform, group.decays, row_table, col_table, first_param, state, x);
+    if (keep) store_element_state(t, element(0), state);
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j) {
+      const double square = is_finite(x[j]) ? static_cast<double>(x[j]) * static_cast<double>(x[j]) : 0.0;
+      x[j] = normalised(x[j], square_sum_factors(square, 1));
+    }
+    step[0] = proposed_step(x);
+  } else {
+    // 1. the features' sums of squares over the slice, in shared memory (registers go to the element's features
+    // and state), then in their place the features' factors
+    __shared__ double slice_sums[C2_FEATURES][C2_SLICE_THREADS];
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j) slice_sums[j][threadIdx.x] = 0.0;
+#pragma unroll 1
+    for (int i = 0; i < count; ++i) {  // (a walk not unrolled: its loads are the element's state)
+      float param, x[C2_FEATURES];
+      ElementState state;
+      slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
+#pragma unroll
+      for (int j = 0; j < C2_FEATURES; ++j)
+        if (is_finite(x[j]))
+          slice_sums[j][threadIdx.x] = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), slice_sums[j][threadIdx.x]);
+    }
+    float2* slice_factors = reinterpret_cast<float2*>(&slice_sums[0][0]);  // (factor j at slice_sums[j][thread])
+#pragma unroll
+    for (int j = 0; j < C2_FEATURES; ++j)
+      slice_factors[j * C2_SLICE_THREADS + threadIdx.x] = square_sum_factors(slice_sums[j][threadIdx.x], count);
+    // 2. the MLP and the proposed step
+#pragma unroll 1
+    for (int i = 0; i < count; ++i) {
+      float param, x[C2_FEATURES];
+      ElementState state;
+      slice_element(t, element(i), inverse_scale, transform, group.decays, row_table, col_table, param, state, x);
+      if (keep) store_element_state(t, element(i), state);
+#pragma unroll
+      for (int j = 0; j < C2_FEATURES; ++j) x[j] = normalised(x[j], slice_factors[j * C2_SLICE_THREADS + threadIdx.x]);
+      step[i] = proposed_step(x);
+    }
   }
   // 3. Newton–Schulz, finish_step, apply
-  float u[C2_SLICE_MAX];
+  float u[Shape::kMax];
+#pragma unroll Shape::kUnroll
   for (int i = 0; i < count; ++i) u[i] = step[i];
   if (values[LOPT_CELO2_GROUP_ORTHOGONALIZE] != 0.0) {
     double sum = 0.0;
+#pragma unroll Shape::kUnroll
     for (int i = 0; i < count; ++i)
       if (is_finite(step[i])) sum = fma(static_cast<double>(step[i]), static_cast<double>(step[i]), sum);
     const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
+#pragma unroll Shape::kUnroll
     for (int i = 0; i < count; ++i) u[i] = is_finite(step[i]) ? __fdiv_rn(step[i], divisor) : 0.f;
-    slice_newton_schulz(u, rows, cols, values);
+    slice_newton_schulz(u, shape, values);
+#pragma unroll Shape::kUnroll
     for (int i = 0; i < count; ++i)
       if (!is_finite(step[i])) u[i] = step[i];
   }
   double sum = 0.0;
+#pragma unroll Shape::kUnroll
   for (int i = 0; i < count; ++i)
     if (is_finite(u[i])) sum = fma(static_cast<double>(u[i]), static_cast<double>(u[i]), sum);
   const float2 scale = square_sum_factors(sum, count);
   const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
   if (!keep) return;
   const int param_dtype = static_cast<int>(t.param_dtype);
+#pragma unroll Shape::kUnroll
   for (int i = 0; i < count; ++i) {
-    const float param = load_as_float(pointer<const void>(t.param), element(i), param_dtype);
+    const float param = kOneElement ? first_param : load_as_float(pointer<const void>(t.param), element(i), param_dtype);
     store_from_float(pointer<void>(t.param), element(i), param_dtype,
                      updated_param(param, __fmul_rn(normalised(u[i], scale), rms_mult), group));
   }
+}
+
+// celo2_slices for the slices of any shape (at most C2_SLICE_MAX elements); celo2_slices_1x1 and _3x3 for those of
+// a 1 x 1 and a 3 x 3 conv kernel (lopt.fused.celo2.SLICE_KERNELS: which kernel takes which slices).
+#define C2_SLICE_PARAMETERS                                                                                       \
+  const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradients, const GroupMeta* __restrict__ groups, \
+      const double* __restrict__ celo2_groups, const float2* __restrict__ gradient_transforms,                   \
+      const float* __restrict__ row_table, const float* __restrict__ col_table,                                  \
+      const float* __restrict__ param_scales, const Celo2Network network, const SliceWalk* __restrict__ walk,    \
+      int walk_rows, i64 total_slices, const float* grad_scale, const float* found_inf, int* status
+#define C2_SLICE_ARGUMENTS                                                                                     \
+  tensors, gradients, groups, celo2_groups, gradient_transforms, row_table, col_table, param_scales, network, \
+      walk, walk_rows, total_slices, grad_scale, found_inf, status
+
+extern "C" __global__ void __launch_bounds__(C2_SLICE_THREADS) celo2_slices(C2_SLICE_PARAMETERS) {
+  step_slices<0, 0>(C2_SLICE_ARGUMENTS);
+}
+extern "C" __global__ void __launch_bounds__(C2_SLICE_THREADS) celo2_slices_1x1(C2_SLICE_PARAMETERS) {
+  step_slices<1, 1>(C2_SLICE_ARGUMENTS);
+}
+extern "C" __global__ void __launch_bounds__(C2_SLICE_THREADS, 4) celo2_slices_3x3(C2_SLICE_PARAMETERS) {
+  step_slices<3, 3>(C2_SLICE_ARGUMENTS);
 }
 
 // Block 0 advances the step counters (apply_pass_goes_on), so the pass launches with one block at least, also

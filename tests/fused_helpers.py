@@ -12,7 +12,7 @@ from lopt import registry
 # whose leading axes are all of size 1 (one slice of the last two axes: CELO2's fused passes step them as matrices).
 SHAPES = [(), (1,), (37,), (4, 6), (6, 4), (5, 5), (1, 7), (7, 1), (300, 129), (2, 3, 4), (8, 3, 3, 3), (16, 16, 3, 3),
           (3, 1, 5, 1), (2, 5, 1, 3, 4), (1000, 3), (64, 64, 3, 3), (96, 64), (64, 96), (37, 64), (3, 40, 64),
-          (1, 9, 7)]
+          (1, 9, 7), (24, 16, 1, 1)]
 LARGE_SHAPES = [(70001,), (300, 260), (1, 70000), (64, 32, 36), (16, 16, 17, 17), (4, 4, 4, 33, 33),
                 (1, 1, 260, 300)]
 ALL_SHAPES = SHAPES + LARGE_SHAPES

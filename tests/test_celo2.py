@@ -30,7 +30,7 @@ NET = WEIGHTS.tensors["mlp"]
 
 SHAPES = {
     "wide": (4, 6), "tall": (6, 4), "square": (5, 5), "row": (1, 7), "column": (7, 1), "large_wide": (16, 48),
-    "large_tall": (40, 12), "3d": (2, 3, 4), "conv": (8, 3, 3, 3), "conv_tie": (4, 4, 3, 3), "bias": (7,),
+    "large_tall": (40, 12), "3d": (2, 3, 4), "conv": (8, 3, 3, 3), "conv_tie": (4, 4, 3, 3), "conv1x1": (6, 4, 1, 1), "bias": (7,),
     "scalar": (), "token": (1, 1, 9), "one_slice": (1, 6, 4),  # (one slice: the fused passes step them as matrices)
 }
 EMBEDDING = (10, 4)

@@ -152,24 +152,28 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
     assert names[:per_step] == names[per_step:]
     clips = any(group.get("max_grad_norm") is not None for group in opt.param_groups)
     # (CELO2: 2 launches of its own around Newton–Schulz's products, which are torch's, one for the R and C entries'
-    # share of the first layer, one for the AdamW tensors, the vectors here, and one for the sliced tensors)
-    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 12 + clips, "elo_celo2": 12 + clips}[name]
+    # share of the first layer, one for the AdamW tensors, the vectors here, and two for the sliced tensors: their
+    # 3 x 3 slices' kernel and the one for any other shape)
+    assert per_step == {"small_fc_lopt": 6, "velo": 10, "elo": 6, "celo2": 13 + clips, "elo_celo2": 13 + clips}[name]
     if name in ("celo2", "elo_celo2"):  # (CELO2 clips f·g before its clamp: the norm comes first, no norm jobs)
         assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
         assert names[-5:] == ["celo2_mlp", "celo2_adamw", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
         # the MLP and apply passes walk the learned matrix's chunks alone (the transposed one; the 3-d and 4-d
-        # tensors are sliced: celo2_slices, a thread per 3 x 4 or 3 x 3 slice), the AdamW pass the vectors'
-        # (CELO2's own moments, ELO-CELO2's shared)
+        # tensors are sliced: a thread per slice, celo2_slices the 3 x 4 ones, celo2_slices_3x3 the 3 x 3 ones), the
+        # AdamW pass the vectors' (CELO2's own moments, ELO-CELO2's shared)
         work = opt._fused_engine.plan.work
         learned = [row for row, kind in enumerate(work.kinds) if kind == LEARNED]
         adam = [row for row, kind in enumerate(work.kinds) if kind in (ADAM_OWN, ADAM_SHARED)]
         assert learned == [2] and adam == [0, 1] and work.kinds[3:] == [SLICED, SLICED] and not work.elsewhere_rows
-        assert names.index("celo2_slices") == names.index("celo2_control") + 1
-        slices = next(launch for launch in recorded if launch[0] == "celo2_slices")
-        parameters = declared_parameter_names(source)["celo2_slices"]
-        assert slices[1] == 1 and slices[3][parameters.index("total_slices")] == 2 + 24
+        control = names.index("celo2_control")
+        assert sorted(names[control + 1:control + 3]) == ["celo2_slices", "celo2_slices_3x3"]
         # (first_slice, tensor, rows, cols, inner, outer_stride, inner_stride, row_stride, col_stride)
-        assert work.slice_walk.tolist() == [[0, 3, 3, 4, 1, 12, 0, 4, 1], [2, 4, 3, 3, 1, 9, 0, 3, 1]]
+        walks = {"celo2_slices": ([[0, 3, 3, 4, 1, 12, 0, 4, 1]], 2), "celo2_slices_3x3": ([[0, 4, 3, 3, 1, 9, 0, 3, 1]], 24)}
+        assert {kernel: (walk.tolist(), total) for kernel, (walk, total) in work.slice_walks.items()} == walks
+        for kernel, (_, total) in walks.items():
+            slices = next(launch for launch in recorded if launch[0] == kernel)
+            parameters = declared_parameter_names(source)[kernel]
+            assert slices[1] == 1 and slices[3][parameters.index("total_slices")] == total
         assert {work.kinds[row] for row in adam} == {ADAM_OWN if name == "celo2" else ADAM_SHARED}
         walked = {launch[0]: launch for launch in recorded[:per_step]}
         for kernel, rows in [("celo2_mlp", learned), ("celo2_apply", learned), ("celo2_adamw", adam)]:
@@ -311,6 +315,32 @@ def test_a_kernel_declared_differently_in_two_branches_is_refused(monkeypatch):
     launcher.declared_parameters.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"fake.cu: kernel k is declared twice with different parameters"):
+            launcher.declared_parameters("fake.cu")
+    finally:
+        launcher.declared_parameters.cache_clear()
+
+
+def test_kernels_sharing_a_parameter_list_macro_declare_its_parameters(monkeypatch):
+    """Kernels built for several shapes (celo2_slices, _1x1, _3x3) share one parameter list written as an
+    object-like macro: the launcher reads the macro's definition, continuation lines and all; a list that names
+    no macro the source defines is refused, naming it."""
+    slices = launcher.declared_parameters("celo2.cu")
+    assert slices["celo2_slices"] == slices["celo2_slices_1x1"] == slices["celo2_slices_3x3"]
+    assert [p.name for p in slices["celo2_slices"]][-3:] == ["grad_scale", "found_inf", "status"]
+    text = ('#define ARGS const float* __restrict__ x, \\\n    int n, i64 total\n'
+            'extern "C" __global__ void __launch_bounds__(128) a(ARGS) { body<1>(x, n, total); }\n'
+            'extern "C" __global__ void __launch_bounds__(128, 4) b(ARGS) { body<3>(x, n, total); }\n'
+            'extern "C" __global__ void c(int m) {}\n')
+    monkeypatch.setattr(launcher, "kernel_source", lambda filename: text)
+    launcher.declared_parameters.cache_clear()
+    try:
+        kernels = launcher.declared_parameters("fake.cu")
+        assert {name: [(p.name, p.c_type) for p in params] for name, params in kernels.items()} == {
+            "a": [("x", "pointer"), ("n", "int"), ("total", "i64")],
+            "b": [("x", "pointer"), ("n", "int"), ("total", "i64")], "c": [("m", "int")]}
+        monkeypatch.setattr(launcher, "kernel_source", lambda filename: text.replace("b(ARGS)", "b(ARGZ)"))
+        launcher.declared_parameters.cache_clear()
+        with pytest.raises(RuntimeError, match=r"a kernel's parameter list ARGZ is no macro the source defines"):
             launcher.declared_parameters("fake.cu")
     finally:
         launcher.declared_parameters.cache_clear()
@@ -775,7 +805,8 @@ def test_sharded_steps_launch_in_two_phases_around_the_reduces(tmp_path, name):
 def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     """A learned tensor of rank >= 3 whose leading axes are all of size 1 (a class token) is the matrix of its
     last two axes: it joins the stack of that matrix's shape, and Newton–Schulz's launches take it. A conv
-    kernel (several slices) of small slices is sliced (celo2_slices), in either memory order; one of slices larger
+    kernel (several slices) of small slices is sliced (celo2_slices_3x3, celo2_slices_1x1 for the shapes they are
+    built for), in either memory order; one of slices larger
     than SLICE_MAX, or of rank 5 in another order, is stepped elsewhere, by the reference functions. A matrix of one
     row (or column) is scalar: celo2_normalise takes its rows first and runs its whole iteration
     (scalar_rows), with no workspace of Gram matrices and no product."""
@@ -788,7 +819,7 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
                         or family(stacks, *args, **kwargs))
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g))
-              for s in [(1, 1, 9), (1, 9), (1, 6, 4), (2, 3, 3, 3), (2, 3, 8, 8)]]
+              for s in [(1, 1, 9), (1, 9), (1, 6, 4), (2, 3, 3, 3), (2, 3, 8, 8), (5, 4, 1, 1)]]
     params.append(torch.nn.Parameter(torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)))
     params.append(torch.nn.Parameter(torch.randn(2, 3, 2, 3, 3, generator=g).to(memory_format=torch.channels_last_3d)))
     opt = engine_for("celo2", params)
@@ -802,8 +833,12 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     assert sorted(engine.plan.work.elsewhere_rows) == sorted([row[(2, 3, 8, 8)], row[(2, 3, 2, 3, 3)]])
     # (first_slice, tensor, rows, cols, inner, outer_stride, inner_stride, row_stride, col_stride): the row-major
     # kernel's slices one after the other, the channels-last one's strided (slice_walk_row)
-    assert engine.plan.work.slice_walk.tolist() == [[0, row[(2, 3, 3, 3)], 3, 3, 1, 9, 0, 3, 1],
-                                                    [6, row[(4, 3, 3, 3)], 3, 3, 3, 27, 1, 9, 3]]
+    walks = {kernel: walk.tolist() for kernel, (walk, _) in engine.plan.work.slice_walks.items()}
+    assert walks == {"celo2_slices_3x3": [[0, row[(2, 3, 3, 3)], 3, 3, 1, 9, 0, 3, 1],
+                                          [6, row[(4, 3, 3, 3)], 3, 3, 3, 27, 1, 9, 3]],
+                     "celo2_slices_1x1": [[0, row[(5, 4, 1, 1)], 1, 1, 1, 1, 0, 1, 1]]}
+    assert {name for name, *_ in recorded} >= {"celo2_slices_3x3", "celo2_slices_1x1"}
+    assert "celo2_slices" not in {name for name, *_ in recorded}
     [(grid, args)] = [(grid, args) for name, grid, _, args in recorded if name == "celo2_normalise"]
     names = declared_parameter_names("celo2.cu")["celo2_normalise"]
     assert grid[1] == 3 and args[names.index("scalar_rows")] == 2

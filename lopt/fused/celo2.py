@@ -15,7 +15,8 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
                              ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
    ``celo2_slices``          the sliced tensors (:func:`sliced`: conv kernels of small ``kh × kw`` slices, in
                              either memory layout), a thread per slice: its features, per-slice normalisation,
-                             the MLP (float32), Newton–Schulz of the slice, finish_step and the update, whole
+                             the MLP (float32), Newton–Schulz of the slice, finish_step and the update, whole;
+                             1 × 1 and 3 × 3 slices by kernels built for their shape (:data:`SLICE_KERNELS`)
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
@@ -64,6 +65,14 @@ LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE, SLICED = (CONSTANTS[f"CELO2_{kind}"] 
                                                      ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE", "SLICED"))
 SLICE_MAX = CONSTANTS["CELO2_SLICE_MAX"]
 SLICE_THREADS = 128  # (C2_SLICE_THREADS in celo2.cu)
+# The slice kernel built for each slice shape (its loops unrolled, the slice's arrays in registers); any other
+# shape goes to ``celo2_slices`` (arrays in local memory).
+SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
+
+
+def slice_kernel(shape) -> str:
+    """The kernel that steps a sliced tensor of ``shape`` (:data:`SLICE_KERNELS`)."""
+    return SLICE_KERNELS.get(tuple(shape[-2:]), "celo2_slices")
 SUMS = CONSTANTS["CELO2_SUMS"]
 CONTROL_THREADS = 256
 SUMS_THREADS = 256  # (C2_SUMS_THREADS in celo2.cu)
@@ -325,15 +334,16 @@ class Celo2Work:
     elsewhere_rows: list
     learned_walk: Walk  # the learned tensors' chunks (celo2_mlp, celo2_apply)
     adamw_walk: Walk  # the AdamW tensors' (celo2_adamw)
-    slice_walk: torch.Tensor | None  # int64 SliceWalk rows of the sliced tensors (celo2_slices); None: none
-    total_slices: int
+    # per slice kernel (slice_kernel) that has tensors: (int64 SliceWalk rows of its tensors, their slices' count)
+    slice_walks: dict
 
 
 class CELO2Fused(FusedEngine):
     """The fused engine behind ``CELO2(backend="fused")`` and ``ELO_CELO2(backend="fused")``."""
 
     SOURCE = "celo2.cu"
-    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_slices", "celo2_table_features",
+    KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_slices", "celo2_slices_1x1",
+               "celo2_slices_3x3", "celo2_table_features",
                "celo2_mlp", "celo2_matrix_sums", "celo2_normalise", "celo2_adamw", "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
@@ -461,12 +471,15 @@ class CELO2Fused(FusedEngine):
         adamw_walk, _ = walk_of([row for row in range(n) if kinds[row] in (ADAM_OWN, ADAM_SHARED)], chunks, device)
         table = launcher.MetadataTable(device)
         table.update(rows)  # (the result pointers: _refresh_results, before the first MLP pass)
-        slice_walk = empty_rows("SliceWalk", len(slices))
-        total_slices = 0
-        for index, row in enumerate(slices):
-            p = plan.params[row]
-            slice_walk[index] = slice_walk_row(p, total_slices, row)
-            total_slices += p.numel() // math.prod(p.shape[-2:])
+        slice_walks = {}
+        for kernel in dict.fromkeys(slice_kernel(plan.params[row].shape) for row in slices):
+            rows_of_kernel = [row for row in slices if slice_kernel(plan.params[row].shape) == kernel]
+            walk_rows, total_slices = empty_rows("SliceWalk", len(rows_of_kernel)), 0
+            for index, row in enumerate(rows_of_kernel):
+                p = plan.params[row]
+                walk_rows[index] = slice_walk_row(p, total_slices, row)
+                total_slices += p.numel() // math.prod(p.shape[-2:])
+            slice_walks[kernel] = (torch.from_numpy(walk_rows).to(device), total_slices)
         clipping = any(plan.key[2])
         transforms = torch.ones(max(n, 1), 2, dtype=torch.float32, device=device)
         return Celo2Work(
@@ -493,7 +506,7 @@ class CELO2Fused(FusedEngine):
             step_scales=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             adam_corrections=torch.ones(max(n, 1), 2, dtype=torch.float32, device=device),
             elsewhere_rows=elsewhere, learned_walk=learned_walk, adamw_walk=adamw_walk,
-            slice_walk=torch.from_numpy(slice_walk).to(device) if slices else None, total_slices=total_slices)
+            slice_walks=slice_walks)
 
     def _accumulate_early(self, plan: Plan, grad_pointers, grad_dtypes, param_pointers, grad_scale, found_inf) -> None:
         """The fast check's early accumulate phase where no group clips. Where one does, the axis pass clamps
@@ -601,13 +614,12 @@ class CELO2Fused(FusedEngine):
         tables = dict(tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
                       celo2_tensors=work.table.table, celo2_groups=work.groups.table,
                       gradient_transforms=work.transforms)
-        if work.slice_walk is not None:
-            self.launch("celo2_slices", -(-work.total_slices // SLICE_THREADS), SLICE_THREADS,
+        for kernel, (walk, total_slices) in work.slice_walks.items():
+            self.launch(kernel, -(-total_slices // SLICE_THREADS), SLICE_THREADS,
                         tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
                         celo2_groups=work.groups.table, gradient_transforms=work.transforms,
                         row_table=plan.row_table, col_table=plan.col_table, param_scales=work.param_scales,
-                        network=self.network, walk=work.slice_walk, walk_rows=work.slice_walk.shape[0],
-                        total_slices=work.total_slices, **flags)
+                        network=self.network, walk=walk, walk_rows=walk.shape[0], total_slices=total_slices, **flags)
         if work.stacks:
             self._refresh_results(plan)
             entries = layout.total_row_entries + layout.total_col_entries

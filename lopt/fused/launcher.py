@@ -311,13 +311,26 @@ def parse_parameters(declaration: str) -> tuple:
     return tuple(parameters)
 
 
+def _expanded(declaration: str, source: str) -> str:
+    """A parameter list written as one object-like macro (kernels that share their list: ``celo2_slices``'
+    shapes) as the macro's ``#define`` in ``source`` spells it; any other list as it is."""
+    name = declaration.strip()
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return declaration
+    definition = re.search(rf"^#define {name}((?:[^\n]*\\\n)*[^\n]*)$", source, re.MULTILINE)
+    if definition is None:
+        raise RuntimeError(f"a kernel's parameter list {name} is no macro the source defines")
+    return definition.group(1).replace("\\\n", " ")
+
+
 @lru_cache(maxsize=None)
 def declared_parameters(filename: str) -> dict:
     """{kernel name: its parameters} of a ``cuda_src`` file with its headers. A kernel declared in two
     branches of a build switch must have the same parameters in both."""
     kernels: dict = {}
-    for name, declaration in _KERNEL_DECLARATION.findall(kernel_source(filename)):
-        parameters = parse_parameters(declaration)
+    source = kernel_source(filename)
+    for name, declaration in _KERNEL_DECLARATION.findall(source):
+        parameters = parse_parameters(_expanded(declaration, source))
         if kernels.setdefault(name, parameters) != parameters:
             raise RuntimeError(f"{filename}: kernel {name} is declared twice with different parameters")
         unknown = [p for p in parameters if p.c_type not in ARGUMENT_TYPES]
