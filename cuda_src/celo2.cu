@@ -21,8 +21,10 @@
 //                        learned tensors' accumulators stored
 //   celo2_normalise      per matrix to orthogonalise: its norm plus ns_eps from the MLP pass's segment sums, and
 //                        the matrix divided by it, into Newton–Schulz's workspace (a matrix of one row or
-//                        column: its whole iteration, a scalar recurrence)
-//   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
+//                        column: its whole iteration, a scalar recurrence); precision="fast": the MLP pass
+//                        wrote the input undivided, and the first polynomial's coefficients are written instead
+//   (torch)              Newton–Schulz's products on each stack of same-shaped matrices (fast: the first
+//                        polynomial by celo2_first_polynomial, which divides by the norm)
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
 //   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
 //   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the step counters

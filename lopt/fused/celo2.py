@@ -20,15 +20,19 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
-                             its place in its stack (the tensor's matrix as it lies in memory), and per block
-                             and tensor the float64 Σ s² of those values; the accumulators stored
+                             its place in its stack (the tensor's matrix as it lies in memory; fast: a matrix's
+                             straight into Newton–Schulz's bfloat16 input, undivided), and per block and tensor
+                             the float64 Σ s² of those values; the accumulators stored
 6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
                              its proposed step has a non-finite element, and the matrix divided by the former (a
                              non-finite element as 0) into the workspace; a matrix of one row or column
-                             (:attr:`Stack.scalar`) its whole iteration, a scalar recurrence, into its result
+                             (:attr:`Stack.scalar`) its whole iteration, a scalar recurrence, into its result.
+                             Fast: the first polynomial's coefficients ``(a/d, b/d³, c/d⁵)`` instead (the input
+                             repaired in place only where non-finite or its norm out of range: docs/celo2.md §8.1)
    torch, per family         Newton–Schulz's products (:func:`newton_schulz_family`: float32 with TF32 off,
-                             or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
-                             from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
+                             or bfloat16 for ``precision="fast"``, whose first polynomial divides by the norm:
+                             ``celo2_first_polynomial``), in place in the workspace (or replayed from one CUDA
+                             graph per plan: ``REPLAY_PRODUCTS``)
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
 7. ``celo2_adamw``           (after the MLP pass) the AdamW branch: CELO2's own moments with their own step
                              counts, ELO-CELO2's shared accumulators
