@@ -1035,7 +1035,7 @@ LOPT_DEVICE float first_polynomial_entry(float4 f, unsigned short gram, unsigned
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
 celo2_first_polynomial(const unsigned short* __restrict__ gram, unsigned short* __restrict__ polynomial,
                        const float4* __restrict__ coefficients, int k) {
-  const int entries = k * k;  // (k <= 46340: lopt.fused.celo2 checks)
+  const int entries = k * k;  // (below 2^31: larger Gram matrices take the torch form, lopt.fused.celo2)
   const float4 f = coefficients[blockIdx.y];
   const i64 base = static_cast<i64>(blockIdx.y) * entries;
   const int threads = gridDim.x * C2_APPLY_THREADS, thread = blockIdx.x * C2_APPLY_THREADS + threadIdx.x;

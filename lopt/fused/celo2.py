@@ -825,11 +825,12 @@ class CELO2Fused(FusedEngine):
                                      first_polynomial=self._first_polynomial)
 
     def _first_polynomial(self, gram: torch.Tensor, square: torch.Tensor, first: torch.Tensor) -> None:
-        """:func:`scaled_polynomial` as one launch of celo2_first_polynomial (a CPU stand-in: the torch form)."""
-        if gram.device.type != "cuda":
+        """:func:`scaled_polynomial` as one launch of celo2_first_polynomial (a CPU stand-in, or Gram matrices of
+        2^31 entries or more, which the kernel's 32-bit indices do not reach: the torch form)."""
+        count, k, _ = gram.shape
+        if gram.device.type != "cuda" or k * k >= 2 ** 31:
             scaled_polynomial(gram, square, first)
             return
-        count, k, _ = gram.shape
         self.launch("celo2_first_polynomial", (-(-k * k // (2 * self.APPLY_THREADS * FIRST_POLYNOMIAL_PAIRS)), count),
                     self.APPLY_THREADS, gram=gram, polynomial=square, coefficients=first, k=k)
 
