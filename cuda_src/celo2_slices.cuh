@@ -142,6 +142,30 @@ LOPT_DEVICE void index_order_product(int rows, int cols, int inner, Left left, R
     }
 }
 
+// newton_schulz_steps' `product`s (function objects: NVRTC compiles no lambda with `auto` parameters as device code).
+// A thread's slice: index_order_product on its own arrays.
+struct ThreadProduct {
+  template <class Left, class Right, class Out>
+  LOPT_DEVICE void operator()(int rows, int cols, int inner, Left left, Right right, Out out) const {
+    index_order_product(rows, cols, inner, left, right, out);
+  }
+};
+
+// A warp's slice in shared memory: entry e = lane, lane + 32, ... of the result, each sum over k in index order.
+struct WarpProduct {
+  int lane;
+  template <class Left, class Right, class Out>
+  LOPT_DEVICE void operator()(int rows, int cols, int inner, Left left, Right right, Out out) const {
+    for (int e = lane; e < rows * cols; e += 32) {
+      const int i = e / cols, j = e % cols;
+      float sum = 0.f;
+      for (int k = 0; k < inner; ++k) sum = fmaf(left(i, k), right(k, j), sum);
+      out(i, j, sum);
+    }
+    __syncwarp();
+  }
+};
+
 // reference: newton_schulz's iterations on one matrix, `x` its rows x cols values in row-major order (already divided
 // by its norm plus eps, a non-finite value as 0), in float32 as the reference's products round: a matrix with more
 // rows than columns is iterated as its transpose; A = X Xᵀ, P = b·A + c·(A A), X ← a·X + P X. `gram`, `poly` and
@@ -172,10 +196,7 @@ LOPT_DEVICE void newton_schulz_steps(Values& x, Values& gram, Values& poly, Valu
 template <class Shape>
 LOPT_DEVICE void slice_newton_schulz(float (&x)[Shape::kMax], const Shape shape, const double* values) {
   float gram[Shape::kMax], poly[Shape::kMax], next[Shape::kMax];  // (m x m <= kMax: m² <= m·n)
-  auto product = [](int rows, int cols, int inner, auto left, auto right, auto out) {
-    index_order_product(rows, cols, inner, left, right, out);
-  };
-  newton_schulz_steps(x, gram, poly, next, shape.rows, shape.cols, values, product, [&] {
+  newton_schulz_steps(x, gram, poly, next, shape.rows, shape.cols, values, ThreadProduct{}, [&] {
 #pragma unroll
     for (int e = 0; e < Shape::kMax; ++e) x[e] = next[e];
   });
@@ -343,21 +364,11 @@ LOPT_DEVICE void step_slice_by_warp(C2_SLICE_PARAMETERS) {
       if (is_finite(step[i])) sum = fma(static_cast<double>(step[i]), static_cast<double>(step[i]), sum);
     const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
     for (int i = lane; i < count; i += 32) x[i] = is_finite(step[i]) ? __fdiv_rn(step[i], divisor) : 0.f;
-    // (a product's entry e = lane, lane + 32, ...: its sum over k in index order)
-    auto product = [&](int out_rows, int out_cols, int inner, auto left, auto right, auto out) {
-      for (int e = lane; e < out_rows * out_cols; e += 32) {
-        const int i = e / out_cols, j = e % out_cols;
-        float sum = 0.f;
-        for (int k = 0; k < inner; ++k) sum = fmaf(left(i, k), right(k, j), sum);
-        out(i, j, sum);
-      }
-      __syncwarp();
-    };
     float* gram = slice_gram[warp];
     float* poly = slice_poly[warp];
     float* next = slice_next[warp];
     __syncwarp();
-    newton_schulz_steps(x, gram, poly, next, rows, cols, values, product, [&] {
+    newton_schulz_steps(x, gram, poly, next, rows, cols, values, WarpProduct{lane}, [&] {
       for (int e = lane; e < count; e += 32) x[e] = next[e];
       __syncwarp();
     });
