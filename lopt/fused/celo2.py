@@ -284,6 +284,8 @@ def sliced(p: torch.Tensor) -> bool:
 # The slice kernel built for each slice shape (its loops unrolled, the slice's arrays in registers); any other
 # shape goes to ``celo2_slices`` (arrays in local memory).
 SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
+# Slices per block of SLICE_THREADS: a thread each, but ``celo2_slices``' a warp each (few and long).
+SLICES_PER_BLOCK = {"celo2_slices": SLICE_THREADS // 32}
 
 
 def slice_kernel(shape) -> str:
@@ -658,7 +660,7 @@ class CELO2Fused(FusedEngine):
                       celo2_tensors=work.table.table, celo2_groups=work.groups.table,
                       gradient_transforms=work.transforms)
         for kernel, (walk, total_slices) in work.slice_walks.items():
-            self.launch(kernel, -(-total_slices // SLICE_THREADS), SLICE_THREADS,
+            self.launch(kernel, -(-total_slices // SLICES_PER_BLOCK.get(kernel, SLICE_THREADS)), SLICE_THREADS,
                         tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
                         celo2_groups=work.groups.table, gradient_transforms=work.transforms,
                         row_table=plan.row_table, col_table=plan.col_table, param_scales=work.param_scales,
