@@ -64,7 +64,7 @@ from lopt.reference import celo2 as reference
 LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE, SLICED = (CONSTANTS[f"CELO2_{kind}"] for kind in
                                                      ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE", "SLICED"))
 SLICE_MAX = CONSTANTS["CELO2_SLICE_MAX"]
-SLICE_THREADS = 128  # (C2_SLICE_THREADS in celo2.cu)
+SLICE_THREADS = 128  # (C2_SLICE_THREADS in celo2_slices.cuh)
 # The slice kernel built for each slice shape (its loops unrolled, the slice's arrays in registers); any other
 # shape goes to ``celo2_slices`` (arrays in local memory).
 SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
