@@ -73,6 +73,21 @@ struct SliceShape {
   LOPT_DEVICE int count() const { return rows * cols; }
 };
 
+// out(i, j, Σ_k left(i, k)·right(k, j)) for the rows x cols result, each sum in index order (fmaf from 0): a slice's
+// product as the reference's float32 products round; unrolled where the sizes are known at compile time.
+template <class Left, class Right, class Out>
+LOPT_DEVICE void index_order_product(int rows, int cols, int inner, Left left, Right right, Out out) {
+#pragma unroll
+  for (int i = 0; i < rows; ++i)
+#pragma unroll
+    for (int j = 0; j < cols; ++j) {
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < inner; ++k) sum = fmaf(left(i, k), right(k, j), sum);
+      out(i, j, sum);
+    }
+}
+
 // reference: newton_schulz of one matrix, `x` its rows x cols values in row-major order (already divided by its
 // norm plus eps, a non-finite value as 0), in float32 as the reference's products round: a matrix with more rows
 // than columns is iterated as its transpose; A = X Xᵀ, P = b·A + c·(A A), X ← a·X + P X, each product's sum in
@@ -89,33 +104,14 @@ LOPT_DEVICE void slice_newton_schulz(float (&x)[Shape::kMax], const Shape shape,
   auto at = [&](int i, int j) { return transposed ? j * cols + i : i * cols + j; };
   float gram[Shape::kMax], poly[Shape::kMax], next[Shape::kMax];  // (m x m <= kMax: m² <= m·n)
   for (int step = 0; step < steps; ++step) {
-#pragma unroll
-    for (int i = 0; i < m; ++i)
-#pragma unroll
-      for (int l = 0; l < m; ++l) {
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < n; ++j) sum = fmaf(x[at(i, j)], x[at(l, j)], sum);
-        gram[i * m + l] = sum;
-      }
-#pragma unroll
-    for (int i = 0; i < m; ++i)
-#pragma unroll
-      for (int l = 0; l < m; ++l) {
-        float sum = 0.f;
-#pragma unroll
-        for (int k = 0; k < m; ++k) sum = fmaf(gram[i * m + k], gram[k * m + l], sum);
-        poly[i * m + l] = __fadd_rn(__fmul_rn(b, gram[i * m + l]), __fmul_rn(c, sum));
-      }
-#pragma unroll
-    for (int i = 0; i < m; ++i)
-#pragma unroll
-      for (int j = 0; j < n; ++j) {
-        float sum = 0.f;
-#pragma unroll
-        for (int k = 0; k < m; ++k) sum = fmaf(poly[i * m + k], x[at(k, j)], sum);
-        next[at(i, j)] = __fadd_rn(__fmul_rn(a, x[at(i, j)]), sum);
-      }
+    index_order_product(m, m, n, [&](int i, int j) { return x[at(i, j)]; }, [&](int j, int l) { return x[at(l, j)]; },
+                        [&](int i, int l, float sum) { gram[i * m + l] = sum; });
+    index_order_product(m, m, m, [&](int i, int k) { return gram[i * m + k]; },
+                        [&](int k, int l) { return gram[k * m + l]; }, [&](int i, int l, float sum) {
+                          poly[i * m + l] = __fadd_rn(__fmul_rn(b, gram[i * m + l]), __fmul_rn(c, sum));
+                        });
+    index_order_product(m, n, m, [&](int i, int k) { return poly[i * m + k]; }, [&](int k, int j) { return x[at(k, j)]; },
+                        [&](int i, int j, float sum) { next[at(i, j)] = __fadd_rn(__fmul_rn(a, x[at(i, j)]), sum); });
 #pragma unroll
     for (int e = 0; e < Shape::kMax; ++e)
       if (e < m * n) x[e] = next[e];
