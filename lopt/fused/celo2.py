@@ -65,14 +65,6 @@ LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE, SLICED = (CONSTANTS[f"CELO2_{kind}"] 
                                                      ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE", "SLICED"))
 SLICE_MAX = CONSTANTS["CELO2_SLICE_MAX"]
 SLICE_THREADS = 128  # (C2_SLICE_THREADS in celo2_slices.cuh)
-# The slice kernel built for each slice shape (its loops unrolled, the slice's arrays in registers); any other
-# shape goes to ``celo2_slices`` (arrays in local memory).
-SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
-
-
-def slice_kernel(shape) -> str:
-    """The kernel that steps a sliced tensor of ``shape`` (:data:`SLICE_KERNELS`)."""
-    return SLICE_KERNELS.get(tuple(shape[-2:]), "celo2_slices")
 SUMS = CONSTANTS["CELO2_SUMS"]
 CONTROL_THREADS = 256
 SUMS_THREADS = 256  # (C2_SUMS_THREADS in celo2.cu)
@@ -255,6 +247,16 @@ def sliced(p: torch.Tensor) -> bool:
     order) are stepped elsewhere."""
     return (p.dim() >= 3 and math.prod(p.shape[-2:]) <= SLICE_MAX and memory_order(p) is not None
             and (p.is_contiguous() or p.dim() == 4))
+
+
+# The slice kernel built for each slice shape (its loops unrolled, the slice's arrays in registers); any other
+# shape goes to ``celo2_slices`` (arrays in local memory).
+SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
+
+
+def slice_kernel(shape) -> str:
+    """The kernel that steps a sliced tensor of ``shape`` (:data:`SLICE_KERNELS`)."""
+    return SLICE_KERNELS.get(tuple(shape[-2:]), "celo2_slices")
 
 
 def slice_walk_row(p: torch.Tensor, first_slice: int, row: int) -> tuple:
