@@ -41,10 +41,10 @@ for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small
     assert all(torch.isfinite(p).all() for p in params), name
 
 # CELO2 and ELO-CELO2: learned matrices (two of one shape: a Newton–Schulz stack of two), a transposed one,
-# vectors, a 3-d tensor and 4-d kernels (sliced: celo2_slices, _3x3, _1x1), a class token and a column (scalar matrices), an
-# embedding group on the AdamW branch; ELO-CELO2 clips globally. CELO2's run has a NaN in one matrix: its proposed
-# step is not all finite, so the final step's other path (the proposed step read first, the matrix flagged by
-# celo2_normalise) runs too.
+# vectors, a 3-d tensor and 4-d kernels (sliced: celo2_slices, _3x3, _1x1), a class token and a column (scalar
+# matrices), an embedding group on the AdamW branch; ELO-CELO2 clips globally. CELO2's run has a NaN in one matrix:
+# its proposed step is not all finite, so the final step's other path (the proposed step read first, the matrix
+# flagged by celo2_normalise) runs too.
 for cls, precision in ((lopt.CELO2, "exact"), (lopt.ELO_CELO2, "fast")):
     if ONLY and ONLY != "celo2":
         continue

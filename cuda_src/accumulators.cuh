@@ -309,20 +309,12 @@ LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients
   float sums[Stats::kSums];
 #pragma unroll
   for (int j = 0; j < Stats::kSums; ++j) sums[j] = 0.f;
-  bool unusable;
-  if constexpr (Stats::kSomeOnlyChecked) {
-    if (stats.checked_only()) {
-      unusable = chunk_gradients_unusable(t, chunk, inverse_scale);
-    } else if (stats.param_squares_only()) {
-      unusable = chunk_param_squares(t, chunk, inverse_scale, sums[Stats::kParamSquares]);
-    } else {
-      unusable = t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
-                            : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
-    }
-  } else {
-    unusable = t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
-                          : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
-  }
+  bool checked_only = false, param_squares_only = false;
+  if constexpr (Stats::kSomeOnlyChecked) checked_only = stats.checked_only(), param_squares_only = stats.param_squares_only();
+  const bool unusable = checked_only         ? chunk_gradients_unusable(t, chunk, inverse_scale)
+                        : param_squares_only ? chunk_param_squares(t, chunk, inverse_scale, sums[Stats::kParamSquares])
+                        : t.factored         ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
+                                             : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
   report_unusable_gradients(unusable, flags.status);
   double values[Stats::kSums];
 #pragma unroll

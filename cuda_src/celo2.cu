@@ -32,8 +32,9 @@
 //
 // Learned tensors of rank >= 3 with several slices of their last two axes (normalised per slice): where the
 // slices are small and contiguous (a conv kernel's kh x kw), celo2_slices steps each slice whole, after the
-// control phase (celo2_slices.cuh); the others are stepped by the reference functions on the device (lopt.fused.celo2,
-// "elsewhere"): the kernels only check their gradients. Nothing is written to parameters or state before the step is known to be kept.
+// control phase (celo2_slices.cuh); the others are stepped by the reference functions on the device
+// (lopt.fused.celo2, "elsewhere"): the kernels only check their gradients. Nothing is written to parameters or
+// state before the step is known to be kept.
 #include "common.cuh"
 #include "accumulators.cuh"
 #include "split_mma.cuh"
@@ -287,6 +288,15 @@ LOPT_DEVICE float bias_correction(double beta, i64 step) {
   return static_cast<float>(1.0 - pow(beta, static_cast<double>(step)));
 }
 
+// reference: normalise_by_square_sums' factors for `count` values whose finite ones' squares sum to `sum`:
+// scale = 1/sqrt(1e-9 + sum/count) formed in float64, applied as (x · float(scale·shift)) · float(1/shift), shift
+// 2^64 where scale < 2^-60 (1/shift is then 2^-64 exactly: a choice rather than a division).
+LOPT_DEVICE float2 square_sum_factors(double sum, double count) {
+  const double scale = 1.0 / sqrt(1e-9 + sum / count);
+  const bool shifted = scale < 0x1p-60;
+  return make_float2(static_cast<float>(shifted ? scale * 0x1p64 : scale), shifted ? 0x1p-64f : 1.f);
+}
+
 // Blocks [0, num_tensors): one tensor each. A learned tensor: its chunks' sums in a fixed order (float64) and,
 // for a factored one, its table features' sums over its R and C entries (table_feature_square_sums), then per
 // feature normalise_by_square_sums' factors — scale = rsqrt(1e-9 + Σx²/count) formed in float64,
@@ -342,10 +352,9 @@ celo2_control(const TensorMeta* __restrict__ tensors, int num_tensors, const Gro
   const double count = static_cast<double>(t.count);
   float* out = feature_scales + static_cast<i64>(tensor) * C2_SCALES;
   if (tid < C2_FEATURES) {
-    const double scale = 1.0 / sqrt(1e-9 + sums[tid] / count);
-    const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
-    out[tid] = static_cast<float>(scale * shift);
-    out[C2_UNSHIFT + tid] = static_cast<float>(1.0 / shift);
+    const float2 factors = square_sum_factors(sums[tid], count);
+    out[tid] = factors.x;
+    out[C2_UNSHIFT + tid] = factors.y;
   } else if (tid == C2_FEATURES) {
     param_scales[tensor] = __fsqrt_rn(__fadd_rn(static_cast<float>(sums[C2_FEATURES] / count), 1e-9f));
   }
@@ -833,9 +842,7 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   double tensor_sum = 0.0;
   for (int k = 0; k < C2_SUMS_SPLITS; ++k) tensor_sum += __ldcg(partials + blockIdx.y * C2_SUMS_SPLITS + k);
   tickets[blockIdx.y] = 0u;
-  const double scale = 1.0 / sqrt(1e-9 + tensor_sum / static_cast<double>(t.numel));
-  const double shift = scale < 0x1p-60 ? 0x1p64 : 1.0;
-  step_scales[tensor] = make_float2(static_cast<float>(scale * shift), static_cast<float>(1.0 / shift));
+  step_scales[tensor] = square_sum_factors(tensor_sum, static_cast<double>(t.numel));
 }
 
 // The MLP pass's block that walks chunk `chunk` of its walk (walk_chunks_of's split of `total_chunks` over `blocks`,

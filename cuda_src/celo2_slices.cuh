@@ -51,15 +51,6 @@ LOPT_DEVICE float slice_element(const TensorMeta& t, i64 e, float inverse_scale,
   return grad;
 }
 
-// reference: normalise_by_square_sums' factors for `count` values whose finite ones' squares sum to `sum`
-// (celo2_control's arithmetic): scale = 1/sqrt(1e-9 + sum/count) in float64, as float(scale·shift), float(1/shift)
-// (1/shift is 1 or 2^-64 exactly, a choice rather than a division).
-LOPT_DEVICE float2 square_sum_factors(double sum, int count) {
-  const double scale = 1.0 / sqrt(1e-9 + sum / static_cast<double>(count));
-  const bool shifted = scale < 0x1p-60;
-  return make_float2(static_cast<float>(shifted ? scale * 0x1p64 : scale), shifted ? 0x1p-64f : 1.f);
-}
-
 // A slice's shape: kRows x kCols where the kernel is built for one (the loops unrolled and the slice's arrays in
 // registers), else (SliceShape<0, 0>) the walk row's, of at most C2_SLICE_MAX elements (the arrays in local memory).
 template <int kRows, int kCols>
