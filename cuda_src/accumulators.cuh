@@ -309,12 +309,18 @@ LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients
   float sums[Stats::kSums];
 #pragma unroll
   for (int j = 0; j < Stats::kSums; ++j) sums[j] = 0.f;
-  bool checked_only = false, param_squares_only = false;
-  if constexpr (Stats::kSomeOnlyChecked) checked_only = stats.checked_only(), param_squares_only = stats.param_squares_only();
-  const bool unusable = checked_only         ? chunk_gradients_unusable(t, chunk, inverse_scale)
-                        : param_squares_only ? chunk_param_squares(t, chunk, inverse_scale, sums[Stats::kParamSquares])
-                        : t.factored         ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
-                                             : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  auto chunk_statistics = [&] {
+    return t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
+                      : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  };
+  bool unusable;
+  if constexpr (Stats::kSomeOnlyChecked) {
+    unusable = stats.checked_only()         ? chunk_gradients_unusable(t, chunk, inverse_scale)
+               : stats.param_squares_only() ? chunk_param_squares(t, chunk, inverse_scale, sums[Stats::kParamSquares])
+                                            : chunk_statistics();
+  } else {
+    unusable = chunk_statistics();
+  }
   report_unusable_gradients(unusable, flags.status);
   double values[Stats::kSums];
 #pragma unroll
