@@ -21,8 +21,10 @@
 //                        learned tensors' accumulators stored
 //   celo2_normalise      per matrix to orthogonalise: its norm plus ns_eps from the MLP pass's segment sums, and
 //                        the matrix divided by it, into Newton–Schulz's workspace (a matrix of one row or
-//                        column: its whole iteration, a scalar recurrence)
-//   (torch)              Newton–Schulz's products on each stack of same-shaped matrices
+//                        column: its whole iteration, a scalar recurrence); precision="fast": the MLP pass
+//                        wrote the input undivided, and the first polynomial's coefficients are written instead
+//   (torch)              Newton–Schulz's products on each stack of same-shaped matrices (fast: the first
+//                        polynomial by celo2_first_polynomial, which divides by the norm)
 //   celo2_matrix_sums    per learned tensor: Σ s² of its final step → its two scale factors
 //   celo2_adamw          the AdamW branch (CELO2's own moments, ELO-CELO2's shared accumulators)
 //   celo2_apply          u = rms_mult · s · scale, p ← p − lr·(u + weight_decay·p); the step counters
@@ -67,6 +69,12 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 // occupancy adds hide more of that wait than the spills cost (docs/performance.md §8).
 #define C2_APPLY_BLOCKS 8
 #define C2_MLP_PREFETCH 2  // chunks ahead the MLP pass requests its next elements into L2
+// precision="fast" (lopt.fused.celo2.kernel_defines): the MLP pass writes each matrix's proposed step straight
+// into Newton–Schulz's bfloat16 workspace, not divided by its norm (which the pass cannot know yet); the first
+// polynomial divides instead (celo2_normalise's coefficients, celo2_first_polynomial). docs/celo2.md §8.1.
+#ifndef C2_DIRECT_WORK
+#define C2_DIRECT_WORK 0
+#endif
 // Per learned tensor, the features' scales: (x · scale[j]) · unshift[j] (normalise_by_square_sums' two factors).
 #define C2_SCALES 64
 #define C2_UNSHIFT 32
@@ -89,6 +97,17 @@ static_assert(C2_ENTRY_FLOATS % 4 == 0 && C2_ENTRY_FLOATS >= C2_HIDDEN + 3, "an 
 LOPT_DEVICE float step_gradient(float unscaled, float2 transform) {
   const float g = transform.x != 1.0f ? __fmul_rn(unscaled, transform.x) : unscaled;
   return fminf(fmaxf(g, -transform.y), transform.y);
+}
+
+// A proposed step's bfloat16 bits as Newton–Schulz's direct input takes them (C2_DIRECT_WORK): rounded to
+// nearest even, a finite value beyond bfloat16's largest saturated to it (a finite step stays finite: only
+// non-finite ones take celo2_normalise's repair), a non-finite one kept (±inf as itself, NaN as NaN).
+#define C2_BF16_MAX 3.38953139e38f
+LOPT_DEVICE unsigned short bf16_keeping_finite(float x) {
+  const float value = is_finite(x) ? fminf(fmaxf(x, -C2_BF16_MAX), C2_BF16_MAX) : x;
+  unsigned short bits;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  return bits;
 }
 
 LOPT_DEVICE const double* group_values(const double* celo2_groups, i64 group) {
@@ -715,7 +734,12 @@ struct Celo2MLP {
       float factor = expf(__fmul_rn(out.y, a.exp_mult));
       if (param_scale_mult) factor = __fmul_rn(param_scale, factor);
       const float step = __fmul_rn(out.x, factor);
-      steps[c.step_offset + e] = step;
+#if C2_DIRECT_WORK
+      if (c.direct_work != 0)  // (the matrix's Newton–Schulz input, divided by its norm later: celo2_first_polynomial)
+        pointer<unsigned short>(c.direct_work)[e] = bf16_keeping_finite(step);
+      else
+#endif
+        steps[c.step_offset + e] = step;
       if (is_finite(step)) square_sum = fma(static_cast<double>(step), static_cast<double>(step), square_sum);
       else nonfinite = true;
     }
@@ -879,24 +903,51 @@ LOPT_DEVICE double scalar_newton_schulz(const double* values, double s) {
   return product;
 }
 
+//
+// A direct matrix (Celo2Tensor.direct_work: precision="fast", celo2_mlp wrote its proposed step s itself,
+// bf16_keeping_finite, as Newton–Schulz's input S) is not divided here: block 0 writes its first polynomial's
+// coefficients (a/d, b/d³, c/d⁵) in float32 from float64 (celo2_first_polynomial: X₁ = P S), where d, the
+// divisor, lies in [C2_DIRECT_MIN, C2_DIRECT_MAX]. Only a matrix that needs it is rewritten, in place: one with a
+// non-finite value (each such value to the step buffer, where final_step reads it, every other element of the
+// tensor's steps 0 there, and 0 in S), or one whose d lies outside (S divided by d, rounded again, and the
+// coefficients a, b, c: its Gram matrices would leave bfloat16's range or its coefficients float32's).
+#define C2_DIRECT_MIN 5.9604645e-8f  // 2^-24
+#define C2_DIRECT_MAX 16777216.0f    // 2^24
+
+LOPT_DEVICE void direct_repair(const TensorMeta& t, i64 offset, unsigned short* input, float* steps, bool nonfinite,
+                               bool rescale, float divisor) {
+  const i64 threads = static_cast<i64>(gridDim.x) * C2_APPLY_THREADS;
+  for (i64 e = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x; e < t.numel; e += threads) {
+    const float x = sixteen_bits_to_float(input[e], LOPT_BF16);
+    if (!is_finite(x)) {
+      steps[offset + e] = x;
+      input[e] = 0;
+      continue;
+    }
+    if (nonfinite) steps[offset + e] = 0.f;  // (no stale non-finite value of an earlier step left for final_step)
+    if (rescale) store_from_float(input, e, LOPT_BF16, __fdiv_rn(x, divisor));
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
 celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __restrict__ celo2_tensors,
                 const double* __restrict__ celo2_groups, const int* __restrict__ rows, int scalar_rows,
                 const double* __restrict__ segment_sums, int mlp_blocks, i64 mlp_chunks,
-                const float* __restrict__ steps, int* __restrict__ proposed_nonfinite, void* __restrict__ work,
-                int work_dtype) {
+                float* __restrict__ steps, int* __restrict__ proposed_nonfinite, void* __restrict__ work,
+                int work_dtype, float4* __restrict__ first_polynomials) {
   const int tensor = rows[blockIdx.y];
   const TensorMeta t = tensors[tensor];
-  const i64 offset = celo2_tensors[tensor].step_offset;
+  const Celo2Tensor c = celo2_tensors[tensor];
+  const i64 offset = c.step_offset;
   const bool scalar = static_cast<int>(blockIdx.y) < scalar_rows;
   // (where x goes: the workspace at the step's own index, or a scalar matrix's result, already at that index)
-  void* const out = scalar ? pointer<void>(celo2_tensors[tensor].result) : work;
+  void* const out = scalar ? pointer<void>(c.result) : work;
   const i64 out_offset = scalar ? 0 : offset;
   __shared__ float shared_divisor, shared_factor;
+  __shared__ bool shared_nonfinite, shared_rescale;
   if (threadIdx.x == 0) {
-    const i64 mlp_chunk = celo2_tensors[tensor].mlp_chunk;  // (its first chunk in the MLP pass's walk)
-    const i64 first = mlp_block_of(mlp_chunk, mlp_blocks, mlp_chunks);
-    const i64 last = mlp_block_of(mlp_chunk + t.num_apply_chunks - 1, mlp_blocks, mlp_chunks);
+    const i64 first = mlp_block_of(c.mlp_chunk, mlp_blocks, mlp_chunks);  // (its first chunk in the MLP's walk)
+    const i64 last = mlp_block_of(c.mlp_chunk + t.num_apply_chunks - 1, mlp_blocks, mlp_chunks);
     double sum = 0.0;
     bool nonfinite = false;
     for (i64 block = first; block <= last; ++block) {  // (each walked one chunk at least: blocks <= total_chunks)
@@ -910,9 +961,27 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
     shared_factor = scalar ? static_cast<float>(scalar_newton_schulz(
                                  values, sum / (static_cast<double>(divisor) * static_cast<double>(divisor))))
                            : 1.0f;
-    if (blockIdx.x == 0) proposed_nonfinite[tensor] = nonfinite ? 1 : 0;
+    const bool rescale = !(divisor >= C2_DIRECT_MIN && divisor <= C2_DIRECT_MAX);
+    shared_nonfinite = nonfinite;
+    shared_rescale = rescale;
+    if (blockIdx.x == 0) {
+      proposed_nonfinite[tensor] = nonfinite ? 1 : 0;
+      if (c.direct_work != 0) {
+        const double d = rescale ? 1.0 : static_cast<double>(divisor), cube = d * d * d;
+        first_polynomials[c.ns_matrix] = make_float4(static_cast<float>(values[LOPT_CELO2_GROUP_NS_A] / d),
+                                                     static_cast<float>(values[LOPT_CELO2_GROUP_NS_B] / cube),
+                                                     static_cast<float>(values[LOPT_CELO2_GROUP_NS_C] / (cube * d * d)),
+                                                     0.f);
+      }
+    }
   }
   __syncthreads();
+  if (c.direct_work != 0) {
+    if (shared_nonfinite || shared_rescale)
+      direct_repair(t, offset, pointer<unsigned short>(c.direct_work), steps, shared_nonfinite, shared_rescale,
+                    shared_divisor);
+    return;
+  }
   const float divisor = shared_divisor, factor = shared_factor;  // (factor 1: exact, x itself)
   const i64 threads = static_cast<i64>(gridDim.x) * C2_APPLY_THREADS;
   const i64 thread = static_cast<i64>(blockIdx.x) * C2_APPLY_THREADS + threadIdx.x;
@@ -947,6 +1016,46 @@ celo2_normalise(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __res
     const float s = steps[offset + e];
     store_from_float(out, out_offset + e, work_dtype, is_finite(s) ? __fmul_rn(__fdiv_rn(s, divisor), factor) : 0.f);
   }
+}
+
+// Newton–Schulz's first polynomial for a family of direct matrices (C2_DIRECT_WORK): `gram` holds each
+// matrix's A = S Sᵀ (or SᵀS) and `polynomial` A A, both bfloat16 (the products'), for S the proposed step
+// itself; each entry becomes P = kb·A + kc·A A, plus ka on the diagonal, in float32 and rounded once to
+// bfloat16, with (ka, kb, kc) = (a/d, b/d³, c/d⁵) the matrix's row of `coefficients` (celo2_normalise). Then
+// P S = (a·I + b·A' + c·A'A') X₀ for X₀ = S/d and A' = X₀X₀ᵀ: the fast iteration's first step on the divided
+// matrix (lopt.fused.celo2.scaled_polynomial, its transcription in torch). `count` matrices of k × k.
+// Blocks (x, m): matrix m, its entries in pairs (k even: a pair lies in one row) or one by one.
+LOPT_DEVICE float first_polynomial_entry(float4 f, unsigned short gram, unsigned short square, bool diagonal) {
+  const float p = __fadd_rn(__fmul_rn(f.y, sixteen_bits_to_float(gram, LOPT_BF16)),
+                            __fmul_rn(f.z, sixteen_bits_to_float(square, LOPT_BF16)));
+  return diagonal ? __fadd_rn(p, f.x) : p;
+}
+
+extern "C" __global__ void __launch_bounds__(C2_APPLY_THREADS)
+celo2_first_polynomial(const unsigned short* __restrict__ gram, unsigned short* __restrict__ polynomial,
+                       const float4* __restrict__ coefficients, int k) {
+  const int entries = k * k;  // (below 2^31: larger Gram matrices take the torch form, lopt.fused.celo2)
+  const float4 f = coefficients[blockIdx.y];
+  const i64 base = static_cast<i64>(blockIdx.y) * entries;
+  const int threads = gridDim.x * C2_APPLY_THREADS, thread = blockIdx.x * C2_APPLY_THREADS + threadIdx.x;
+  if (k % 2 == 0) {
+    const unsigned* a = reinterpret_cast<const unsigned*>(gram + base);
+    unsigned* p = reinterpret_cast<unsigned*>(polynomial + base);
+    for (int pair = thread; pair < entries / 2; pair += threads) {
+      const int within = 2 * pair, diagonal = (within / k) * (k + 1);
+      const unsigned x = a[pair], y = p[pair];
+      p[pair] = pack_bf16x2(
+          first_polynomial_entry(f, static_cast<unsigned short>(x & 0xffffu), static_cast<unsigned short>(y & 0xffffu),
+                                 within == diagonal),
+          first_polynomial_entry(f, static_cast<unsigned short>(x >> 16), static_cast<unsigned short>(y >> 16),
+                                 within + 1 == diagonal));
+    }
+    return;
+  }
+  for (int within = thread; within < entries; within += threads)
+    store_from_float(polynomial + base, within, LOPT_BF16,
+                     first_polynomial_entry(f, gram[base + within], polynomial[base + within],
+                                            within == (within / k) * (k + 1)));
 }
 
 // ------------------------------------------------------------------------------------------

@@ -427,6 +427,89 @@ def test_celo2_fast_precision_stays_within_its_bounds(name, options, weights):
     assert worst_matrix > STEP_TOLERANCE  # the bfloat16 arithmetic ran, not the float32 one
 
 
+def scaled_direction(meta_weights, factor: float):
+    """CELO2 weights whose direction output (the proposed step's size: the last layer's first column and bias) is
+    ``factor`` times the given weights'."""
+    from lopt.reference import celo2 as reference
+    from lopt.weights import MetaWeights
+
+    tensors = {component: {key: value.clone() for key, value in values.items()}
+               for component, values in meta_weights.tensors.items()}
+    network = tensors["mlp"]
+    last = reference.dense_layer_count(network) - 1
+    network[reference.DENSE_WEIGHT.format(last)][..., 0] *= factor
+    network[reference.DENSE_BIAS.format(last)][0] *= factor
+    return MetaWeights(meta_weights.architecture, tensors, meta_weights.configs, meta_weights.source, False)
+
+
+@pytest.mark.parametrize("case", ["non-finite", "huge", "tiny"])
+def test_celo2_fast_direct_matrices_at_their_edges(case, weights):
+    """precision='fast': the MLP pass writes each matrix's proposed step itself, in bfloat16, as Newton–Schulz's
+    input, and the first polynomial divides by its norm d (docs/celo2.md §8.1). At the edges of that:
+    * a NaN parameter element (its proposed step NaN): that element alone stays NaN, as in naive; then it is
+      finite again and another element NaN: only the new one stays NaN (no stale value of the step buffer,
+      where final_step reads a matrix's non-finite steps, comes back);
+    * steps 1e12 or 1e-10 times the network's (d outside [2^-24, 2^24]): celo2_normalise divides the input
+      again and the coefficients are a, b, c themselves (read back), and each matrix still steps as naive's
+      within the fast bounds (test_celo2_fast_precision_stays_within_its_bounds)."""
+    from spec_celo2_fast import fast_arithmetic
+
+    from lopt.fused.celo2 import one_matrix
+
+    meta = weights["celo2"]
+    if case != "non-finite":
+        meta = scaled_direction(meta, 1e12 if case == "huge" else 1e-10)
+    options = dict(lr=0.7, precision="fast")
+    fused, fused_params, naive, naive_params = twin_optimizers("celo2", {"celo2": meta}, shapes=SHAPES, **options)
+    spec_params = make_params(SHAPES, torch.float32, 0)
+    spec = make_optimizer("celo2", spec_params, "naive", meta, **options)
+    row = next(i for i, p in enumerate(fused_params) if p.dim() == 2 and p.shape[0] > 3)
+    if case == "non-finite":
+        with torch.no_grad():
+            for params in (fused_params, naive_params, spec_params):
+                params[row][2, 1] = float("nan")
+    for index in range(4):
+        if case == "non-finite" and index == 2:
+            with torch.no_grad():
+                for params in (fused_params, naive_params, spec_params):
+                    params[row][2, 1], params[row][3, 4] = 0.25, float("nan")
+        grads = random_grads(fused_params, seed=500 + index)
+        if case == "non-finite":
+            grads[row][2:4, :] = 0.0
+        for params in (fused_params, naive_params, spec_params):
+            set_grads(params, grads)
+        before = [p.detach().clone() for p in fused_params]
+        step(fused, loss_of(index))
+        step(naive, loss_of(index))
+        with fast_arithmetic():
+            step(spec, loss_of(index))
+        masks = [torch.isfinite(n) for n in naive_params]
+        for i, (f, n, sp, b, keep, shape) in enumerate(zip(fused_params, naive_params, spec_params, before, masks,
+                                                           SHAPES)):
+            assert torch.equal(torch.isfinite(f), keep), (case, index, shape)
+            if case == "non-finite" and i == row:
+                assert not bool(keep[(2, 1) if index < 2 else (3, 4)]) and int((~keep).sum()) == 1, (case, index)
+            uf, un, us = ((x.detach() - b)[keep] for x in (f, n, sp))
+            if len(shape) >= 2 and one_matrix(shape):
+                error = relative_error(uf, un)
+                assert error <= max(CELO2_FAST_TENSOR_TOLERANCE, CELO2_FAST_SPEC_FACTOR * relative_error(us, un)), \
+                    (case, index, shape, error)
+            elif case != "tiny":  # (tiny: a vector's update, ~1e-7 of its size, is below float32's resolution of
+                # the parameter; nothing here changes how the MLP pass steps vectors)
+                assert tensor_update_error(uf, un, update_scale([un])) <= tensor_tolerance(uf, "celo2", shape), \
+                    (case, index, shape)
+        for opt, params in ((naive, naive_params), (spec, spec_params)):
+            sync_into(opt, params, fused, fused_params)
+    work = fused._fused_engine.plan.work
+    direct = [stack for stack in work.stacks if stack.matrices and not stack.scalar]
+    assert direct, "no matrix took the direct input"
+    coefficients = torch.tensor([float(torch.tensor(c, dtype=torch.float32)) for c in fused.param_groups[0]["ns_coefficients"]])
+    firsts = torch.cat([stack.family_first[stack.family_start:stack.family_start + stack.count] for stack in direct])
+    rescaled = (firsts[:, :3].cpu() == coefficients).all(dim=1)
+    assert bool(rescaled.all()) == (case != "non-finite") and bool(rescaled.any()) == (case != "non-finite"), firsts
+    assert fused.skipped_steps == 0
+
+
 def test_velo_fused_and_naive_against_the_float64_definition(weights):
     """VeLO's float32 updates against an independent float64 implementation (tests/spec_velo.py),
     large multipliers so that updates are far above parameter rounding: the fused backend is as

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lopt.fused.celo2 import (SLICE_MAX, Stack, families_of, newton_schulz_family, newton_schulz_products, one_matrix,
-                              slice_walk_row, sliced, stored_matrix)
+                              scaled_polynomial, slice_walk_row, sliced, stored_matrix)
 from lopt.fused.engine import walk_of
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
@@ -70,6 +70,79 @@ def test_fast_form_is_the_same_iteration(shape):
     # bfloat16 ran (1e-4), and stays within its bound: on small matrices one draw reaches ~6e-2 (docs/celo2.md
     # §8.1: 6.4e-2 at worst, the 6 × 4 matrix), so each within 8e-2 and their mean within 6e-2 (4 × 9: ~3e-2)
     assert min(errors) > 1e-4 and max(errors) < 8e-2 and sum(errors) / len(errors) < 6e-2, errors
+
+
+def first_rows(x, coefficients=reference.NS_COEFFICIENTS, eps=reference.NS_EPSILON):
+    """celo2_normalise's coefficients for undivided matrices: (a/d, b/d³, c/d⁵) in float64 from the float32
+    coefficients and divisor, rounded to float32."""
+    d = (torch.sqrt(accumulators.float64_square_sum(x, dim=(-2, -1))).to(torch.float32) + eps).double()
+    a, b, c = (float(torch.tensor(value, dtype=torch.float32)) for value in coefficients)
+    return torch.stack([a / d, b / d ** 3, c / d ** 5, torch.zeros_like(d)], dim=1).float()
+
+
+def test_the_first_polynomial_of_undivided_matrices():
+    """scaled_polynomial (celo2_first_polynomial's arithmetic): P = kb·A + kc·A A, plus ka on the diagonal, each
+    product and sum rounded to float32, then rounded once to the workspace's dtype; against float64 (A and A A
+    given), within three float32 roundings of its terms' size (float32 workspace), and one bfloat16 rounding more
+    (bfloat16)."""
+    g = torch.Generator().manual_seed(5)
+    gram = torch.randn(3, 6, 6, generator=g)
+    square = torch.randn(3, 6, 6, generator=g)
+    first = torch.rand(3, 4, generator=g) * torch.tensor([3.0, -5.0, 2.0, 0.0])
+    ka, kb, kc = (first[:, i, None, None].double() for i in range(3))
+    eye = torch.eye(6, dtype=torch.float64)
+    for dtype, bound in ((torch.float32, 3 * 2.0 ** -24), (torch.bfloat16, 2.0 ** -8 + 3 * 2.0 ** -24)):
+        a, a_a = gram.to(dtype), square.to(dtype)
+        want = kb * a.double() + kc * a_a.double() + ka * eye
+        size = (kb * a.double()).abs() + (kc * a_a.double()).abs() + (ka * eye).abs()
+        out = a_a.clone()
+        scaled_polynomial(a, out, first)
+        assert out.dtype == dtype and torch.equal(a, gram.to(dtype))
+        error = float(((out.double() - want).abs() / size).max())
+        assert 0 < error <= bound, (dtype, error)
+
+
+@pytest.mark.parametrize("shape", [(4, 9), (9, 4), (24, 40)])
+@pytest.mark.parametrize("scale", [1.0, 1e-4, 3e3])
+def test_undivided_matrices_take_the_divided_iteration(shape, scale):
+    """newton_schulz_family's first= (precision="fast": the MLP pass writes the step itself as the input): the
+    first polynomial divides by the norm, so five steps on S give the iteration on S/d, whatever S's scale: in
+    float32 within rounding of the reference's, in bfloat16 as close to it as the divided input's bfloat16
+    iteration (tests/test_fused_celo2.py::test_fast_form_is_the_same_iteration's bounds)."""
+    count, (m, n), k = 3, shape, min(shape)
+    for seed in range(7, 10):
+        x = stack_of(shape, count, seed=seed) * scale
+        want = reference.newton_schulz(x)
+        for dtype, bound in ((torch.float32, 5e-6), (torch.bfloat16, 8e-2)):
+            first = x.to(dtype).clone()
+            second = torch.full_like(first, float("nan"))
+            gram = torch.full((count, k, k), float("nan"), dtype=dtype)
+            polynomial = torch.full((count, k, k), float("nan"), dtype=dtype)
+            got = newton_schulz_products(first, second, gram, polynomial, reference.NS_COEFFICIENTS, 5, exact=False,
+                                         first=first_rows(x))
+            assert got.data_ptr() == second.data_ptr()
+            assert relative(got.float(), want) < bound, (dtype, seed)
+    with pytest.raises(ValueError, match="fast form's: exact Newton–Schulz divides them first"):
+        newton_schulz_products(x, torch.empty_like(x), torch.empty(count, k, k), torch.empty(count, k, k),
+                               reference.NS_COEFFICIENTS, 5, exact=True, first=first_rows(x))
+
+
+def test_the_fast_transcription_takes_matrices_of_any_norm():
+    """tests/spec_celo2_fast.py: a matrix whose norm lies outside [2^-24, 2^24] is divided and rounded again
+    (its first polynomial's coefficients would leave float32's range, its Gram matrices bfloat16's); within
+    that range the step itself is the input. Either way the reference's iteration within the fast bound, and
+    a matrix scaled by 1e12 nearly the same result as itself."""
+    from spec_celo2_fast import DIRECT_RANGE, fast_newton_schulz
+
+    x = stack_of((12, 20), 2, seed=3)
+    results = {}
+    for scale in (1e-12, 1.0, 1e12):
+        norms = x.norm(dim=(-2, -1)) * scale
+        assert bool(((norms >= DIRECT_RANGE[0]) & (norms <= DIRECT_RANGE[1])).all()) == (scale == 1.0)
+        results[scale] = fast_newton_schulz(x * scale)
+        # (at 1e-12 the norm is below ns_eps, 1e-8: the reference's own iteration barely moves the matrix)
+        assert relative(results[scale], reference.newton_schulz(x * scale)) < 5e-2, scale
+    assert relative(results[1e12], results[1.0]) < 3e-2
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (7, 1), (1, 768)])

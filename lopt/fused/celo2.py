@@ -20,15 +20,19 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
-                             its place in its stack (the tensor's matrix as it lies in memory), and per block
-                             and tensor the float64 Σ s² of those values; the accumulators stored
+                             its place in its stack (the tensor's matrix as it lies in memory; fast: a matrix's
+                             straight into Newton–Schulz's bfloat16 input, undivided), and per block and tensor
+                             the float64 Σ s² of those values; the accumulators stored
 6. ``celo2_normalise``       each matrix to orthogonalise: its norm (its segments' sums) plus ``ns_eps``, whether
                              its proposed step has a non-finite element, and the matrix divided by the former (a
                              non-finite element as 0) into the workspace; a matrix of one row or column
-                             (:attr:`Stack.scalar`) its whole iteration, a scalar recurrence, into its result
+                             (:attr:`Stack.scalar`) its whole iteration, a scalar recurrence, into its result.
+                             Fast: the first polynomial's coefficients ``(a/d, b/d³, c/d⁵)`` instead (the input
+                             repaired in place only where non-finite or its norm out of range: docs/celo2.md §8.1)
    torch, per family         Newton–Schulz's products (:func:`newton_schulz_family`: float32 with TF32 off,
-                             or bfloat16 for ``precision="fast"``), in place in the workspace (or replayed
-                             from one CUDA graph per plan: ``REPLAY_PRODUCTS``)
+                             or bfloat16 for ``precision="fast"``, whose first polynomial divides by the norm:
+                             ``celo2_first_polynomial``), in place in the workspace (or replayed from one CUDA
+                             graph per plan: ``REPLAY_PRODUCTS``)
    ``celo2_matrix_sums``     each learned tensor: Σ s² of its final step, ``finish_step``'s two factors
 7. ``celo2_adamw``           (after the MLP pass) the AdamW branch: CELO2's own moments with their own step
                              counts, ELO-CELO2's shared accumulators
@@ -70,6 +74,7 @@ CONTROL_THREADS = 256
 SUMS_THREADS = 256  # (C2_SUMS_THREADS in celo2.cu)
 SUMS_SPLITS = 16  # blocks per matrix of celo2_matrix_sums (C2_SUMS_SPLITS)
 NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
+FIRST_POLYNOMIAL_PAIRS = 4  # pairs of entries per thread of celo2_first_polynomial
 FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
 CELO2_FIELD = FIELD["Celo2Tensor"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
@@ -132,10 +137,11 @@ def fast_mlp(precision: str, geometry: MLPGeometry) -> bool:
 
 
 def kernel_defines(precision: str, geometry: MLPGeometry) -> tuple:
-    """What celo2.cu is compiled with: the MLP's arithmetic (``fast_mlp``), the network's geometry (kernel
-    traits) and its table entries' size."""
-    return ((f"C2_FAST_MLP={int(fast_mlp(precision, geometry))}",) + geometry.cuda_defines("C2_MLP")
-            + (f"C2_ENTRY_FLOATS={entry_floats(geometry)}",))
+    """What celo2.cu is compiled with: the MLP's arithmetic (``fast_mlp``), whether the MLP pass writes the
+    matrices' steps straight into Newton–Schulz's bfloat16 input (``precision="fast"``: C2_DIRECT_WORK), the
+    network's geometry (kernel traits) and its table entries' size."""
+    return ((f"C2_FAST_MLP={int(fast_mlp(precision, geometry))}", f"C2_DIRECT_WORK={int(precision == 'fast')}")
+            + geometry.cuda_defines("C2_MLP") + (f"C2_ENTRY_FLOATS={entry_floats(geometry)}",))
 
 
 # The MLP pass takes the packed network by value, as a kernel parameter (celo2.cu, Celo2Network): 4 KB is what
@@ -154,38 +160,61 @@ def network_argument(packed: torch.Tensor) -> np.void:
     return np.frombuffer(values.tobytes(), dtype=struct)[0]
 
 
+def scaled_polynomial(gram: torch.Tensor, square: torch.Tensor, first: torch.Tensor) -> None:
+    """The first polynomial of matrices given undivided (``first``: per matrix ``(ka, kb, kc, ·)``, float32):
+    ``P = kb·A + kc·A A``, plus ``ka`` on the diagonal, in float32 (each product and sum rounded), rounded once to
+    ``square``'s dtype, in place of ``square`` (``A A``; ``gram`` holds ``A``). With ``(a/d, b/d³, c/d⁵)``,
+    ``P S`` is the iteration's first step on ``X = S/d``. (celo2_first_polynomial on a GPU, the same arithmetic.)"""
+    ka, kb, kc = (first[:, i, None, None] for i in range(3))
+    value = kb * gram.float() + kc * square.float()
+    value.diagonal(dim1=-2, dim2=-1).add_(ka[..., 0])
+    square.copy_(value)
+
+
 def newton_schulz_products(x: torch.Tensor, y: torch.Tensor, gram: torch.Tensor, polynomial: torch.Tensor,
-                           coefficients, steps: int, exact: bool) -> torch.Tensor:
+                           coefficients, steps: int, exact: bool, first: torch.Tensor | None = None) -> torch.Tensor:
     """``steps`` iterations of ``reference.newton_schulz`` on the stack ``x`` (``(count, rows, cols)``, already
-    divided by its norms), ping-ponging between ``x`` and ``y``; returns the one holding the result. The
+    divided by its norms, or, with ``first``, not: see :func:`newton_schulz_family`), ping-ponging between ``x``
+    and ``y``; returns the one holding the result. The
     iteration on the smaller Gram matrix: for ``rows <= cols`` ``A = X Xᵀ``, ``P = b·A + c·A A`` and
     ``X ← a·X + P X``; for ``rows > cols`` the same on ``Xᵀ``, written as ``A = XᵀX`` and ``X ← a·X + X Pᵀ``
     (cuBLAS reads the transposes in place). ``P`` is one product whose epilogue adds ``b·A``. ``exact``:
     ``a·X + P X`` in the reference's form (the product's epilogue adds ``a·X``); else as ``(a·I + P) X``
     (bfloat16's rounding dwarfs the difference).
     ``gram`` and ``polynomial``: ``(count, k, k)`` workspaces, ``k = min(rows, cols)``."""
-    return newton_schulz_family([(x, y)], gram, polynomial, coefficients, steps, exact)[0]
+    return newton_schulz_family([(x, y)], gram, polynomial, coefficients, steps, exact, first)[0]
 
 
 def newton_schulz_family(stacks: list, gram: torch.Tensor, polynomial: torch.Tensor, coefficients, steps: int,
-                         exact: bool) -> list:
+                         exact: bool, first: torch.Tensor | None = None, first_polynomial=scaled_polynomial) -> list:
     """:func:`newton_schulz_products` for several stacks at once whose Gram matrices are of one size ``k``
     (``stacks``: their ``(x, y)`` pairs, each of its own shape): each iteration forms every stack's Gram matrices
     into its part of ``gram`` (``(Σ count, k, k)``, the stacks' in order), then the polynomial of all of them in
     one launch (fast: two), then each stack's product. Per matrix the same arithmetic as one stack alone; a stack of
     another shape costs its two products an iteration and no more of the polynomial's launches (ViT-B/16's and
-    GPT-2 medium's matrices all have one smaller side). Returns each stack's result buffer."""
+    GPT-2 medium's matrices all have one smaller side). Returns each stack's result buffer.
+    ``first`` (the fast form only; ``(Σ count, 4)`` float32, per matrix ``(a/d, b/d³, c/d⁵, ·)`` for its divisor
+    ``d``): the stacks hold each matrix ``S`` undivided, and the first iteration's polynomial is
+    ``first_polynomial(gram, A A, first)`` (:func:`scaled_polynomial`), whose ``P S`` is the first step on
+    ``S/d``: the division rides on the Gram matrices, k × k each, not on the matrices (precision="fast")."""
+    if first is not None and exact:
+        raise ValueError("undivided matrices (first=) are the fast form's: exact Newton–Schulz divides them first")
     a, b, c = coefficients
     pairs = list(stacks)
     bounds = np.cumsum([0] + [x.shape[0] for x, _ in pairs])
-    for _ in range(steps):
+    for iteration in range(steps):
         for (x, _), start, end in zip(pairs, bounds[:-1], bounds[1:]):
             out = gram[start:end]
             torch.bmm(x.mT, x, out=out) if x.shape[-2] > x.shape[-1] else torch.bmm(x, x.mT, out=out)
-        # P = b·A + c·A A in one product (the GEMM's epilogue forms b·A: no pass of its own over the Gram matrices)
-        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=polynomial)
-        if not exact:
-            polynomial.diagonal(dim1=-2, dim2=-1).add_(a)
+        if iteration == 0 and first is not None:
+            torch.bmm(gram, gram, out=polynomial)
+            first_polynomial(gram, polynomial, first)
+        else:
+            # P = b·A + c·A A in one product (the GEMM's epilogue forms b·A: no pass of its own over the Gram
+            # matrices)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=polynomial)
+            if not exact:
+                polynomial.diagonal(dim1=-2, dim2=-1).add_(a)
         for (x, y), start, end in zip(pairs, bounds[:-1], bounds[1:]):
             p = polynomial[start:end]
             tall = x.shape[-2] > x.shape[-1]
@@ -215,6 +244,9 @@ class Stack:
     family_gram: torch.Tensor | None = None
     family_polynomial: torch.Tensor | None = None
     family_start: int = 0
+    # the family's rows of first polynomial coefficients (``(Σ count, 4)``: newton_schulz_family's ``first``), which
+    # celo2_normalise writes for a direct matrix (precision="fast")
+    family_first: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
@@ -309,6 +341,7 @@ class Celo2Work:
     work: torch.Tensor  # Newton–Schulz's two ping-pong buffers (float32, or bfloat16 for precision "fast"), each
     #                     laid out as `steps` up to the end of the matrices' stacks
     stacks: list
+    first_polynomials: torch.Tensor  # float32 (family matrices, 4): Stack.family_first, each family's rows
     segment_sums: torch.Tensor  # float64 per (MLP block, tensor row) at block + row: Σ s² of the segment's finite
     #                             proposed values, its sign bit set where it met a non-finite one (celo2_normalise)
     sum_partials: torch.Tensor  # float64, SUMS_SPLITS per learned tensor of celo2_matrix_sums
@@ -346,7 +379,8 @@ class CELO2Fused(FusedEngine):
     SOURCE = "celo2.cu"
     KERNELS = ("celo2_statistics", "celo2_gradient_norm", "celo2_control", "celo2_slices", "celo2_slices_1x1",
                "celo2_slices_3x3", "celo2_table_features",
-               "celo2_mlp", "celo2_matrix_sums", "celo2_normalise", "celo2_adamw", "celo2_apply")
+               "celo2_mlp", "celo2_matrix_sums", "celo2_normalise", "celo2_first_polynomial", "celo2_adamw",
+               "celo2_apply")
     APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
     APPLY_THREADS = 128
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
@@ -457,6 +491,9 @@ class CELO2Fused(FusedEngine):
         for stack in stack_list:
             if stack.matrices and not stack.scalar:
                 families.setdefault(min(stack.rows_per_matrix, stack.cols), []).append(stack)
+        first_polynomials = plan.workspace(4 * max(1, sum(stack.count for members in families.values()
+                                                          for stack in members)), torch.float32).view(-1, 4)
+        family_base = 0  # (each family's rows of first_polynomials, in family order)
         for k, members in families.items():
             count = sum(stack.count for stack in members)
             gram = plan.workspace(count * k * k, self.work_dtype).view(count, k, k)
@@ -464,7 +501,11 @@ class CELO2Fused(FusedEngine):
             start = 0
             for stack in members:
                 stack.family_gram, stack.family_polynomial, stack.family_start = gram, polynomial, start
+                stack.family_first = first_polynomials[family_base:family_base + count]
+                for index, row in enumerate(stack.tensor_rows):
+                    rows[row, CELO2_FIELD["ns_matrix"]] = family_base + start + index
                 start += stack.count
+            family_base += count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
         chunks = [-(-math.prod(shape) // self.APPLY_CHUNK) for shape in layout.shapes]
         learned_walk, firsts = walk_of([row for row in range(n) if kinds[row] == LEARNED], chunks, device)
@@ -487,7 +528,7 @@ class CELO2Fused(FusedEngine):
         return Celo2Work(
             kinds=kinds, table=table, groups=launcher.MetadataTable(device, dtype=np.float64), group_rows=None,
             steps=plan.workspace(offset, torch.float32), work=plan.workspace(2 * matrix_elements, self.work_dtype),
-            stacks=stack_list,
+            stacks=stack_list, first_polynomials=first_polynomials,
             segment_sums=plan.workspace(self.mlp_grid + n, torch.float64),
             sum_partials=plan.workspace(max(n, 1) * SUMS_SPLITS, torch.float64),
             sum_tickets=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
@@ -668,7 +709,9 @@ class CELO2Fused(FusedEngine):
     def _refresh_results(self, plan: Plan) -> None:
         """Where each learned tensor's final step lies (its Celo2Tensor ``result``): in the workspace buffer
         Newton–Schulz ends in (its steps' parity), or the proposed step itself; and the rows Newton–Schulz
-        takes. Rewritten (and uploaded) only when a group's choice changes."""
+        takes. For precision="fast", where the MLP pass writes a matrix's step (``direct_work``): Newton–Schulz's
+        input itself, where its products run one step at least (:meth:`_direct`). Rewritten (and uploaded) only
+        when a group's choice changes."""
         work = plan.work
         choices = self._orthogonalised(plan)
         if choices == work.orthogonalised:
@@ -682,15 +725,25 @@ class CELO2Fused(FusedEngine):
             else:
                 base, dtype = work.work[(steps % 2) * size:(steps % 2 + 1) * size], self.work_dtype
                 (scalar_rows if stack.scalar else product_rows).extend(stack.tensor_rows)
+            first = work.work[:size]
             for row in stack.tensor_rows:
                 offset = int(rows[row, CELO2_FIELD["step_offset"]])
                 rows[row, CELO2_FIELD["result"]] = base.data_ptr() + offset * base.element_size()
                 rows[row, CELO2_FIELD["result_dtype"]] = launcher.DTYPE_CODES[dtype]
+                rows[row, CELO2_FIELD["direct_work"]] = (first.data_ptr() + offset * first.element_size()
+                                                         if self._direct(stack, steps) else 0)
         work.table.update(rows)
         ns_rows = scalar_rows + product_rows
         work.ns_rows = torch.tensor(ns_rows, dtype=torch.int32, device=plan.device) if ns_rows else None
         work.scalar_rows = len(scalar_rows)
         work.orthogonalised = choices
+
+    def _direct(self, stack: Stack, steps: int) -> bool:
+        """Whether the MLP pass writes this stack's steps straight into Newton–Schulz's input (bfloat16,
+        undivided; the first polynomial divides: :func:`newton_schulz_family`'s ``first``): precision="fast",
+        for matrices whose products run (a scalar matrix's whole iteration, and zero steps' divided input, are
+        celo2_normalise's, from the step buffer)."""
+        return self.work_dtype == torch.bfloat16 and stack.matrices and not stack.scalar and steps > 0
 
     def _mlp_blocks(self, walk: Walk) -> int:
         """celo2_mlp's grid for its walk: persistent, and never more blocks than chunks (so that every block walks
@@ -711,7 +764,7 @@ class CELO2Fused(FusedEngine):
                         mlp_blocks=self._mlp_blocks(work.learned_walk), mlp_chunks=work.learned_walk.chunks,
                         steps=work.steps,
                         proposed_nonfinite=work.proposed_nonfinite, work=work.work,
-                        work_dtype=launcher.DTYPE_CODES[self.work_dtype])
+                        work_dtype=launcher.DTYPE_CODES[self.work_dtype], first_polynomials=work.first_polynomials)
             runs = [(stack, steps, tuple(float(c) for c in groups[stack.group]["ns_coefficients"]))
                     for stack, steps in zip(work.stacks, work.orthogonalised) if steps > 0 and not stack.scalar]
             if runs:
@@ -764,9 +817,22 @@ class CELO2Fused(FusedEngine):
             for family in families_of(runs):
                 stack, steps, coefficients = family[0]
                 start, end = stack.family_start, family[-1][0].family_start + family[-1][0].count
+                direct = self._direct(stack, steps)  # (the same for every run: fast, matrices, steps > 0)
                 newton_schulz_family([(member.view(first), member.view(second)) for member, _, _ in family],
                                      stack.family_gram[start:end], stack.family_polynomial[start:end],
-                                     coefficients, steps, exact=exact)
+                                     coefficients, steps, exact=exact,
+                                     first=stack.family_first[start:end] if direct else None,
+                                     first_polynomial=self._first_polynomial)
+
+    def _first_polynomial(self, gram: torch.Tensor, square: torch.Tensor, first: torch.Tensor) -> None:
+        """:func:`scaled_polynomial` as one launch of celo2_first_polynomial (a CPU stand-in, or Gram matrices of
+        2^31 entries or more, which the kernel's 32-bit indices do not reach: the torch form)."""
+        count, k, _ = gram.shape
+        if gram.device.type != "cuda" or k * k >= 2 ** 31:
+            scaled_polynomial(gram, square, first)
+            return
+        self.launch("celo2_first_polynomial", (-(-k * k // (2 * self.APPLY_THREADS * FIRST_POLYNOMIAL_PAIRS)), count),
+                    self.APPLY_THREADS, gram=gram, polynomial=square, coefficients=first, k=k)
 
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
         """The learned tensors of several slices (not :func:`one_matrix`): the reference's learned_step on the

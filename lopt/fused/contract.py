@@ -70,9 +70,12 @@ STRUCTS: dict = {
     # in memory), and its final step (after Newton–Schulz: the orthogonalised stack; else the step itself)
     # is read at `result` + e, of dtype `result_dtype` (float32, or bfloat16 for precision="fast").
     # `inputs`: 30, or 15 without the factored groups. `mlp_chunk`: a learned tensor's first chunk in the MLP
-    # pass's walk (ChunkWalk), where celo2_normalise finds the blocks that walked it.
+    # pass's walk (ChunkWalk), where celo2_normalise finds the blocks that walked it. `direct_work`: for
+    # precision="fast", where the MLP pass writes a matrix's proposed step itself, in bfloat16, as Newton–Schulz's
+    # input (the workspace at step_offset; 0: the step buffer), and `ns_matrix` the row of its first polynomial's
+    # coefficients (celo2_normalise, celo2_first_polynomial).
     "Celo2Tensor": ("kind", "exp_avg", "exp_avg_sq", "adam_step", "step_offset", "result", "result_dtype", "inputs",
-                    "mlp_chunk"),
+                    "mlp_chunk", "direct_work", "ns_matrix"),
     # A persistent pass's walk over the apply chunks of some of the tensors only (walk_chunks_of in
     # accumulators.cuh; lopt.fused.engine.Walk): a row per tensor, in row order, its chunks numbered from
     # `first_chunk` in the walk's own space, which the grid splits evenly. (CELO2's MLP and apply passes walk its
