@@ -719,13 +719,13 @@ class CELO2Fused(FusedEngine):
         rows = work.table.host.copy()
         size = work.work.numel() // 2
         scalar_rows, product_rows = [], []  # (celo2_normalise takes the scalar matrices' rows first)
+        first = work.work[:size]  # (Newton–Schulz's input: a direct matrix's, at its step's own index)
         for stack, steps in zip(work.stacks, choices):
             if steps < 0:
                 base, dtype = work.steps, torch.float32
             else:
                 base, dtype = work.work[(steps % 2) * size:(steps % 2 + 1) * size], self.work_dtype
                 (scalar_rows if stack.scalar else product_rows).extend(stack.tensor_rows)
-            first = work.work[:size]
             for row in stack.tensor_rows:
                 offset = int(rows[row, CELO2_FIELD["step_offset"]])
                 rows[row, CELO2_FIELD["result"]] = base.data_ptr() + offset * base.element_size()
