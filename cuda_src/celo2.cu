@@ -99,15 +99,12 @@ LOPT_DEVICE float step_gradient(float unscaled, float2 transform) {
   return fminf(fmaxf(g, -transform.y), transform.y);
 }
 
-// A proposed step's bfloat16 bits as Newton–Schulz's direct input takes them (C2_DIRECT_WORK): rounded to
-// nearest even, a finite value beyond bfloat16's largest saturated to it (a finite step stays finite: only
-// non-finite ones take celo2_normalise's repair), a non-finite one kept (±inf as itself, NaN as NaN).
+// A proposed step as Newton–Schulz's direct bfloat16 input takes it (C2_DIRECT_WORK, stored rounded to nearest
+// even): a finite value beyond bfloat16's largest saturated to it (a finite step stays finite: only non-finite
+// ones take celo2_normalise's repair), a non-finite one kept (±inf as itself, NaN as NaN).
 #define C2_BF16_MAX 3.38953139e38f
-LOPT_DEVICE unsigned short bf16_keeping_finite(float x) {
-  const float value = is_finite(x) ? fminf(fmaxf(x, -C2_BF16_MAX), C2_BF16_MAX) : x;
-  unsigned short bits;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  return bits;
+LOPT_DEVICE float saturated_for_bf16(float x) {
+  return is_finite(x) ? fminf(fmaxf(x, -C2_BF16_MAX), C2_BF16_MAX) : x;
 }
 
 LOPT_DEVICE const double* group_values(const double* celo2_groups, i64 group) {
@@ -736,7 +733,7 @@ struct Celo2MLP {
       const float step = __fmul_rn(out.x, factor);
 #if C2_DIRECT_WORK
       if (c.direct_work != 0)  // (the matrix's Newton–Schulz input, divided by its norm later: celo2_first_polynomial)
-        pointer<unsigned short>(c.direct_work)[e] = bf16_keeping_finite(step);
+        store_from_float(pointer<void>(c.direct_work), e, LOPT_BF16, saturated_for_bf16(step));
       else
 #endif
         steps[c.step_offset + e] = step;
@@ -905,7 +902,7 @@ LOPT_DEVICE double scalar_newton_schulz(const double* values, double s) {
 
 //
 // A direct matrix (Celo2Tensor.direct_work: precision="fast", celo2_mlp wrote its proposed step s itself,
-// bf16_keeping_finite, as Newton–Schulz's input S) is not divided here: block 0 writes its first polynomial's
+// saturated_for_bf16, as Newton–Schulz's input S) is not divided here: block 0 writes its first polynomial's
 // coefficients (a/d, b/d³, c/d⁵) in float32 from float64 (celo2_first_polynomial: X₁ = P S), where d, the
 // divisor, lies in [C2_DIRECT_MIN, C2_DIRECT_MAX]. Only a matrix that needs it is rewritten, in place: one with a
 // non-finite value (each such value to the step buffer, where final_step reads it, every other element of the

@@ -351,11 +351,11 @@ def test_fast_precision_stays_within_its_bounds(weights):
 # the MLP pass's network on tensor cores (BF16 operands, float32 sums), everything else as the exact mode
 # (docs/celo2.md §8.1). A matrix's update is then off by about 1e-2 to 3e-2 of its size. Where Newton–Schulz
 # amplifies rounding (an ill-conditioned small matrix: up to p'(0)^5 ≈ 486, §3.6) the fast arithmetic itself
-# goes further (0.34 on the (5, 5) matrix at one step of this sequence): a matrix past CELO2_FAST_TENSOR_TOLERANCE
+# goes further (0.34 on the (5, 5) matrix at one step of this sequence at a9752e2, 0.12 now): a matrix past CELO2_FAST_TENSOR_TOLERANCE
 # is held to CELO2_FAST_SPEC_FACTOR times the distance of tests/spec_celo2_fast.py's transcription of that
 # arithmetic from the exact step. Tensors the MLP pass does not take here (vectors; rank >= 3 kernels, stepped
 # by the reference functions in float32) keep the exact mode's bounds.
-CELO2_FAST_TENSOR_TOLERANCE = 0.1  # (the transcription on this sequence: matrices of >= 64 elements <= 3.5e-2)
+CELO2_FAST_TENSOR_TOLERANCE = 0.1  # (the transcription on this sequence: matrices of >= 64 elements <= 4.6e-2)
 CELO2_FAST_SPEC_FACTOR = 2.0
 # Without Newton–Schulz (orthogonalize=False) the fused fast matrices against the transcription itself: the two
 # differ only where a float32 input lies at a bfloat16 rounding boundary, and by float32 summation order.

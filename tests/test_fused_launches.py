@@ -855,7 +855,10 @@ def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recor
     """Where the apply pass reads each learned tensor's final step (Celo2Tensor.result): in the workspace
     buffer Newton–Schulz ends in (its step count's parity; bfloat16 for precision "fast"), or the proposed
     step itself where the group does not orthogonalise, or for vectors; rewritten when a group changes
-    ns_steps or orthogonalize, and the Newton–Schulz launches cover exactly the matrices that take it."""
+    ns_steps or orthogonalize, and the Newton–Schulz launches cover exactly the matrices that take it. For
+    precision "fast", the matrices whose products run take their step straight into Newton–Schulz's input
+    (Celo2Tensor.direct_work: the even buffer at the step's index); none in the exact mode, nor a group of zero
+    steps, nor vectors."""
     from lopt.fused.celo2 import CELO2_FIELD
 
     g = torch.Generator().manual_seed(0)
@@ -878,10 +881,14 @@ def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recor
                    "even": (work.work.data_ptr(), work.work.element_size(), launcher.DTYPE_CODES[engine.work_dtype]),
                    "odd": (work.work.data_ptr() + size * work.work.element_size(), work.work.element_size(),
                            launcher.DTYPE_CODES[engine.work_dtype])}
-        where = {}
+        where, direct = {}, set()
         for p in params:
             row = next(i for i, q in enumerate(plan.params) if q is p)
             offset = int(rows[row, CELO2_FIELD["step_offset"]])
+            address = int(rows[row, CELO2_FIELD["direct_work"]])
+            assert address in (0, buffers["even"][0] + offset * buffers["even"][1]), (p.shape, address)
+            if address:
+                direct.add(tuple(p.shape))
             found = [name for name, (base, width, dtype) in buffers.items()
                      if int(rows[row, CELO2_FIELD["result"]]) == base + offset * width
                      and int(rows[row, CELO2_FIELD["result_dtype"]]) == dtype]
@@ -890,13 +897,21 @@ def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recor
         ns = [grid[1] for name, grid, _, args in launches if name == "celo2_normalise"]
         finals = [grid[1] for name, grid, _, args in launches if name == "celo2_matrix_sums"]
         assert finals == [len(params)]  # (every learned tensor's final step is summed)
-        return where, (ns[0] if ns else 0)
+        return where, (ns[0] if ns else 0), direct
 
-    where, matrices = step_and_read()  # ns_steps 5: odd
+    fast = precision == "fast"
+    where, matrices, direct = step_and_read()  # ns_steps 5: odd
     assert where == {(6, 4): "odd", (3, 8): "odd", (5, 5): "odd", (7,): "steps"} and matrices == 4
+    assert direct == ({(6, 4), (3, 8), (5, 5)} if fast else set())
     opt.param_groups[1]["ns_steps"] = 4
-    where, matrices = step_and_read()
+    where, matrices, direct = step_and_read()
     assert where == {(6, 4): "odd", (3, 8): "odd", (5, 5): "even", (7,): "steps"} and matrices == 4
+    assert direct == ({(6, 4), (3, 8), (5, 5)} if fast else set())
     opt.param_groups[0]["orthogonalize"] = False
-    where, matrices = step_and_read()
+    where, matrices, direct = step_and_read()
     assert where == {(6, 4): "steps", (3, 8): "steps", (5, 5): "even", (7,): "steps"} and matrices == 1
+    assert direct == ({(5, 5)} if fast else set())
+    opt.param_groups[1]["ns_steps"] = 0  # (the divided input is the result: celo2_normalise writes it)
+    where, matrices, direct = step_and_read()
+    assert where == {(6, 4): "steps", (3, 8): "steps", (5, 5): "even", (7,): "steps"} and matrices == 1
+    assert direct == set()
