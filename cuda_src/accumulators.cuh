@@ -237,7 +237,8 @@ LOPT_DEVICE void for_each_chunk_element(const TensorMeta& t, i64 chunk, float in
 //
 //   struct Stats {
 //     static constexpr int kSums, kUnroll, kPrefetch;  // sums per element; for_each_chunk_element's tuning
-//     static constexpr bool kSomeOnlyChecked;           // true: it has bool checked_only() (below)
+//     static constexpr bool kSomeOnlyChecked;           // true: it has bool checked_only() and
+//                                                       // bool param_squares_only(), kParamSquares (below)
 //     struct Inputs { ... };                            // what its kernel passes through (tables, factors)
 //     LOPT_DEVICE Stats(const TensorMeta& t, int tensor, const Decays& decays, const Inputs& inputs);
 //     template <bool Factored>                          // one element (gradient unscaled, old state)
@@ -269,8 +270,32 @@ LOPT_DEVICE bool chunk_gradients_unusable(const TensorMeta& t, i64 chunk, float 
   return unusable;
 }
 
+// A chunk of a tensor whose statistics are its parameters' Σ p² alone (Stats::kSomeOnlyChecked and
+// stats.param_squares_only(): CELO2's sliced tensors, whose other statistics celo2_slices forms per slice):
+// whether any of its gradient elements is unusable, and Σ p² of its finite parameters added to `sum`, the
+// pairs in add_chunk_statistics' order (so the sums are the same), reading the gradient and the parameter only.
+LOPT_DEVICE bool chunk_param_squares(const TensorMeta& t, i64 chunk, float inverse_scale, float& sum) {
+  const bool aligned = pairs_aligned(t);
+  bool unusable = false;
+  for (int r = 0; r < LOPT_STATS_PER_THREAD / 2; ++r) {
+    const i64 e = chunk * LOPT_STATS_CHUNK + r * 2 * LOPT_STATS_THREADS + 2 * threadIdx.x;
+    if (e >= t.numel) break;
+    const bool second = e + 1 < t.numel, vector = aligned && second;
+    const float2 grad = load_values<true>(pointer<const void>(t.grad), e, static_cast<int>(t.grad_dtype), second, vector);
+    const float2 param = load_values<true>(pointer<const void>(t.param), e, static_cast<int>(t.param_dtype), second, vector);
+    unusable |= gradient_unusable(unscale_gradient(grad.x, inverse_scale));
+    if (is_finite(param.x)) sum = fmaf(param.x, param.x, sum);
+    if (second) {
+      unusable |= gradient_unusable(unscale_gradient(grad.y, inverse_scale));
+      if (is_finite(param.y)) sum = fmaf(param.y, param.y, sum);
+    }
+  }
+  return unusable;
+}
+
 // Stats::kSomeOnlyChecked: the optimizer steps some tensors without statistics (CELO2's AdamW branch), whose
-// chunks are only checked where stats.checked_only() says so; their sums stay 0.
+// chunks are only checked where stats.checked_only() says so (their sums stay 0), and some with Σ p² alone
+// where stats.param_squares_only() says so (at sums[Stats::kParamSquares]; the others stay 0).
 template <typename Stats>
 LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients, int num_tensors,
                                  const GroupMeta* groups, const StepFlags& flags, const typename Stats::Inputs& inputs,
@@ -284,11 +309,18 @@ LOPT_DEVICE void statistics_pass(const TensorMeta* tensors, const i64* gradients
   float sums[Stats::kSums];
 #pragma unroll
   for (int j = 0; j < Stats::kSums; ++j) sums[j] = 0.f;
-  bool checked_only = false;
-  if constexpr (Stats::kSomeOnlyChecked) checked_only = stats.checked_only();
-  const bool unusable = checked_only ? chunk_gradients_unusable(t, chunk, inverse_scale)
-                        : t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
-                                     : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  auto chunk_statistics = [&] {
+    return t.factored ? add_chunk_statistics<Stats, true>(stats, t, chunk, inverse_scale, sums)
+                      : add_chunk_statistics<Stats, false>(stats, t, chunk, inverse_scale, sums);
+  };
+  bool unusable;
+  if constexpr (Stats::kSomeOnlyChecked) {
+    unusable = stats.checked_only()         ? chunk_gradients_unusable(t, chunk, inverse_scale)
+               : stats.param_squares_only() ? chunk_param_squares(t, chunk, inverse_scale, sums[Stats::kParamSquares])
+                                            : chunk_statistics();
+  } else {
+    unusable = chunk_statistics();
+  }
   report_unusable_gradients(unusable, flags.status);
   double values[Stats::kSums];
 #pragma unroll

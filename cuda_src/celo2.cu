@@ -241,6 +241,7 @@ struct Celo2Statistics {
   static constexpr int kUnroll = 1;              // pairs of elements per iteration
   static constexpr int kPrefetch = 1;            // pairs requested into L2 ahead
   static constexpr bool kSomeOnlyChecked = true;
+  static constexpr int kParamSquares = C2_FEATURES;  // (a sliced tensor's only statistic: param_squares_only)
   struct Inputs {
     const Celo2Tensor* celo2_tensors;
     const float2* gradient_transforms;
@@ -264,14 +265,12 @@ struct Celo2Statistics {
         col_factors(in.col_factors) {}
 
   LOPT_DEVICE bool checked_only() const { return !learned && !sliced; }
+  // (a sliced tensor's features are normalised per slice, in celo2_slices: here only its Σ p², for param_scale)
+  LOPT_DEVICE bool param_squares_only() const { return sliced; }
 
   template <bool Factored>
   LOPT_DEVICE void add(float raw_grad, float param, ElementState& s, const FactorIndex& f,
                        float (&sums)[kSums]) const {
-    if (sliced) {
-      if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
-      return;
-    }
     const float grad = step_gradient(raw_grad, transform);
     update_accumulators(s, grad, decays, Factored);
     FactorEntry row = {}, col = {};
@@ -281,7 +280,7 @@ struct Celo2Statistics {
 #pragma unroll
     for (int i = 0; i < C2_ELEMENT_FEATURES; ++i)
       if (element_input(i) < inputs && is_finite(x[i])) sums[element_input(i)] = fmaf(x[i], x[i], sums[element_input(i)]);
-    if (is_finite(param)) sums[C2_FEATURES] = fmaf(param, param, sums[C2_FEATURES]);
+    if (is_finite(param)) sums[kParamSquares] = fmaf(param, param, sums[kParamSquares]);
   }
 };
 
