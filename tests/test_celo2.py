@@ -32,6 +32,9 @@ SHAPES = {
     "wide": (4, 6), "tall": (6, 4), "square": (5, 5), "row": (1, 7), "column": (7, 1), "large_wide": (16, 48),
     "large_tall": (40, 12), "3d": (2, 3, 4), "conv": (8, 3, 3, 3), "conv_tie": (4, 4, 3, 3), "conv1x1": (6, 4, 1, 1), "bias": (7,),
     "scalar": (), "token": (1, 1, 9), "one_slice": (1, 6, 4),  # (one slice: the fused passes step them as matrices)
+    # slices of more than 32 elements (the fused celo2_slices gives each a warp: its lanes take two elements each),
+    # a 7 x 7 conv kernel's and a 3-d tensor's tall 8 x 5 slices (iterated as their transpose)
+    "conv7x7": (3, 2, 7, 7), "tall_slices": (2, 8, 5),
 }
 EMBEDDING = (10, 4)
 
