@@ -282,7 +282,8 @@ def sliced(p: torch.Tensor) -> bool:
 
 
 # The slice kernel built for each slice shape (its loops unrolled, the slice's arrays in registers); any other
-# shape goes to ``celo2_slices`` (arrays in local memory).
+# shape (a 5 × 5 or 7 × 7 kernel's, a 3-d tensor's: few, long slices) goes to ``celo2_slices``, a warp per slice
+# (its arrays in shared memory).
 SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
 # Slices per block of SLICE_THREADS: a thread each, but ``celo2_slices``' a warp each (few and long).
 SLICES_PER_BLOCK = {"celo2_slices": SLICE_THREADS // 32}
