@@ -41,7 +41,7 @@ for name, max_grad_norm, precision in (("small_fc_lopt", None, "exact"), ("small
     assert all(torch.isfinite(p).all() for p in params), name
 
 # CELO2 and ELO-CELO2: learned matrices (two of one shape: a Newton–Schulz stack of two), a transposed one,
-# vectors, a 3-d tensor and 4-d kernels (sliced: celo2_slices, _3x3, _1x1), a class token and a column (scalar
+# vectors, 3-d tensors and 4-d kernels (sliced: celo2_slices, _3x3, _1x1), a class token and a column (scalar
 # matrices), an embedding group on the AdamW branch; ELO-CELO2 clips globally. CELO2's run has a NaN in one matrix:
 # its proposed step is not all finite, so the final step's other path (the proposed step read first, the matrix
 # flagged by celo2_normalise) runs too.
@@ -51,6 +51,8 @@ for cls, precision in ((lopt.CELO2, "exact"), (lopt.ELO_CELO2, "fast")):
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
     params.append(torch.nn.Parameter(torch.randn(33, 17, device="cuda")))
     params.append(torch.nn.Parameter(torch.randn(12, 5, 1, 1, device="cuda")))  # (celo2_slices_1x1)
+    # (slices of more than 32 elements, a warp each in celo2_slices: a 7 x 7 conv kernel's, a 3-d tensor's 8 x 5)
+    params += [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((3, 2, 7, 7), (2, 8, 5))]
     # (scalar matrices, whose whole Newton–Schulz celo2_normalise runs: a class token and a column)
     params += [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((1, 1, 301), (77, 1))]
     embedding = torch.nn.Parameter(torch.randn(50, 8, device="cuda"))
