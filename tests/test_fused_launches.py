@@ -159,7 +159,8 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
         assert (names[0] == "celo2_gradient_norm") == clips and opt._fused_engine.plan.layout.num_norm_jobs == 0
         assert names[-5:] == ["celo2_mlp", "celo2_adamw", "celo2_normalise", "celo2_matrix_sums", "celo2_apply"]
         # the MLP and apply passes walk the learned matrix's chunks alone (the transposed one; the 3-d and 4-d
-        # tensors are sliced: a thread per slice, celo2_slices the 3 x 4 ones, celo2_slices_3x3 the 3 x 3 ones), the
+        # tensors are sliced: celo2_slices the 3 x 4 ones, a warp per slice, celo2_slices_3x3 the 3 x 3 ones, a thread
+        # per slice), the
         # AdamW pass the vectors' (CELO2's own moments, ELO-CELO2's shared)
         work = opt._fused_engine.plan.work
         learned = [row for row, kind in enumerate(work.kinds) if kind == LEARNED]
@@ -848,6 +849,29 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     scalar = [s for s in work.stacks if s.matrices and s.scalar]
     assert [s.tensor_rows for s in scalar] == [stacks[(1, 9)]] and scalar[0].family_gram is None
     assert products == [[(1, 6, 4)]]  # (one family: the (6, 4) matrix's products alone)
+
+
+def test_celo2_slice_kernels_cover_every_slice_a_thread_or_a_warp_each(recorded):
+    """The slice kernels' grids: celo2_slices_1x1 and _3x3 step a slice per thread (blocks of SLICE_THREADS
+    slices), celo2_slices a slice per warp (blocks of SLICE_THREADS / 32 slices: its 7 x 7 and 3-d tensors' slices
+    are few and long); each launch is told the number of slices, which its last block's spare threads or warps
+    check."""
+    from lopt.fused.celo2 import SLICE_THREADS
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 101, 7, 7), (9, 8, 5), (300, 3, 3), (130, 2, 1, 1)]  # 303 and 9 slices a warp; 300 and 260 a thread
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = engine_for("celo2", params)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+    opt.step()
+    parameters = declared_parameter_names("celo2.cu")
+    launched = {name: (grid, block, args[parameters[name].index("total_slices")])
+                for name, grid, block, args in recorded if name.startswith("celo2_slices")}
+    warps = SLICE_THREADS // 32
+    assert launched == {"celo2_slices": (-(-312 // warps), SLICE_THREADS, 312),
+                        "celo2_slices_3x3": (-(-300 // SLICE_THREADS), SLICE_THREADS, 300),
+                        "celo2_slices_1x1": (-(-260 // SLICE_THREADS), SLICE_THREADS, 260)}
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
