@@ -1,5 +1,6 @@
 // CELO2's sliced tensors (celo2.cu's pass 8): the learned tensors of rank >= 3 whose small slices of their last two
-// axes (a conv kernel's kh x kw) celo2_slices steps a slice per thread. Part of celo2.cu, included after its apply
+// axes (a conv kernel's kh x kw) the slice kernels step whole: a slice per thread (celo2_slices_1x1, _3x3), a slice per
+// warp (celo2_slices, any other shape). Part of celo2.cu, included after its apply
 // section: a slice's element runs the same element functions (features, the MLP's layers, the update) as the
 // passes over matrices.
 

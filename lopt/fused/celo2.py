@@ -14,9 +14,10 @@ Mirrors ``lopt/reference/celo2.py`` (docs/celo2.md; the fused engine's decisions
 4. ``celo2_control``         normaliser scales (the table features' sums over the R and C entries) and
                              ``param_scale``; the AdamW tensors' bias corrections; a kept step's R and C committed
    ``celo2_slices``          the sliced tensors (:func:`sliced`: conv kernels of small ``kh × kw`` slices, in
-                             either memory layout), a thread per slice: its features, per-slice normalisation,
-                             the MLP (float32), Newton–Schulz of the slice, finish_step and the update, whole;
-                             1 × 1 and 3 × 3 slices by kernels built for their shape (:data:`SLICE_KERNELS`)
+                             either memory layout), each slice whole: its features, per-slice normalisation,
+                             the MLP (float32), Newton–Schulz of the slice, finish_step and the update; 1 × 1
+                             and 3 × 3 slices a thread each, by kernels built for their shape
+                             (:data:`SLICE_KERNELS`), the others a warp each
 5. ``celo2_table_features``  per R and C entry, its table features' share of the MLP's first layer
    ``celo2_mlp``             the element's own features, normalisation, the MLP from its entries' shares (float32;
                              ``precision="fast"``: on tensor cores, :func:`fast_mlp`), the proposed step written to
