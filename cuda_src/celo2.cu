@@ -304,6 +304,11 @@ LOPT_DEVICE float bias_correction(double beta, i64 step) {
   return static_cast<float>(1.0 - pow(beta, static_cast<double>(step)));
 }
 
+// sum + x² in float64 where x is finite: the reference's sums of squares leave non-finite values out.
+LOPT_DEVICE void add_finite_square(double& sum, float x) {
+  if (is_finite(x)) sum = fma(static_cast<double>(x), static_cast<double>(x), sum);
+}
+
 // reference: normalise_by_square_sums' factors for `count` values whose finite ones' squares sum to `sum`:
 // scale = 1/sqrt(1e-9 + sum/count) formed in float64, applied as (x · float(scale·shift)) · float(1/shift), shift
 // 2^64 where scale < 2^-60 (1/shift is then 2^-64 exactly: a choice rather than a division).
@@ -851,7 +856,7 @@ celo2_matrix_sums(const TensorMeta* __restrict__ tensors, const Celo2Tensor* __r
   double sum = 0.0;
   for (i64 e = begin + threadIdx.x; e < end; e += C2_SUMS_THREADS) {
     const float s = final_step(proposed, c, e, flag);
-    if (is_finite(s)) sum = fma(static_cast<double>(s), static_cast<double>(s), sum);
+    add_finite_square(sum, s);
   }
   const double values[1] = {sum};
   __shared__ double scratch[C2_SUMS_THREADS / 32][1];

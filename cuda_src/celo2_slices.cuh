@@ -68,8 +68,7 @@ LOPT_DEVICE float slice_proposed_step(float (&x)[C2_FEATURES], const Celo2Networ
 template <class Sum>
 LOPT_DEVICE void add_feature_squares(const float (&x)[C2_FEATURES], Sum sum) {
 #pragma unroll
-  for (int j = 0; j < C2_FEATURES; ++j)
-    if (is_finite(x[j])) sum(j) = fma(static_cast<double>(x[j]), static_cast<double>(x[j]), sum(j));
+  for (int j = 0; j < C2_FEATURES; ++j) add_finite_square(sum(j), x[j]);
 }
 
 // The slice kernels' parameters (celo2_slices, _1x1, _3x3 and the functions they run).
@@ -279,7 +278,7 @@ LOPT_DEVICE void step_slices(C2_SLICE_PARAMETERS) {
     double sum = 0.0;
 #pragma unroll Shape::kUnroll
     for (int i = 0; i < count; ++i)
-      if (is_finite(step[i])) sum = fma(static_cast<double>(step[i]), static_cast<double>(step[i]), sum);
+      add_finite_square(sum, step[i]);
     const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
 #pragma unroll Shape::kUnroll
     for (int i = 0; i < count; ++i) u[i] = is_finite(step[i]) ? __fdiv_rn(step[i], divisor) : 0.f;
@@ -291,7 +290,7 @@ LOPT_DEVICE void step_slices(C2_SLICE_PARAMETERS) {
   double sum = 0.0;
 #pragma unroll Shape::kUnroll
   for (int i = 0; i < count; ++i)
-    if (is_finite(u[i])) sum = fma(static_cast<double>(u[i]), static_cast<double>(u[i]), sum);
+    add_finite_square(sum, u[i]);
   const float2 scale = square_sum_factors(sum, count);
   const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
   if (!keep) return;
@@ -362,7 +361,7 @@ LOPT_DEVICE void step_slice_by_warp(C2_SLICE_PARAMETERS) {
   if (values[LOPT_CELO2_GROUP_ORTHOGONALIZE] != 0.0) {
     double sum = 0.0;
     for (int i = 0; i < count; ++i)
-      if (is_finite(step[i])) sum = fma(static_cast<double>(step[i]), static_cast<double>(step[i]), sum);
+      add_finite_square(sum, step[i]);
     const float divisor = __fadd_rn(static_cast<float>(sqrt(sum)), static_cast<float>(values[LOPT_CELO2_GROUP_NS_EPS]));
     for (int i = lane; i < count; i += 32) x[i] = is_finite(step[i]) ? __fdiv_rn(step[i], divisor) : 0.f;
     float* gram = slice_gram[warp];
@@ -379,7 +378,7 @@ LOPT_DEVICE void step_slice_by_warp(C2_SLICE_PARAMETERS) {
   }
   double sum = 0.0;
   for (int i = 0; i < count; ++i)
-    if (is_finite(x[i])) sum = fma(static_cast<double>(x[i]), static_cast<double>(x[i]), sum);
+    add_finite_square(sum, x[i]);
   const float2 scale = square_sum_factors(sum, count);
   const float rms_mult = static_cast<float>(values[LOPT_CELO2_GROUP_RMS_MULT]);
   if (!keep) return;
