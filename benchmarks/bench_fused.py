@@ -27,6 +27,7 @@ import torch
 
 import lopt
 from lopt import registry
+from lopt.bench.measure import elapsed_and_host_ms
 from lopt.bench.report import environment
 from lopt.param_sets import build_parameters, embedding_flags, param_set_shapes
 
@@ -72,20 +73,18 @@ def do_step(opt, loss):
 
 
 def time_steps(opt, params, grad_sets, steps, warmup):
-    """Median ms of ``steps`` steps after ``warmup``; each step gets a different set of gradient tensors."""
+    """The ms of each of ``steps`` steps after ``warmup`` (CUDA events), and the host's ms to issue each;
+    each step gets a different set of gradient tensors."""
     loss = torch.tensor(2.5, device="cuda")
-    times = []
+    times, host_times = [], []
     for i in range(warmup + steps):
         for p, g in zip(params, grad_sets[i % len(grad_sets)]):
             p.grad = g
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        do_step(opt, loss)
-        end.record()
-        end.synchronize()
+        elapsed, host = elapsed_and_host_ms(lambda: do_step(opt, loss), torch.device("cuda"))
         if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return times
+            times.append(elapsed)
+            host_times.append(host)
+    return times, host_times
 
 
 def capture_step(opt, params, grads, warmup: int):
@@ -201,14 +200,16 @@ def measure(name, backend, param_set, weights, steps, warmup, options=None) -> d
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
     opt = make(name, params, backend, weights, options, param_set)
-    times = time_steps(opt, params, grad_sets, steps, warmup)
+    times, host_times = time_steps(opt, params, grad_sets, steps, warmup)
     peak = (torch.cuda.max_memory_allocated() - baseline) / 2**20
     launches, split = profile_step(opt, params, grad_sets)
     label = backend + "".join(f"+{key}={value}" for key, value in (options or {}).items())
     row = {"optimizer": name, "backend": label, "param_set": param_set, "mode": "step",
            "ms_per_step": round(statistics.median(times), 4), "ms_all": [round(t, 4) for t in times],
+           "host_ms_per_step": round(statistics.median(host_times), 4),
            "launches_per_step": launches, "peak_extra_mib": round(peak, 1), "kernel_ms": split}
-    print(f"  measured {name} {label} on {param_set}: {row['ms_per_step']:.3f} ms/step; "
+    print(f"  measured {name} {label} on {param_set}: {row['ms_per_step']:.3f} ms/step "
+          f"(host issues it in {row['host_ms_per_step']:.3f}); "
           + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1])[:3]), flush=True)
     del opt, params, grad_sets
     torch.cuda.empty_cache()
@@ -296,7 +297,8 @@ def main() -> int:
                     paused = row["graph_paused_ms_per_step"]
                     print(f"    captured in a CUDA graph: {graph_ms:.3f} ms/step "
                           f"({graph_ms / adamw['graph_ms_per_step']:.2f} x AdamW captured); after {PAUSE_MS:.0f} ms "
-                          f"idle: {paused:.3f} ({paused / adamw['graph_paused_ms_per_step']:.2f} x AdamW)")
+                          f"idle: {paused:.3f} ({paused / adamw['graph_paused_ms_per_step']:.2f} x AdamW); "
+                          f"uncaptured, the host issues the step in {row['host_ms_per_step']:.3f}")
                 if row["backend"].startswith("fused") and row["optimizer"] != "adamw":
                     print("    " + ", ".join(f"{k}: {v:.3f}" for k, v in sorted(row["kernel_ms"].items(), key=lambda kv: -kv[1])))
         sys.stdout.flush()

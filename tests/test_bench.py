@@ -7,6 +7,7 @@ whole file stays within CI's budget on 2 cores; the one cold torch.compile domin
 import csv
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -244,6 +245,8 @@ def test_step_mode_assigns_new_gradient_tensors_every_step(same_grads):
     result = measure.measure_contender(workload, contender, weights=None, param_set="test", mode="step", steps=4, warmup=1,
                              baseline_bytes=None, num_steps=10)
     assert len(result.ms_all) == 4 and len(recorder.seen) == 5  # 1 warm-up + 4 timed (no launch count on a CPU)
+    # (on a CPU the host's time to issue a step is the step's wall time)
+    assert result.host_ms_per_step == round(statistics.median(result.ms_all), 4) > 0
     for previous, current in zip(recorder.seen, recorder.seen[1:]):
         if same_grads:
             assert all(a is b for a, b in zip(previous, current))

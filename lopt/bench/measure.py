@@ -56,6 +56,7 @@ class BenchResult:
     mode: str = "step"
     overhead_vs_adamw: float | None = None
     compile_s: float | None = None
+    host_ms_per_step: float | None = None  # (median host time to issue a timed step: elapsed_and_host_ms)
 
 
 @dataclass
@@ -91,16 +92,26 @@ def idle(ms: float) -> None:
 
 def elapsed_ms(fn, device: torch.device) -> float:
     """Milliseconds ``fn()`` takes: CUDA events on CUDA, the wall clock on the CPU."""
+    return elapsed_and_host_ms(fn, device)[0]
+
+
+def elapsed_and_host_ms(fn, device: torch.device) -> tuple[float, float]:
+    """``elapsed_ms(fn)``, and the host's milliseconds until ``fn()`` returned (the time it took to issue the
+    work; on the CPU both are the wall clock). A synchronised step longer than its kernels with a host time
+    near the step's is host-bound: the device waited for launches."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         fn()
+        host = (time.perf_counter() - begin) * 1e3
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host
     begin = time.perf_counter()
     fn()
-    return (time.perf_counter() - begin) * 1e3
+    wall = (time.perf_counter() - begin) * 1e3
+    return wall, wall
 
 
 def wall_seconds(fn, device: torch.device) -> float:
@@ -255,13 +266,15 @@ def measure_contender(workload, contender: Contender, *, weights, param_set: str
         index += 1
         if progress is not None:
             progress.update(1)
-    times = []
+    times, host_times = [], []
     for _ in range(steps):
         workload.before_timed(index)
         if cooldown_ms:
             _synchronize(device)  # (the idle time starts when the device has finished)
             idle(cooldown_ms)
-        times.append(elapsed_ms(lambda i=index: workload.timed(i), device))
+        elapsed, host = elapsed_and_host_ms(lambda i=index: workload.timed(i), device)
+        times.append(elapsed)
+        host_times.append(host)
         index += 1
         if progress is not None:
             progress.update(1)
@@ -272,7 +285,8 @@ def measure_contender(workload, contender: Contender, *, weights, param_set: str
     launches = count_launches(lambda: contender.step(loss), device)
     median = statistics.median(times)
     result = BenchResult(contender.optimizer_name, contender.backend, param_set, median, times, launches, peak,
-                         error, contender=contender.name, mode=mode)
+                         error, contender=contender.name, mode=mode,
+                         host_ms_per_step=round(statistics.median(host_times), 4) if host_times else None)
     if contender.name == "naive+compile":
         # The warm-up calls' time beyond that many steady steps: compilation (and recompilation).
         result.compile_s = max(sum(warm_seconds) - len(warm_seconds) * median / 1e3, 0.0)
