@@ -722,14 +722,32 @@ def test_tensor_learning_rate_follows_a_scheduler():
     assert torch.equal(p, q)
 
 
-def test_resized_parameters_are_refused():
-    opt, p = _one(shape=(3,))
-    p.grad = torch.ones(3)
-    opt.step()
-    p.data = torch.ones(4)
-    p.grad = torch.ones(4)
-    with pytest.raises(RuntimeError, match=r"made for shape \(3,\).*Nothing was changed"):
+@pytest.mark.parametrize("backend", ["naive", pytest.param("fused", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("resized, made_for", [(0, r"\(3,\)"), (1, r"\(5, 4\)")])
+def test_resized_parameters_are_refused(backend, resized, made_for):
+    """A parameter resized (``p.data = ...``) after it stepped, on either branch (its own AdamW moments, the
+    learned accumulators), is refused, after steps that made a fused plan, and nothing changes."""
+    device = "cuda" if backend == "fused" else "cpu"
+    if backend == "fused" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = [torch.nn.Parameter(random_like(shape, i).to(device)) for i, shape in enumerate([(3,), (5, 4)])]
+    opt = lopt.CELO2(params, weights=WEIGHTS, backend=backend)
+    for s in range(2):
+        for i, p in enumerate(params):
+            p.grad = random_like(p.shape, 10 * s + i).to(device)
         opt.step()
+    p = params[resized]
+    p.data = random_like((p.shape[0] + 1, *p.shape[1:]), 3).to(device)
+    p.grad = random_like(p.shape, 4).to(device)
+    before = [q.detach().clone() for q in params]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(RuntimeError, match=rf"#{resized} has shape .*made for shape {made_for}.*Nothing was changed"):
+        opt.step()
+    assert all(torch.equal(q, b) for q, b in zip(params, before))
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][k][name], v) if torch.is_tensor(v) else after["state"][k][name] == v
+               for k, entry in state["state"].items() for name, v in entry.items())
+    assert [g["step"] for g in after["param_groups"]] == [g["step"] for g in state["param_groups"]] == [2]
 
 
 # ------------------------------------------------------------------------------------------ routing helper

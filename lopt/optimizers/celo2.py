@@ -407,8 +407,10 @@ class CELO2(_CELO2Family):
                 count = int(values[reference.ADAM_STEP_KEY])
                 self.state[params[positions[index]]][reference.ADAM_STEP_KEY] = torch.tensor(count, dtype=torch.int64)
 
-    def _checked_inputs(self):
-        inputs = super()._checked_inputs()
+    def _check_gradients(self):
+        # (the general check only: the fused engine's fast check passes only the parameters, shapes and
+        # storage its plan was made for, so a parameter resized since comes here)
+        inputs = super()._check_gradients()
         for params in inputs.params:
             for p in params:
                 moments = self.state.get(p, {}).get(reference.ADAM_KEYS[0])
