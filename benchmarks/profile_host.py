@@ -3,10 +3,11 @@ each phase ends and each kernel is launched (a timeline, medians over steps that
 idle device, as in a synchronised benchmark), and where the time goes (cProfile), after warm-up,
 with a fresh set of gradient tensors every step as in bench_fused.py:
 
-    PYTHONPATH=. python benchmarks/profile_host.py [velo|small_fc_lopt] [gpt2-medium] > host.txt
+    PYTHONPATH=. python benchmarks/profile_host.py [velo|small_fc_lopt|celo2|...] [gpt2-medium] > host.txt
 
-(HOST_CPROFILE=0: the times and the timeline alone; HOST_GENERAL_CHECK=1: every step through the general
-check, not the fused engine's fast check, for an A/B; HOST_GC_OFF=1: the garbage collector off.)
+(HOST_CPROFILE=0: the times and the timeline alone; HOST_PRECISION=fast: the optimizer's fast precision;
+HOST_GENERAL_CHECK=1: every step through the general check, not the fused engine's fast check, for an A/B;
+HOST_GC_OFF=1: the garbage collector off.)
 
 In a step timed with synchronisation the device waits for the host until the first launch: that
 offset is the part of the host's share the step pays in full. A device timeline (CUDA events after
@@ -33,7 +34,8 @@ name = sys.argv[1] if len(sys.argv) > 1 else "velo"
 param_set = sys.argv[2] if len(sys.argv) > 2 else "gpt2-medium"
 params = build_parameters(param_set, "cuda")
 grad_sets = gradient_sets(params)
-optimizer = make(name, params, "fused", random_weights(name))
+options = {"precision": os.environ["HOST_PRECISION"]} if os.environ.get("HOST_PRECISION") else None
+optimizer = make(name, params, "fused", random_weights(name), options, param_set)
 if os.environ.get("HOST_GC_OFF") == "1":  # (A/B: Python's cyclic garbage collector off for the whole run)
     import gc
 
