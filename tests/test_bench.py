@@ -22,7 +22,8 @@ from lopt.bench.models import build_model, markov_token_stream
 from lopt.param_sets import MODELS, param_set_shapes
 
 RESULT_KEYS = {"optimizer", "backend", "contender", "param_set", "mode", "ms_per_step", "ms_all", "launches_per_step",
-               "peak_extra_mib", "max_rel_error_vs_naive", "overhead_vs_adamw", "compile_s", "gmacs_per_s", "note"}
+               "peak_extra_mib", "max_rel_error_vs_naive", "overhead_vs_adamw", "compile_s", "gmacs_per_s", "note",
+               "host_ms_per_step"}
 ENVIRONMENT_KEYS = {"date", "lopt", "torch", "torch_cuda", "python", "device_type", "device", "cpu_threads", "cupy",
                     "commit"}
 
