@@ -59,7 +59,7 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_CONTROL_THREADS 256
 #define C2_CONTROL_LANES 8  // lanes per statistic adding a tensor's statistics chunks' partials in celo2_control
 #define C2_APPLY_THREADS 128
-#define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block
+#define C2_APPLY_CHUNK C2_APPLY_THREADS  // one element per thread of a block (the engine reads it: the walks)
 #define C2_APPLY_ELEMENTS 4  // chunks a thread of celo2_apply loads at once (a learned tensor's, element by element)
 #define C2_NORMALISE_QUADS 2  // quads a thread of celo2_normalise loads at once
 // Blocks of celo2_adamw per SM: a thread's quad of a shared-accumulator tensor holds up to 36 loaded values.
@@ -76,7 +76,7 @@ static_assert(LOPT_CELO2_SUMS == C2_FEATURES + 1, "the statistics: the features'
 #define C2_DIRECT_WORK 0
 #endif
 // Per learned tensor, the features' scales: (x · scale[j]) · unshift[j] (normalise_by_square_sums' two factors).
-#define C2_SCALES 64
+#define C2_SCALES 64  // (the engine reads it: the workspace)
 #define C2_UNSHIFT 32
 // A factored tensor's features from its R and C entries alone (groups 10–13: R_k, C_k, rsqrt(R_k + 1e-8),
 // rsqrt(C_k + 1e-8)): inputs [C2_TABLE_FIRST, C2_TABLE_END), R's at C2_TABLE_FIRST + {0, 1, 2, 6, 7, 8}, C's at
@@ -823,7 +823,7 @@ celo2_mlp(const TensorMeta* __restrict__ tensors, const i64* __restrict__ gradie
 // ------------------------------------------------------------------------------------------
 
 #define C2_SUMS_THREADS 256
-#define C2_SUMS_SPLITS 16  // blocks per matrix (lopt.fused.celo2.SUMS_SPLITS)
+#define C2_SUMS_SPLITS 16  // blocks per matrix (the engine reads it: its grid, the partials)
 
 // A learned element's final step: the orthogonalised (or, without Newton–Schulz, the proposed) value, except
 // where the proposed step is not finite — there it keeps its own value (reference: orthogonalise).

@@ -76,7 +76,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(launcher, "get_module", lambda *a, **k: FakeModule(launches))
     monkeypatch.setattr(launcher, "MetadataTable", CpuTable)
     monkeypatch.setattr("lopt.fused.engine.launcher.MetadataTable", CpuTable)
-    monkeypatch.setattr(FusedEngine, "persistent_grid", lambda self, name, threads: 264)
+    monkeypatch.setattr(FusedEngine, "persistent_grid", lambda self, name: 264)
     monkeypatch.setattr(launcher, "launch", lambda kernel, grid, block, args, device, shared_mem=0:
                         launches.append((kernel.name, grid, block, args)))
     return launches
@@ -198,7 +198,9 @@ def test_every_launch_matches_its_kernel_declaration(name, source, options, reco
         norms = {"small_fc_lopt": 3, "elo": 5}[name]
         assert finalize[1] == 1 + norms and opt._fused_engine.plan.layout.num_norm_jobs == norms
         assert (opt._fused_engine.plan.norm_sums is not None) == (name == "elo")  # (its global sum: on the device)
+    blocks = launcher.declared_block_sizes(source, opt._fused_engine.defines)
     for kernel, grid, block, args in recorded:
+        assert block == blocks[kernel], f"{kernel}: launched in blocks of {block}, declared {blocks[kernel]}"
         types = declared[kernel]
         assert len(args) == len(types), f"{kernel}: {len(args)} arguments for {len(types)} parameters"
         for index, (arg, c_type) in enumerate(zip(args, types)):
@@ -345,6 +347,82 @@ def test_kernels_sharing_a_parameter_list_macro_declare_its_parameters(monkeypat
             launcher.declared_parameters("fake.cu")
     finally:
         launcher.declared_parameters.cache_clear()
+
+
+def test_block_sizes_and_constants_are_read_from_the_source_as_built(monkeypatch):
+    """A kernel's block size is its __launch_bounds__' first value and a host-read constant its #define, each
+    evaluated through the source's macros, the build's -D values first (as over an #ifndef default), with C's
+    integer division; a kernel without launch bounds, a macro defined two ways or not at all, and what is no
+    integer expression are refused, naming the kernel or macro. (The real sources' sizes against what nvcc
+    reads: test_kernels_compile.)"""
+    text = ('#ifndef WARPS\n#define WARPS 4\n#endif\n#define THREADS (32 * WARPS)  // a comment\n'
+            '#define CHUNK THREADS\n#define HALF (-7 / 2)\n#define REST (-7 % 2)\n#define F(x) ((x) + 1)\n'
+            'extern "C" __global__ void __launch_bounds__(THREADS, 4) a(int n) {}\n'
+            'extern "C" __global__ void __launch_bounds__(256u) b(int n) {}\n')
+    sources = {"fake.cu": text}
+    monkeypatch.setattr(launcher, "kernel_source", lambda filename: sources[filename])
+    clear = (launcher.declared_block_sizes.cache_clear, launcher.source_constant.cache_clear)
+    for c in clear:
+        c()
+    try:
+        assert launcher.declared_block_sizes("fake.cu") == {"a": 128, "b": 256}
+        assert launcher.declared_block_sizes("fake.cu", ("WARPS=2", "--fmad=false")) == {"a": 64, "b": 256}
+        assert [launcher.source_constant("fake.cu", name) for name in ("CHUNK", "HALF", "REST")] == [128, -3, -1]
+        refusals = {
+            "kernel c declares no __launch_bounds__, where the launcher takes its block size from":
+                text + 'extern "C" __global__ void c(int n) {}\n',
+            r"THREADS is defined differently in two places \(\['\(32 \* WARPS\)', '64'\]\)":
+                text + "#if X\n#define THREADS 64\n#endif\n",
+            "kernel a is declared twice with different block sizes":
+                text + 'extern "C" __global__ void __launch_bounds__(64) a(int n) {}\n',
+        }
+        for message, variant in refusals.items():
+            sources["fake.cu"] = variant
+            launcher.declared_block_sizes.cache_clear()
+            with pytest.raises(RuntimeError, match=f"fake.cu: {message}"):
+                launcher.declared_block_sizes("fake.cu")
+        sources["fake.cu"] = text + "#define LOOP (LOOP + 1)\n#define SCALE 1.5f\n"
+        with pytest.raises(RuntimeError, match="fake.cu: MISSING is not defined; a block size or host-read constant "
+                                               "needs one #define"):
+            launcher.source_constant("fake.cu", "MISSING")
+        with pytest.raises(RuntimeError, match="fake.cu: macro LOOP is defined in terms of itself"):
+            launcher.source_constant("fake.cu", "LOOP")
+        with pytest.raises(RuntimeError, match=r"fake.cu: cannot evaluate '1.5f' \(1.5f\): not an integer "):
+            launcher.source_constant("fake.cu", "SCALE")
+        with pytest.raises(RuntimeError, match="fake.cu: F is not defined"):  # (a function-like macro)
+            launcher.source_constant("fake.cu", "F")
+    finally:
+        for c in clear:
+            c()
+
+
+def test_engines_size_their_workspaces_and_chunks_from_the_source(recorded):
+    """What an engine sizes on the host from its kernels' source: the apply chunk (each engine's
+    APPLY_CHUNK_DEFINE), VeLO's per-tensor record, CELO2's feature scales and matrix sums' blocks."""
+    params = [torch.nn.Parameter(torch.randn(300, 129)), torch.nn.Parameter(torch.randn(5))]
+    for name, define, chunk in [("small_fc_lopt", "SFC_APPLY_CHUNK", 128), ("velo", "VELO_APPLY_CHUNK", 256),
+                                ("celo2", "C2_APPLY_CHUNK", 128)]:
+        opt = engine_for(name, params)
+        for p in params:
+            p.grad = torch.randn(p.shape) * 1e-2
+        opt.step(torch.tensor(1.0)) if opt.requires_loss else opt.step()
+        engine = opt._fused_engine
+        assert engine.APPLY_CHUNK_DEFINE == define and engine.apply_chunk == chunk
+        if name != "celo2":
+            assert engine.plan.layout.total_apply_chunks == -(-300 * 129 // chunk) + 1
+        if name == "velo":
+            assert engine.plan.work.records.numel() == 2 * launcher.source_constant("velo.cu", "VELO_RECORD_FLOATS") == 312
+        if name == "celo2":  # (the learned matrix: 30 scales and, from 32, 30 un-shifts; 16 blocks of sums)
+            assert engine.plan.work.feature_scales.numel() == 2 * 64 and engine.sums_splits == 16
+            assert engine.plan.work.learned_walk.chunks == -(-300 * 129 // chunk)
+
+    class Unnamed(registry.get("small_fc_lopt").fused_engine_class):
+        APPLY_CHUNK_DEFINE = ""
+
+    opt = naive_for("small_fc_lopt", params)
+    with pytest.raises(TypeError, match="Unnamed names no APPLY_CHUNK_DEFINE: the #define of small_fc_lopt.cu's "
+                                        "apply chunk"):
+        Unnamed(opt)
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -740,7 +818,7 @@ def sharded_worker(rank, name, init_file, out_file):
         launches = []
         launcher.get_module = lambda *a, **k: FakeModule(launches)
         launcher.MetadataTable = CpuTable
-        FusedEngine.persistent_grid = lambda self, name, threads: 264
+        FusedEngine.persistent_grid = lambda self, name: 264
         launcher.launch = lambda kernel, grid, block, args, device, shared_mem=0: launches.append(
             (kernel.name, grid, block, args))
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -852,11 +930,12 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
 
 
 def test_celo2_slice_kernels_cover_every_slice_a_thread_or_a_warp_each(recorded):
-    """The slice kernels' grids: celo2_slices_1x1 and _3x3 step a slice per thread (blocks of SLICE_THREADS
-    slices), celo2_slices a slice per warp (blocks of SLICE_THREADS / 32 slices: its 7 x 7 and 3-d tensors' slices
-    are few and long); each launch is told the number of slices, which its last block's spare threads or warps
-    check."""
-    from lopt.fused.celo2 import SLICE_THREADS
+    """The slice kernels' grids: celo2_slices_1x1 and _3x3 step a slice per thread (blocks of C2_SLICE_THREADS
+    slices), celo2_slices a slice per warp (blocks of C2_SLICE_THREADS / 32 slices: its 7 x 7 and 3-d tensors'
+    slices are few and long); each launch is told the number of slices, which its last block's spare threads or
+    warps check."""
+    threads = launcher.source_constant("celo2.cu", "C2_SLICE_THREADS")
+    assert threads == 128
 
     g = torch.Generator().manual_seed(0)
     shapes = [(3, 101, 7, 7), (9, 8, 5), (300, 3, 3), (130, 2, 1, 1)]  # 303 and 9 slices a warp; 300 and 260 a thread
@@ -868,10 +947,10 @@ def test_celo2_slice_kernels_cover_every_slice_a_thread_or_a_warp_each(recorded)
     parameters = declared_parameter_names("celo2.cu")
     launched = {name: (grid, block, args[parameters[name].index("total_slices")])
                 for name, grid, block, args in recorded if name.startswith("celo2_slices")}
-    warps = SLICE_THREADS // 32
-    assert launched == {"celo2_slices": (-(-312 // warps), SLICE_THREADS, 312),
-                        "celo2_slices_3x3": (-(-300 // SLICE_THREADS), SLICE_THREADS, 300),
-                        "celo2_slices_1x1": (-(-260 // SLICE_THREADS), SLICE_THREADS, 260)}
+    warps = threads // 32
+    assert launched == {"celo2_slices": (-(-312 // warps), threads, 312),
+                        "celo2_slices_3x3": (-(-300 // threads), threads, 300),
+                        "celo2_slices_1x1": (-(-260 // threads), threads, 260)}
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])

@@ -1,6 +1,7 @@
 """Every kernel source compiles for the GPU generations lopt supports (CPU CI: nvcc, no GPU needed)."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -62,12 +63,18 @@ def compile_unit(text, arch, tmp_path, extra=()):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("source", SOURCES)
 def test_kernel_compiles(source, arch, tmp_path):
-    # The exact text NVRTC gets at run time (headers inlined, the contract generated from Python),
-    # with the same exactness options.
+    """The exact text NVRTC gets at run time (headers inlined, the contract generated from Python), with the same
+    exactness options; and every kernel's block size as the engines launch it (launcher.declared_block_sizes,
+    read from the source) is the one nvcc compiled it for (the PTX's .maxntid, from its __launch_bounds__)."""
+    defines = build_defines(source)
     result = compile_unit(launcher.kernel_source(source), arch, tmp_path,
-                          ("-Werror", "all-warnings", *[f"-D{d}" for d in build_defines(source)]))
+                          ("-Werror", "all-warnings", *[f"-D{d}" for d in defines], "--keep", "--keep-dir", str(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out.cubin").stat().st_size > 0
+    ptx = (tmp_path / "unit.ptx").read_text()
+    compiled = {name: int(threads) for name, threads in
+                re.findall(r"\.entry (\w+)\((?:[^)]*)\)\s*\.maxntid (\d+)", ptx)}  # (", 1, 1" before sm_120)
+    assert compiled == launcher.declared_block_sizes(source, defines)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

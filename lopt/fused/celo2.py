@@ -61,7 +61,7 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import CELO2_GROUP_DOUBLES, CELO2_GROUP_VALUES, CONSTANTS, FIELD, empty_rows
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, Walk, arranged, commit_blocks, memory_order, walk_of
+from lopt.fused.engine import FusedEngine, Plan, Walk, arranged, commit_blocks, memory_order, walk_of
 from lopt.network import PREFIX, MLPGeometry
 from lopt.reference import accumulators
 from lopt.reference import celo2 as reference
@@ -69,14 +69,9 @@ from lopt.reference import celo2 as reference
 LEARNED, ADAM_OWN, ADAM_SHARED, ELSEWHERE, SLICED = (CONSTANTS[f"CELO2_{kind}"] for kind in
                                                      ("LEARNED", "ADAM_OWN", "ADAM_SHARED", "ELSEWHERE", "SLICED"))
 SLICE_MAX = CONSTANTS["CELO2_SLICE_MAX"]
-SLICE_THREADS = 128  # (C2_SLICE_THREADS in celo2_slices.cuh)
 SUMS = CONSTANTS["CELO2_SUMS"]
-CONTROL_THREADS = 256
-SUMS_THREADS = 256  # (C2_SUMS_THREADS in celo2.cu)
-SUMS_SPLITS = 16  # blocks per matrix of celo2_matrix_sums (C2_SUMS_SPLITS)
 NORMALISE_BLOCKS = 64  # blocks per matrix of celo2_normalise (grid-stride)
-FIRST_POLYNOMIAL_PAIRS = 4  # pairs of entries per thread of celo2_first_polynomial
-FEATURE_SCALE_FLOATS = 64  # per tensor: 30 scales, then at 32 the 30 un-shifts (C2_SCALES in celo2.cu)
+FIRST_POLYNOMIAL_PAIRS = 4  # pairs of entries per thread of celo2_first_polynomial (grid-stride)
 CELO2_FIELD = FIELD["Celo2Tensor"]
 STATUS_NONFINITE = CONSTANTS["STATUS_NONFINITE"]
 # A factored tensor's table features (R, C and their rsqrt: C2_TABLE_FIRST ... C2_TABLE_END in celo2.cu), which
@@ -286,8 +281,8 @@ def sliced(p: torch.Tensor) -> bool:
 # shape (a 5 × 5 or 7 × 7 kernel's, a 3-d tensor's: few, long slices) goes to ``celo2_slices``, a warp per slice
 # (its arrays in shared memory).
 SLICE_KERNELS = {(1, 1): "celo2_slices_1x1", (3, 3): "celo2_slices_3x3"}
-# Slices per block of SLICE_THREADS: a thread each, but ``celo2_slices``' a warp each (few and long).
-SLICES_PER_BLOCK = {"celo2_slices": SLICE_THREADS // 32}
+# Threads per slice: one each, but ``celo2_slices``' a warp each (few and long).
+SLICE_THREADS_EACH = {"celo2_slices": 32}
 
 
 def slice_kernel(shape) -> str:
@@ -348,7 +343,7 @@ class Celo2Work:
     first_polynomials: torch.Tensor  # float32 (family matrices, 4): Stack.family_first, each family's rows
     segment_sums: torch.Tensor  # float64 per (MLP block, tensor row) at block + row: Σ s² of the segment's finite
     #                             proposed values, its sign bit set where it met a non-finite one (celo2_normalise)
-    sum_partials: torch.Tensor  # float64, SUMS_SPLITS per learned tensor of celo2_matrix_sums
+    sum_partials: torch.Tensor  # float64, C2_SUMS_SPLITS per learned tensor of celo2_matrix_sums
     sum_tickets: torch.Tensor  # int32 per learned tensor, 0 between launches (the last block of each resets its own)
     proposed_nonfinite: torch.Tensor  # int32 per tensor row: 1 where its proposed step is not all finite (final_step)
     learned_rows: torch.Tensor  # int32, the learned tensors' rows
@@ -385,8 +380,7 @@ class CELO2Fused(FusedEngine):
                "celo2_slices_3x3", "celo2_table_features",
                "celo2_mlp", "celo2_matrix_sums", "celo2_normalise", "celo2_first_polynomial", "celo2_adamw",
                "celo2_apply")
-    APPLY_CHUNK = 128  # one element per thread (C2_APPLY_CHUNK)
-    APPLY_THREADS = 128
+    APPLY_CHUNK_DEFINE = "C2_APPLY_CHUNK"
     WEIGHT_DECAY_INSIDE_STEP = True  # (CELO2's rule and its AdamW branch's: p − lr·(u + weight_decay·p))
 
     # Newton–Schulz's products replayed from a CUDA graph captured once per plan (_newton_schulz); False: eager
@@ -402,9 +396,10 @@ class CELO2Fused(FusedEngine):
         super().__init__(optimizer, kernel_defines(optimizer.precision, self.geometry))
         self.network = network_argument(self.geometry.pack(network))
         self.work_dtype = torch.bfloat16 if optimizer.precision == "fast" else torch.float32
-        self.mlp_grid = self.persistent_grid("celo2_mlp", self.APPLY_THREADS)
-        self.apply_grid = self.persistent_grid("celo2_apply", self.APPLY_THREADS)
-        self.adamw_grid = self.persistent_grid("celo2_adamw", self.APPLY_THREADS)
+        self.mlp_grid = self.persistent_grid("celo2_mlp")
+        self.apply_grid = self.persistent_grid("celo2_apply")
+        self.adamw_grid = self.persistent_grid("celo2_adamw")
+        self.sums_splits = self.constant("C2_SUMS_SPLITS")  # (celo2_matrix_sums' blocks per matrix)
         self._kinds: dict = {}
 
     @property
@@ -511,7 +506,7 @@ class CELO2Fused(FusedEngine):
                 start += stack.count
             family_base += count
         matrix_elements = sum(stack.count * stack.rows_per_matrix * stack.cols for stack in stack_list if stack.matrices)
-        chunks = [-(-math.prod(shape) // self.APPLY_CHUNK) for shape in layout.shapes]
+        chunks = [-(-math.prod(shape) // self.apply_chunk) for shape in layout.shapes]
         learned_walk, firsts = walk_of([row for row in range(n) if kinds[row] == LEARNED], chunks, device)
         for row, first in firsts.items():
             rows[row, CELO2_FIELD["mlp_chunk"]] = first
@@ -534,7 +529,7 @@ class CELO2Fused(FusedEngine):
             steps=plan.workspace(offset, torch.float32), work=plan.workspace(2 * matrix_elements, self.work_dtype),
             stacks=stack_list, first_polynomials=first_polynomials,
             segment_sums=plan.workspace(self.mlp_grid + n, torch.float64),
-            sum_partials=plan.workspace(max(n, 1) * SUMS_SPLITS, torch.float64),
+            sum_partials=plan.workspace(max(n, 1) * self.sums_splits, torch.float64),
             sum_tickets=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             proposed_nonfinite=torch.zeros(max(n, 1), dtype=torch.int32, device=device),
             learned_rows=torch.tensor([row for stack in stack_list for row in stack.tensor_rows], dtype=torch.int32,
@@ -546,7 +541,7 @@ class CELO2Fused(FusedEngine):
             transforms=transforms, clamps=None,
             clips=torch.tensor([plan.key[2][g] for g in plan.groups], dtype=torch.bool, device=device) if clipping else None,
             max_norms=plan.workspace(n, torch.float32) if clipping else None, limits=None,
-            feature_scales=plan.workspace(n * FEATURE_SCALE_FLOATS, torch.float32),
+            feature_scales=plan.workspace(n * self.constant("C2_SCALES"), torch.float32),  # (scales, un-shifts)
             row_entries=plan.workspace(layout.total_row_entries * entry_floats(self.geometry), torch.float32),
             col_entries=plan.workspace(layout.total_col_entries * entry_floats(self.geometry), torch.float32),
             param_scales=plan.workspace(n, torch.float32),
@@ -613,7 +608,7 @@ class CELO2Fused(FusedEngine):
         and each clipping tensor's factor ``max_norm / max(‖g‖, max_norm)`` (reference ``global_norm``,
         ``clip_scale``) into the transforms' factor column (celo2_gradient_norm's last block)."""
         layout, work = plan.layout, plan.work
-        self.launch("celo2_gradient_norm", layout.total_stats_chunks, STATS_THREADS, tensors=plan.tensor_table.table,
+        self.launch("celo2_gradient_norm", layout.total_stats_chunks, tensors=plan.tensor_table.table,
                     gradients=plan.gradients.table, num_tensors=layout.num_tensors,
                     grad_scale=self._on_device(grad_scale), status=plan.status, norm_partials=work.norm_partials,
                     norm_ticket=work.norm_ticket, clips=work.clips, max_norms=work.max_norms,
@@ -641,14 +636,14 @@ class CELO2Fused(FusedEngine):
 
     def _launch_statistics(self, plan: Plan, flags: dict) -> None:
         layout, work = plan.layout, plan.work
-        self.launch("celo2_statistics", layout.total_stats_chunks, STATS_THREADS, tensors=plan.tensor_table.table,
+        self.launch("celo2_statistics", layout.total_stats_chunks, tensors=plan.tensor_table.table,
                     gradients=plan.gradients.table, num_tensors=layout.num_tensors, groups=plan.group_table.table,
                     celo2_tensors=work.table.table, gradient_transforms=work.transforms, row_factors=plan.row_factors,
                     col_factors=plan.col_factors, **flags, stats_partials=work.stats_partials)
 
     def _control(self, plan: Plan, flags: dict, *args) -> None:
         layout, work = plan.layout, plan.work
-        self.launch("celo2_control", layout.num_tensors + commit_blocks(layout), CONTROL_THREADS,
+        self.launch("celo2_control", layout.num_tensors + commit_blocks(layout),
                     tensors=plan.tensor_table.table, num_tensors=layout.num_tensors, groups=plan.group_table.table,
                     celo2_tensors=work.table.table, celo2_groups=work.groups.table,
                     stats_partials=work.stats_partials, row_table=plan.row_table, col_table=plan.col_table,
@@ -662,7 +657,8 @@ class CELO2Fused(FusedEngine):
                       celo2_tensors=work.table.table, celo2_groups=work.groups.table,
                       gradient_transforms=work.transforms)
         for kernel, (walk, total_slices) in work.slice_walks.items():
-            self.launch(kernel, -(-total_slices // SLICES_PER_BLOCK.get(kernel, SLICE_THREADS)), SLICE_THREADS,
+            slices_per_block = self.blocks[kernel] // SLICE_THREADS_EACH.get(kernel, 1)
+            self.launch(kernel, -(-total_slices // slices_per_block),
                         tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
                         celo2_groups=work.groups.table, gradient_transforms=work.transforms,
                         row_table=plan.row_table, col_table=plan.col_table, param_scales=work.param_scales,
@@ -671,13 +667,13 @@ class CELO2Fused(FusedEngine):
             self._refresh_results(plan)
             entries = layout.total_row_entries + layout.total_col_entries
             if entries:
-                self.launch("celo2_table_features", -(-entries // CONTROL_THREADS), CONTROL_THREADS,
+                self.launch("celo2_table_features", -(-entries // self.blocks["celo2_table_features"]),
                             tensors=plan.tensor_table.table, num_tensors=layout.num_tensors,
                             celo2_tensors=work.table.table, row_table=plan.row_table, col_table=plan.col_table,
                             total_row_entries=layout.total_row_entries, total_col_entries=layout.total_col_entries,
                             feature_scales=work.feature_scales, network=self.network, row_entries=work.row_entries,
                             col_entries=work.col_entries)
-            self.launch("celo2_mlp", self._mlp_blocks(work.learned_walk), self.APPLY_THREADS, **tables,
+            self.launch("celo2_mlp", self._mlp_blocks(work.learned_walk), **tables,
                         **work.learned_walk.arguments(),
                         row_entries=work.row_entries, col_entries=work.col_entries, feature_scales=work.feature_scales,
                         param_scales=work.param_scales, network=self.network, **flags, steps=work.steps,
@@ -686,7 +682,7 @@ class CELO2Fused(FusedEngine):
         if work.stacks:
             self._finish_steps(plan)
         # (one block at least: block 0 advances the step counters)
-        self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)), self.APPLY_THREADS,
+        self.launch("celo2_apply", max(1, min(self.apply_grid, work.learned_walk.chunks)),
                     tensors=plan.tensor_table.table, gradients=plan.gradients.table, groups=plan.group_table.table,
                     celo2_tensors=work.table.table, celo2_groups=work.groups.table, **work.learned_walk.arguments(),
                     num_tensors=layout.num_tensors, num_groups=len(self.optimizer.param_groups), steps=work.steps,
@@ -700,7 +696,7 @@ class CELO2Fused(FusedEngine):
         beside Newton–Schulz's products, in short blocks, it measured no faster: docs/performance.md §8.)"""
         walk = plan.work.adamw_walk
         if walk.chunks:
-            self.launch("celo2_adamw", min(self.adamw_grid, walk.chunks), self.APPLY_THREADS, **tables,
+            self.launch("celo2_adamw", min(self.adamw_grid, walk.chunks), **tables,
                         **walk.arguments(), adam_corrections=plan.work.adam_corrections, **flags)
 
     def _orthogonalised(self, plan: Plan) -> tuple:
@@ -762,7 +758,7 @@ class CELO2Fused(FusedEngine):
         work, groups = plan.work, self.optimizer.param_groups
         tables = dict(tensors=plan.tensor_table.table, celo2_tensors=work.table.table)
         if work.ns_rows is not None:
-            self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), self.APPLY_THREADS, **tables,
+            self.launch("celo2_normalise", (NORMALISE_BLOCKS, work.ns_rows.numel()), **tables,
                         celo2_groups=work.groups.table, rows=work.ns_rows, scalar_rows=work.scalar_rows,
                         segment_sums=work.segment_sums,
                         mlp_blocks=self._mlp_blocks(work.learned_walk), mlp_chunks=work.learned_walk.chunks,
@@ -773,7 +769,7 @@ class CELO2Fused(FusedEngine):
                     for stack, steps in zip(work.stacks, work.orthogonalised) if steps > 0 and not stack.scalar]
             if runs:
                 self._newton_schulz(plan, runs)
-        self.launch("celo2_matrix_sums", (SUMS_SPLITS, work.learned_rows.numel()), SUMS_THREADS, **tables,
+        self.launch("celo2_matrix_sums", (self.sums_splits, work.learned_rows.numel()), **tables,
                     rows=work.learned_rows, steps=work.steps, partials=work.sum_partials, tickets=work.sum_tickets,
                     proposed_nonfinite=work.proposed_nonfinite, step_scales=work.step_scales)
 
@@ -835,8 +831,9 @@ class CELO2Fused(FusedEngine):
         if gram.device.type != "cuda" or k * k >= 2 ** 31:
             scaled_polynomial(gram, square, first)
             return
-        self.launch("celo2_first_polynomial", (-(-k * k // (2 * self.APPLY_THREADS * FIRST_POLYNOMIAL_PAIRS)), count),
-                    self.APPLY_THREADS, gram=gram, polynomial=square, coefficients=first, k=k)
+        pairs_per_block = self.blocks["celo2_first_polynomial"] * FIRST_POLYNOMIAL_PAIRS
+        self.launch("celo2_first_polynomial", (-(-k * k // (2 * pairs_per_block)), count), gram=gram,
+                    polynomial=square, coefficients=first, k=k)
 
     def _step_elsewhere(self, plan: Plan, inputs) -> None:
         """The learned tensors of several slices (not :func:`one_matrix`): the reference's learned_step on the

@@ -39,10 +39,9 @@ from lopt import distributed
 from lopt.distributed import local_part
 from lopt.fused import launcher
 from lopt.fused.contract import CONSTANTS, FIELD, GROUP_VALUE_FLOATS, GROUP_VALUES, empty_rows
-from lopt.fused.plan import AXIS_THREADS, TABLE_THREADS, TENSOR_POINTER_FIELDS, GroupLayout
+from lopt.fused.plan import TABLE_THREADS, TENSOR_POINTER_FIELDS, GroupLayout
 
 FINALIZE_THREADS = CONSTANTS["FINALIZE_THREADS"]
-STATS_THREADS = CONSTANTS["STATS_THREADS"]
 GROUP_FIELD = FIELD["GroupMeta"]
 AXIS_JOB_FIELD = FIELD["AxisJob"]
 WALK_FIELD = FIELD["ChunkWalk"]
@@ -202,7 +201,7 @@ class FusedEngine:
 
     SOURCE = ""
     KERNELS: tuple = ()
-    APPLY_CHUNK = 128
+    APPLY_CHUNK_DEFINE = ""  # the source's #define of its apply passes' chunk (elements per block and chunk)
     GRADIENT_CLIP = 0.0  # Adafactor's gradient clip (VeLO: 1000); 0 = none
     # The update rule (apply_update in cuda_src/accumulators.cuh): False, p − lr·u then the updated value
     # decays (small_fc_lopt, VeLO); True, p − lr·(u + weight_decay·p) (ELO). A kernel trait.
@@ -219,6 +218,9 @@ class FusedEngine:
     def __init__(self, optimizer, defines: tuple = ()):
         """``defines`` (``"NAME=VALUE"`` strings): the build of the kernels this engine runs (its precision);
         the update rule is added here."""
+        if not self.APPLY_CHUNK_DEFINE:
+            raise TypeError(f"{type(self).__name__} names no APPLY_CHUNK_DEFINE: the #define of {self.SOURCE}'s apply "
+                            f"chunk (elements a block steps per chunk), which the plan's walks count in")
         defines = tuple(defines) + self.kernel_traits()
         self.defines = defines  # (what the kernels were built with: tests and benchmarks read it)
         # A proxy, not a reference: the optimizer owns its engine, and a cycle between them would keep
@@ -233,6 +235,8 @@ class FusedEngine:
         names = ("adafactor_axis_partials", "adafactor_finalize", "adafactor_factor_tables") + self.KERNELS
         self.kernels = {name: self.module.get_function(name) for name in names}
         self.parameters = launcher.declared_parameters(self.SOURCE)  # (how each kernel takes its arguments)
+        self.blocks = launcher.declared_block_sizes(self.SOURCE, defines)  # (each kernel's __launch_bounds__)
+        self.apply_chunk = self.constant(self.APPLY_CHUNK_DEFINE)
         self.plan: Plan | None = None
         self.device_index = self.device.index if self.device.type == "cuda" else -1  # (as Tensor.get_device says)
 
@@ -368,9 +372,10 @@ class FusedEngine:
         """Forget the plan (after load_state_dict or add_param_group replaced state or groups)."""
         self.plan = None
 
-    def persistent_grid(self, kernel_name: str, threads: int) -> int:
+    def persistent_grid(self, kernel_name: str) -> int:
         """As many blocks of ``kernel_name`` as fit on the device at once (a persistent grid)."""
         properties = torch.cuda.get_device_properties(self.device)
+        threads = self.blocks[kernel_name]
         kernel = self.kernels[kernel_name]
         registers = launcher.kernel_attribute(kernel, "num_regs")
         shared = launcher.kernel_attribute(kernel, "shared_size_bytes") + 1024  # + the per-block reservation
@@ -417,7 +422,7 @@ class FusedEngine:
             dims.append(None if logical_dims is None else (order.index(logical_dims[0]), order.index(logical_dims[1])))
             global_rows.append(shard.global_shape[0] if shard.split else None)
         clipped = self._norm_job_rows(groups, clipped_groups)
-        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.APPLY_CHUNK, clipped=clipped,
+        layout = GroupLayout(shapes, dims, groups, apply_chunk=self.apply_chunk, clipped=clipped,
                              global_rows=global_rows)
         if layout.sharded and self.optimizer.reducer.is_identity:
             raise RuntimeError("sharded parameters need the reducer of their device mesh")
@@ -656,7 +661,7 @@ class FusedEngine:
 
     def _launch_axis_sums(self, plan: Plan, grad_scale) -> None:
         layout = plan.layout
-        self.launch("adafactor_axis_partials", layout.total_axis_blocks, AXIS_THREADS,
+        self.launch("adafactor_axis_partials", layout.total_axis_blocks,
                     jobs=plan.axis_table.table if layout.num_axis_jobs else None, num_jobs=layout.num_axis_jobs,
                     gradients=plan.gradients.table, partials=plan.axis_partials,
                     grad_scale=self._on_device(grad_scale), gradient_clip=self.GRADIENT_CLIP,
@@ -670,7 +675,7 @@ class FusedEngine:
     def _finish_accumulate(self, plan: Plan) -> None:
         layout = plan.layout
         mean_blocks = max(1, -(-layout.total_axis_outputs // FINALIZE_THREADS))  # (finalize_mean_blocks)
-        self.launch("adafactor_finalize", mean_blocks + layout.num_norm_jobs, FINALIZE_THREADS,
+        self.launch("adafactor_finalize", mean_blocks + layout.num_norm_jobs,
                     jobs=plan.axis_table.table if layout.num_axis_jobs else None, num_jobs=layout.num_mean_jobs,
                     total_outputs=layout.total_axis_outputs, partials=plan.axis_partials, axis_means=plan.axis_means,
                     status=plan.status, norm_jobs=plan.norm_table.table if layout.num_norm_jobs else None,
@@ -686,7 +691,7 @@ class FusedEngine:
         table_blocks = layout.total_slabs + -(-layout.total_col_entries // TABLE_THREADS)
         phases = (1, 2) if plan.slab_sums is not None else (0,)
         for phase in phases:
-            self.launch("adafactor_factor_tables", table_blocks, TABLE_THREADS,
+            self.launch("adafactor_factor_tables", table_blocks,
                         tensors=plan.tensor_table.table, num_tensors=layout.num_tensors, groups=plan.group_table.table,
                         total_slabs=layout.total_slabs, total_col_entries=layout.total_col_entries,
                         axis_means=plan.axis_means, row_table=plan.row_table, col_table=plan.col_table,
@@ -773,10 +778,15 @@ class FusedEngine:
     def _apply(self, plan: Plan, flags: dict, *args) -> None:
         raise NotImplementedError
 
-    def launch(self, name: str, grid, block: int, shared_mem: int = 0, **arguments) -> None:
-        """Launch kernel ``name`` with its arguments by parameter name (``launcher.bind_arguments``)."""
+    def launch(self, name: str, grid, shared_mem: int = 0, **arguments) -> None:
+        """Launch kernel ``name`` in blocks of its declared size (:attr:`blocks`) with its arguments by parameter
+        name (``launcher.bind_arguments``)."""
         args = launcher.bind_arguments(name, self.parameters[name], arguments)
-        launcher.launch(self.kernels[name], grid, block, args, self.device, shared_mem)
+        launcher.launch(self.kernels[name], grid, self.blocks[name], args, self.device, shared_mem)
+
+    def constant(self, name: str) -> int:
+        """A ``#define`` of this engine's kernel source as built (``launcher.source_constant``)."""
+        return launcher.source_constant(self.SOURCE, name, self.defines)
 
     def group_arguments(self, plan: Plan) -> dict:
         return {"groups": plan.group_table.table, "num_groups": len(self.optimizer.param_groups)}

@@ -339,6 +339,106 @@ def declared_parameters(filename: str) -> dict:
     return kernels
 
 
+# ------------------------------------------------------------------------------------------ block sizes, constants
+#
+# A kernel's block size is the first number of its ``__launch_bounds__`` (which every kernel declares), and a
+# layout constant that the host needs (a record's floats, blocks per matrix) is the source's ``#define``: the
+# engines read both from the source as it is built, so no number is written in Python and in CUDA by hand.
+
+_LAUNCH_BOUNDS = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\(([^)]*)\)\s*)?(\w+)\(')
+_OBJECT_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)(?:[ \t]+([^\n]*))?$", re.MULTILINE)
+_INTEGER = re.compile(r"\b(\d+)[uUlL]*\b")
+
+
+def _macro_definitions(source: str) -> dict:
+    """{name: the set of texts an object-like ``#define`` gives it in ``source``} (comments dropped)."""
+    definitions: dict = {}
+    for name, text in _OBJECT_MACRO.findall(source):
+        definitions.setdefault(name, set()).add(text.split("//")[0].strip())
+    return definitions
+
+
+def _integer_value(node) -> int:
+    import ast
+
+    if isinstance(node, ast.Expression):
+        return _integer_value(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _integer_value(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp):
+        left, right = _integer_value(node.left), _integer_value(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right != 0:
+            quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)  # (C's: toward zero)
+            return left - right * quotient if isinstance(node.op, ast.Mod) else quotient
+    raise ValueError(node)
+
+
+def _evaluate(expression: str, definitions: dict, given: dict, filename: str, seen: tuple = ()) -> int:
+    """The integer value of a C constant expression, its macros expanded (``given``: the build's ``-D`` values,
+    which take precedence over the source's own, as over an ``#ifndef`` default)."""
+    import ast
+
+    def value_of(match) -> str:
+        name = match.group(0)
+        if name in seen:
+            raise RuntimeError(f"{filename}: macro {name} is defined in terms of itself")
+        if name in given:
+            text = given[name]
+        else:
+            texts = definitions.get(name, set())
+            if len(texts) != 1:
+                raise RuntimeError(f"{filename}: {name} is " + ("not defined" if not texts else
+                                   f"defined differently in two places ({sorted(texts)})") +
+                                   "; a block size or host-read constant needs one #define")
+            [text] = texts
+        return f"({_evaluate(text, definitions, given, filename, seen + (name,))})"
+
+    text = re.sub(r"\b[A-Za-z_]\w*", value_of, _INTEGER.sub(r"\1", expression))
+    try:
+        return _integer_value(ast.parse(text, mode="eval"))
+    except (SyntaxError, ValueError):
+        raise RuntimeError(f"{filename}: cannot evaluate {expression!r} ({text}): not an integer expression of "
+                           f"+ - * / % and parentheses") from None
+
+
+def _given(defines) -> dict:
+    return dict(d.split("=", 1) if "=" in d else (d, "1") for d in defines if not d.startswith("-"))
+
+
+@lru_cache(maxsize=None)
+def declared_block_sizes(filename: str, defines: tuple = ()) -> dict:
+    """{kernel name: its block size} of a ``cuda_src`` file built with ``defines``: each kernel's
+    ``__launch_bounds__`` first value (what every launch of it uses: the kernels index by their declared
+    size). A kernel without one, or declared twice with two sizes, is an error."""
+    source = kernel_source(filename)
+    definitions, given = _macro_definitions(source), _given(defines)
+    sizes: dict = {}
+    for bounds, name in _LAUNCH_BOUNDS.findall(source):
+        if not bounds:
+            raise RuntimeError(f"{filename}: kernel {name} declares no __launch_bounds__, where the launcher "
+                               f"takes its block size from")
+        size = _evaluate(bounds.split(",")[0], definitions, given, filename)
+        if sizes.setdefault(name, size) != size:
+            raise RuntimeError(f"{filename}: kernel {name} is declared twice with different block sizes")
+    return sizes
+
+
+@lru_cache(maxsize=None)
+def source_constant(filename: str, name: str, defines: tuple = ()) -> int:
+    """The integer value of macro ``name`` in ``cuda_src/filename`` built with ``defines``."""
+    source = kernel_source(filename)
+    return _evaluate(name, _macro_definitions(source), _given(defines), filename)
+
+
 def bind_arguments(kernel: str, parameters: tuple, arguments: dict) -> tuple:
     """``arguments`` (by parameter name) in the declared order, each converted to its declared type
     (a pointer from a tensor, None, or a ``numpy.uint64`` address). Raises RuntimeError naming what is

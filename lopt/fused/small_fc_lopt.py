@@ -36,12 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from lopt.fused.contract import FIELD
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
+from lopt.fused.engine import FusedEngine, Plan, commit_blocks
 from lopt.network import MLPGeometry
 from lopt.reference import small_fc_lopt as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
-FOLD_THREADS = 256
 OPERAND_32x32 = 4 * 4 * 32 * 4  # a 32 x 32 weight matrix as a tensor-core B operand (split_mma.cuh; exact, the larger)
 # The geometry whose layers run on tensor cores (the published weights'); any other takes the generic path.
 TENSOR_CORE_GEOMETRY = MLPGeometry(inputs=39, hidden=32, hidden_layers=1, outputs=2)
@@ -117,8 +116,7 @@ class SmallFCLOptFused(FusedEngine):
 
     SOURCE = "small_fc_lopt.cu"
     KERNELS = ("small_fc_lopt_feature_stats", "small_fc_lopt_fold", "small_fc_lopt_apply")
-    APPLY_CHUNK = 128  # one element per thread of a 4-warp block
-    APPLY_THREADS = 128
+    APPLY_CHUNK_DEFINE = "SFC_APPLY_CHUNK"
 
     def __init__(self, optimizer):
         self.mlp = optimizer.meta_weights.tensors["mlp"]
@@ -128,7 +126,7 @@ class SmallFCLOptFused(FusedEngine):
         # Precision "fast" on tensor cores reads the table features packed as BF16 inputs (SFC_PACKED_ENTRIES).
         self.packed_entries = optimizer.precision == "fast" and self.tensor_cores
         self.network = self.geometry.pack(self.mlp).to(self.device)
-        self.apply_grid = self.persistent_grid("small_fc_lopt_apply", self.APPLY_THREADS)
+        self.apply_grid = self.persistent_grid("small_fc_lopt_apply")
 
     def _allocate(self, plan: Plan) -> "SmallFCLOptWork":
         layout = plan.layout
@@ -143,7 +141,7 @@ class SmallFCLOptFused(FusedEngine):
 
     def _launch_statistics(self, plan: Plan, flags: dict) -> None:
         layout = plan.layout
-        self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks, STATS_THREADS,
+        self.launch("small_fc_lopt_feature_stats", layout.total_stats_chunks,
                     tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
                     groups=plan.group_table.table, row_factors=plan.row_factors, col_factors=plan.col_factors,
                     clip_factors=plan.clip_factors, **flags, stats_partials=plan.work.stats_partials)
@@ -161,7 +159,7 @@ class SmallFCLOptFused(FusedEngine):
         """One block per tensor, then one that lays out layers 2 and 3, then the blocks that commit a
         kept step's R and C (commit_blocks)."""
         layout = plan.layout
-        self.launch("small_fc_lopt_fold", layout.num_tensors + 1 + commit_blocks(layout), FOLD_THREADS,
+        self.launch("small_fc_lopt_fold", layout.num_tensors + 1 + commit_blocks(layout),
                     tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
                     groups=plan.group_table.table, stats_partials=plan.work.stats_partials, row_table=plan.row_table,
                     col_table=plan.col_table, network=self.network, clip_factors=plan.clip_factors, **flags,
@@ -174,7 +172,7 @@ class SmallFCLOptFused(FusedEngine):
         """The apply pass over every chunk, on a persistent grid; it also advances the step counters."""
         layout = plan.layout
         num_chunks = layout.total_apply_chunks
-        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)), self.APPLY_THREADS,
+        self.launch("small_fc_lopt_apply", max(1, min(self.apply_grid, num_chunks)),
                     tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
                     **self.group_arguments(plan), total_chunks=num_chunks, folded=plan.work.folded,
                     later_layers=plan.work.shared_frags if self.tensor_cores else self.network,

@@ -40,19 +40,14 @@ import torch
 
 from lopt.fused import launcher
 from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
-from lopt.fused.engine import STATS_THREADS, FusedEngine, Plan, commit_blocks
+from lopt.fused.engine import FusedEngine, Plan, commit_blocks
 from lopt.reference import velo as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
 LSTM_SUMS = CONSTANTS["VELO_LSTM_SUMS"]
 STATS_PER_CHUNK = NUM_FEATURES + LSTM_SUMS  # VELO_STATS
 HIDDEN = reference.LSTM_HIDDEN_SIZE
-RECORD_FLOATS = 156  # VELO_RECORD_FLOATS
-CONTROL_THREADS = 256
-LSTM_ROWS, LSTM_UNITS, LSTM_THREADS = CONSTANTS["VELO_LSTM_ROWS"], CONSTANTS["VELO_LSTM_UNITS"], CONSTANTS["VELO_LSTM_THREADS"]
-HEADS_THREADS = 256
-CONTRIBUTION_THREADS = 256
-APPLY_THREADS = 256
+LSTM_ROWS, LSTM_UNITS = CONSTANTS["VELO_LSTM_ROWS"], CONSTANTS["VELO_LSTM_UNITS"]
 RNN_TENSORS = ("mix_layer2.weight", "mix_layer2.bias", "final_mix_layer.weight", "final_mix_layer.bias",
                "lstm.linear.weight", "lstm.linear.bias", "rnn_to_controls.weight", "rnn_to_controls.bias",
                "step_size.weight", "step_size.bias")
@@ -93,7 +88,7 @@ class VeLOFused(FusedEngine):
     SOURCE = "velo.cu"
     KERNELS = ("velo_statistics", "velo_tensor_control", "velo_mix", "velo_lstm", "velo_heads",
                "velo_table_contributions", "velo_apply")
-    APPLY_CHUNK = APPLY_THREADS
+    APPLY_CHUNK_DEFINE = "VELO_APPLY_CHUNK"
     GRADIENT_CLIP = reference.GRADIENT_CLIP
 
     def __init__(self, optimizer):
@@ -101,7 +96,7 @@ class VeLOFused(FusedEngine):
         weights = optimizer.meta_weights.tensors
         self.rnn = {name: weights["rnn"][name].detach().to(self.device, torch.float32).contiguous() for name in RNN_TENSORS}
         self.candidates = pack_candidates(weights["mlp"]).to(self.device)
-        self.apply_grid = self.persistent_grid("velo_apply", APPLY_THREADS)
+        self.apply_grid = self.persistent_grid("velo_apply")
 
     def _allocate(self, plan: Plan) -> "VeLOWork":
         layout, n = plan.layout, plan.layout.num_tensors
@@ -126,7 +121,7 @@ class VeLOFused(FusedEngine):
             mix_partial=workspace(n * HIDDEN, torch.float64),
             hidden_new=workspace(n * HIDDEN, torch.float64),
             cell_new=workspace(n * HIDDEN, torch.float64),
-            records=workspace(n * RECORD_FLOATS, torch.float32),
+            records=workspace(n * self.constant("VELO_RECORD_FLOATS"), torch.float32),
             row_contributions=workspace(layout.total_row_entries * 4, torch.float32),
             col_contributions=workspace(layout.total_col_entries * 4, torch.float32),
             loss=workspace(1, torch.float32),
@@ -155,7 +150,7 @@ class VeLOFused(FusedEngine):
 
     def _launch_statistics(self, plan: Plan, flags: dict) -> None:
         layout = plan.layout
-        self.launch("velo_statistics", layout.total_stats_chunks, STATS_THREADS,
+        self.launch("velo_statistics", layout.total_stats_chunks,
                     tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
                     groups=plan.group_table.table, row_factors=plan.row_factors, col_factors=plan.col_factors,
                     **flags, stats_partials=plan.work.stats_partials)
@@ -167,7 +162,7 @@ class VeLOFused(FusedEngine):
         n, layout = plan.layout.num_tensors, plan.layout
         # With sharded parameters in two launches around the reduce of every tensor's sums (one collective).
         for phase in ((1, 2) if layout.sharded else (0,)):
-            self.launch("velo_tensor_control", n + commit_blocks(layout), CONTROL_THREADS,
+            self.launch("velo_tensor_control", n + commit_blocks(layout),
                         tensors=plan.tensor_table.table, velo_tensors=plan.work.velo_table.table, num_tensors=n,
                         groups=plan.group_table.table, stats_partials=plan.work.stats_partials,
                         row_table=plan.row_table, col_table=plan.col_table, **flags, **self._loss_buffer_arguments(),
@@ -178,16 +173,16 @@ class VeLOFused(FusedEngine):
             if phase == 1:
                 self.optimizer.reducer.sum_(plan.work.tensor_sums)
         rnn = self.rnn
-        self.launch("velo_mix", n, HIDDEN,
+        self.launch("velo_mix", n,
                     lstm_inputs=plan.work.lstm_inputs, mix_weight=rnn["mix_layer2.weight"],
                     mix_bias=rnn["mix_layer2.bias"], final_weight=rnn["final_mix_layer.weight"],
                     final_bias=rnn["final_mix_layer.bias"], mixed_max=plan.work.mixed_max,
                     mix_partial=plan.work.mix_partial)
-        self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS), LSTM_THREADS,
+        self.launch("velo_lstm", (-(-n // LSTM_ROWS), HIDDEN // LSTM_UNITS),
                     velo_tensors=plan.work.velo_table.table, num_tensors=n, mix_partial=plan.work.mix_partial,
                     mixed_max=plan.work.mixed_max, lstm_weight=rnn["lstm.linear.weight"],
                     lstm_bias=rnn["lstm.linear.bias"], hidden_new=plan.work.hidden_new, cell_new=plan.work.cell_new)
-        self.launch("velo_heads", n, HEADS_THREADS,
+        self.launch("velo_heads", n,
                     velo_tensors=plan.work.velo_table.table, hidden_new=plan.work.hidden_new,
                     cell_new=plan.work.cell_new, controls_weight=rnn["rnn_to_controls.weight"],
                     controls_bias=rnn["rnn_to_controls.bias"], step_size_weight=rnn["step_size.weight"],
@@ -195,7 +190,7 @@ class VeLOFused(FusedEngine):
                     feature_scales=plan.work.feature_scales, param_scales=plan.work.param_scales, **flags,
                     **loss_arguments, records=plan.work.records)
         entries = layout.total_row_entries + layout.total_col_entries
-        self.launch("velo_table_contributions", -(-entries // CONTRIBUTION_THREADS), CONTRIBUTION_THREADS,
+        self.launch("velo_table_contributions", -(-entries // self.blocks["velo_table_contributions"]),
                     tensors=plan.tensor_table.table, num_tensors=n, records=plan.work.records,
                     row_table=plan.row_table, col_table=plan.col_table, total_row_entries=layout.total_row_entries,
                     total_col_entries=layout.total_col_entries, row_contributions=plan.work.row_contributions,
@@ -203,7 +198,7 @@ class VeLOFused(FusedEngine):
 
     def _apply(self, plan: Plan, flags: dict, loss_arguments: dict) -> None:
         layout = plan.layout
-        self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)), APPLY_THREADS,
+        self.launch("velo_apply", max(1, min(self.apply_grid, layout.total_apply_chunks)),
                     tensors=plan.tensor_table.table, gradients=plan.gradients.table, num_tensors=layout.num_tensors,
                     **self.group_arguments(plan), total_chunks=layout.total_apply_chunks, records=plan.work.records,
                     row_factors=plan.row_factors, col_factors=plan.col_factors,
