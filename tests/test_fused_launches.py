@@ -9,6 +9,7 @@ arguments are checked against the parameter list its kernel declares in cuda_src
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import numpy as np
@@ -423,6 +424,60 @@ def test_engines_size_their_workspaces_and_chunks_from_the_source(recorded):
     with pytest.raises(TypeError, match="Unnamed names no APPLY_CHUNK_DEFINE: the #define of small_fc_lopt.cu's "
                                         "apply chunk"):
         Unnamed(opt)
+
+
+def test_velo_kernels_network_constants_are_the_references():
+    """velo.cu spells VeLO's fixed network (the published weights' shapes) as constants: each equals what
+    lopt.reference.velo and the weights define — the sizes, the generated MLP's layout by role (VELO_GEN_*: the
+    candidates' shapes in role order), the clips and the fraction timescales."""
+    import re
+
+    from lopt.reference import velo as reference
+
+    def constant(name):
+        return launcher.source_constant("velo.cu", name)
+
+    candidates = lopt.random_weights("velo", seed=0).tensors["mlp"]
+    shapes = [tuple(candidates[name].shape) for name in reference.MLP_CANDIDATE_TENSORS.values()]
+    assert constant("VELO_CONTROLS") == reference.NUM_CANDIDATES and {shape[0] for shape in shapes} == {256}
+    offsets = np.cumsum([0] + [math.prod(shape[1:]) for shape in shapes]).tolist()
+    assert [constant(f"VELO_GEN_{part}") for part in ("W0", "B0", "W1", "B1", "W2", "B2", "WEIGHTS")] == offsets
+    assert constant("VELO_FF") == shapes[0][1] and shapes[0][2] == constant("VELO_NUM_FEATURES")
+    assert [constant(name) for name in ("VELO_NUM_FEATURES", "VELO_LSTM_INPUTS", "VELO_HIDDEN", "VELO_LOSS_TIMESCALES",
+                                        "VELO_LOSS_FEATURES", "VELO_FRACTION_FEATURES", "VELO_RANK_CLASSES")] == [
+        reference.NUM_ELEMENT_FEATURES, reference.NUM_LSTM_FEATURES, reference.LSTM_HIDDEN_SIZE,
+        reference.NUM_LOSS_TIMESCALES, reference.NUM_LOSS_FEATURES, len(reference.FRACTION_TIMESCALES),
+        reference.NUM_RANK_CLASSES]
+    source = launcher.kernel_source("velo.cu")
+
+    def floats(text):
+        return [float(x) for x in re.findall(r"([0-9.e+-]+)f", text)]
+
+    for name, value in [("VELO_GRADIENT_CLIP", reference.GRADIENT_CLIP),
+                        ("VELO_GRADIENT_FEATURE_CLIP", reference.GRADIENT_FEATURE_CLIP)]:
+        assert floats(re.search(rf"#define {name} (\S+)", source).group(1)) == [value]
+    timescales = re.search(r"VELO_FRACTION_TIMESCALES\[VELO_FRACTION_FEATURES\] = \{([^}]*)\}", source).group(1)
+    assert floats(timescales) == list(reference.FRACTION_TIMESCALES)
+
+
+def test_celo2_kernels_input_layout_is_the_references():
+    """celo2.cu's input layout constants equal lopt.reference.celo2's feature groups: 30 inputs, the table
+    features (R_k, C_k, rsqrt(R_k + 1e-8), rsqrt(C_k + 1e-8), three each, in that order) at [C2_TABLE_FIRST,
+    C2_TABLE_END), the element's own the rest; the scales' workspace row holds the 30 scales and, from C2_UNSHIFT,
+    the 30 un-shifts."""
+    from lopt.fused import celo2 as fused
+    from lopt.reference import celo2 as reference
+
+    def constant(name):
+        return launcher.source_constant("celo2.cu", name)
+
+    first, end = constant("C2_TABLE_FIRST"), constant("C2_TABLE_END")
+    assert constant("C2_FEATURES") == reference.NUM_INPUTS == 30 and range(first, end) == fused.TABLE_INPUTS
+    assert constant("C2_ELEMENT_FEATURES") == fused.ELEMENT_INPUTS == 18
+    starts = dict(zip((name for name, _ in reference.FEATURE_GROUPS), np.cumsum((0,) + reference.GROUP_WIDTHS).tolist()))
+    assert [starts[name] - first for name in ("row_accumulator", "col_accumulator", "rsqrt_row_accumulator",
+                                              "rsqrt_col_accumulator")] == [0, 3, 6, 9] and end - first == 12
+    assert reference.NUM_INPUTS <= constant("C2_UNSHIFT") <= constant("C2_SCALES") - reference.NUM_INPUTS
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -969,7 +1024,6 @@ def test_celo2_result_pointers_follow_each_groups_newton_schulz(precision, recor
     second = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(5, 5), (7,)]]
     opt = engine_for("celo2", [{"params": first}, {"params": second}], use_adamw_for_1d=False, precision=precision)
     params = first + second
-    names = declared_parameter_names("celo2.cu")
 
     def step_and_read():
         recorded.clear()
