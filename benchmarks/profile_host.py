@@ -26,6 +26,7 @@ import time
 import torch
 
 from benchmarks.bench_fused import do_step, gradient_sets, make
+from lopt import registry
 from lopt.fused import launcher
 from lopt.param_sets import build_parameters
 from lopt.weights import random_weights
@@ -35,7 +36,7 @@ param_set = sys.argv[2] if len(sys.argv) > 2 else "gpt2-medium"
 params = build_parameters(param_set, "cuda")
 grad_sets = gradient_sets(params)
 options = {"precision": os.environ["HOST_PRECISION"]} if os.environ.get("HOST_PRECISION") else None
-optimizer = make(name, params, "fused", random_weights(name), options, param_set)
+optimizer = make(name, params, "fused", random_weights(registry.get(name).architecture), options, param_set)
 if os.environ.get("HOST_GC_OFF") == "1":  # (A/B: Python's cyclic garbage collector off for the whole run)
     import gc
 
