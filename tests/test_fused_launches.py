@@ -984,6 +984,31 @@ def test_celo2_steps_a_tensor_of_one_slice_as_a_matrix(recorded, monkeypatch):
     assert products == [[(1, 6, 4)]]  # (one family: the (6, 4) matrix's products alone)
 
 
+def test_celo2_per_tensor_clamps_and_limits_follow_their_groups(recorded):
+    """Each tensor row's clamp (the transforms' second column, which the axis pass and the kernels apply) and, in a
+    clipping optimizer, its max_grad_norm are its group's, and follow a change of the group's value at the next
+    step (a group without max_grad_norm: no limit, inf)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 4), (5,), (3, 8), (7,), (4, 4)]]
+    opt = engine_for("elo_celo2", [{"params": params[:2], "grad_clip_value": 5.0},
+                                   {"params": params[2:], "grad_clip_value": 7.0, "max_grad_norm": None}])
+
+    def step_and_read():
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        opt.step()
+        work = opt._fused_engine.plan.work
+        return work.transforms[:len(params), 1].tolist(), work.max_norms[:len(params)].tolist()
+
+    assert step_and_read() == ([5.0, 5.0, 7.0, 7.0, 7.0], [1.0, 1.0, math.inf, math.inf, math.inf])
+    plan = opt._fused_engine.plan
+    opt.param_groups[1]["grad_clip_value"], opt.param_groups[0]["max_grad_norm"] = 0.25, 3.0
+    assert step_and_read() == ([5.0, 5.0, 0.25, 0.25, 0.25], [3.0, 3.0, math.inf, math.inf, math.inf])
+    assert opt._fused_engine.plan is plan  # (the same plan: its columns rewritten in place)
+    opt.param_groups[1]["max_grad_norm"], opt.param_groups[0]["max_grad_norm"] = 2.0, None  # (which groups clip: a new plan)
+    assert step_and_read() == ([5.0, 5.0, 0.25, 0.25, 0.25], [math.inf, math.inf, 2.0, 2.0, 2.0])
+
+
 def test_celo2_slice_kernels_cover_every_slice_a_thread_or_a_warp_each(recorded):
     """The slice kernels' grids: celo2_slices_1x1 and _3x3 step a slice per thread (blocks of C2_SLICE_THREADS
     slices), celo2_slices a slice per warp (blocks of C2_SLICE_THREADS / 32 slices: its 7 x 7 and 3-d tensors'

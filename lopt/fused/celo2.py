@@ -355,7 +355,7 @@ class Celo2Work:
     norm_partials: torch.Tensor | None  # (where a group clips) Σ g² per statistics chunk
     norm_ticket: torch.Tensor | None  # int32, 0 between launches (celo2_gradient_norm's last block resets it)
     transforms: torch.Tensor  # (factor, clamp) per tensor row
-    clamps: list | None  # the clamp column as last uploaded
+    clamps: list | None  # each group's grad_clip_value as the transforms' clamp column last holds it
     clips: torch.Tensor | None  # per row: its group clips (global norm)
     max_norms: torch.Tensor | None  # per row: its group's max_grad_norm (where it clips)
     limits: list | None
@@ -593,14 +593,17 @@ class CELO2Fused(FusedEngine):
         if work.group_rows is None or not np.array_equal(values, work.group_rows):
             work.groups.update(values)
             work.group_rows = values
-        clamps = [float(groups[g]["grad_clip_value"]) for g in plan.groups]
+        # (per group, compared each step; the per-tensor columns rewritten only where a group's value changed)
+        clamps = [float(group["grad_clip_value"]) for group in groups]
         if clamps != work.clamps:
-            work.transforms[:len(clamps), 1].copy_(torch.tensor(clamps, dtype=torch.float32))
+            rows = [clamps[g] for g in plan.groups]
+            work.transforms[:len(rows), 1].copy_(torch.tensor(rows, dtype=torch.float32))
             work.clamps = clamps
         if work.clips is not None:
-            limits = [groups[g]["max_grad_norm"] for g in plan.groups]
+            limits = [group["max_grad_norm"] for group in groups]
             if limits != work.limits:
-                work.max_norms.copy_(torch.tensor([math.inf if x is None else x for x in limits], dtype=torch.float32))
+                rows = [math.inf if limits[g] is None else limits[g] for g in plan.groups]
+                work.max_norms.copy_(torch.tensor(rows, dtype=torch.float32))
                 work.limits = limits
 
     def _clip_factors(self, plan: Plan, grad_scale) -> None:
