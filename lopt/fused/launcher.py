@@ -311,16 +311,18 @@ def parse_parameters(declaration: str) -> tuple:
     return tuple(parameters)
 
 
-def _expanded(declaration: str, source: str) -> str:
+def _expanded(declaration: str, definitions: dict) -> str:
     """A parameter list written as one object-like macro (kernels that share their list: ``celo2_slices``'
-    shapes) as the macro's ``#define`` in ``source`` spells it; any other list as it is."""
+    shapes) as the macro's ``#define`` spells it (``definitions``: _macro_definitions); any other list as it is."""
     name = declaration.strip()
     if not re.fullmatch(r"[A-Za-z_]\w*", name):
         return declaration
-    definition = re.search(rf"^#define {name}((?:[^\n]*\\\n)*[^\n]*)$", source, re.MULTILINE)
-    if definition is None:
-        raise RuntimeError(f"a kernel's parameter list {name} is no macro the source defines")
-    return definition.group(1).replace("\\\n", " ")
+    texts = definitions.get(name)
+    if not texts or len(texts) != 1:
+        raise RuntimeError(f"a kernel's parameter list {name} is no macro the source defines"
+                           + (f" once ({sorted(texts)})" if texts else ""))
+    [text] = texts
+    return text
 
 
 @lru_cache(maxsize=None)
@@ -329,8 +331,9 @@ def declared_parameters(filename: str) -> dict:
     branches of a build switch must have the same parameters in both."""
     kernels: dict = {}
     source = kernel_source(filename)
+    definitions = _macro_definitions(source)
     for name, declaration in _KERNEL_DECLARATION.findall(source):
-        parameters = parse_parameters(_expanded(declaration, source))
+        parameters = parse_parameters(_expanded(declaration, definitions))
         if kernels.setdefault(name, parameters) != parameters:
             raise RuntimeError(f"{filename}: kernel {name} is declared twice with different parameters")
         unknown = [p for p in parameters if p.c_type not in ARGUMENT_TYPES]
@@ -346,15 +349,18 @@ def declared_parameters(filename: str) -> dict:
 # engines read both from the source as it is built, so no number is written in Python and in CUDA by hand.
 
 _LAUNCH_BOUNDS = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\(([^)]*)\)\s*)?(\w+)\(')
-_OBJECT_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)(?:[ \t]+([^\n]*))?$", re.MULTILINE)
+# (an object-like #define, its continuation lines included; a function-like one has no space before its "(")
+_OBJECT_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)(?:[ \t]+((?:[^\n]*\\\n)*[^\n]*))?$",
+                           re.MULTILINE)
 _INTEGER = re.compile(r"\b(\d+)[uUlL]*\b")
 
 
 def _macro_definitions(source: str) -> dict:
-    """{name: the set of texts an object-like ``#define`` gives it in ``source``} (comments dropped)."""
+    """{name: the set of texts an object-like ``#define`` gives it in ``source``} (continuation lines joined,
+    comments dropped)."""
     definitions: dict = {}
     for name, text in _OBJECT_MACRO.findall(source):
-        definitions.setdefault(name, set()).add(text.split("//")[0].strip())
+        definitions.setdefault(name, set()).add(text.replace("\\\n", " ").split("//")[0].strip())
     return definitions
 
 
@@ -435,8 +441,7 @@ def declared_block_sizes(filename: str, defines: tuple = ()) -> dict:
 @lru_cache(maxsize=None)
 def source_constant(filename: str, name: str, defines: tuple = ()) -> int:
     """The integer value of macro ``name`` in ``cuda_src/filename`` built with ``defines``."""
-    source = kernel_source(filename)
-    return _evaluate(name, _macro_definitions(source), _given(defines), filename)
+    return _evaluate(name, _macro_definitions(kernel_source(filename)), _given(defines), filename)
 
 
 def bind_arguments(kernel: str, parameters: tuple, arguments: dict) -> tuple:
