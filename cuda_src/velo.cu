@@ -20,18 +20,27 @@
 #include "common.cuh"
 #include "accumulators.cuh"
 
-#define VELO_NUM_FEATURES 30
-#define VELO_TABLE_FEATURES_FIRST 15  // features 15..26: R, C, rsqrt R, rsqrt C (accumulators.cuh)
-#define VELO_GRADIENT_CLIP 1000.0f
-#define VELO_GRADIENT_FEATURE_CLIP 0.1f
-#define VELO_LSTM_INPUTS 30
-#define VELO_HIDDEN 512
-#define VELO_CONTROLS 256
-#define VELO_LOSS_TIMESCALES 10
-#define VELO_LOSS_FEATURES 9
-#define VELO_FRACTION_FEATURES 9
-#define VELO_RANK_CLASSES 5
-#define VELO_FF 4  // hidden units of the generated MLP
+// VeLO's network, from the build's -D values (lopt.fused.velo.network_defines: lopt.reference.velo and the
+// registered architecture), never spelled here:
+//   VELO_NUM_FEATURES, VELO_TABLE_FEATURES_FIRST   the per-element features; R, C, rsqrt R, rsqrt C's first
+//   VELO_GRADIENT_CLIP, VELO_GRADIENT_FEATURE_CLIP  float literals
+//   VELO_LSTM_INPUTS, VELO_HIDDEN, VELO_CONTROLS    the LSTM's inputs and width, the candidate MLPs
+//   VELO_WEIGHT_GENERATION_SCALE                    the generated weights' factor (a double literal)
+//   VELO_LOSS_TIMESCALES, VELO_LOSS_FEATURES, VELO_FRACTION_FEATURES, VELO_RANK_CLASSES
+//   VELO_FRACTION_TIMESCALES_EACH(X)                X(t) for each fraction timescale t (float literals)
+//   VELO_LSTM_LOSS_FIRST, _MEAN_RMS, _RANK_FIRST, _VARIANCES_FIRST   positions in the LSTM's input row
+//   VELO_GEN_*                                      the generated MLP (lopt.network.MLPGeometry.cuda_defines)
+#ifndef VELO_GEN_INPUTS
+#error "build with lopt.fused.velo.network_defines (VeLO's network: VELO_NUM_FEATURES ... VELO_GEN_*)"
+#endif
+// The kernels below are written for the published shapes; these say which they are.
+static_assert(VELO_GEN_INPUTS == VELO_NUM_FEATURES, "the generated MLP reads the per-element features");
+static_assert(VELO_GEN_HIDDEN == 4 && VELO_GEN_HIDDEN_LAYERS == 1 && VELO_GEN_OUTPUTS == 3,
+              "per_element_mlp holds a hidden layer in a float4: a 30-4-4-3 generated MLP");
+static_assert(VELO_LSTM_LOSS_FIRST == VELO_FRACTION_FEATURES && VELO_LSTM_MEAN_RMS == VELO_LSTM_LOSS_FIRST + VELO_LOSS_FEATURES &&
+              VELO_LSTM_RANK_FIRST == VELO_LSTM_MEAN_RMS + 1 && VELO_LSTM_VARIANCES_FIRST == VELO_LSTM_RANK_FIRST + VELO_RANK_CLASSES &&
+              VELO_LSTM_VARIANCES_FIRST + 6 == VELO_LSTM_INPUTS, "velo_tensor_control writes the LSTM inputs in this order");
+#define VELO_FF VELO_GEN_HIDDEN  // hidden units of the generated MLP
 
 // Statistics partials per chunk: the 30 feature sums of squares, then the LSTM sums of the old state
 // over its finite elements (shifted by the tensor's first element s where that is finite, else 0, so
@@ -47,29 +56,25 @@
 static_assert(VELO_COUNT_RMS + 1 == VELO_LSTM_SUMS, "the LSTM sums fill the contract's count");
 #define VELO_STATS (VELO_NUM_FEATURES + VELO_LSTM_SUMS)
 
-// The generated MLP, as weight generation writes it (role order of lopt.reference.velo.MLP_CANDIDATE_TENSORS).
-#define VELO_GEN_W0 0     // (4, 30)
-#define VELO_GEN_B0 120   // (4,)
-#define VELO_GEN_W1 124   // (4, 4)
-#define VELO_GEN_B1 140   // (4,)
-#define VELO_GEN_W2 144   // (3, 4)
-#define VELO_GEN_B2 156   // (3,)
-#define VELO_GEN_WEIGHTS 159
-
 // A tensor's record for the apply pass (float32): the first layer with the normalisation folded in,
 // stored by input (W0'ᵀ: one float4 holds an input's weights to the 4 hidden units), the other layers
 // (direction and magnitude outputs only), λ and param_scale.
-#define VELO_RECORD_W0 0      // (30, 4)
-#define VELO_RECORD_B0 120
-#define VELO_RECORD_W1 124    // (4, 4)
-#define VELO_RECORD_B1 140
-#define VELO_RECORD_W2 144    // (2, 4)
-#define VELO_RECORD_B2 152    // (2,)
-#define VELO_RECORD_LR_MULT 154
-#define VELO_RECORD_PARAM_SCALE 155
-#define VELO_RECORD_FLOATS 156
+#define VELO_RECORD_W0 0                                   // (30, 4)
+#define VELO_RECORD_B0 (VELO_NUM_FEATURES * VELO_FF)
+#define VELO_RECORD_W1 (VELO_RECORD_B0 + VELO_FF)          // (4, 4)
+#define VELO_RECORD_B1 (VELO_RECORD_W1 + VELO_FF * VELO_FF)
+#define VELO_RECORD_W2 (VELO_RECORD_B1 + VELO_FF)          // (2, 4)
+#define VELO_RECORD_B2 (VELO_RECORD_W2 + 2 * VELO_FF)      // (2,)
+#define VELO_RECORD_LR_MULT (VELO_RECORD_B2 + 2)
+#define VELO_RECORD_PARAM_SCALE (VELO_RECORD_LR_MULT + 1)
+#define VELO_RECORD_FLOATS (VELO_RECORD_PARAM_SCALE + 1)
+// velo_heads copies b0 .. W2's first two rows from the generated weights as they lie
+static_assert(VELO_RECORD_B0 == VELO_GEN_B0 && VELO_RECORD_W1 == VELO_GEN_W1 && VELO_RECORD_B1 == VELO_GEN_B1 &&
+              VELO_RECORD_W2 == VELO_GEN_W2, "the record's b0, W1, b1, W2 where the generated MLP has them");
+static_assert(VELO_RECORD_B0 % 4 == 0 && VELO_RECORD_W1 % 4 == 0 && VELO_RECORD_W2 % 4 == 0, "float4 loads");
 
-__constant__ float VELO_FRACTION_TIMESCALES[VELO_FRACTION_FEATURES] = {0.03f, 0.1f, 0.2f, 0.4f, 0.6f, 0.8f, 0.9f, 1.0f, 1.1f};
+#define VELO_LIST_ITEM(value) value,
+__constant__ float VELO_FRACTION_TIMESCALES[VELO_FRACTION_FEATURES] = {VELO_FRACTION_TIMESCALES_EACH(VELO_LIST_ITEM)};
 
 // ------------------------------------------------------------------------------------------
 // The loss and the loss buffer (reference: update_loss_buffer, loss_features)
@@ -352,11 +357,11 @@ velo_tensor_control(const TensorMeta* __restrict__ tensors, const VeloTensor* __
   double* row = lstm_inputs + static_cast<i64>(r) * VELO_LSTM_INPUTS;  // order of LSTM_FEATURE_NAMES
   for (int i = 0; i < VELO_FRACTION_FEATURES; ++i)
     row[i] = tanhf(__fmul_rn(__fsub_rn(fraction, VELO_FRACTION_TIMESCALES[i]), 10.0f));
-  for (int j = 0; j < VELO_LOSS_FEATURES; ++j) row[9 + j] = loss_feats[j];
-  row[18] = clip_log_abs(statistics[0]);
+  for (int j = 0; j < VELO_LOSS_FEATURES; ++j) row[VELO_LSTM_LOSS_FIRST + j] = loss_feats[j];
+  row[VELO_LSTM_MEAN_RMS] = clip_log_abs(statistics[0]);
   const int rank_class = static_cast<int>(velo_tensors[r].rank_class);
-  for (int k = 0; k < VELO_RANK_CLASSES; ++k) row[19 + k] = k == rank_class ? 1.0 : 0.0;
-  for (int k = 0; k < 6; ++k) row[24 + k] = clip_log_abs(statistics[1 + k]);
+  for (int k = 0; k < VELO_RANK_CLASSES; ++k) row[VELO_LSTM_RANK_FIRST + k] = k == rank_class ? 1.0 : 0.0;
+  for (int k = 0; k < 6; ++k) row[VELO_LSTM_VARIANCES_FIRST + k] = clip_log_abs(statistics[1 + k]);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -504,7 +509,7 @@ velo_heads(const VeloTensor* __restrict__ velo_tensors, const double* __restrict
   __shared__ double h[VELO_HIDDEN];
   __shared__ double controls[VELO_CONTROLS];
   __shared__ double lr_mult;
-  __shared__ float generated[VELO_GEN_WEIGHTS];
+  __shared__ float generated[VELO_GEN_FLOATS];
   const int r = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   for (int k = tid; k < VELO_HIDDEN; k += VELO_HEADS_THREADS) h[k] = hidden_new[static_cast<i64>(r) * VELO_HIDDEN + k];
   __syncthreads();
@@ -521,10 +526,10 @@ velo_heads(const VeloTensor* __restrict__ velo_tensors, const double* __restrict
   }
   __syncthreads();
   // Weight generation: the mean over the candidates, then x100.
-  if (tid < VELO_GEN_WEIGHTS) {
+  if (tid < VELO_GEN_FLOATS) {
     double s = 0.0;
-    for (int c = 0; c < VELO_CONTROLS; ++c) s += controls[c] * static_cast<double>(candidates[c * VELO_GEN_WEIGHTS + tid]);
-    generated[tid] = static_cast<float>(s / VELO_CONTROLS * 100.0);
+    for (int c = 0; c < VELO_CONTROLS; ++c) s += controls[c] * static_cast<double>(candidates[c * VELO_GEN_FLOATS + tid]);
+    generated[tid] = static_cast<float>(s / VELO_CONTROLS * VELO_WEIGHT_GENERATION_SCALE);
   }
   const float loss = step_loss(StepLoss{loss_tensor, loss_dtype, loss_value, loss_divisor});
   if (!velo_step_is_skipped(flags, loss)) {

@@ -412,7 +412,7 @@ def test_engines_size_their_workspaces_and_chunks_from_the_source(recorded):
         if name != "celo2":
             assert engine.plan.layout.total_apply_chunks == -(-300 * 129 // chunk) + 1
         if name == "velo":
-            assert engine.plan.work.records.numel() == 2 * launcher.source_constant("velo.cu", "VELO_RECORD_FLOATS") == 312
+            assert engine.plan.work.records.numel() == 2 * engine.constant("VELO_RECORD_FLOATS") == 312
         if name == "celo2":  # (the learned matrix: 30 scales and, from 32, 30 un-shifts; 16 blocks of sums)
             assert engine.plan.work.feature_scales.numel() == 2 * 64 and engine.sums_splits == 16
             assert engine.plan.work.learned_walk.chunks == -(-300 * 129 // chunk)
@@ -426,38 +426,66 @@ def test_engines_size_their_workspaces_and_chunks_from_the_source(recorded):
         Unnamed(opt)
 
 
-def test_velo_kernels_network_constants_are_the_references():
-    """velo.cu spells VeLO's fixed network (the published weights' shapes) as constants: each equals what
-    lopt.reference.velo and the weights define — the sizes, the generated MLP's layout by role (VELO_GEN_*: the
-    candidates' shapes in role order), the clips and the fraction timescales."""
+def test_velo_kernels_network_constants_are_generated_from_the_references():
+    """velo.cu spells none of VeLO's network constants: the build gets them as -D values
+    (lopt.fused.velo.network_defines, the engine's kernel traits), each what lopt.reference.velo and the
+    registered architecture define — the sizes, the LSTM inputs' positions, the generated MLP's layout
+    (VELO_GEN_*: the candidate stacks' shapes in role order), the clips, the fraction timescales — and the
+    apply record's layout follows from them."""
     import re
 
+    from lopt.fused import velo as fused
     from lopt.reference import velo as reference
 
+    defines = fused.VeLOFused.kernel_traits()
+    given = dict(d.split("=", 1) for d in defines)
+    source = launcher.kernel_source("velo.cu")
+    network = [name for name in given if name.startswith("VELO_")]
+    assert len(network) >= 30
+    for name in network:  # (defined by the build only)
+        assert not re.search(rf"#define {re.escape(name.split('(')[0])}\b", source), name
+
     def constant(name):
-        return launcher.source_constant("velo.cu", name)
+        return launcher.source_constant("velo.cu", name, defines)
 
     candidates = lopt.random_weights("velo", seed=0).tensors["mlp"]
     shapes = [tuple(candidates[name].shape) for name in reference.MLP_CANDIDATE_TENSORS.values()]
     assert constant("VELO_CONTROLS") == reference.NUM_CANDIDATES and {shape[0] for shape in shapes} == {256}
     offsets = np.cumsum([0] + [math.prod(shape[1:]) for shape in shapes]).tolist()
-    assert [constant(f"VELO_GEN_{part}") for part in ("W0", "B0", "W1", "B1", "W2", "B2", "WEIGHTS")] == offsets
-    assert constant("VELO_FF") == shapes[0][1] and shapes[0][2] == constant("VELO_NUM_FEATURES")
+    assert [constant(f"VELO_GEN_{part}") for part in ("W0", "B0", "W1", "B1", "W2", "B2", "FLOATS")] == offsets == [
+        0, 120, 124, 140, 144, 156, 159]
+    assert (constant("VELO_GEN_INPUTS"), constant("VELO_GEN_HIDDEN"), constant("VELO_GEN_OUTPUTS")) == (
+        shapes[0][2], shapes[0][1], shapes[4][1]) == (reference.NUM_ELEMENT_FEATURES, 4, 3)
+    assert fused.pack_candidates(candidates).shape == (256, 159)
     assert [constant(name) for name in ("VELO_NUM_FEATURES", "VELO_LSTM_INPUTS", "VELO_HIDDEN", "VELO_LOSS_TIMESCALES",
                                         "VELO_LOSS_FEATURES", "VELO_FRACTION_FEATURES", "VELO_RANK_CLASSES")] == [
         reference.NUM_ELEMENT_FEATURES, reference.NUM_LSTM_FEATURES, reference.LSTM_HIDDEN_SIZE,
         reference.NUM_LOSS_TIMESCALES, reference.NUM_LOSS_FEATURES, len(reference.FRACTION_TIMESCALES),
-        reference.NUM_RANK_CLASSES]
-    source = launcher.kernel_source("velo.cu")
+        reference.NUM_RANK_CLASSES] == [30, 30, 512, 10, 9, 9, 5]
+    lstm = reference.LSTM_FEATURE_NAMES
+    assert [constant(name) for name in ("VELO_LSTM_LOSS_FIRST", "VELO_LSTM_MEAN_RMS", "VELO_LSTM_RANK_FIRST",
+                                        "VELO_LSTM_VARIANCES_FIRST")] == [9, 18, 19, 24]
+    assert lstm[9] == "loss_feature_0" and lstm[18] == "mean_rms" and lstm[24:] == (
+        "var_momentum_0", "var_momentum_1", "var_momentum_2", "var_rms_0", "var_rms_1", "var_rms_2")
+    assert reference.ELEMENT_FEATURE_NAMES[constant("VELO_TABLE_FEATURES_FIRST"):][:4] == (
+        "row_accumulator_0", "row_accumulator_1", "row_accumulator_2", "col_accumulator_0")
 
     def floats(text):
         return [float(x) for x in re.findall(r"([0-9.e+-]+)f", text)]
 
-    for name, value in [("VELO_GRADIENT_CLIP", reference.GRADIENT_CLIP),
-                        ("VELO_GRADIENT_FEATURE_CLIP", reference.GRADIENT_FEATURE_CLIP)]:
-        assert floats(re.search(rf"#define {name} (\S+)", source).group(1)) == [value]
-    timescales = re.search(r"VELO_FRACTION_TIMESCALES\[VELO_FRACTION_FEATURES\] = \{([^}]*)\}", source).group(1)
-    assert floats(timescales) == list(reference.FRACTION_TIMESCALES)
+    assert floats(given["VELO_GRADIENT_CLIP"]) == [reference.GRADIENT_CLIP] == [1000.0]
+    assert floats(given["VELO_GRADIENT_FEATURE_CLIP"]) == [reference.GRADIENT_FEATURE_CLIP]
+    assert float(given["VELO_WEIGHT_GENERATION_SCALE"]) == reference.WEIGHT_GENERATION_SCALE == 100.0
+    assert floats(given["VELO_FRACTION_TIMESCALES_EACH(X)"]) == list(reference.FRACTION_TIMESCALES)
+    assert given["VELO_FRACTION_TIMESCALES_EACH(X)"].startswith("X(0.03f) X(0.1f) ")
+    # The record: W0' by input (30 x 4), then b0, W1, b1, W2's two used rows, b2's two, lr_mult, param_scale.
+    assert [constant(f"VELO_RECORD_{part}") for part in ("B0", "W1", "B1", "W2", "B2", "LR_MULT", "FLOATS")] == [
+        120, 124, 140, 144, 152, 154, 156]
+
+    wrong = dict(candidates, output_weights_=torch.zeros(256, 2, 4))
+    with pytest.raises(ValueError, match=r"VeLO's candidate MLPs .*\(256, 2, 4\).* are not the registered 256 x "
+                                         r"\[\(4, 30\), \(4,\), \(4, 4\), \(4,\), \(3, 4\), \(3,\)\]"):
+        fused.pack_candidates(wrong)
 
 
 def test_celo2_kernels_input_layout_is_the_references():

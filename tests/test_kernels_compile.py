@@ -113,6 +113,25 @@ def test_small_fc_lopt_other_geometries_compile(geometry, tmp_path):
         assert bare.returncode != 0 and "kernel_defines" in bare.stderr
 
 
+def test_velo_kernels_refuse_a_network_they_are_not_written_for(tmp_path):
+    """velo.cu takes VeLO's network from the build (lopt.fused.velo.network_defines): without it, or with a
+    generated MLP its per-element code is not written for (8 hidden units), the build fails and says why."""
+    from lopt.fused import velo
+    from lopt.network import MLPGeometry
+
+    source = launcher.kernel_source("velo.cu")
+    from lopt.fused.engine import FusedEngine
+
+    bare = compile_unit(source, "sm_90", tmp_path, [f"-D{d}" for d in FusedEngine.kernel_traits()])
+    assert bare.returncode != 0 and "build with lopt.fused.velo.network_defines" in bare.stderr
+    wide = MLPGeometry(inputs=30, hidden=8, hidden_layers=1, outputs=3).cuda_defines("VELO_GEN")
+    defines = [d for d in build_defines("velo.cu") if not d.startswith("VELO_GEN_")] + list(wide)
+    result = compile_unit(source, "sm_90", tmp_path, [f"-D{d}" for d in defines])
+    assert result.returncode != 0 and "per_element_mlp holds a hidden layer in a float4: a 30-4-4-3 generated MLP" in (
+        result.stderr)
+    assert velo.GENERATED_MLP == MLPGeometry(inputs=30, hidden=4, hidden_layers=1, outputs=3)
+
+
 @pytest.mark.parametrize("source, struct, field", [("velo.cu", "VeloTensor", "rank_class"),
                                                    ("small_fc_lopt.cu", "TensorMeta", "row_means"),
                                                    ("velo.cu", "GroupMeta", "weight_decay")])

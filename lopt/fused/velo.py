@@ -38,12 +38,18 @@ from dataclasses import dataclass
 
 import torch
 
+from lopt import weights
 from lopt.fused import launcher
 from lopt.fused.contract import CONSTANTS, FIELD, empty_rows
 from lopt.fused.engine import FusedEngine, Plan, commit_blocks
+from lopt.network import MLPGeometry
 from lopt.reference import velo as reference
 
 NUM_FEATURES = reference.NUM_ELEMENT_FEATURES
+# The per-element MLP the controller generates for each tensor (30 -> 4 -> 4 -> 3 in the published weights), as
+# the registered architecture's "mlp" network describes it; velo.cu is specialised to it through network_defines.
+_MLP_CONFIG = weights.architecture("velo").components["mlp"].config
+GENERATED_MLP = MLPGeometry.from_config(_MLP_CONFIG, outputs=_MLP_CONFIG["output_size"])
 LSTM_SUMS = CONSTANTS["VELO_LSTM_SUMS"]
 STATS_PER_CHUNK = NUM_FEATURES + LSTM_SUMS  # VELO_STATS
 HIDDEN = reference.LSTM_HIDDEN_SIZE
@@ -54,9 +60,41 @@ RNN_TENSORS = ("mix_layer2.weight", "mix_layer2.bias", "final_mix_layer.weight",
 VELO_FIELD = FIELD["VeloTensor"]
 
 
+def network_defines() -> tuple:
+    """velo.cu's network constants (kernel traits), so that nothing in it mirrors the network by hand: the
+    controller's sizes and clips, the fraction timescales and the LSTM inputs' positions (lopt.reference.velo:
+    LSTM_FEATURE_NAMES' order, ELEMENT_FEATURE_NAMES' for the factor-table features), and the generated MLP's
+    geometry and packed layout (``VELO_GEN_*``: :data:`GENERATED_MLP`'s ``cuda_defines``, the layout
+    :func:`pack_candidates` writes). Float values are written as the C literals of the Python floats."""
+    lstm, element = reference.LSTM_FEATURE_NAMES, reference.ELEMENT_FEATURE_NAMES
+
+    def literal(value: float) -> str:
+        return f"{float(value)!r}f"
+
+    return (f"VELO_NUM_FEATURES={reference.NUM_ELEMENT_FEATURES}",
+            f"VELO_TABLE_FEATURES_FIRST={element.index('row_accumulator_0')}",
+            f"VELO_GRADIENT_CLIP={literal(reference.GRADIENT_CLIP)}",
+            f"VELO_GRADIENT_FEATURE_CLIP={literal(reference.GRADIENT_FEATURE_CLIP)}",
+            f"VELO_LSTM_INPUTS={reference.NUM_LSTM_FEATURES}", f"VELO_HIDDEN={reference.LSTM_HIDDEN_SIZE}",
+            f"VELO_CONTROLS={reference.NUM_CANDIDATES}", f"VELO_WEIGHT_GENERATION_SCALE={float(reference.WEIGHT_GENERATION_SCALE)!r}",
+            f"VELO_LOSS_TIMESCALES={reference.NUM_LOSS_TIMESCALES}", f"VELO_LOSS_FEATURES={reference.NUM_LOSS_FEATURES}",
+            f"VELO_FRACTION_FEATURES={len(reference.FRACTION_TIMESCALES)}",
+            # (an X-macro, X(0.03f) X(0.1f) ...: nvcc would split a -D value at commas)
+            "VELO_FRACTION_TIMESCALES_EACH(X)=" + " ".join(f"X({literal(t)})" for t in reference.FRACTION_TIMESCALES),
+            f"VELO_RANK_CLASSES={reference.NUM_RANK_CLASSES}",
+            f"VELO_LSTM_LOSS_FIRST={lstm.index('loss_feature_0')}", f"VELO_LSTM_MEAN_RMS={lstm.index('mean_rms')}",
+            f"VELO_LSTM_RANK_FIRST={lstm.index('rank_0')}", f"VELO_LSTM_VARIANCES_FIRST={lstm.index('var_momentum_0')}",
+            ) + GENERATED_MLP.cuda_defines("VELO_GEN")
+
+
 def pack_candidates(mlp: dict) -> torch.Tensor:
-    """The 256 candidate MLPs as one (256, 159) float32 matrix, roles in MLP_CANDIDATE_TENSORS order."""
+    """The candidate MLPs as one (256, GENERATED_MLP's floats) float32 matrix: roles in MLP_CANDIDATE_TENSORS
+    order, which is :data:`GENERATED_MLP`'s packing order (input, hidden, output layer; weight, then bias)."""
     stacks = [mlp[name].detach().to(torch.float32) for name in reference.MLP_CANDIDATE_TENSORS.values()]
+    layers = GENERATED_MLP.tensor_shapes()
+    if [tuple(s.shape[1:]) for s in stacks] != list(layers.values()):
+        raise ValueError(f"VeLO's candidate MLPs {[tuple(s.shape) for s in stacks]} are not the registered "
+                         f"{_MLP_CONFIG['param_inits']} x {list(layers.values())} of {', '.join(layers)}")
     return torch.cat([s.reshape(s.shape[0], -1) for s in stacks], dim=1).contiguous()
 
 
@@ -91,11 +129,15 @@ class VeLOFused(FusedEngine):
     APPLY_CHUNK_DEFINE = "VELO_APPLY_CHUNK"
     GRADIENT_CLIP = reference.GRADIENT_CLIP
 
+    @classmethod
+    def kernel_traits(cls) -> tuple:
+        return super().kernel_traits() + network_defines()
+
     def __init__(self, optimizer):
         super().__init__(optimizer)
-        weights = optimizer.meta_weights.tensors
-        self.rnn = {name: weights["rnn"][name].detach().to(self.device, torch.float32).contiguous() for name in RNN_TENSORS}
-        self.candidates = pack_candidates(weights["mlp"]).to(self.device)
+        meta = optimizer.meta_weights.tensors
+        self.rnn = {name: meta["rnn"][name].detach().to(self.device, torch.float32).contiguous() for name in RNN_TENSORS}
+        self.candidates = pack_candidates(meta["mlp"]).to(self.device)
         self.apply_grid = self.persistent_grid("velo_apply")
 
     def _allocate(self, plan: Plan) -> "VeLOWork":
@@ -122,8 +164,8 @@ class VeLOFused(FusedEngine):
             hidden_new=workspace(n * HIDDEN, torch.float64),
             cell_new=workspace(n * HIDDEN, torch.float64),
             records=workspace(n * self.constant("VELO_RECORD_FLOATS"), torch.float32),
-            row_contributions=workspace(layout.total_row_entries * 4, torch.float32),
-            col_contributions=workspace(layout.total_col_entries * 4, torch.float32),
+            row_contributions=workspace(layout.total_row_entries * GENERATED_MLP.hidden, torch.float32),
+            col_contributions=workspace(layout.total_col_entries * GENERATED_MLP.hidden, torch.float32),
             loss=workspace(1, torch.float32),
             tensor_sums=workspace(n * STATS_PER_CHUNK, torch.float64) if layout.sharded else None,
             velo_table=velo_table)
