@@ -312,6 +312,36 @@ def test_arguments_are_bound_by_name_in_the_declared_order_and_types():
         launcher.bind_arguments("k", params, {"x": x, "n": 1, "total": 1, "scale": 1.0})
 
 
+def test_packed_arguments_hold_each_value_at_its_kernel_param_address():
+    """launcher.launch hands the driver a kernelParams array: each bound argument's bytes (its declared width,
+    a struct's whole) at the address the array gives for it, in the declared order; a later launch rewrites them
+    in place; a struct of another size than at the first launch is refused."""
+    import ctypes
+
+    network = np.frombuffer(np.arange(7, dtype=np.float32).tobytes(),
+                            dtype=np.dtype({"names": ["w"], "formats": [(np.float32, (7,))]}))[0]
+    params = launcher.parse_parameters("const float* x, int n, i64 total, Celo2Network net, float scale, int* out")
+    x = torch.randn(3)
+
+    def bound(n, scale):
+        return launcher.bind_arguments("k", params, {"x": x, "n": n, "total": -2**40, "net": network,
+                                                     "scale": scale, "out": np.uint64(0xDEADBEEF00)})
+
+    packed = launcher.PackedArguments(bound(7, 0.25))
+    for n, scale in [(7, 0.25), (-3, 1e-30)]:
+        args = bound(n, scale)
+        addresses = ctypes.cast(packed.pack(args), ctypes.POINTER(ctypes.c_void_p))
+        read = [ctypes.string_at(addresses[i], arg.nbytes) for i, arg in enumerate(args)]
+        assert read == [arg.tobytes() for arg in args]
+        assert np.frombuffer(read[1], np.int32)[0] == n and np.frombuffer(read[4], np.float32)[0] == np.float32(scale)
+        assert np.frombuffer(read[0], np.uint64)[0] == x.data_ptr() and read[3] == np.arange(7, dtype=np.float32).tobytes()
+    small = np.frombuffer(np.zeros(2, np.float32).tobytes(), dtype=np.dtype({"names": ["w"], "formats": [(np.float32, (2,))]}))[0]
+    args = list(bound(1, 1.0))
+    args[3] = small
+    with pytest.raises(ValueError, match="a struct argument of 8 bytes where the kernel's first launch passed 28"):
+        packed.pack(tuple(args))
+
+
 def test_a_kernel_declared_differently_in_two_branches_is_refused(monkeypatch):
     text = ('extern "C" __global__ void k(int n, float* x) {}\n#if A\nextern "C" __global__ void k(int n, double* x) {}\n'
             '#else\nextern "C" __global__ void k(int n, float* y) {}\n#endif\n')

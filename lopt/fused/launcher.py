@@ -225,15 +225,6 @@ def kernel_attribute(kernel, name: str) -> int:
 _SYNC_CHECK = os.environ.get("LOPT_CUDA_SYNC_CHECK", "") not in ("", "0")
 
 
-@lru_cache(maxsize=64)
-def _external_stream(handle: int, device_index: int):
-    import warnings
-
-    with warnings.catch_warnings():  # newer CuPy prefers Stream.from_external; this form works across versions
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy_or_none().cuda.ExternalStream(handle, device_index)  # wraps, never owns, torch's stream
-
-
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -247,14 +238,69 @@ def current_stream_handle(device: torch.device) -> int:
     return _raw_current_stream(index)
 
 
+class PackedArguments:
+    """A kernel's arguments as ``cuLaunchKernel`` takes them: each value in one host buffer at an 8-byte-aligned
+    offset of its own, and the array of those addresses (``kernelParams``; the driver reads each value with the
+    width the kernel declares, and copies them all before the launch returns). Built once per kernel from its
+    typed arguments (``bind_arguments``: numpy scalars of the declared widths, a struct by value as a numpy
+    structured scalar), then filled by one ``struct.pack_into`` per launch: CuPy's own call converted every
+    argument anew, the larger part of a launch's host time (docs/performance.md §4)."""
+
+    CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i4x", np.float32: "f4x"}
+
+    def __init__(self, args: tuple):
+        import ctypes
+        import struct
+
+        layout, offsets, self.structs = ["<"], [], []
+        for index, value in enumerate(args):
+            offsets.append(struct.calcsize("".join(layout)))
+            if isinstance(value, np.void):
+                layout.append(f"{value.nbytes}s" + "x" * (-value.nbytes % 8))
+                self.structs.append((index, value.nbytes))
+            else:
+                layout.append(self.CODES[type(value)])
+        self.struct = struct.Struct("".join(layout))
+        self.buffer = ctypes.create_string_buffer(max(self.struct.size, 8))
+        base = ctypes.addressof(self.buffer)
+        self.addresses = (ctypes.c_void_p * max(len(args), 1))(*[base + offset for offset in offsets])
+        self.kernel_params = ctypes.addressof(self.addresses)
+        self.types = tuple(map(type, args))
+
+    def pack(self, args: tuple) -> int:
+        """Write ``args`` into the buffer; the address of their ``kernelParams`` array."""
+        if self.structs:
+            args = list(args)
+            for index, nbytes in self.structs:
+                if args[index].nbytes != nbytes:
+                    raise ValueError(f"a struct argument of {args[index].nbytes} bytes where the kernel's first "
+                                     f"launch passed {nbytes}")
+                args[index] = args[index].tobytes()
+        self.struct.pack_into(self.buffer, 0, *args)
+        return self.kernel_params
+
+
+_packed: dict = {}  # {kernel function's address: its PackedArguments}
+
+
 def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
     """Launch ``kernel`` on PyTorch's current stream of ``device`` (``grid``: blocks, or a tuple of up to 3;
-    an empty grid launches nothing)."""
+    an empty grid launches nothing), through the driver with its arguments packed (:class:`PackedArguments`)."""
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,))) + (1, 1)
     if min(grid[:3]) <= 0:
         return
-    cupy_stream = _external_stream(current_stream_handle(device), device.index)
-    kernel(grid[:3], (int(block), 1, 1), args, shared_mem=shared_mem, stream=cupy_stream)
+    packed = _packed.get(kernel.ptr)
+    if packed is None or packed.types != tuple(map(type, args)):
+        packed = _packed[kernel.ptr] = PackedArguments(args)
+    from cupy_backends.cuda.api import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != torch.cuda.current_device():  # (the driver launches in the current device's context)
+        with torch.cuda.device(index):
+            launch(kernel, grid, block, args, device, shared_mem)
+        return
+    driver.launchKernel(kernel.ptr, grid[0], grid[1], grid[2], int(block), 1, 1, shared_mem,
+                        current_stream_handle(device), packed.pack(args), 0)
     if _SYNC_CHECK:
         torch.cuda.current_stream(device).synchronize()
         cupy_or_none().cuda.runtime.getLastError()
