@@ -45,8 +45,9 @@ WeightsSource = Union[str, os.PathLike, "MetaWeights", tuple, list, Mapping]
 from lopt.errors import UntrainedWeightsWarning, WeightsError  # noqa: E402,F401  (raised and warned here)
 
 
-def warn_if_untrained(weights: "MetaWeights", owner: str, *, stacklevel: int = 4) -> None:
-    """One :class:`UntrainedWeightsWarning` when ``weights`` are not pretrained (called at an optimizer's construction)."""
+def warn_if_untrained(weights: "MetaWeights", owner: str, *, default: str | None = None, stacklevel: int = 4) -> None:
+    """One :class:`UntrainedWeightsWarning` when ``weights`` are not pretrained (called at an optimizer's construction;
+    ``default``: the weight set the owner's constructor loads where weights= is left out, else the architecture's name)."""
     if not weights.pretrained:
         import warnings
 
@@ -54,7 +55,7 @@ def warn_if_untrained(weights: "MetaWeights", owner: str, *, stacklevel: int = 4
         offline = f" (or pass weights={shipped[0]!r}, shipped with lopt: it trains offline)" if shipped else ""
         warnings.warn(
             f"{owner}: the meta-weights are untrained ({weights.source}): its steps can be timed, but it does not "
-            f"train a model. Leave weights= out for the published {weights.architecture} weights{offline}; where "
+            f"train a model. Leave weights= out for the published {default or weights.architecture} weights{offline}; where "
             f"untrained weights are intended, silence this with "
             f"warnings.filterwarnings('ignore', category=lopt.UntrainedWeightsWarning)",
             UntrainedWeightsWarning, stacklevel=stacklevel)

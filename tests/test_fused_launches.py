@@ -342,6 +342,51 @@ def test_packed_arguments_hold_each_value_at_its_kernel_param_address():
         packed.pack(tuple(args))
 
 
+def test_launches_from_two_threads_fill_buffers_of_their_own(monkeypatch):
+    """launcher.launch packs a kernel's arguments into a buffer the driver reads during the call: each thread
+    has its own per kernel, so a launch in one thread cannot overwrite another's arguments mid-launch. Through a
+    stand-in driver (no GPU here) that records what each launch's kernelParams point at."""
+    import ctypes
+    import sys
+    import threading
+    import types
+
+    seen = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, kernel_params, extra):
+        addresses = ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))
+        seen.append((threading.get_ident(), addresses[0], ctypes.c_int32.from_address(addresses[1]).value))
+
+    driver = types.SimpleNamespace(launchKernel=launch_kernel)
+    modules = {"cupy_backends": types.ModuleType("cupy_backends"), "cupy_backends.cuda": types.ModuleType("c"),
+               "cupy_backends.cuda.api": types.SimpleNamespace(driver=driver), "cupy_backends.cuda.api.driver": driver}
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "current_stream_handle", lambda device: 0)
+    kernel = types.SimpleNamespace(ptr=0x1234)
+    params = launcher.parse_parameters("const float* x, int n")
+
+    both_launched = threading.Barrier(2)  # (both threads alive, their buffers too)
+
+    def run(n):
+        for _ in range(3):
+            launcher.launch(kernel, 2, 64, launcher.bind_arguments("k", params, {"x": None, "n": n}), torch.device("cuda", 0))
+        both_launched.wait(timeout=30)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in (5, 9)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    by_thread = {}
+    for ident, address, n in seen:
+        by_thread.setdefault(ident, set()).add((address, n))
+    assert len(seen) == 6 and len(by_thread) == 2
+    (first,), (second,) = by_thread.values()  # one buffer per thread, each launch read its own n
+    assert first[0] != second[0] and {first[1], second[1]} == {5, 9}
+
+
 def test_a_kernel_declared_differently_in_two_branches_is_refused(monkeypatch):
     text = ('extern "C" __global__ void k(int n, float* x) {}\n#if A\nextern "C" __global__ void k(int n, double* x) {}\n'
             '#else\nextern "C" __global__ void k(int n, float* y) {}\n#endif\n')

@@ -330,6 +330,21 @@ def test_random_weights_are_deterministic_per_seed():
         lopt.random_weights("nope")
 
 
+@pytest.mark.parametrize("name", ["elo_celo2", "elo", "celo2"])
+def test_the_untrained_warning_names_the_weights_the_optimizer_defaults_to(name):
+    """ELO-CELO2 shares CELO2's architecture but defaults to its own published weights: the warning's advice
+    ("leave weights= out") names the set the constructor loads then, not the architecture."""
+    import warnings
+
+    entry = lopt.registry.get(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        entry.front_end_class([torch.nn.Parameter(torch.randn(3, 2))], weights=lopt.random_weights(entry.architecture, seed=2))
+    messages = [str(w.message) for w in caught if issubclass(w.category, lopt.UntrainedWeightsWarning)]
+    assert len(messages) == 1 and entry.default_weights in {"elo-celo2", "elo", "celo2"}
+    assert f"Leave weights= out for the published {entry.default_weights} weights;" in messages[0]
+
+
 def test_optimizers_warn_once_at_construction_that_random_weights_are_untrained(tmp_path):
     import copy
     import warnings

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -280,7 +281,9 @@ class PackedArguments:
         return self.kernel_params
 
 
-_packed: dict = {}  # {kernel function's address: its PackedArguments}
+# Per thread, {kernel function's address: its PackedArguments}: a launch writes its buffer and the driver reads
+# it before returning, so two threads launching one kernel at once must not share one.
+_per_thread = threading.local()
 
 
 def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
@@ -289,9 +292,13 @@ def launch(kernel, grid, block: int, args: tuple, device: torch.device, shared_m
     grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,))) + (1, 1)
     if min(grid[:3]) <= 0:
         return
-    packed = _packed.get(kernel.ptr)
+    try:
+        packed_by_kernel = _per_thread.packed
+    except AttributeError:
+        packed_by_kernel = _per_thread.packed = {}
+    packed = packed_by_kernel.get(kernel.ptr)
     if packed is None or packed.types != tuple(map(type, args)):
-        packed = _packed[kernel.ptr] = PackedArguments(args)
+        packed = packed_by_kernel[kernel.ptr] = PackedArguments(args)
     from cupy_backends.cuda.api import driver
 
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -122,6 +122,14 @@ def _check_counter(what: str, value) -> None:
         raise ValueError(f"{what} must be an int >= 0, got {value!r}")
 
 
+def _default_weights(cls) -> str | None:
+    """The weight set ``cls``'s constructor loads where weights= is left out (its signature's default), if a name."""
+    import inspect
+
+    parameter = inspect.signature(cls.__init__).parameters.get("weights")
+    return parameter.default if parameter is not None and isinstance(parameter.default, str) else None
+
+
 def _own_frames_above(optimizer) -> int:
     """How many frames directly above ``LearnedOptimizer.__init__`` (its caller and up) belong to
     ``optimizer``'s own construction: methods whose ``self`` is it (called from ``__init__`` only)."""
@@ -195,7 +203,8 @@ class LearnedOptimizer(NaivePhases, Optimizer):
         # Load the meta-weights before anything else can fail half-way: construction either
         # succeeds with validated weights or raises.
         self.meta_weights = weights_lib.load_weights(weights, self.architecture)
-        weights_lib.warn_if_untrained(self.meta_weights, type(self).__name__, stacklevel=self._warning_stacklevel)
+        weights_lib.warn_if_untrained(self.meta_weights, type(self).__name__, default=_default_weights(type(self)),
+                                      stacklevel=self._warning_stacklevel)
         self.nonfinite = nonfinite
         first = self.param_groups[0]
         first.setdefault("skipped_steps", 0)
