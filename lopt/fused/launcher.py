@@ -245,7 +245,7 @@ class PackedArguments:
     width the kernel declares, and copies them all before the launch returns). Built once per kernel from its
     typed arguments (``bind_arguments``: numpy scalars of the declared widths, a struct by value as a numpy
     structured scalar), then filled by one ``struct.pack_into`` per launch: CuPy's own call converted every
-    argument anew, the larger part of a launch's host time (docs/performance.md §4)."""
+    argument anew, the larger part of a launch's host time (docs/performance.md §8)."""
 
     CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i4x", np.float32: "f4x"}
 
